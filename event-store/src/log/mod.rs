@@ -1,0 +1,268 @@
+//! The log: append-only segment files of CRC-framed records. This is what makes an
+//! acknowledgement true: a batch is acknowledged only after one `fdatasync` covers it.
+//!
+//! Positions are global byte offsets; a segment is named by the offset of its first byte
+//! and records never span segments. On open, the log is scanned from a given position: the
+//! first invalid record of the last segment (a torn or corrupt tail: power was cut before
+//! its fsync finished) and everything after it are dropped, so what survives is always a
+//! prefix of what was written. An invalid record in an earlier segment, which was fully
+//! fsync'd before the next one was created, is real corruption and refuses the open.
+
+pub mod record;
+pub mod storage;
+
+use std::collections::BTreeMap;
+use std::io;
+use std::sync::{Arc, RwLock};
+
+pub use record::{LeaseRecord, Record};
+use storage::{SegmentFile, Storage};
+
+/// Roll to a new segment once the current one holds this many bytes.
+pub const DEFAULT_SEGMENT_BYTES: u64 = 64 << 20;
+
+#[derive(Debug, thiserror::Error)]
+pub enum LogError {
+    #[error("log I/O: {0}")]
+    Io(#[from] io::Error),
+    #[error(
+        "segment {base} is corrupt at log offset {offset} ({reason}); it is not the last \
+         segment, so this is not a torn write: restore the data dir from a backup"
+    )]
+    Corrupt {
+        base: u64,
+        offset: u64,
+        reason: record::FrameError,
+    },
+    #[error("segment {base} ends at {end} but the next one starts at {next}")]
+    Discontinuous { base: u64, end: u64, next: u64 },
+    #[error("the index has absorbed the log up to {absorbed}, past its end at {end}")]
+    IndexAhead { absorbed: u64, end: u64 },
+    #[error("no record at log offset {0}")]
+    NoRecord(u64),
+    #[error("record at log offset {offset} is unreadable: {reason}")]
+    BadRecord {
+        offset: u64,
+        reason: record::FrameError,
+    },
+}
+
+/// A record's place in the log.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Position {
+    pub offset: u64,
+    pub len: u32,
+}
+
+/// The read side of the log, shared by the writer and every subscriber.
+pub struct LogReader {
+    segments: RwLock<BTreeMap<u64, Arc<dyn SegmentFile>>>,
+}
+
+impl LogReader {
+    /// Reads and verifies the record at `pos`.
+    pub fn read(&self, pos: Position) -> Result<Record, LogError> {
+        let segment = {
+            let segments = self.segments.read().unwrap_or_else(|p| p.into_inner());
+            let (base, file) = segments
+                .range(..=pos.offset)
+                .next_back()
+                .ok_or(LogError::NoRecord(pos.offset))?;
+            (*base, file.clone())
+        };
+        let mut frame = vec![0; pos.len as usize];
+        segment
+            .1
+            .read_exact_at(&mut frame, pos.offset - segment.0)?;
+        record::decode(&frame).map_err(|reason| LogError::BadRecord {
+            offset: pos.offset,
+            reason,
+        })
+    }
+
+    fn insert(&self, base: u64, file: Arc<dyn SegmentFile>) {
+        self.segments
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(base, file);
+    }
+}
+
+/// The single writer of the log. Not shared: the store's writer thread owns it.
+pub struct LogWriter {
+    storage: Arc<dyn Storage>,
+    reader: Arc<LogReader>,
+    active_base: u64,
+    active: Arc<dyn SegmentFile>,
+    end: u64,
+    segment_bytes: u64,
+    buf: Vec<u8>,
+}
+
+impl LogWriter {
+    /// Opens the log, scanning every valid record from offset `from` on (each is given to
+    /// `absorb` with its position) and dropping a torn tail. `from` must be a record
+    /// boundary no later than the end of the valid log.
+    pub fn open(
+        storage: Arc<dyn Storage>,
+        segment_bytes: u64,
+        from: u64,
+        mut absorb: impl FnMut(Position, Record),
+    ) -> Result<LogWriter, LogError> {
+        let mut bases = storage.list()?;
+        if bases.is_empty() {
+            storage.create(0)?;
+            bases.push(0);
+        }
+        let reader = Arc::new(LogReader {
+            segments: RwLock::new(BTreeMap::new()),
+        });
+        let mut end = bases[0];
+        for (i, &base) in bases.iter().enumerate() {
+            let file = storage.open(base)?;
+            if base != end {
+                return Err(LogError::Discontinuous {
+                    base: bases[i - 1],
+                    end,
+                    next: base,
+                });
+            }
+            let is_last = i + 1 == bases.len();
+            let len = file.size()?;
+            end = base + len;
+            if end > from {
+                let scan_from = from.max(base);
+                let valid = scan_segment(file.as_ref(), base, scan_from, &mut absorb)?;
+                if let Err((offset, reason)) = valid {
+                    if !is_last {
+                        return Err(LogError::Corrupt {
+                            base,
+                            offset,
+                            reason,
+                        });
+                    }
+                    tracing::warn!(
+                        segment = base,
+                        offset,
+                        dropped_bytes = end - offset,
+                        %reason,
+                        "dropping a torn tail: these bytes were never acknowledged as durable"
+                    );
+                    file.truncate(offset - base)?;
+                    end = offset;
+                }
+            }
+            reader.insert(base, file);
+        }
+        if from > end {
+            return Err(LogError::IndexAhead {
+                absorbed: from,
+                end,
+            });
+        }
+        let active_base = *bases.last().expect("at least one segment");
+        let active = storage.open(active_base)?;
+        Ok(LogWriter {
+            storage,
+            reader,
+            active_base,
+            active,
+            end,
+            segment_bytes,
+            buf: Vec::new(),
+        })
+    }
+
+    pub fn reader(&self) -> Arc<LogReader> {
+        self.reader.clone()
+    }
+
+    /// The offset one past the last record.
+    pub fn end(&self) -> u64 {
+        self.end
+    }
+
+    /// Writes `records` as one contiguous write (not yet durable: see [`LogWriter::sync`])
+    /// and returns their positions.
+    pub fn write<'a>(
+        &mut self,
+        records: impl IntoIterator<Item = &'a Record>,
+    ) -> Result<Vec<Position>, LogError> {
+        self.buf.clear();
+        let mut lens = Vec::new();
+        for record in records {
+            lens.push(record.encode_into(&mut self.buf) as u32);
+        }
+        if self.buf.is_empty() {
+            return Ok(Vec::new());
+        }
+        let active_len = self.end - self.active_base;
+        if active_len > 0 && active_len + self.buf.len() as u64 > self.segment_bytes {
+            self.roll()?;
+        }
+        self.active
+            .write_all_at(&self.buf, self.end - self.active_base)?;
+        let mut offset = self.end;
+        let positions = lens
+            .into_iter()
+            .map(|len| {
+                let pos = Position { offset, len };
+                offset += len as u64;
+                pos
+            })
+            .collect();
+        self.end = offset;
+        Ok(positions)
+    }
+
+    /// `fdatasync` of the active segment: every record written so far is durable after it.
+    /// (Earlier segments were synced before the roll that closed them.)
+    pub fn sync(&self) -> Result<(), LogError> {
+        Ok(self.active.sync_data()?)
+    }
+
+    fn roll(&mut self) -> Result<(), LogError> {
+        self.active.sync_data()?;
+        let file = self.storage.create(self.end)?;
+        self.reader.insert(self.end, file.clone());
+        self.active_base = self.end;
+        self.active = file;
+        Ok(())
+    }
+}
+
+/// Scans `file` from log offset `from`, giving each valid record to `absorb`. Returns the
+/// offset and reason of the first invalid record, if any.
+#[allow(clippy::type_complexity)]
+fn scan_segment(
+    file: &dyn SegmentFile,
+    base: u64,
+    from: u64,
+    absorb: &mut impl FnMut(Position, Record),
+) -> Result<Result<(), (u64, record::FrameError)>, LogError> {
+    let len = file.size()?;
+    let mut bytes = vec![0; (len - (from - base)) as usize];
+    file.read_exact_at(&mut bytes, from - base)?;
+    let mut at = 0usize;
+    while at < bytes.len() {
+        let offset = from + at as u64;
+        let frame = &bytes[at..];
+        let body = match record::body_len(frame) {
+            Ok(body) => body,
+            Err(reason) => return Ok(Err((offset, reason))),
+        };
+        let total = record::HEADER_LEN + body;
+        match record::decode(frame) {
+            Ok(rec) => absorb(
+                Position {
+                    offset,
+                    len: total as u32,
+                },
+                rec,
+            ),
+            Err(reason) => return Ok(Err((offset, reason))),
+        }
+        at += total;
+    }
+    Ok(Ok(()))
+}

@@ -1,0 +1,161 @@
+//! The record frame: `[len: u32 LE][crc32c: u32 LE][body: len bytes]`, where the body is a
+//! kind byte and a protobuf payload and the CRC covers the body. A torn write or a flipped
+//! bit fails the CRC (or the length check) and ends the valid log there.
+
+use agentlog_proto::v1::Event;
+use prost::Message;
+
+pub const HEADER_LEN: usize = 8;
+/// No valid record is larger: an event is at most 1 MiB, plus its envelope.
+pub const MAX_BODY_LEN: usize = 4 << 20;
+
+const KIND_EVENT: u8 = 1;
+const KIND_LEASE: u8 = 2;
+
+/// What the log holds: session events, and lease grants (so a lease epoch is durable before
+/// it is handed out and never repeats, even across crashes).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Record {
+    Event(Event),
+    Lease(LeaseRecord),
+}
+
+/// A lease grant, renewal or release for one session.
+#[derive(Clone, PartialEq, Message)]
+pub struct LeaseRecord {
+    #[prost(string, tag = "1")]
+    pub session_id: String,
+    #[prost(string, tag = "2")]
+    pub owner: String,
+    #[prost(uint64, tag = "3")]
+    pub epoch: u64,
+    #[prost(int64, tag = "4")]
+    pub expires_unix_ms: i64,
+    #[prost(bool, tag = "5")]
+    pub released: bool,
+}
+
+impl Record {
+    pub fn session_id(&self) -> &str {
+        match self {
+            Record::Event(e) => &e.session_id,
+            Record::Lease(l) => &l.session_id,
+        }
+    }
+
+    /// Appends the framed record to `buf` and returns its total length (header included).
+    pub fn encode_into(&self, buf: &mut Vec<u8>) -> usize {
+        let start = buf.len();
+        buf.extend_from_slice(&[0; HEADER_LEN]);
+        match self {
+            Record::Event(e) => {
+                buf.push(KIND_EVENT);
+                e.encode(buf).expect("Vec grows as needed");
+            }
+            Record::Lease(l) => {
+                buf.push(KIND_LEASE);
+                l.encode(buf).expect("Vec grows as needed");
+            }
+        }
+        let body_len = buf.len() - start - HEADER_LEN;
+        let crc = crc32c::crc32c(&buf[start + HEADER_LEN..]);
+        buf[start..start + 4].copy_from_slice(&(body_len as u32).to_le_bytes());
+        buf[start + 4..start + 8].copy_from_slice(&crc.to_le_bytes());
+        buf.len() - start
+    }
+}
+
+/// Why bytes are not a valid record.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum FrameError {
+    #[error("the record is cut short")]
+    Truncated,
+    #[error("record length {0} is out of range")]
+    BadLength(usize),
+    #[error("checksum mismatch")]
+    Checksum,
+    #[error("undecodable body: {0}")]
+    Body(String),
+}
+
+/// Reads the body length from a header, checking its range.
+pub fn body_len(header: &[u8]) -> Result<usize, FrameError> {
+    let header: [u8; HEADER_LEN] = header
+        .get(..HEADER_LEN)
+        .and_then(|h| h.try_into().ok())
+        .ok_or(FrameError::Truncated)?;
+    let len = u32::from_le_bytes([header[0], header[1], header[2], header[3]]) as usize;
+    if len == 0 || len > MAX_BODY_LEN {
+        return Err(FrameError::BadLength(len));
+    }
+    Ok(len)
+}
+
+/// Decodes one framed record (header and body) and verifies its checksum.
+pub fn decode(frame: &[u8]) -> Result<Record, FrameError> {
+    let len = body_len(frame)?;
+    let body = frame
+        .get(HEADER_LEN..HEADER_LEN + len)
+        .ok_or(FrameError::Truncated)?;
+    let crc = u32::from_le_bytes([frame[4], frame[5], frame[6], frame[7]]);
+    if crc32c::crc32c(body) != crc {
+        return Err(FrameError::Checksum);
+    }
+    let payload = &body[1..];
+    let bad = |e: prost::DecodeError| FrameError::Body(e.to_string());
+    match body[0] {
+        KIND_EVENT => Ok(Record::Event(Event::decode(payload).map_err(bad)?)),
+        KIND_LEASE => Ok(Record::Lease(LeaseRecord::decode(payload).map_err(bad)?)),
+        other => Err(FrameError::Body(format!("unknown record kind {other}"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use agentlog_proto::v1::{event, UserMessage};
+
+    fn sample() -> Record {
+        Record::Event(Event {
+            session_id: "s1".into(),
+            seq: 7,
+            event_id: "e7".into(),
+            ts_unix_ms: 1,
+            schema_version: 1,
+            kind: Some(event::Kind::UserMessage(UserMessage { text: "hi".into() })),
+        })
+    }
+
+    #[test]
+    fn round_trips() {
+        let mut buf = Vec::new();
+        let n = sample().encode_into(&mut buf);
+        assert_eq!(n, buf.len());
+        assert_eq!(decode(&buf), Ok(sample()));
+    }
+
+    #[test]
+    fn any_flipped_bit_is_detected() {
+        let mut buf = Vec::new();
+        sample().encode_into(&mut buf);
+        for i in 0..buf.len() {
+            for bit in 0..8 {
+                let mut bad = buf.clone();
+                bad[i] ^= 1 << bit;
+                assert!(
+                    decode(&bad).is_err(),
+                    "flip at byte {i} bit {bit} went unnoticed"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn any_cut_is_detected() {
+        let mut buf = Vec::new();
+        sample().encode_into(&mut buf);
+        for cut in 0..buf.len() {
+            assert!(decode(&buf[..cut]).is_err());
+        }
+    }
+}

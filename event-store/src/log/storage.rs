@@ -1,0 +1,225 @@
+//! Where segment bytes live. The log only needs five things from a disk: list, create,
+//! append, read and `fdatasync`. Behind this trait sit the real filesystem and a
+//! power-loss simulator that forgets every byte not covered by the last `sync_data`, so the
+//! same durability tests run against both (the way redb tests crash consistency).
+
+use std::collections::BTreeMap;
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+/// One segment file. Every method takes `&self`: the writer appends while subscribers read.
+pub trait SegmentFile: Send + Sync {
+    /// Bytes in the file.
+    fn size(&self) -> io::Result<u64>;
+    /// Fills `buf` from `offset`; a short file is an `UnexpectedEof` error.
+    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()>;
+    /// Writes `data` at `offset` (the writer always writes at the end).
+    fn write_all_at(&self, data: &[u8], offset: u64) -> io::Result<()>;
+    /// `fdatasync`: when it returns, every byte written before it survives power loss.
+    fn sync_data(&self) -> io::Result<()>;
+    /// Cuts the file to `len` bytes and makes the cut durable (drops a torn tail).
+    fn truncate(&self, len: u64) -> io::Result<()>;
+}
+
+/// A set of segment files, each named by the log offset of its first byte.
+pub trait Storage: Send + Sync {
+    /// The base offsets of every segment, ascending.
+    fn list(&self) -> io::Result<Vec<u64>>;
+    fn open(&self, base: u64) -> io::Result<Arc<dyn SegmentFile>>;
+    /// Creates an empty segment; the file and its directory entry are durable on return.
+    fn create(&self, base: u64) -> io::Result<Arc<dyn SegmentFile>>;
+}
+
+/// Segment files in a directory on the real filesystem.
+pub struct FsStorage {
+    dir: PathBuf,
+}
+
+impl FsStorage {
+    pub fn open_dir(dir: &Path) -> io::Result<FsStorage> {
+        std::fs::create_dir_all(dir)?;
+        Ok(FsStorage {
+            dir: dir.to_path_buf(),
+        })
+    }
+
+    fn path(&self, base: u64) -> PathBuf {
+        self.dir.join(format!("{base:020}.seg"))
+    }
+}
+
+impl Storage for FsStorage {
+    fn list(&self) -> io::Result<Vec<u64>> {
+        let mut bases = Vec::new();
+        for entry in std::fs::read_dir(&self.dir)? {
+            let name = entry?.file_name();
+            let Some(name) = name.to_str() else { continue };
+            if let Some(base) = name.strip_suffix(".seg").and_then(|s| s.parse().ok()) {
+                bases.push(base);
+            }
+        }
+        bases.sort_unstable();
+        Ok(bases)
+    }
+
+    fn open(&self, base: u64) -> io::Result<Arc<dyn SegmentFile>> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(self.path(base))?;
+        Ok(Arc::new(FsSegment { file }))
+    }
+
+    fn create(&self, base: u64) -> io::Result<Arc<dyn SegmentFile>> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(self.path(base))?;
+        file.sync_all()?;
+        // A new file's name is durable only once its directory is fsync'd.
+        File::open(&self.dir)?.sync_all()?;
+        Ok(Arc::new(FsSegment { file }))
+    }
+}
+
+struct FsSegment {
+    file: File,
+}
+
+impl SegmentFile for FsSegment {
+    fn size(&self) -> io::Result<u64> {
+        Ok(self.file.metadata()?.len())
+    }
+    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        FileExt::read_exact_at(&self.file, buf, offset)
+    }
+    fn write_all_at(&self, data: &[u8], offset: u64) -> io::Result<()> {
+        FileExt::write_all_at(&self.file, data, offset)
+    }
+    fn sync_data(&self) -> io::Result<()> {
+        self.file.sync_data()
+    }
+    fn truncate(&self, len: u64) -> io::Result<()> {
+        self.file.set_len(len)?;
+        self.file.sync_all()
+    }
+}
+
+/// A power-loss simulator: bytes live in memory, and [`SimStorage::power_loss`] forgets
+/// everything not covered by the last `sync_data` of its file (optionally keeping a torn,
+/// partly garbled piece of the unsynced tail, as a real disk may).
+#[derive(Clone, Default)]
+pub struct SimStorage {
+    files: Arc<Mutex<BTreeMap<u64, Arc<SimSegment>>>>,
+}
+
+#[derive(Default)]
+struct SimSegment {
+    state: Mutex<SimBytes>,
+}
+
+#[derive(Default)]
+struct SimBytes {
+    data: Vec<u8>,
+    synced: usize,
+}
+
+impl SimStorage {
+    pub fn new() -> SimStorage {
+        SimStorage::default()
+    }
+
+    /// Power is cut: each file keeps its synced bytes plus `torn(unsynced_len)` bytes of
+    /// its unsynced tail, the last of which may be garbled by `garble`.
+    pub fn power_loss(&self, mut torn: impl FnMut(usize) -> usize, garble: Option<u8>) {
+        for segment in lock(&self.files).values() {
+            let mut bytes = lock(&segment.state);
+            let unsynced = bytes.data.len() - bytes.synced;
+            let keep = bytes.synced + torn(unsynced).min(unsynced);
+            bytes.data.truncate(keep);
+            if let (Some(mask), true) = (garble, keep > bytes.synced) {
+                bytes.data[keep - 1] ^= mask.max(1);
+            }
+            bytes.synced = bytes.data.len();
+        }
+    }
+
+    /// Total bytes across all files (for tests that corrupt a chosen byte).
+    pub fn total_len(&self) -> u64 {
+        lock(&self.files)
+            .values()
+            .map(|s| lock(&s.state).data.len() as u64)
+            .sum()
+    }
+
+    /// Applies `edit` to the bytes of the last segment, as a disk fault would, and marks
+    /// the result synced.
+    pub fn corrupt(&self, edit: impl FnOnce(&mut Vec<u8>)) {
+        if let Some(last) = lock(&self.files).values().next_back() {
+            let mut bytes = lock(&last.state);
+            edit(&mut bytes.data);
+            bytes.synced = bytes.data.len();
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl Storage for SimStorage {
+    fn list(&self) -> io::Result<Vec<u64>> {
+        Ok(lock(&self.files).keys().copied().collect())
+    }
+    fn open(&self, base: u64) -> io::Result<Arc<dyn SegmentFile>> {
+        match lock(&self.files).get(&base) {
+            Some(s) => Ok(s.clone()),
+            None => Err(io::ErrorKind::NotFound.into()),
+        }
+    }
+    fn create(&self, base: u64) -> io::Result<Arc<dyn SegmentFile>> {
+        let segment = Arc::new(SimSegment::default());
+        lock(&self.files).insert(base, segment.clone());
+        Ok(segment)
+    }
+}
+
+impl SegmentFile for SimSegment {
+    fn size(&self) -> io::Result<u64> {
+        Ok(lock(&self.state).data.len() as u64)
+    }
+    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        let bytes = lock(&self.state);
+        let start = usize::try_from(offset).map_err(|_| io::ErrorKind::UnexpectedEof)?;
+        let src = bytes
+            .data
+            .get(start..start + buf.len())
+            .ok_or(io::ErrorKind::UnexpectedEof)?;
+        buf.copy_from_slice(src);
+        Ok(())
+    }
+    fn write_all_at(&self, data: &[u8], offset: u64) -> io::Result<()> {
+        let mut bytes = lock(&self.state);
+        let start = offset as usize;
+        if bytes.data.len() < start + data.len() {
+            bytes.data.resize(start + data.len(), 0);
+        }
+        bytes.data[start..start + data.len()].copy_from_slice(data);
+        Ok(())
+    }
+    fn sync_data(&self) -> io::Result<()> {
+        let mut bytes = lock(&self.state);
+        bytes.synced = bytes.data.len();
+        Ok(())
+    }
+    fn truncate(&self, len: u64) -> io::Result<()> {
+        let mut bytes = lock(&self.state);
+        bytes.data.truncate(len as usize);
+        bytes.synced = bytes.data.len();
+        Ok(())
+    }
+}

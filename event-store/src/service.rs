@@ -1,0 +1,320 @@
+//! The gRPC edge: `agentlog.v1.EventStore`, health and reflection. Every request is
+//! validated here, before it reaches the writer, so a malformed request changes nothing and
+//! gets a status that names the field to fix.
+
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use agentlog_proto::v1::event_store_server::{EventStore, EventStoreServer};
+use agentlog_proto::v1::{
+    AcquireLeaseRequest, AppendRequest, AppendResponse, ClaimSessionRequest, ClaimSessionResponse,
+    Durability, Event, GetSessionRequest, Lease, ListSessionsRequest, ListSessionsResponse,
+    ReleaseLeaseRequest, ReleaseLeaseResponse, RenewLeaseRequest, SessionInfo, SubscribeRequest,
+};
+use prost::Message;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::{Stream, StreamExt};
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status};
+
+use crate::error::StoreError;
+use crate::{AppendOp, Store};
+
+pub const MAX_EVENTS_PER_APPEND: usize = 1000;
+pub const MAX_EVENT_BYTES: usize = 1 << 20;
+pub const MAX_APPEND_BYTES: usize = 4 << 20;
+/// Frames up to this size are decoded so that an oversized append gets our clear
+/// RESOURCE_EXHAUSTED; beyond it the transport refuses the frame itself.
+pub const MAX_DECODED_FRAME_BYTES: usize = 16 << 20;
+const MAX_ID_LEN: usize = 128;
+const MAX_EVENT_ID_LEN: usize = 256;
+const MAX_TTL_MS: u64 = 10 * 60 * 1000;
+const MAX_WAIT_MS: u64 = 5 * 60 * 1000;
+
+pub struct EventStoreService {
+    store: Arc<Store>,
+    shutdown: CancellationToken,
+}
+
+impl EventStoreService {
+    pub fn new(store: Arc<Store>, shutdown: CancellationToken) -> EventStoreService {
+        EventStoreService { store, shutdown }
+    }
+
+    pub fn into_server(self) -> EventStoreServer<EventStoreService> {
+        EventStoreServer::new(self)
+            .max_decoding_message_size(MAX_DECODED_FRAME_BYTES)
+            .max_encoding_message_size(MAX_DECODED_FRAME_BYTES)
+    }
+}
+
+/// Serves the store, health and reflection on `listener` until `shutdown` fires; then stops
+/// accepting, ends streams and long-polls, and waits for in-flight requests.
+pub async fn serve(
+    store: Arc<Store>,
+    listener: tokio::net::TcpListener,
+    shutdown: CancellationToken,
+) -> Result<(), tonic::transport::Error> {
+    let (health_reporter, health) = tonic_health::server::health_reporter();
+    health_reporter
+        .set_serving::<EventStoreServer<EventStoreService>>()
+        .await;
+    let reflection_v1 = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(agentlog_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .expect("the compiled descriptor set is valid");
+    let reflection_v1alpha = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(agentlog_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1alpha()
+        .expect("the compiled descriptor set is valid");
+    let service = EventStoreService::new(store, shutdown.clone()).into_server();
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    tonic::transport::Server::builder()
+        .tcp_nodelay(true)
+        .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(10)))
+        .add_service(health)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha)
+        .add_service(service)
+        .serve_with_incoming_shutdown(incoming, shutdown.cancelled_owned())
+        .await
+}
+
+/// The address the listener is bound to (for logs: `--listen 127.0.0.1:0` picks a port).
+pub fn local_addr(listener: &tokio::net::TcpListener) -> Option<SocketAddr> {
+    listener.local_addr().ok()
+}
+
+type EventStream = Pin<Box<dyn Stream<Item = Result<Event, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl EventStore for EventStoreService {
+    async fn append(
+        &self,
+        request: Request<AppendRequest>,
+    ) -> Result<Response<AppendResponse>, Status> {
+        let op = validate_append(request.into_inner())?;
+        Ok(Response::new(self.store.append(op).await?))
+    }
+
+    type SubscribeStream = EventStream;
+
+    async fn subscribe(
+        &self,
+        request: Request<SubscribeRequest>,
+    ) -> Result<Response<EventStream>, Status> {
+        let req = request.into_inner();
+        validate_session_id(&req.session_id)?;
+        let rx = self.store.subscribe(
+            req.session_id,
+            req.from_seq,
+            req.follow,
+            self.shutdown.child_token(),
+        );
+        let stream = ReceiverStream::new(rx).map(|item| item.map_err(Status::from));
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn get_session(
+        &self,
+        request: Request<GetSessionRequest>,
+    ) -> Result<Response<SessionInfo>, Status> {
+        let req = request.into_inner();
+        validate_session_id(&req.session_id)?;
+        Ok(Response::new(self.store.get_session(&req.session_id)?))
+    }
+
+    async fn list_sessions(
+        &self,
+        request: Request<ListSessionsRequest>,
+    ) -> Result<Response<ListSessionsResponse>, Status> {
+        Ok(Response::new(
+            self.store.list_sessions(&request.into_inner())?,
+        ))
+    }
+
+    async fn claim_session(
+        &self,
+        request: Request<ClaimSessionRequest>,
+    ) -> Result<Response<ClaimSessionResponse>, Status> {
+        let req = request.into_inner();
+        validate_owner(&req.owner)?;
+        validate_ttl(req.ttl_ms)?;
+        if req.wait_ms > MAX_WAIT_MS {
+            return Err(invalid(format!(
+                "wait_ms: {} is over the maximum of {MAX_WAIT_MS}",
+                req.wait_ms
+            ))
+            .into());
+        }
+        let lease = self
+            .store
+            .claim(
+                req.owner,
+                req.ttl_ms,
+                Duration::from_millis(req.wait_ms),
+                &self.shutdown,
+            )
+            .await?;
+        Ok(Response::new(ClaimSessionResponse { lease }))
+    }
+
+    async fn acquire_lease(
+        &self,
+        request: Request<AcquireLeaseRequest>,
+    ) -> Result<Response<Lease>, Status> {
+        let req = request.into_inner();
+        validate_session_id(&req.session_id)?;
+        validate_owner(&req.owner)?;
+        validate_ttl(req.ttl_ms)?;
+        let lease = self
+            .store
+            .acquire_lease(req.session_id, req.owner, req.ttl_ms)
+            .await?;
+        Ok(Response::new(lease))
+    }
+
+    async fn renew_lease(
+        &self,
+        request: Request<RenewLeaseRequest>,
+    ) -> Result<Response<Lease>, Status> {
+        let req = request.into_inner();
+        validate_session_id(&req.session_id)?;
+        validate_owner(&req.owner)?;
+        validate_ttl(req.ttl_ms)?;
+        let lease = self
+            .store
+            .renew_lease(req.session_id, req.owner, req.epoch, req.ttl_ms)
+            .await?;
+        Ok(Response::new(lease))
+    }
+
+    async fn release_lease(
+        &self,
+        request: Request<ReleaseLeaseRequest>,
+    ) -> Result<Response<ReleaseLeaseResponse>, Status> {
+        let req = request.into_inner();
+        validate_session_id(&req.session_id)?;
+        validate_owner(&req.owner)?;
+        self.store
+            .release_lease(req.session_id, req.owner, req.epoch)
+            .await?;
+        Ok(Response::new(ReleaseLeaseResponse {}))
+    }
+}
+
+fn invalid(message: String) -> StoreError {
+    StoreError::InvalidArgument(message)
+}
+
+/// Quotes a caller's value in an error message without echoing a megabyte back.
+fn shown(value: &str) -> String {
+    let mut s: String = value.chars().take(40).collect();
+    if s.len() < value.len() {
+        s.push('…');
+    }
+    format!("{s:?}")
+}
+
+/// A session id: 1-128 chars of `[A-Za-z0-9._:-]`, starting with a letter or digit.
+pub fn validate_session_id(id: &str) -> Result<(), StoreError> {
+    let ok = !id.is_empty()
+        && id.len() <= MAX_ID_LEN
+        && id.as_bytes()[0].is_ascii_alphanumeric()
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'-'));
+    if ok {
+        Ok(())
+    } else {
+        Err(invalid(format!(
+            "session_id: {} is not valid; use 1-128 characters of [A-Za-z0-9._:-] starting \
+             with a letter or digit",
+            shown(id)
+        )))
+    }
+}
+
+fn validate_owner(owner: &str) -> Result<(), StoreError> {
+    if owner.is_empty() || owner.len() > MAX_ID_LEN || owner.chars().any(char::is_control) {
+        return Err(invalid(format!(
+            "owner: {} is not valid; name the lease holder in 1-128 printable characters",
+            shown(owner)
+        )));
+    }
+    Ok(())
+}
+
+fn validate_ttl(ttl_ms: u64) -> Result<(), StoreError> {
+    if ttl_ms == 0 || ttl_ms > MAX_TTL_MS {
+        return Err(invalid(format!(
+            "ttl_ms: {ttl_ms} is out of range; use 1 to {MAX_TTL_MS} milliseconds"
+        )));
+    }
+    Ok(())
+}
+
+/// Checks everything about an append that needs no state: ids, counts, sizes, kinds.
+pub fn validate_append(req: AppendRequest) -> Result<AppendOp, StoreError> {
+    validate_session_id(&req.session_id)?;
+    let total = req.encoded_len();
+    if total > MAX_APPEND_BYTES {
+        return Err(StoreError::ResourceExhausted(format!(
+            "the append request is {total} bytes, over the limit of {MAX_APPEND_BYTES} (4 MiB); \
+             split it into several appends"
+        )));
+    }
+    if req.events.is_empty() || req.events.len() > MAX_EVENTS_PER_APPEND {
+        return Err(invalid(format!(
+            "events: {} given; an append carries 1 to {MAX_EVENTS_PER_APPEND} events",
+            req.events.len()
+        )));
+    }
+    let durability = Durability::try_from(req.durability).map_err(|_| {
+        invalid(format!(
+            "durability: {} is not a Durability (use DURABILITY_SYNC or DURABILITY_BUFFERED)",
+            req.durability
+        ))
+    })?;
+    for (i, event) in req.events.iter().enumerate() {
+        let size = event.encoded_len();
+        if size > MAX_EVENT_BYTES {
+            return Err(StoreError::ResourceExhausted(format!(
+                "events[{i}]: {size} bytes, over the limit of {MAX_EVENT_BYTES} (1 MiB) per event"
+            )));
+        }
+        if event.kind.is_none() {
+            return Err(invalid(format!(
+                "events[{i}].kind: an event needs exactly one kind (user_message, \
+                 assistant_message, tool_started, tool_result, assistant_delta, run_error)"
+            )));
+        }
+        if !event.session_id.is_empty() && event.session_id != req.session_id {
+            return Err(invalid(format!(
+                "events[{i}].session_id: {} differs from the request's session_id {}; leave it \
+                 empty",
+                shown(&event.session_id),
+                shown(&req.session_id)
+            )));
+        }
+        if event.event_id.len() > MAX_EVENT_ID_LEN || event.event_id.chars().any(char::is_control) {
+            return Err(invalid(format!(
+                "events[{i}].event_id: {} is not valid; use up to {MAX_EVENT_ID_LEN} bytes of \
+                 printable characters",
+                shown(&event.event_id)
+            )));
+        }
+    }
+    Ok(AppendOp {
+        session_id: req.session_id,
+        events: req.events,
+        expected_last_seq: req.expected_last_seq,
+        lease_epoch: req.lease_epoch,
+        durability,
+    })
+}

@@ -1,0 +1,157 @@
+//! What the store knows about one session, and the rules that derive it from the log: the
+//! status (runnable or idle) from the last non-delta event, the title from the first user
+//! message, and the lease from the last lease record. Recovery and the live writer apply
+//! records through the same functions, so both always agree.
+
+use agentlog_proto::v1::{event, ContentBlock, Event, Lease, SessionInfo, SessionStatus};
+use prost::Message;
+
+use crate::log::LeaseRecord;
+
+/// The first user message is kept up to this many bytes, for `ListSessions` queries.
+const FIRST_USER_TEXT_BYTES: usize = 4096;
+/// The title is the start of the first user message.
+const TITLE_CHARS: usize = 80;
+
+/// The current schema of events written by this store.
+pub const SCHEMA_VERSION: u32 = 1;
+
+#[derive(Clone, PartialEq, Message)]
+pub struct SessionMeta {
+    #[prost(uint64, tag = "1")]
+    pub last_seq: u64,
+    #[prost(int64, tag = "2")]
+    pub created_unix_ms: i64,
+    #[prost(int64, tag = "3")]
+    pub updated_unix_ms: i64,
+    #[prost(enumeration = "SessionStatus", tag = "4")]
+    pub status: i32,
+    #[prost(string, tag = "5")]
+    pub first_user_text: String,
+    /// The newest lease ever granted (kept after release or expiry: its epoch is the floor
+    /// for the next grant).
+    #[prost(message, optional, tag = "6")]
+    pub lease: Option<LeaseRecord>,
+}
+
+/// Who writes an event kind. Runner-written kinds need the session's current lease.
+pub fn is_runner_kind(kind: &event::Kind) -> bool {
+    !matches!(kind, event::Kind::UserMessage(_))
+}
+
+/// The kind's name as it appears in the proto `oneof`, for error messages.
+pub fn kind_name(kind: &event::Kind) -> &'static str {
+    match kind {
+        event::Kind::UserMessage(_) => "user_message",
+        event::Kind::AssistantMessage(_) => "assistant_message",
+        event::Kind::ToolStarted(_) => "tool_started",
+        event::Kind::ToolResult(_) => "tool_result",
+        event::Kind::AssistantDelta(_) => "assistant_delta",
+        event::Kind::RunError(_) => "run_error",
+    }
+}
+
+impl SessionMeta {
+    pub fn is_runnable(&self) -> bool {
+        self.status() == SessionStatus::Runnable
+    }
+
+    /// Folds one event (already given its seq) into the session's state.
+    pub fn apply_event(&mut self, event: &Event) {
+        if self.last_seq == 0 {
+            self.created_unix_ms = event.ts_unix_ms;
+        }
+        self.last_seq = event.seq;
+        self.updated_unix_ms = self.updated_unix_ms.max(event.ts_unix_ms);
+        let Some(kind) = &event.kind else { return };
+        match kind {
+            event::Kind::UserMessage(m) => {
+                if self.first_user_text.is_empty() {
+                    self.first_user_text = truncate_chars_to_bytes(&m.text, FIRST_USER_TEXT_BYTES);
+                }
+                self.status = SessionStatus::Runnable as i32;
+            }
+            event::Kind::ToolStarted(_) | event::Kind::ToolResult(_) => {
+                self.status = SessionStatus::Runnable as i32;
+            }
+            event::Kind::AssistantMessage(m) => {
+                let wants_tools = m.content.iter().any(|b| {
+                    matches!(
+                        b,
+                        ContentBlock {
+                            block: Some(agentlog_proto::v1::content_block::Block::ToolUse(_))
+                        }
+                    )
+                });
+                self.status = if wants_tools {
+                    SessionStatus::Runnable
+                } else {
+                    SessionStatus::Idle
+                } as i32;
+            }
+            event::Kind::RunError(_) => self.status = SessionStatus::Idle as i32,
+            // Streamed text says nothing about who has work.
+            event::Kind::AssistantDelta(_) => {}
+        }
+    }
+
+    pub fn apply_lease(&mut self, lease: &LeaseRecord) {
+        self.lease = Some(lease.clone());
+    }
+
+    /// The lease, if one is live at `now_ms`.
+    pub fn live_lease(&self, now_ms: i64) -> Option<&LeaseRecord> {
+        self.lease
+            .as_ref()
+            .filter(|l| !l.released && l.expires_unix_ms > now_ms)
+    }
+
+    /// The epoch the next grant gets.
+    pub fn next_epoch(&self) -> u64 {
+        self.lease.as_ref().map_or(0, |l| l.epoch) + 1
+    }
+
+    pub fn title(&self) -> String {
+        self.first_user_text.chars().take(TITLE_CHARS).collect()
+    }
+
+    pub fn info(&self, session_id: &str, now_ms: i64) -> SessionInfo {
+        SessionInfo {
+            session_id: session_id.to_string(),
+            last_seq: self.last_seq,
+            created_unix_ms: self.created_unix_ms,
+            updated_unix_ms: self.updated_unix_ms,
+            status: self.status,
+            lease: self.live_lease(now_ms).map(lease_of),
+            title: self.title(),
+        }
+    }
+}
+
+pub fn lease_of(record: &LeaseRecord) -> Lease {
+    Lease {
+        session_id: record.session_id.clone(),
+        owner: record.owner.clone(),
+        epoch: record.epoch,
+        expires_unix_ms: record.expires_unix_ms,
+    }
+}
+
+fn truncate_chars_to_bytes(text: &str, max: usize) -> String {
+    if text.len() <= max {
+        return text.to_string();
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    text[..end].to_string()
+}
+
+/// Milliseconds since the Unix epoch, by the store's wall clock (lease expiry and event
+/// timestamps).
+pub fn now_unix_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}

@@ -1,0 +1,180 @@
+//! Subscribe: the history from a seq, then every new event live, in ascending seq with no
+//! gap and no duplicate across the switch.
+//!
+//! The subscription registers for live events *before* it reads the history, and drops
+//! live events that the history already delivered. Live events come through a bounded
+//! per-session broadcast buffer; a subscriber that falls behind it (slow reader, stalled
+//! client) is not waited for: it is told it lagged and catches up from disk, so appends and
+//! other subscribers never slow down. Everything here is already durable: the writer
+//! publishes only after the fsync.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use agentlog_proto::v1::Event;
+use tokio::sync::{broadcast, mpsc};
+use tokio_util::sync::CancellationToken;
+
+use crate::error::StoreError;
+use crate::index::Index;
+use crate::log::{LogReader, Record};
+
+/// Live batches buffered per session before a subscriber counts as lagging.
+const LIVE_BUFFER_BATCHES: usize = 1024;
+/// Events read from disk per blocking read while catching up.
+const HISTORY_CHUNK: usize = 512;
+
+/// The live fan-out: one broadcast channel per session that has followers.
+#[derive(Default)]
+pub struct Hub {
+    channels: Mutex<HashMap<String, broadcast::Sender<Arc<[Event]>>>>,
+}
+
+impl Hub {
+    fn subscribe(&self, session_id: &str) -> broadcast::Receiver<Arc<[Event]>> {
+        let mut channels = self.channels.lock().unwrap_or_else(|p| p.into_inner());
+        channels
+            .entry(session_id.to_string())
+            .or_insert_with(|| broadcast::channel(LIVE_BUFFER_BATCHES).0)
+            .subscribe()
+    }
+
+    /// Hands durable events of one session to its followers; never blocks.
+    pub fn publish(&self, session_id: &str, events: Arc<[Event]>) {
+        let mut channels = self.channels.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(tx) = channels.get(session_id) {
+            if tx.send(events).is_err() {
+                // Nobody follows this session any more.
+                channels.remove(session_id);
+            }
+        }
+    }
+}
+
+/// What a subscription needs to read.
+#[derive(Clone)]
+pub struct Source {
+    pub hub: Arc<Hub>,
+    pub index: Index,
+    pub log: Arc<LogReader>,
+}
+
+/// Streams the session into `tx` until the history ends (without `follow`), the receiver
+/// goes away, or `cancel` fires (shutdown).
+pub async fn run(
+    source: Source,
+    session_id: String,
+    from_seq: u64,
+    follow: bool,
+    tx: mpsc::Sender<Result<Event, StoreError>>,
+    cancel: CancellationToken,
+) {
+    // Register before reading history: nothing published from now on can be missed.
+    let mut live = follow.then(|| source.hub.subscribe(&session_id));
+    let mut next = from_seq.max(1);
+    let result = async {
+        next = catch_up(&source, &session_id, next, &tx).await?;
+        let Some(live) = live.as_mut() else {
+            return Ok(());
+        };
+        loop {
+            let batch = tokio::select! {
+                _ = cancel.cancelled() => return Ok(()),
+                _ = tx.closed() => return Ok(()),
+                batch = live.recv() => batch,
+            };
+            match batch {
+                Ok(events) => {
+                    for event in events.iter() {
+                        if event.seq < next {
+                            continue; // already delivered from history
+                        }
+                        if event.seq > next {
+                            // Cannot happen while we hold the receiver, but a gap is never
+                            // acceptable: fill it from disk.
+                            next = catch_up(&source, &session_id, next, &tx).await?;
+                            if event.seq < next {
+                                continue;
+                            }
+                        }
+                        send(&tx, event.clone()).await?;
+                        next = event.seq + 1;
+                    }
+                }
+                Err(broadcast::error::RecvError::Lagged(skipped)) => {
+                    tracing::debug!(
+                        session_id,
+                        skipped,
+                        next,
+                        "subscriber fell behind the live buffer; catching up from disk"
+                    );
+                    next = catch_up(&source, &session_id, next, &tx).await?;
+                }
+                Err(broadcast::error::RecvError::Closed) => return Ok(()),
+            }
+        }
+    }
+    .await;
+    if let Err(Stop::Failed(e)) = result {
+        tracing::error!(session_id, error = %e, "subscription failed");
+        let _ = tx.send(Err(e)).await;
+    }
+}
+
+enum Stop {
+    /// The receiver went away.
+    Gone,
+    Failed(StoreError),
+}
+
+async fn send(tx: &mpsc::Sender<Result<Event, StoreError>>, event: Event) -> Result<(), Stop> {
+    tx.send(Ok(event)).await.map_err(|_| Stop::Gone)
+}
+
+/// Sends every indexed (so durable) event from `next` on; returns the seq after the last.
+async fn catch_up(
+    source: &Source,
+    session_id: &str,
+    mut next: u64,
+    tx: &mpsc::Sender<Result<Event, StoreError>>,
+) -> Result<u64, Stop> {
+    loop {
+        let source = source.clone();
+        let id = session_id.to_string();
+        let chunk = tokio::task::spawn_blocking(move || read_chunk(&source, &id, next))
+            .await
+            .map_err(|e| Stop::Failed(StoreError::Internal(e.to_string())))?
+            .map_err(Stop::Failed)?;
+        if chunk.is_empty() {
+            return Ok(next);
+        }
+        for event in chunk {
+            next = event.seq + 1;
+            send(tx, event).await?;
+        }
+    }
+}
+
+/// Reads up to one chunk of consecutive events from `from` on.
+fn read_chunk(source: &Source, session_id: &str, from: u64) -> Result<Vec<Event>, StoreError> {
+    let positions = source.index.positions(session_id, from, HISTORY_CHUNK)?;
+    let mut events = Vec::with_capacity(positions.len());
+    for (expected, (seq, pos)) in (from..).zip(positions) {
+        if seq != expected {
+            return Err(StoreError::Internal(format!(
+                "index of session {session_id} jumps from seq {expected} to {seq}"
+            )));
+        }
+        match source.log.read(pos)? {
+            Record::Event(event) if event.seq == seq && event.session_id == session_id => {
+                events.push(event)
+            }
+            _ => {
+                return Err(StoreError::Internal(format!(
+                    "index entry {session_id}/{seq} points at another record"
+                )))
+            }
+        }
+    }
+    Ok(events)
+}
