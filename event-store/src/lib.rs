@@ -25,7 +25,8 @@ use agentlog_proto::v1::{
     AppendResponse, Event, Lease, ListSessionsRequest, ListSessionsResponse, SessionInfo,
     SessionStatus,
 };
-use tokio::sync::{mpsc, oneshot, watch};
+use prost::Message;
+use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 pub use error::StoreError;
@@ -39,6 +40,9 @@ use writer::{LeaseOp, LeaseOutcome, Op, Writer};
 
 /// Pending operations the writer may have queued; beyond this, callers wait (backpressure).
 const QUEUE_DEPTH: usize = 8192;
+/// Event bytes (in KiB) that may wait for the writer at once; beyond this, appends wait, so
+/// a flood of 4 MiB appends cannot exhaust memory.
+const QUEUED_KIB: usize = 64 * 1024;
 /// Recovery writes replayed records into the index in batches of this many.
 const REPLAY_BATCH: usize = 10_000;
 
@@ -124,6 +128,7 @@ impl StoreConfig {
 /// The store: owns the writer thread; every method is safe to call concurrently.
 pub struct Store {
     queue: mpsc::Sender<Op>,
+    queued_kib: Semaphore,
     shared: Arc<Shared>,
     source: Source,
     writer: Option<std::thread::JoinHandle<Result<(), StoreError>>>,
@@ -174,6 +179,7 @@ impl Store {
             .map_err(|e| OpenError::DataDir("writer thread".into(), e))?;
         Ok(Store {
             queue,
+            queued_kib: Semaphore::new(QUEUED_KIB),
             shared,
             source,
             writer: Some(writer),
@@ -216,6 +222,13 @@ impl Store {
 
     /// Appends (validated) events; see [`AppendOp`].
     pub async fn append(&self, op: AppendOp) -> Result<AppendResponse, StoreError> {
+        let bytes: usize = op.events.iter().map(Message::encoded_len).sum();
+        let kib = (bytes / 1024 + 1).min(QUEUED_KIB) as u32;
+        let _budget = self
+            .queued_kib
+            .acquire_many(kib)
+            .await
+            .map_err(|_| StoreError::Unavailable("the store is shutting down".into()))?;
         self.submit(|tx| Op::Append(op, tx)).await
     }
 
