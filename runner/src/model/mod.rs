@@ -1,0 +1,128 @@
+//! The model providers behind one interface: stream a reply to a folded conversation,
+//! passing text to a [`TextSink`] as it arrives, and return the complete
+//! `AssistantMessage` exactly as the provider gave it (SPEC §3, "Models").
+//!
+//! Promise: [`Model::stream_reply`] makes one attempt and classifies its failure:
+//! [`ModelError::Transient`] (429, 5xx, 529, timeouts, a cut stream, an `error` event after
+//! HTTP 200) is worth retrying after [`Backoff::delay`]; [`ModelError::Refused`] (any other
+//! 4xx) is not, and ends the turn. Nothing here retries on its own, so the caller decides
+//! what each attempt writes to the log.
+
+pub mod anthropic;
+mod http;
+pub mod openai;
+mod retry;
+pub mod scripted;
+
+use std::time::Duration;
+
+use agentlog_proto::v1::AssistantMessage;
+use tokio::sync::mpsc;
+
+use crate::fold::Conversation;
+use crate::tools::ToolSpec;
+
+pub use retry::Backoff;
+
+/// Everything a provider needs for one reply.
+#[derive(Debug, Clone, Copy)]
+pub struct ModelRequest<'a> {
+    pub system: &'a str,
+    pub conversation: &'a Conversation,
+    pub tools: &'a [ToolSpec],
+    pub max_tokens: u32,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    /// Worth another attempt, no sooner than `retry_after` when the provider said so.
+    #[error("{message}")]
+    Transient {
+        message: String,
+        retry_after: Option<Duration>,
+    },
+    /// The provider refused this request; asking again would be refused again.
+    #[error("{0}")]
+    Refused(String),
+}
+
+impl ModelError {
+    fn transient(message: impl Into<String>) -> ModelError {
+        ModelError::Transient {
+            message: message.into(),
+            retry_after: None,
+        }
+    }
+}
+
+/// A `--model PROVIDER:MODEL` that cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelSpecError {
+    #[error("--model {0:?} names no provider; use anthropic:MODEL, openai:MODEL or scripted:FILE")]
+    UnknownProvider(String),
+    #[error("--model {0:?} names no model after the provider")]
+    MissingModel(String),
+    #[error("{0}")]
+    Anthropic(#[from] anthropic::ConfigError),
+    #[error("{0}")]
+    OpenAi(#[from] openai::ConfigError),
+    #[error("{0}")]
+    Scripted(#[from] scripted::ScriptError),
+}
+
+/// Where streamed reply text goes (the delta writer), if anywhere.
+#[derive(Debug, Clone, Default)]
+pub struct TextSink(Option<mpsc::Sender<String>>);
+
+impl TextSink {
+    pub fn new(sender: mpsc::Sender<String>) -> TextSink {
+        TextSink(Some(sender))
+    }
+
+    /// Passes text on. Streamed text is a convenience for watchers, never the record (the
+    /// complete reply is), so a receiver that has gone away is not an error.
+    pub async fn send(&self, text: &str) {
+        if let (Some(sender), false) = (&self.0, text.is_empty()) {
+            let _ = sender.send(text.to_string()).await;
+        }
+    }
+}
+
+/// The configured provider.
+#[derive(Debug)]
+pub enum Model {
+    Anthropic(anthropic::Anthropic),
+    OpenAi(openai::OpenAi),
+    Scripted(scripted::Scripted),
+}
+
+impl Model {
+    /// Parses `PROVIDER:MODEL` and reads the provider's environment (`ANTHROPIC_API_KEY`, …).
+    pub fn from_spec(spec: &str) -> Result<Model, ModelSpecError> {
+        let (provider, name) = spec
+            .split_once(':')
+            .ok_or_else(|| ModelSpecError::UnknownProvider(spec.to_string()))?;
+        if name.is_empty() {
+            return Err(ModelSpecError::MissingModel(spec.to_string()));
+        }
+        match provider {
+            "anthropic" => Ok(Model::Anthropic(anthropic::Anthropic::from_env(name)?)),
+            "openai" => Ok(Model::OpenAi(openai::OpenAi::from_env(name)?)),
+            "scripted" => Ok(Model::Scripted(scripted::Scripted::load(name)?)),
+            _ => Err(ModelSpecError::UnknownProvider(spec.to_string())),
+        }
+    }
+
+    /// One attempt at a reply.
+    pub async fn stream_reply(
+        &self,
+        request: ModelRequest<'_>,
+        text: &TextSink,
+    ) -> Result<AssistantMessage, ModelError> {
+        match self {
+            Model::Anthropic(model) => model.stream_reply(request, text).await,
+            Model::OpenAi(model) => model.stream_reply(request, text).await,
+            Model::Scripted(model) => model.stream_reply(request, text).await,
+        }
+    }
+}

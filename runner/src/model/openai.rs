@@ -1,0 +1,340 @@
+//! OpenAI-compatible chat completions, streaming (`POST {OPENAI_BASE_URL}/chat/completions`):
+//! OpenAI, vLLM, Ollama, llama.cpp server.
+//!
+//! Promise: each logged tool result goes back as a `tool` message right after the
+//! assistant message whose `tool_calls` it answers, and a reply is returned only once the
+//! stream finished (`[DONE]`, or a `finish_reason` followed by the end of the stream).
+//! Tool calls are assembled from their streamed fragments, in `index` order.
+
+use std::collections::BTreeMap;
+
+use agentlog_proto::v1::{
+    content_block::Block, AssistantMessage, ContentBlock, TextBlock, ToolUseBlock, Usage,
+};
+use serde_json::{json, Map, Value};
+
+use super::{http, ModelError, ModelRequest, TextSink};
+use crate::fold::{Message, UserBlock};
+use crate::json::{object_to_struct, struct_to_object};
+
+const DEFAULT_BASE_URL: &str = "https://api.openai.com/v1";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("OPENAI_BASE_URL {0:?} is not an http(s) URL")]
+    BadBaseUrl(String),
+}
+
+#[derive(Debug)]
+pub struct OpenAi {
+    client: reqwest::Client,
+    base_url: String,
+    api_key: Option<String>,
+    model: String,
+}
+
+impl OpenAi {
+    /// Reads `OPENAI_BASE_URL` (default the OpenAI API) and `OPENAI_API_KEY` (optional:
+    /// local servers usually need none).
+    pub fn from_env(model: &str) -> Result<OpenAi, ConfigError> {
+        let base_url = std::env::var("OPENAI_BASE_URL")
+            .ok()
+            .filter(|url| !url.is_empty())
+            .unwrap_or_else(|| DEFAULT_BASE_URL.to_string());
+        if !(base_url.starts_with("http://") || base_url.starts_with("https://")) {
+            return Err(ConfigError::BadBaseUrl(base_url));
+        }
+        Ok(OpenAi {
+            client: http::client(),
+            base_url: base_url.trim_end_matches('/').to_string(),
+            api_key: std::env::var("OPENAI_API_KEY")
+                .ok()
+                .filter(|k| !k.is_empty()),
+            model: model.to_string(),
+        })
+    }
+
+    pub(super) async fn stream_reply(
+        &self,
+        request: ModelRequest<'_>,
+        text: &TextSink,
+    ) -> Result<AssistantMessage, ModelError> {
+        let mut post = self
+            .client
+            .post(format!("{}/chat/completions", self.base_url))
+            .json(&request_body(&self.model, request));
+        if let Some(key) = &self.api_key {
+            post = post.bearer_auth(key);
+        }
+        let response = http::send(post).await?;
+        let mut events = http::events(response);
+        let mut reply = Assembly::default();
+        while let Some(event) = http::next_event(&mut events).await? {
+            if event.data.trim() == "[DONE]" {
+                return Ok(reply.finish());
+            }
+            let Ok(chunk) = serde_json::from_str::<Value>(&event.data) else {
+                continue;
+            };
+            if let Some(delta) = reply.apply(&chunk)? {
+                text.send(&delta).await;
+            }
+        }
+        // Some servers close the stream without `[DONE]`; a finish_reason says the reply
+        // was complete all the same.
+        if reply.message.stop_reason.is_empty() {
+            Err(ModelError::transient(
+                "the stream ended before the reply finished (cut mid-reply)",
+            ))
+        } else {
+            Ok(reply.finish())
+        }
+    }
+}
+
+/// The chat completions request body for a conversation.
+pub fn request_body(model: &str, request: ModelRequest<'_>) -> Value {
+    let mut messages = Vec::new();
+    if !request.system.is_empty() {
+        messages.push(json!({"role": "system", "content": request.system}));
+    }
+    for message in &request.conversation.messages {
+        match message {
+            Message::User(blocks) => {
+                let mut text = Vec::new();
+                for block in blocks {
+                    match block {
+                        UserBlock::ToolResult(result) => messages.push(json!({
+                            "role": "tool",
+                            "tool_call_id": result.tool_use_id,
+                            // The format has no error flag; say it in the content.
+                            "content": if result.is_error {
+                                format!("[error] {}", result.content)
+                            } else {
+                                result.content.clone()
+                            },
+                        })),
+                        UserBlock::Text(t) => text.push(t.as_str()),
+                    }
+                }
+                if !text.is_empty() {
+                    messages.push(json!({"role": "user", "content": text.join("\n\n")}));
+                }
+            }
+            Message::Assistant(reply) => messages.push(assistant_message(reply)),
+        }
+    }
+    let tools: Vec<Value> = request
+        .tools
+        .iter()
+        .map(|tool| {
+            json!({"type": "function", "function": {
+                "name": tool.name,
+                "description": tool.description,
+                "parameters": tool.input_schema,
+            }})
+        })
+        .collect();
+    let mut body = json!({
+        "model": model,
+        "messages": messages,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    });
+    if !tools.is_empty() {
+        body["tools"] = json!(tools);
+    }
+    body
+}
+
+/// A logged reply in chat completions form. Thinking blocks have no place in this format
+/// and are left out.
+fn assistant_message(reply: &AssistantMessage) -> Value {
+    let mut text = String::new();
+    let mut calls = Vec::new();
+    for block in &reply.content {
+        match &block.block {
+            Some(Block::Text(t)) => text.push_str(&t.text),
+            Some(Block::ToolUse(call)) => calls.push(json!({
+                "id": call.id,
+                "type": "function",
+                "function": {
+                    "name": call.name,
+                    "arguments": Value::Object(struct_to_object(call.input.as_ref())).to_string(),
+                },
+            })),
+            _ => {}
+        }
+    }
+    let mut message = json!({"role": "assistant", "content": if text.is_empty() { Value::Null } else { json!(text) }});
+    if !calls.is_empty() {
+        message["tool_calls"] = json!(calls);
+    }
+    message
+}
+
+#[derive(Debug, Default)]
+struct Assembly {
+    message: AssistantMessage,
+    text: String,
+    /// By the `index` the stream gives each call.
+    calls: BTreeMap<u64, Call>,
+}
+
+#[derive(Debug, Default)]
+struct Call {
+    id: String,
+    name: String,
+    arguments: String,
+}
+
+impl Assembly {
+    /// Applies one chunk; returns reply text to stream on.
+    fn apply(&mut self, chunk: &Value) -> Result<Option<String>, ModelError> {
+        if !chunk["error"].is_null() {
+            return Err(ModelError::transient(format!(
+                "the stream reported an error: {}",
+                http::error_message(&chunk.to_string())
+            )));
+        }
+        if let Some(id) = chunk["id"].as_str() {
+            self.message.message_id = id.to_string();
+        }
+        if let Some(model) = chunk["model"].as_str() {
+            self.message.model = model.to_string();
+        }
+        if let Some(usage) = chunk.get("usage").filter(|u| u.is_object()) {
+            self.message.usage = Some(Usage {
+                input_tokens: usage["prompt_tokens"].as_u64().unwrap_or(0),
+                output_tokens: usage["completion_tokens"].as_u64().unwrap_or(0),
+                ..Usage::default()
+            });
+        }
+        let choice = &chunk["choices"][0];
+        if let Some(reason) = choice["finish_reason"].as_str() {
+            self.message.stop_reason = reason.to_string();
+        }
+        let delta = &choice["delta"];
+        for fragment in delta["tool_calls"].as_array().into_iter().flatten() {
+            let index = fragment["index"]
+                .as_u64()
+                .unwrap_or(self.calls.len() as u64);
+            let call = self.calls.entry(index).or_default();
+            if let Some(id) = fragment["id"].as_str() {
+                call.id.push_str(id);
+            }
+            if let Some(name) = fragment["function"]["name"].as_str() {
+                call.name.push_str(name);
+            }
+            if let Some(arguments) = fragment["function"]["arguments"].as_str() {
+                call.arguments.push_str(arguments);
+            }
+        }
+        match delta["content"].as_str() {
+            Some(content) if !content.is_empty() => {
+                self.text.push_str(content);
+                Ok(Some(content.to_string()))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    fn finish(mut self) -> AssistantMessage {
+        let message_id = self.message.message_id.clone();
+        let mut content = Vec::new();
+        if !self.text.is_empty() {
+            content.push(ContentBlock {
+                block: Some(Block::Text(TextBlock { text: self.text })),
+            });
+        }
+        for (index, call) in self.calls {
+            let input = match serde_json::from_str(&call.arguments) {
+                Ok(Value::Object(object)) => object,
+                _ => Map::new(),
+            };
+            // Some local servers send no call id; the log needs one to pair the result.
+            let id = if call.id.is_empty() {
+                format!("call_{message_id}_{index}")
+            } else {
+                call.id
+            };
+            content.push(ContentBlock {
+                block: Some(Block::ToolUse(ToolUseBlock {
+                    id,
+                    name: call.name,
+                    input: Some(object_to_struct(input)),
+                })),
+            });
+        }
+        self.message.content = content;
+        self.message
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use agentlog_proto::v1::ToolResult;
+
+    use super::*;
+    use crate::fold::Conversation;
+
+    #[test]
+    fn tool_calls_assemble_from_fragments_and_render_back() {
+        let chunks = [
+            json!({"id":"c1","model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":"Let me"}}]}),
+            json!({"id":"c1","choices":[{"index":0,"delta":{"content":" check."}}]}),
+            json!({"id":"c1","choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_a","type":"function","function":{"name":"bash","arguments":""}}]}}]}),
+            json!({"id":"c1","choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{\"comm"}}]}}]}),
+            json!({"id":"c1","choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"and\":\"ls\"}"}}]}}]}),
+            json!({"id":"c1","choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}),
+            json!({"id":"c1","choices":[],"usage":{"prompt_tokens":9,"completion_tokens":4}}),
+        ];
+        let mut assembly = Assembly::default();
+        let mut streamed = String::new();
+        for chunk in &chunks {
+            if let Some(text) = assembly.apply(chunk).expect("no error chunk") {
+                streamed.push_str(&text);
+            }
+        }
+        assert_eq!(streamed, "Let me check.");
+        let reply = assembly.finish();
+        assert_eq!(reply.stop_reason, "tool_calls");
+        assert_eq!(reply.usage.map(|u| u.output_tokens), Some(4));
+
+        let conversation = Conversation {
+            messages: vec![
+                Message::User(vec![UserBlock::Text("hi".into())]),
+                Message::Assistant(reply),
+                Message::User(vec![
+                    UserBlock::ToolResult(ToolResult {
+                        tool_use_id: "call_a".into(),
+                        content: "file\n".into(),
+                        is_error: false,
+                    }),
+                    UserBlock::Text("and then?".into()),
+                ]),
+            ],
+        };
+        let body = request_body(
+            "m",
+            ModelRequest {
+                system: "",
+                conversation: &conversation,
+                tools: &[],
+                max_tokens: 100,
+            },
+        );
+        assert_eq!(
+            body["messages"],
+            json!([
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "Let me check.", "tool_calls": [
+                    {"id": "call_a", "type": "function", "function": {"name": "bash", "arguments": "{\"command\":\"ls\"}"}}
+                ]},
+                {"role": "tool", "tool_call_id": "call_a", "content": "file\n"},
+                {"role": "user", "content": "and then?"},
+            ])
+        );
+        assert!(body.get("tools").is_none());
+    }
+}

@@ -1,0 +1,252 @@
+//! The tools a model may call (SPEC §3; names and inputs are contract), run in the
+//! session's workspace `<workspace-root>/<session_id>/`.
+//!
+//! Promise: [`Toolbox::run`] never fails and never panics on model input. Whatever goes
+//! wrong (bad input, a path leaving the workspace, a missing file, a command that fails or
+//! times out) comes back as an `is_error` output for the model to read. Every output is
+//! capped at [`OUTPUT_CAP`] bytes (plus a short note) and says so when it was cut.
+
+mod bash;
+mod files;
+mod workspace;
+
+use std::path::PathBuf;
+
+use serde::de::DeserializeOwned;
+use serde_json::{json, Map, Value};
+
+pub use workspace::Workspace;
+
+/// The most bytes of output a tool result carries, not counting the note that says it was
+/// cut.
+pub const OUTPUT_CAP: usize = 64 * 1024;
+/// Room for the notes a tool adds to output it cut itself.
+const NOTE_ROOM: usize = 256;
+
+/// What running a call again does to the world; decides how an interrupted call (one with
+/// `tool_started` but no result) is treated on resume.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EffectClass {
+    /// Only looks: re-running is harmless.
+    Read,
+    /// Running twice leaves the same state as running once.
+    Idempotent,
+    /// May change the world each time: re-run only with the same idempotency key, so a
+    /// downstream that honours the key collapses the duplicate.
+    SideEffect,
+}
+
+/// A tool as the model sees it, plus how it behaves when repeated.
+#[derive(Debug, Clone)]
+pub struct ToolSpec {
+    pub name: &'static str,
+    pub description: &'static str,
+    /// JSON Schema of the input object.
+    pub input_schema: Value,
+    pub effect: EffectClass,
+}
+
+/// The outcome of one call, as it goes into `tool_result`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ToolOutput {
+    pub content: String,
+    pub is_error: bool,
+}
+
+impl ToolOutput {
+    fn ok(content: String) -> ToolOutput {
+        ToolOutput {
+            content: cap(content),
+            is_error: false,
+        }
+    }
+
+    fn error(content: impl Into<String>) -> ToolOutput {
+        ToolOutput {
+            content: cap(content.into()),
+            is_error: true,
+        }
+    }
+}
+
+/// The five tools, bound to a workspace root.
+#[derive(Debug, Clone)]
+pub struct Toolbox {
+    root: PathBuf,
+}
+
+impl Toolbox {
+    pub fn new(root: PathBuf) -> Toolbox {
+        Toolbox { root }
+    }
+
+    /// Every tool, for the model request.
+    pub fn specs() -> Vec<ToolSpec> {
+        vec![
+            ToolSpec {
+                name: "bash",
+                description: "Run a bash command in the session's workspace directory. Returns \
+                              stdout, stderr and the exit code. The environment variable \
+                              IDEMPOTENCY_KEY identifies this call and stays the same if the \
+                              call is retried after a crash.",
+                input_schema: json!({
+                    "type": "object",
+                    "properties": {
+                        "command": {"type": "string", "description": "The command line, run with `bash -c`."},
+                        "timeout_ms": {"type": "integer", "minimum": 1, "maximum": bash::MAX_TIMEOUT_MS,
+                                       "description": "Kill the command after this many milliseconds (default 120000)."}
+                    },
+                    "required": ["command"]
+                }),
+                effect: EffectClass::SideEffect,
+            },
+            ToolSpec {
+                name: "read_file",
+                description: "Read a UTF-8 text file from the workspace.",
+                input_schema: json!({
+                    "type": "object",
+                    "properties": {"path": {"type": "string", "description": "Relative to the workspace."}},
+                    "required": ["path"]
+                }),
+                effect: EffectClass::Read,
+            },
+            ToolSpec {
+                name: "write_file",
+                description:
+                    "Create or overwrite a file in the workspace (parent directories are created).",
+                input_schema: json!({
+                    "type": "object",
+                    "properties": {
+                        "path": {"type": "string", "description": "Relative to the workspace."},
+                        "content": {"type": "string"}
+                    },
+                    "required": ["path", "content"]
+                }),
+                effect: EffectClass::Idempotent,
+            },
+            ToolSpec {
+                name: "edit_file",
+                description:
+                    "Replace the text `old`, which must occur exactly once in the file, with `new`.",
+                input_schema: json!({
+                    "type": "object",
+                    "properties": {
+                        "path": {"type": "string", "description": "Relative to the workspace."},
+                        "old": {"type": "string", "description": "Text that occurs exactly once in the file."},
+                        "new": {"type": "string"}
+                    },
+                    "required": ["path", "old", "new"]
+                }),
+                effect: EffectClass::SideEffect,
+            },
+            ToolSpec {
+                name: "list_files",
+                description: "List the files under a directory of the workspace, recursively \
+                              (directories end with `/`).",
+                input_schema: json!({
+                    "type": "object",
+                    "properties": {"path": {"type": "string", "description": "Relative to the workspace; default: the workspace itself."}}
+                }),
+                effect: EffectClass::Read,
+            },
+        ]
+    }
+
+    /// The effect class of a tool; `None` for a name no tool has (such a call runs nothing).
+    pub fn effect_class(name: &str) -> Option<EffectClass> {
+        Toolbox::specs()
+            .into_iter()
+            .find(|spec| spec.name == name)
+            .map(|spec| spec.effect)
+    }
+
+    /// Runs one call in `<root>/<session_id>/`. `idempotency_key` is passed to the tool
+    /// (bash exports it as `IDEMPOTENCY_KEY`). Dropping the future stops the call: a bash
+    /// command's whole process group is killed.
+    pub async fn run(
+        &self,
+        session_id: &str,
+        name: &str,
+        input: Map<String, Value>,
+        idempotency_key: &str,
+    ) -> ToolOutput {
+        let workspace = match Workspace::open(&self.root, session_id).await {
+            Ok(workspace) => workspace,
+            Err(e) => return ToolOutput::error(format!("the workspace is unavailable: {e}")),
+        };
+        match name {
+            "bash" => match parse(name, input) {
+                Ok(input) => bash::run(&workspace, input, idempotency_key).await,
+                Err(e) => e,
+            },
+            "read_file" => files::run_blocking(workspace, name, input, files::read_file).await,
+            "write_file" => files::run_blocking(workspace, name, input, files::write_file).await,
+            "edit_file" => files::run_blocking(workspace, name, input, files::edit_file).await,
+            "list_files" => files::run_blocking(workspace, name, input, files::list_files).await,
+            other => ToolOutput::error(format!(
+                "there is no tool named `{other}`; the tools are bash, read_file, write_file, \
+                 edit_file and list_files"
+            )),
+        }
+    }
+}
+
+/// Parses a tool's input object, or says what is wrong with it.
+fn parse<T: DeserializeOwned>(tool: &str, input: Map<String, Value>) -> Result<T, ToolOutput> {
+    serde_json::from_value(Value::Object(input))
+        .map_err(|e| ToolOutput::error(format!("invalid input for {tool}: {e}")))
+}
+
+/// Cuts `text` to [`OUTPUT_CAP`] bytes (at a character boundary) and says so, unless the
+/// tool already did.
+fn cap(text: String) -> String {
+    if text.len() <= OUTPUT_CAP + NOTE_ROOM {
+        return text;
+    }
+    let total = text.len();
+    let mut end = OUTPUT_CAP;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    let mut cut = text;
+    cut.truncate(end);
+    cut.push_str(&format!(
+        "\n[output cut: showing the first {end} of {total} bytes]"
+    ));
+    cut
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn long_output_is_cut_and_marked() {
+        let out = cap("é".repeat(OUTPUT_CAP));
+        assert!(out.len() < OUTPUT_CAP + NOTE_ROOM);
+        assert!(out.ends_with(&format!("of {} bytes]", 2 * OUTPUT_CAP)));
+        assert_eq!(cap("short".into()), "short");
+    }
+
+    #[test]
+    fn every_tool_has_an_object_schema_and_a_class() {
+        for spec in Toolbox::specs() {
+            assert_eq!(spec.input_schema["type"], "object", "{}", spec.name);
+            assert_eq!(Toolbox::effect_class(spec.name), Some(spec.effect));
+        }
+        assert_eq!(Toolbox::effect_class("rm_rf"), None);
+    }
+
+    #[tokio::test]
+    async fn unknown_tools_and_bad_input_are_error_results() {
+        let root = tempfile::tempdir().expect("temp dir");
+        let toolbox = Toolbox::new(root.path().to_path_buf());
+        let out = toolbox.run("s1", "rm_rf", Map::new(), "k").await;
+        assert!(out.is_error && out.content.contains("no tool named `rm_rf`"));
+        let out = toolbox.run("s1", "bash", Map::new(), "k").await;
+        assert!(
+            out.is_error && out.content.contains("missing field `command`"),
+            "{out:?}"
+        );
+    }
+}
