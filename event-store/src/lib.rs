@@ -454,16 +454,13 @@ fn recover(
     let mut replayed = 0u64;
     let mut failure: Option<IndexError> = None;
     let started = std::time::Instant::now();
-    let log = LogWriter::open(
-        config.log.clone(),
-        config.segment_bytes,
-        from,
-        |pos, record| {
+    let log = LogWriter::open(config.log.clone(), config.segment_bytes, from, |append| {
+        for (pos, record) in append {
             if failure.is_some() {
                 return;
             }
             let meta = sessions.entry(record.session_id().to_string()).or_default();
-            match &record {
+            match record {
                 Record::Event(event) => {
                     if event.seq != meta.last_seq + 1 {
                         failure = Some(IndexError::SeqGap {
@@ -478,18 +475,22 @@ fn recover(
                 }
                 Record::Lease(lease) => meta.apply_lease(lease),
             }
-            batch.add(pos, &record);
+            batch.add(*pos, record);
             pending += 1;
             replayed += 1;
-            if pending >= REPLAY_BATCH {
-                let full = std::mem::take(&mut batch);
-                if let Err(e) = index.apply(full, &sessions, pos.offset + pos.len as u64) {
-                    failure = Some(e);
-                }
-                pending = 0;
+        }
+        // Absorbed offsets are always append boundaries.
+        if pending >= REPLAY_BATCH {
+            let end = append
+                .last()
+                .map_or(0, |(pos, _)| pos.offset + pos.len as u64);
+            let full = std::mem::take(&mut batch);
+            if let Err(e) = index.apply(full, &sessions, end) {
+                failure = Some(e);
             }
-        },
-    )?;
+            pending = 0;
+        }
+    })?;
     if let Some(e) = failure {
         return Err(e.into());
     }

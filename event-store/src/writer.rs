@@ -185,7 +185,9 @@ impl Writer {
             return Ok(());
         }
 
-        let positions = self.log.write(&batch.records)?;
+        let positions = self
+            .log
+            .write(batch.records.iter().zip(batch.continued.iter().copied()))?;
         // DURABILITY_BUFFERED: acknowledged once written; the fsync follows right here.
         for (reply, resp) in buffered {
             let _ = reply.send(Ok(resp));
@@ -283,11 +285,12 @@ impl Writer {
             }
             meta.last_seq
         });
-        for event in fresh {
+        let count = fresh.len();
+        for (i, event) in fresh.into_iter().enumerate() {
             batch
                 .event_ids
                 .insert((session_id.clone(), event.event_id.clone()), event.seq);
-            batch.records.push(Record::Event(event));
+            batch.push(Record::Event(event), i + 1 < count);
         }
         Ok(AppendResponse { seqs, last_seq })
     }
@@ -376,7 +379,7 @@ impl Writer {
             LeaseOutcome::Granted(lease_of(&record))
         };
         self.update_session(&session_id, |meta| meta.apply_lease(&record));
-        batch.records.push(Record::Lease(record));
+        batch.push(Record::Lease(record), false);
         Ok(outcome)
     }
 
@@ -412,8 +415,17 @@ impl Writer {
 #[derive(Default)]
 struct Batch {
     records: Vec<Record>,
+    /// Per record: whether the next record belongs to the same atomic append.
+    continued: Vec<bool>,
     /// Event ids assigned in this batch, which the index does not hold yet.
     event_ids: HashMap<(String, String), u64>,
+}
+
+impl Batch {
+    fn push(&mut self, record: Record, continued: bool) {
+        self.records.push(record);
+        self.continued.push(continued);
+    }
 }
 
 impl Pending {

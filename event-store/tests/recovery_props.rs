@@ -21,7 +21,7 @@ mod common;
 use std::collections::HashMap;
 
 use agentlog_proto::v1::{event, AssistantDelta, Durability, Event};
-use common::{append_op, history, open_store, read_log, try_open_store};
+use common::{append_ends, append_op, history, open_store, read_appends, read_log, try_open_store};
 use event_store::log::storage::{SimStorage, Storage};
 use event_store::log::{LogError, Record};
 use event_store::{AppendOp, OpenError, Store, StoreError};
@@ -314,7 +314,8 @@ fn recovers_a_prefix(steps: Vec<Step>, tail: usize, damage: Damage, rebuild_inde
             store.close().expect("clean close");
         }
 
-        let written = read_log(&disk);
+        let appends = read_appends(&disk);
+        let written: Vec<Record> = appends.iter().flatten().cloned().collect();
         let summaries: Vec<Summary> = written.iter().map(summary).collect();
         assert_eq!(
             &summaries[..model.written.len()],
@@ -324,33 +325,34 @@ fn recovers_a_prefix(steps: Vec<Step>, tail: usize, damage: Damage, rebuild_inde
         assert_eq!(summaries.len(), model.written.len() + tail);
         check_epochs(&written);
 
-        // Damage, and where the valid log must now end.
-        let ends: Vec<u64> = written
-            .iter()
-            .scan(0u64, |end, r| {
-                let mut buf = Vec::new();
-                *end += r.encode_into(&mut buf) as u64;
-                Some(*end)
-            })
-            .collect();
+        // Damage, and where the valid log must now end: after the last append that ends
+        // before the damage (an append is kept whole or not at all).
+        let ends = append_ends(&appends);
         let total = disk.total_len();
-        assert_eq!(ends.last().copied().unwrap_or(0), total);
-        let survivors = match damage {
-            Damage::None => written.len(),
+        assert_eq!(ends.last().map_or(0, |e| e.0), total);
+        let whole_before = |at: u64| {
+            ends.iter()
+                .take_while(|(end, _)| *end <= at)
+                .last()
+                .copied()
+                .unwrap_or((0, 0))
+        };
+        let (valid_end, survivors) = match damage {
+            Damage::None => (total, written.len()),
             Damage::Cut(at) => {
                 let at = at.index(total as usize + 1) as u64;
                 disk.corrupt(|bytes| bytes.truncate(at as usize));
-                ends.iter().take_while(|&&end| end <= at).count()
+                whole_before(at)
             }
             Damage::Flip(at, mask) => {
                 let from = if rebuild_index { 0 } else { synced_end };
                 if total > from {
                     let at = from + at.index((total - from) as usize) as u64;
                     disk.corrupt(|bytes| bytes[at as usize] ^= mask);
-                    // The record holding the byte, and all after it, are dropped.
-                    ends.iter().take_while(|&&end| end <= at).count()
+                    // The append holding the byte, and all after it, are dropped.
+                    whole_before(at)
                 } else {
-                    written.len()
+                    (total, written.len())
                 }
             }
         };
@@ -359,7 +361,6 @@ fn recovers_a_prefix(steps: Vec<Step>, tail: usize, damage: Damage, rebuild_inde
         }
 
         let store = open_store(&disk, &index, ONE_SEGMENT);
-        let valid_end = survivors.checked_sub(1).map_or(0, |last| ends[last]);
         assert_eq!(
             disk.total_len(),
             valid_end,
@@ -521,7 +522,8 @@ fn a_cut_in_the_last_of_several_segments_recovers_a_prefix() {
             let store = open_store(&disk, &index, SMALL_SEGMENT);
             fill_segments(&store).await;
             store.close().expect("close");
-            let written = read_log(&disk);
+            let appends = read_appends(&disk);
+            let written: Vec<Record> = appends.iter().flatten().cloned().collect();
             let bases = disk.list().expect("list");
             assert!(bases.len() >= 4, "several segments: {bases:?}");
             let last = *bases.last().expect("a segment");
@@ -539,14 +541,11 @@ fn a_cut_in_the_last_of_several_segments_recovers_a_prefix() {
                 "round {round}: a prefix"
             );
             // Everything in the earlier segments survives.
-            let mut end = 0u64;
-            let in_earlier = written
+            let in_earlier = append_ends(&appends)
                 .iter()
-                .take_while(|r| {
-                    end += r.encode_into(&mut Vec::new()) as u64;
-                    end <= last
-                })
-                .count();
+                .take_while(|(end, _)| *end <= last)
+                .last()
+                .map_or(0, |e| e.1);
             assert!(
                 recovered.len() >= in_earlier,
                 "round {round}: earlier segments intact"
@@ -611,6 +610,36 @@ fn corruption_in_an_earlier_segment_refuses_to_open() {
             Err(OpenError::Log(LogError::Corrupt { base, .. })) => assert_eq!(base, victim),
             Err(e) => panic!("expected LogError::Corrupt, got {e}"),
             Ok(_) => panic!("a corrupt earlier segment must refuse to open"),
+        }
+        assert_eq!(disk.total_len(), bytes, "a refused open changes nothing");
+    });
+}
+
+#[test]
+fn a_flipped_byte_in_the_indexed_part_of_the_last_segment_refuses_to_open() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    rt.block_on(async {
+        let disk = SimStorage::new();
+        let dir = tempfile::tempdir().expect("temp dir");
+        let index = dir.path().join("index");
+        let store = open_store(&disk, &index, ONE_SEGMENT);
+        fill_segments(&store).await;
+        store.close().expect("close");
+
+        // This byte was fsync'd and indexed: damage to it is not a torn write, and dropping
+        // it (and every acknowledged event after it) silently would lose data.
+        assert!(disk.corrupt_segment(0, |bytes| bytes[40] ^= 0x08));
+        let bytes = disk.total_len();
+        match try_open_store(&disk, &index, ONE_SEGMENT) {
+            Err(OpenError::Log(LogError::Corrupt { base, offset, .. })) => {
+                assert_eq!(base, 0);
+                assert!(offset <= 40, "the damaged record is named: {offset}");
+            }
+            Err(e) => panic!("expected LogError::Corrupt, got {e}"),
+            Ok(_) => panic!("damage below the indexed offset must refuse to open"),
         }
         assert_eq!(disk.total_len(), bytes, "a refused open changes nothing");
     });

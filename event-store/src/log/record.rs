@@ -11,6 +11,10 @@ pub const MAX_BODY_LEN: usize = 4 << 20;
 
 const KIND_EVENT: u8 = 1;
 const KIND_LEASE: u8 = 2;
+/// Set on every record of a multi-record append but its last: recovery keeps an append
+/// only if its last record survived, so an append is all or nothing even when power is
+/// cut in the middle of its write.
+const CONTINUED: u8 = 0x80;
 
 /// What the log holds: session events, and lease grants (so a lease epoch is durable before
 /// it is handed out and never repeats, even across crashes).
@@ -44,16 +48,18 @@ impl Record {
     }
 
     /// Appends the framed record to `buf` and returns its total length (header included).
-    pub fn encode_into(&self, buf: &mut Vec<u8>) -> usize {
+    /// `continued`: the next record belongs to the same atomic append.
+    pub fn encode_into(&self, buf: &mut Vec<u8>, continued: bool) -> usize {
         let start = buf.len();
+        let flag = if continued { CONTINUED } else { 0 };
         buf.extend_from_slice(&[0; HEADER_LEN]);
         match self {
             Record::Event(e) => {
-                buf.push(KIND_EVENT);
+                buf.push(KIND_EVENT | flag);
                 e.encode(buf).expect("Vec grows as needed");
             }
             Record::Lease(l) => {
-                buf.push(KIND_LEASE);
+                buf.push(KIND_LEASE | flag);
                 l.encode(buf).expect("Vec grows as needed");
             }
         }
@@ -76,6 +82,15 @@ pub enum FrameError {
     Checksum,
     #[error("undecodable body: {0}")]
     Body(String),
+    #[error("an append whose last record is missing")]
+    IncompleteAppend,
+}
+
+/// A decoded record and whether the next record belongs to the same append.
+#[derive(Debug, PartialEq)]
+pub struct Frame {
+    pub record: Record,
+    pub continued: bool,
 }
 
 /// Reads the body length from a header, checking its range.
@@ -92,7 +107,7 @@ pub fn body_len(header: &[u8]) -> Result<usize, FrameError> {
 }
 
 /// Decodes one framed record (header and body) and verifies its checksum.
-pub fn decode(frame: &[u8]) -> Result<Record, FrameError> {
+pub fn decode(frame: &[u8]) -> Result<Frame, FrameError> {
     let len = body_len(frame)?;
     let body = frame
         .get(HEADER_LEN..HEADER_LEN + len)
@@ -103,11 +118,15 @@ pub fn decode(frame: &[u8]) -> Result<Record, FrameError> {
     }
     let payload = &body[1..];
     let bad = |e: prost::DecodeError| FrameError::Body(e.to_string());
-    match body[0] {
-        KIND_EVENT => Ok(Record::Event(Event::decode(payload).map_err(bad)?)),
-        KIND_LEASE => Ok(Record::Lease(LeaseRecord::decode(payload).map_err(bad)?)),
-        other => Err(FrameError::Body(format!("unknown record kind {other}"))),
-    }
+    let record = match body[0] & !CONTINUED {
+        KIND_EVENT => Record::Event(Event::decode(payload).map_err(bad)?),
+        KIND_LEASE => Record::Lease(LeaseRecord::decode(payload).map_err(bad)?),
+        other => return Err(FrameError::Body(format!("unknown record kind {other}"))),
+    };
+    Ok(Frame {
+        record,
+        continued: body[0] & CONTINUED != 0,
+    })
 }
 
 #[cfg(test)]
@@ -128,16 +147,24 @@ mod tests {
 
     #[test]
     fn round_trips() {
-        let mut buf = Vec::new();
-        let n = sample().encode_into(&mut buf);
-        assert_eq!(n, buf.len());
-        assert_eq!(decode(&buf), Ok(sample()));
+        for continued in [false, true] {
+            let mut buf = Vec::new();
+            let n = sample().encode_into(&mut buf, continued);
+            assert_eq!(n, buf.len());
+            assert_eq!(
+                decode(&buf),
+                Ok(Frame {
+                    record: sample(),
+                    continued
+                })
+            );
+        }
     }
 
     #[test]
     fn any_flipped_bit_is_detected() {
         let mut buf = Vec::new();
-        sample().encode_into(&mut buf);
+        sample().encode_into(&mut buf, false);
         for i in 0..buf.len() {
             for bit in 0..8 {
                 let mut bad = buf.clone();
@@ -153,7 +180,7 @@ mod tests {
     #[test]
     fn any_cut_is_detected() {
         let mut buf = Vec::new();
-        sample().encode_into(&mut buf);
+        sample().encode_into(&mut buf, false);
         for cut in 0..buf.len() {
             assert!(decode(&buf[..cut]).is_err());
         }

@@ -80,10 +80,35 @@ pub async fn history(store: &Store, session_id: &str) -> Vec<Event> {
 
 /// Every valid record of the log on `disk`, in log order, as recovery sees them.
 pub fn read_log(disk: &SimStorage) -> Vec<Record> {
-    let mut records = Vec::new();
-    LogWriter::open(Arc::new(disk.clone()), u64::MAX, 0, |_, record| {
-        records.push(record)
+    read_appends(disk).into_iter().flatten().collect()
+}
+
+/// The log's records grouped by the atomic append they were written in, with the log
+/// offset each group ends at.
+pub fn read_appends(disk: &SimStorage) -> Vec<Vec<Record>> {
+    let mut appends = Vec::new();
+    LogWriter::open(Arc::new(disk.clone()), u64::MAX, 0, |append| {
+        appends.push(append.iter().map(|(_, r)| r.clone()).collect())
     })
     .expect("the log is readable");
-    records
+    appends
+}
+
+/// The log offset each append of [`read_appends`] ends at, with the number of records up
+/// to and including it.
+pub fn append_ends(appends: &[Vec<Record>]) -> Vec<(u64, usize)> {
+    let mut end = 0u64;
+    let mut count = 0usize;
+    let mut buf = Vec::new();
+    appends
+        .iter()
+        .map(|append| {
+            for (i, record) in append.iter().enumerate() {
+                buf.clear();
+                end += record.encode_into(&mut buf, i + 1 < append.len()) as u64;
+            }
+            count += append.len();
+            (end, count)
+        })
+        .collect()
 }
