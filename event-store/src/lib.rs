@@ -108,7 +108,7 @@ pub struct StoreConfig {
     pub log: Arc<dyn Storage>,
     /// The sled index directory.
     pub index_dir: std::path::PathBuf,
-    pub segment_bytes: u64,
+    pub log_config: log::LogConfig,
 }
 
 impl StoreConfig {
@@ -120,7 +120,7 @@ impl StoreConfig {
         Ok(StoreConfig {
             log: Arc::new(storage),
             index_dir: data_dir.join("index"),
-            segment_bytes: log::DEFAULT_SEGMENT_BYTES,
+            log_config: log::LogConfig::default(),
         })
     }
 }
@@ -454,7 +454,7 @@ fn recover(
     let mut replayed = 0u64;
     let mut failure: Option<IndexError> = None;
     let started = std::time::Instant::now();
-    let log = LogWriter::open(config.log.clone(), config.segment_bytes, from, |append| {
+    let log = LogWriter::open(config.log.clone(), config.log_config, from, |append| {
         for (pos, record) in append {
             if failure.is_some() {
                 return;

@@ -15,8 +15,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use agentlog_proto::v1::Durability;
-use common::{append_op, history, open_store};
+use common::{append_op, history, open_store_with};
 use event_store::log::storage::SimStorage;
+use event_store::log::LogConfig;
 use event_store::{Store, StoreError};
 
 const SESSIONS: [&str; 3] = ["pl-a", "pl-b", "pl-c"];
@@ -25,7 +26,12 @@ const LEASED: &str = "pl-lease";
 const WRITERS: usize = 6;
 const ROUNDS: usize = 30;
 /// Small segments, so rolls to a new segment happen under load and across cuts too.
-const SEGMENT_BYTES: u64 = 16 << 10;
+/// Small segments, so rolls happen; preallocated as in production (in smaller steps, so the
+/// zero-filled room is extended often), so power is cut with zeros ahead of the writer.
+const LOG: LogConfig = LogConfig {
+    segment_bytes: 16 << 10,
+    preallocate_bytes: 4 << 10,
+};
 /// A writer gives up after this many appends if the power never went (it always does).
 const MAX_APPENDS_PER_WRITER: usize = 2_000;
 
@@ -124,7 +130,7 @@ async fn acknowledged_appends_survive_power_loss_at_any_moment() {
     let index_path = index_dir.path().join("index");
     let mut ledger = Ledger::default();
 
-    let mut store = open_store(&disk, &index_path, SEGMENT_BYTES);
+    let mut store = open_store_with(&disk, &index_path, LOG);
     let first = vec!["lease-session-start".to_string()];
     let resp = store
         .append(append_op(LEASED, &first, Durability::Sync))
@@ -232,7 +238,7 @@ async fn acknowledged_appends_survive_power_loss_at_any_moment() {
             std::fs::remove_dir_all(&index_path).expect("remove the index");
         }
         disk.power_on();
-        store = open_store(&disk, &index_path, SEGMENT_BYTES);
+        store = open_store_with(&disk, &index_path, LOG);
 
         let context = format!(
             "round {round} ({cut:?}, after {cut_after_acks} acks, rebuild index: {rebuild})"
@@ -398,7 +404,7 @@ async fn records_found_by_recovery_are_durable_before_they_are_served() {
     let index = index_dir.path().join("index");
     let session = "found-at-recovery";
 
-    let store = open_store(&disk, &index, SEGMENT_BYTES);
+    let store = open_store_with(&disk, &index, LOG);
     let first = vec!["first".to_string()];
     store
         .append(append_op(session, &first, Durability::Sync))
@@ -418,7 +424,7 @@ async fn records_found_by_recovery_are_durable_before_they_are_served() {
 
     // Restart on the same machine: the written bytes are still there, unsynced.
     disk.power_on();
-    let store = open_store(&disk, &index, SEGMENT_BYTES);
+    let store = open_store_with(&disk, &index, LOG);
     let resp = store
         .append(append_op(session, &cut_off, Durability::Sync))
         .await
@@ -434,7 +440,7 @@ async fn records_found_by_recovery_are_durable_before_they_are_served() {
     disk.power_loss(|_| 0, None);
     let _ = store.close();
     disk.power_on();
-    let store = open_store(&disk, &index, SEGMENT_BYTES);
+    let store = open_store_with(&disk, &index, LOG);
     let ids: Vec<String> = history(&store, session)
         .await
         .into_iter()

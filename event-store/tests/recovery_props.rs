@@ -21,8 +21,12 @@ mod common;
 use std::collections::HashMap;
 
 use agentlog_proto::v1::{event, AssistantDelta, Durability, Event};
-use common::{append_ends, append_op, history, open_store, read_appends, read_log, try_open_store};
+use common::{
+    append_ends, append_op, history, open_store, open_store_with, read_appends, read_log,
+    try_open_store,
+};
 use event_store::log::storage::{SimStorage, Storage};
+use event_store::log::LogConfig;
 use event_store::log::{LogError, Record};
 use event_store::{AppendOp, OpenError, Store, StoreError};
 use proptest::prelude::*;
@@ -642,5 +646,56 @@ fn a_flipped_byte_in_the_indexed_part_of_the_last_segment_refuses_to_open() {
             Ok(_) => panic!("damage below the indexed offset must refuse to open"),
         }
         assert_eq!(disk.total_len(), bytes, "a refused open changes nothing");
+    });
+}
+
+#[test]
+fn a_preallocated_log_ends_at_its_last_record_and_recovers_a_prefix_from_any_cut() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let log = LogConfig {
+        segment_bytes: 2048,
+        preallocate_bytes: 1024,
+    };
+    rt.block_on(async {
+        let mut rng = fastrand::Rng::with_seed(11);
+        for round in 0..16 {
+            let disk = SimStorage::new();
+            let dir = tempfile::tempdir().expect("temp dir");
+            let index = dir.path().join("index");
+            let store = open_store_with(&disk, &index, log);
+            fill_segments(&store).await;
+            store.close().expect("close");
+            let written = read_log(&disk);
+            assert_eq!(written.len(), 60, "every append is read back");
+
+            // A clean restart reads the zero-filled room as the end, drops nothing and
+            // keeps the room.
+            let bytes = disk.total_len();
+            let store = open_store_with(&disk, &index, log);
+            assert_eq!(disk.total_len(), bytes, "round {round}: nothing was cut");
+            for session in SESSIONS {
+                let info = store.get_session(session).expect("the session survived");
+                assert_eq!(info.last_seq, 20, "round {round}: {session}");
+            }
+            store.close().expect("close");
+            assert_eq!(read_log(&disk), written, "round {round}: every record kept");
+
+            // A cut anywhere in the last segment (records or zeros) keeps a prefix.
+            let last = *disk.list().expect("list").last().expect("a segment");
+            let at = rng.u64(0..=disk.total_len() - last);
+            disk.corrupt(|bytes| bytes.truncate(at as usize));
+            std::fs::remove_dir_all(&index).expect("remove the index");
+            let store = open_store_with(&disk, &index, log);
+            let recovered = read_log(&disk);
+            assert!(
+                recovered[..] == written[..recovered.len()],
+                "round {round}: a prefix"
+            );
+            check_index(&store, &recovered).await;
+            store.close().expect("close");
+        }
     });
 }

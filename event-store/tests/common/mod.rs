@@ -8,13 +8,21 @@ use std::time::{Duration, Instant};
 
 use agentlog_proto::v1::{event, Durability, Event, UserMessage};
 use event_store::log::storage::SimStorage;
-use event_store::log::{LogWriter, Record};
+use event_store::log::{LogConfig, LogWriter, Record};
 use event_store::{AppendOp, Store, StoreConfig};
 use tokio_util::sync::CancellationToken;
 
 /// Opens (and recovers) a store whose log lives on `disk` and whose index is in `index_dir`.
+/// Its segments are not preallocated, so a file's length is the log's length (which the
+/// property tests assert on).
 pub fn open_store(disk: &SimStorage, index_dir: &Path, segment_bytes: u64) -> Store {
     try_open_store(disk, index_dir, segment_bytes).expect("the store opens and recovers")
+}
+
+/// Like [`open_store`], with the log laid out as `log_config` says (e.g. preallocated,
+/// as in production).
+pub fn open_store_with(disk: &SimStorage, index_dir: &Path, log_config: LogConfig) -> Store {
+    try_open_store_with(disk, index_dir, log_config).expect("the store opens and recovers")
 }
 
 /// Like [`open_store`], but returns the error. sled releases its directory lock from a
@@ -25,12 +33,24 @@ pub fn try_open_store(
     index_dir: &Path,
     segment_bytes: u64,
 ) -> Result<Store, event_store::OpenError> {
+    let log_config = LogConfig {
+        segment_bytes,
+        preallocate_bytes: 0,
+    };
+    try_open_store_with(disk, index_dir, log_config)
+}
+
+fn try_open_store_with(
+    disk: &SimStorage,
+    index_dir: &Path,
+    log_config: LogConfig,
+) -> Result<Store, event_store::OpenError> {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let result = Store::open(StoreConfig {
             log: Arc::new(disk.clone()),
             index_dir: index_dir.to_path_buf(),
-            segment_bytes,
+            log_config,
         });
         match result {
             Err(e)
@@ -87,9 +107,15 @@ pub fn read_log(disk: &SimStorage) -> Vec<Record> {
 /// offset each group ends at.
 pub fn read_appends(disk: &SimStorage) -> Vec<Vec<Record>> {
     let mut appends = Vec::new();
-    LogWriter::open(Arc::new(disk.clone()), u64::MAX, 0, |append| {
-        appends.push(append.iter().map(|(_, r)| r.clone()).collect())
-    })
+    LogWriter::open(
+        Arc::new(disk.clone()),
+        LogConfig {
+            segment_bytes: u64::MAX,
+            preallocate_bytes: 0,
+        },
+        0,
+        |append| appends.push(append.iter().map(|(_, r)| r.clone()).collect()),
+    )
     .expect("the log is readable");
     appends
 }
