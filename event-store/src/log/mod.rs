@@ -297,7 +297,7 @@ impl LogWriter {
         }
         let segment_end = self.active_base + self.config.segment_bytes;
         let target = needed.max((self.allocated + self.config.preallocate_bytes).min(segment_end));
-        const ZEROS: [u8; 64 << 10] = [0; 64 << 10];
+        static ZEROS: [u8; 64 << 10] = [0; 64 << 10];
         let mut at = self.allocated;
         while at < target {
             let n = ZEROS.len().min((target - at) as usize);
