@@ -17,8 +17,9 @@ from urllib.parse import urlparse
 import yaml
 
 # Read by the binaries outside clap (model clients, tracing, the tools' environment).
+# AGENTLOG_TOKEN is read outside clap on purpose: a secret must have no command-line flag.
 OTHER_ENV = {"ANTHROPIC_API_KEY", "ANTHROPIC_BASE_URL", "OPENAI_API_KEY", "OPENAI_BASE_URL",
-             "RUST_LOG", "HOME"}
+             "RUST_LOG", "HOME", "AGENTLOG_TOKEN"}
 BINARIES = {"agentlog/event-store": "event-store", "agentlog/runner": "runner"}
 
 problems = []
@@ -74,12 +75,21 @@ def main(rendered, bin_dir):
                 grpc_port = int(listen.rsplit(":", 1)[1])
                 if ports.get("grpc") != grpc_port:
                     fail(f"{where}: container port 'grpc' {ports.get('grpc')} != --listen port {grpc_port}")
+                # With TLS the probes use the plaintext --health-listen port (kubelet's gRPC
+                # probes cannot speak TLS); without it, the gRPC port.
+                probe_port = grpc_port
+                if "--health-listen" in args:
+                    probe_port = int(args[args.index("--health-listen") + 1].rsplit(":", 1)[1])
+                    if ports.get("health") != probe_port:
+                        fail(f"{where}: container port 'health' {ports.get('health')} != --health-listen port {probe_port}")
+                elif "--tls-cert" in args:
+                    fail(f"{where}: --tls-cert without --health-listen: kubelet's gRPC probes cannot speak TLS")
                 for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
                     p = c.get(probe)
                     if not p or "grpc" not in p:
                         fail(f"{where}: {probe} is not a native gRPC probe")
-                    elif p["grpc"]["port"] != grpc_port:
-                        fail(f"{where}: {probe} port {p['grpc']['port']} != gRPC port {grpc_port}")
+                    elif p["grpc"]["port"] != probe_port:
+                        fail(f"{where}: {probe} port {p['grpc']['port']} != probe port {probe_port}")
                 for s in services:
                     if s["spec"]["selector"] != doc["spec"]["selector"]["matchLabels"]:
                         continue

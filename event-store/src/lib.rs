@@ -6,14 +6,21 @@
 //! - [`writer`]: the single writer thread doing group commit.
 //! - [`subscriptions`]: history then live, with disk catch-up for slow readers.
 //! - [`service`]: the gRPC edge: validation, limits, status codes.
+//! - [`auth`], [`limits`], [`tls`]: who may call, how much, and over what; [`scope`]: the
+//!   one rule for which sessions a caller may see.
 #![forbid(unsafe_code)]
 
+pub mod auth;
 pub mod error;
+pub mod incoming;
 pub mod index;
+pub mod limits;
 pub mod log;
+pub mod scope;
 pub mod service;
 pub mod session;
 pub mod subscriptions;
+pub mod tls;
 pub mod writer;
 
 use std::collections::HashMap;
@@ -343,11 +350,12 @@ impl Store {
             .ok_or_else(|| StoreError::NotFound(format!("session {session_id} does not exist")))
     }
 
-    /// Sessions, most recently updated first; `page_token` is where the previous page
-    /// ended.
+    /// Sessions in `scope`, most recently updated first; `page_token` is where the
+    /// previous page ended.
     pub fn list_sessions(
         &self,
         req: &ListSessionsRequest,
+        scope: &scope::Scope,
     ) -> Result<ListSessionsResponse, StoreError> {
         const MAX_PAGE: usize = 1000;
         let page_size = match req.page_size as usize {
@@ -368,7 +376,7 @@ impl Store {
                 .unwrap_or_else(|p| p.into_inner());
             sessions
                 .iter()
-                .filter(|(_, m)| m.last_seq > 0)
+                .filter(|(id, m)| m.last_seq > 0 && scope.admits(id))
                 .filter(|(_, m)| status == SessionStatus::Unspecified || m.status() == status)
                 .filter(|(id, m)| {
                     query.is_empty()

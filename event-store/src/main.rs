@@ -11,6 +11,11 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
+use event_store::auth::{Access, TokensFileWatch};
+use event_store::incoming::ConnLimits;
+use event_store::limits::CallerLimits;
+use event_store::service::ServeOptions;
+use event_store::tls::{self, Reload, ReloadingTls, TlsFiles};
 use event_store::{service, Store, StoreConfig};
 use tokio::signal::unix::{signal, SignalKind};
 use tokio_util::sync::CancellationToken;
@@ -31,6 +36,69 @@ struct Args {
     /// long-lived HTTP/2 clients reconnect and rebalance.
     #[arg(long, env = "AGENTLOG_MAX_CONNECTION_AGE_SECS", default_value_t = 0)]
     max_connection_age_secs: u64,
+
+    /// Serve TLS with this PEM certificate chain (re-read when the file changes or on
+    /// SIGHUP). Without it the store speaks plaintext, which is allowed only on a loopback
+    /// address unless --insecure-plaintext is given.
+    #[arg(long, env = "AGENTLOG_TLS_CERT", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The PEM private key of --tls-cert.
+    #[arg(long, env = "AGENTLOG_TLS_KEY", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// Require every client to present a certificate signed by this PEM CA (mutual TLS).
+    #[arg(long, env = "AGENTLOG_TLS_CLIENT_CA", requires = "tls_cert")]
+    tls_client_ca: Option<PathBuf>,
+    /// Allow plaintext on a non-loopback --listen address (tokens and session contents then
+    /// cross the network readable; logged as a warning).
+    #[arg(long, env = "AGENTLOG_INSECURE_PLAINTEXT")]
+    insecure_plaintext: bool,
+    /// Bearer tokens and their roles: a JSON file of {"tokens": [{"name", "sha256", "role":
+    /// client|runner|admin, "prefixes"}]} holding only SHA-256 hashes (see the README).
+    /// Re-read when it changes or on SIGHUP. Without it every caller may do everything, which
+    /// is allowed only on a loopback address, with mTLS, or with --allow-unauthenticated.
+    #[arg(long, env = "AGENTLOG_TOKENS_FILE")]
+    tokens_file: Option<PathBuf>,
+    /// Allow serving without --tokens-file on a non-loopback address without mTLS (anyone
+    /// who reaches the port may read and write every session; logged as a warning).
+    #[arg(long, env = "AGENTLOG_ALLOW_UNAUTHENTICATED")]
+    allow_unauthenticated: bool,
+    /// Serve gRPC reflection (v1 and v1alpha) so that grpcurl needs no .proto files. With
+    /// --tokens-file it needs a valid token, like every other call but health.
+    #[arg(long, env = "AGENTLOG_REFLECTION", default_value_t = true, action = clap::ArgAction::Set)]
+    reflection: bool,
+    /// How often the certificate and tokens files are checked for changes.
+    #[arg(long, env = "AGENTLOG_RELOAD_INTERVAL_MS", default_value_t = 1000)]
+    reload_interval_ms: u64,
+
+    /// Sustained requests per second per caller (a token; the peer address on an open
+    /// store); more are answered RESOURCE_EXHAUSTED. 0: no limit.
+    #[arg(long, env = "AGENTLOG_MAX_REQUESTS_PER_SEC", default_value_t = 0)]
+    max_requests_per_sec: u32,
+    /// Requests a caller may make in a burst above --max-requests-per-sec.
+    #[arg(long, env = "AGENTLOG_REQUEST_BURST", default_value_t = 100)]
+    request_burst: u32,
+    /// Subscribe streams one caller may have open at once (0: no limit).
+    #[arg(
+        long,
+        env = "AGENTLOG_MAX_SUBSCRIPTIONS_PER_CALLER",
+        default_value_t = 1000
+    )]
+    max_subscriptions_per_caller: usize,
+    /// Connections open at once from one peer address; calls on more are answered
+    /// RESOURCE_EXHAUSTED and the connection is closed.
+    #[arg(
+        long,
+        env = "AGENTLOG_MAX_CONNECTIONS_PER_PEER",
+        default_value_t = 1000
+    )]
+    max_connections_per_peer: usize,
+    /// Also serve gRPC health alone, in plaintext, on this address (for Kubernetes' native
+    /// gRPC probes, which cannot use TLS).
+    #[arg(long, env = "AGENTLOG_HEALTH_LISTEN")]
+    health_listen: Option<String>,
+    /// Connections open at once in all; more are closed as they arrive.
+    #[arg(long, env = "AGENTLOG_MAX_CONNECTIONS", default_value_t = 10_000)]
+    max_connections: usize,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -58,7 +126,15 @@ async fn run(args: Args) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("binding --listen {}", args.listen))?;
     let listen_addr = service::local_addr(&listener).context("reading the bound address")?;
-    tracing::info!(%listen_addr, data_dir = %args.data_dir.display(), "event store serving");
+    let security = Security::from_args(&args, listen_addr)?;
+    tracing::info!(
+        %listen_addr,
+        data_dir = %args.data_dir.display(),
+        tls = security.tls.is_some(),
+        mtls = security.tls.as_ref().is_some_and(|t| t.requires_client_cert()),
+        tokens = security.tokens.as_ref().map_or(0, |t| t.len()),
+        "event store serving"
+    );
 
     let shutdown = CancellationToken::new();
     let writer_stopped = store.writer_stopped();
@@ -75,9 +151,47 @@ async fn run(args: Args) -> anyhow::Result<()> {
         failed
     });
 
-    let max_connection_age = (args.max_connection_age_secs > 0)
-        .then(|| Duration::from_secs(args.max_connection_age_secs));
-    service::serve(store.clone(), listener, max_connection_age, shutdown).await?;
+    let mut watched: Vec<Arc<dyn Reload>> = Vec::new();
+    if let Some(tls) = &security.tls {
+        watched.push(tls.clone());
+    }
+    if let Some(tokens) = &security.tokens {
+        watched.push(tokens.clone());
+    }
+    tokio::spawn(tls::watch_files(
+        watched,
+        Duration::from_millis(args.reload_interval_ms.max(50)),
+        shutdown.clone(),
+    ));
+    if let Some(addr) = &args.health_listen {
+        let health = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("binding --health-listen {addr}"))?;
+        tracing::info!(health_addr = %addr, "serving plaintext health checks");
+        let stop = shutdown.clone();
+        tokio::spawn(async move {
+            if let Err(e) = service::serve_health(health, stop).await {
+                tracing::error!(error = %e, "the health listener failed");
+            }
+        });
+    }
+    let options = ServeOptions {
+        max_connection_age: (args.max_connection_age_secs > 0)
+            .then(|| Duration::from_secs(args.max_connection_age_secs)),
+        tls: security.tls,
+        access: security.tokens.map_or(Access::Open, Access::Tokens),
+        reflection: args.reflection,
+        caller_limits: CallerLimits {
+            requests_per_sec: args.max_requests_per_sec,
+            burst: args.request_burst,
+            max_subscriptions: args.max_subscriptions_per_caller,
+        },
+        conn_limits: ConnLimits {
+            max_connections: args.max_connections.max(1),
+            max_per_peer: args.max_connections_per_peer.max(1),
+        },
+    };
+    service::serve(store.clone(), listener, options, shutdown).await?;
     let disk_failed = disk_failed.await.unwrap_or(true);
     let store = Arc::into_inner(store).context("requests still hold the store after shutdown")?;
     store.close().context("the log writer failed")?;
@@ -86,4 +200,66 @@ async fn run(args: Args) -> anyhow::Result<()> {
     }
     tracing::info!("every acknowledged append is fsync'd; exiting");
     Ok(())
+}
+
+/// Transport security and authentication, checked against where the store listens: on a
+/// loopback address anything goes (local use stays two commands); elsewhere plaintext needs
+/// --insecure-plaintext and an open store needs mTLS or --allow-unauthenticated.
+struct Security {
+    tls: Option<Arc<ReloadingTls>>,
+    tokens: Option<Arc<TokensFileWatch>>,
+}
+
+impl Security {
+    fn from_args(args: &Args, listen_addr: std::net::SocketAddr) -> anyhow::Result<Security> {
+        let loopback = listen_addr.ip().is_loopback();
+        let tls = match (&args.tls_cert, &args.tls_key) {
+            (Some(cert), Some(key)) => Some(Arc::new(
+                ReloadingTls::open(TlsFiles {
+                    cert: cert.clone(),
+                    key: key.clone(),
+                    client_ca: args.tls_client_ca.clone(),
+                })
+                .context("loading the TLS certificate")?,
+            )),
+            _ => None,
+        };
+        let tokens = match &args.tokens_file {
+            Some(path) => Some(Arc::new(
+                TokensFileWatch::open(path).context("loading --tokens-file")?,
+            )),
+            None => None,
+        };
+        if tls.is_none() && !loopback {
+            anyhow::ensure!(
+                args.insecure_plaintext,
+                "--listen {listen_addr} is not a loopback address: give --tls-cert and --tls-key \
+                 (or accept plaintext on the network with --insecure-plaintext)"
+            );
+            tracing::warn!(
+                %listen_addr,
+                "serving PLAINTEXT on a non-loopback address (--insecure-plaintext): tokens and \
+                 session contents cross the network readable"
+            );
+        }
+        let mtls = tls.as_ref().is_some_and(|t| t.requires_client_cert());
+        if tokens.is_none() && !loopback && !mtls {
+            anyhow::ensure!(
+                args.allow_unauthenticated,
+                "--listen {listen_addr} is not a loopback address: give --tokens-file (or \
+                 --tls-client-ca), or accept that anyone who reaches the port may read and \
+                 write every session with --allow-unauthenticated"
+            );
+            tracing::warn!(
+                %listen_addr,
+                "serving WITHOUT AUTHENTICATION on a non-loopback address \
+                 (--allow-unauthenticated): anyone who reaches the port may read and write \
+                 every session"
+            );
+        }
+        if tokens.as_ref().is_some_and(|t| t.is_empty()) {
+            tracing::warn!("--tokens-file holds no tokens: every call but health is refused");
+        }
+        Ok(Security { tls, tokens })
+    }
 }

@@ -19,7 +19,11 @@ use tokio_stream::{Stream, StreamExt};
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
+use crate::auth::{Access, AuthLayer, Caller};
 use crate::error::StoreError;
+use crate::incoming::ConnLimits;
+use crate::limits::{CallerLimits, LimitsLayer};
+use crate::tls::ReloadingTls;
 use crate::{AppendOp, Store};
 
 pub const MAX_EVENTS_PER_APPEND: usize = 1000;
@@ -50,47 +54,111 @@ impl EventStoreService {
     }
 }
 
-/// Serves the store, health and reflection on `listener` until `shutdown` fires; then stops
-/// accepting, ends streams and long-polls, and waits for in-flight requests.
-///
-/// `max_connection_age` closes each connection (gracefully) after that long, so that
-/// clients behind a Service reconnect and spread over replacement pods.
+/// How the store is served: transport security, who may call, and how much.
+pub struct ServeOptions {
+    /// Close each connection (gracefully) after this long, so that clients behind a
+    /// Service reconnect and spread over replacement pods.
+    pub max_connection_age: Option<Duration>,
+    /// `None`: plaintext (only ever chosen on loopback or with `--insecure-plaintext`).
+    pub tls: Option<Arc<ReloadingTls>>,
+    pub access: Access,
+    /// Serve gRPC reflection (v1 and v1alpha).
+    pub reflection: bool,
+    pub caller_limits: CallerLimits,
+    pub conn_limits: ConnLimits,
+}
+
+impl ServeOptions {
+    /// Plaintext, open, reflection on, no per-caller limits: the store as tests embed it.
+    pub fn open() -> ServeOptions {
+        ServeOptions {
+            max_connection_age: None,
+            tls: None,
+            access: Access::Open,
+            reflection: true,
+            caller_limits: CallerLimits {
+                requests_per_sec: 0,
+                burst: 1,
+                max_subscriptions: 0,
+            },
+            conn_limits: ConnLimits {
+                max_connections: usize::MAX,
+                max_per_peer: usize::MAX,
+            },
+        }
+    }
+}
+
+/// Serves the store, health and (optionally) reflection on `listener` until `shutdown`
+/// fires; then stops accepting, ends streams and long-polls, and waits for in-flight
+/// requests. Every call but health passes the auth layer, then the limits layer.
 pub async fn serve(
     store: Arc<Store>,
     listener: tokio::net::TcpListener,
-    max_connection_age: Option<Duration>,
+    options: ServeOptions,
     shutdown: CancellationToken,
 ) -> Result<(), tonic::transport::Error> {
     let (health_reporter, health) = tonic_health::server::health_reporter();
     health_reporter
         .set_serving::<EventStoreServer<EventStoreService>>()
         .await;
-    let reflection_v1 = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(agentlog_proto::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1()
-        .expect("the compiled descriptor set is valid");
-    let reflection_v1alpha = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(agentlog_proto::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1alpha()
-        .expect("the compiled descriptor set is valid");
+    let (reflection_v1, reflection_v1alpha) = if options.reflection {
+        (
+            Some(
+                tonic_reflection::server::Builder::configure()
+                    .register_encoded_file_descriptor_set(agentlog_proto::FILE_DESCRIPTOR_SET)
+                    .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+                    .build_v1()
+                    .expect("the compiled descriptor set is valid"),
+            ),
+            Some(
+                tonic_reflection::server::Builder::configure()
+                    .register_encoded_file_descriptor_set(agentlog_proto::FILE_DESCRIPTOR_SET)
+                    .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+                    .build_v1alpha()
+                    .expect("the compiled descriptor set is valid"),
+            ),
+        )
+    } else {
+        (None, None)
+    };
     let service =
         OversizedAsResourceExhausted(EventStoreService::new(store, shutdown.clone()).into_server());
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    let incoming =
+        crate::incoming::accept(listener, options.tls, options.conn_limits, shutdown.clone());
     let mut server = tonic::transport::Server::builder();
-    if let Some(age) = max_connection_age {
+    if let Some(age) = options.max_connection_age {
         server = server.max_connection_age(age);
     }
     server
-        .tcp_nodelay(true)
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .http2_keepalive_timeout(Some(Duration::from_secs(10)))
+        .layer(AuthLayer::new(options.access))
+        .layer(LimitsLayer::new(options.caller_limits))
         .add_service(health)
-        .add_service(reflection_v1)
-        .add_service(reflection_v1alpha)
+        .add_optional_service(reflection_v1)
+        .add_optional_service(reflection_v1alpha)
         .add_service(service)
         .serve_with_incoming_shutdown(incoming, shutdown.cancelled_owned())
+        .await
+}
+
+/// Serves only `grpc.health.v1.Health`, in plaintext, for Kubernetes' native gRPC probes
+/// (which cannot speak TLS). It reveals nothing but "SERVING".
+pub async fn serve_health(
+    listener: tokio::net::TcpListener,
+    shutdown: CancellationToken,
+) -> Result<(), tonic::transport::Error> {
+    let (health_reporter, health) = tonic_health::server::health_reporter();
+    health_reporter
+        .set_serving::<EventStoreServer<EventStoreService>>()
+        .await;
+    tonic::transport::Server::builder()
+        .add_service(health)
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            shutdown.cancelled_owned(),
+        )
         .await
 }
 
@@ -204,8 +272,9 @@ impl EventStore for EventStoreService {
         &self,
         request: Request<ListSessionsRequest>,
     ) -> Result<Response<ListSessionsResponse>, Status> {
+        let caller = caller_of(&request)?;
         Ok(Response::new(
-            self.store.list_sessions(&request.into_inner())?,
+            self.store.list_sessions(request.get_ref(), &caller.scope)?,
         ))
     }
 
@@ -213,6 +282,7 @@ impl EventStore for EventStoreService {
         &self,
         request: Request<ClaimSessionRequest>,
     ) -> Result<Response<ClaimSessionResponse>, Status> {
+        let caller = caller_of(&request)?;
         let req = request.into_inner();
         validate_owner(&req.owner)?;
         validate_ttl(req.ttl_ms)?;
@@ -225,11 +295,12 @@ impl EventStore for EventStoreService {
         }
         let lease = self
             .store
-            .claim(
+            .claim_in(
                 req.owner,
                 req.ttl_ms,
                 Duration::from_millis(req.wait_ms),
                 &self.shutdown,
+                &caller.scope,
             )
             .await?;
         Ok(Response::new(ClaimSessionResponse { lease }))
@@ -277,6 +348,16 @@ impl EventStore for EventStoreService {
             .await?;
         Ok(Response::new(ReleaseLeaseResponse {}))
     }
+}
+
+/// The caller the auth layer admitted. Its absence means the layer did not run: refuse
+/// rather than serve every session.
+fn caller_of<T>(request: &Request<T>) -> Result<Caller, Status> {
+    request
+        .extensions()
+        .get::<Caller>()
+        .cloned()
+        .ok_or_else(|| Status::permission_denied("no authenticated caller for this call"))
 }
 
 fn invalid(message: String) -> StoreError {

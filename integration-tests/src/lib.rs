@@ -6,6 +6,7 @@
 //! first (`cargo build --workspace --bins`, which `.ci/run` does).
 
 pub mod anthropic_standin;
+pub mod secure;
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
@@ -63,7 +64,17 @@ impl Store {
     /// Starts a store on `data_dir`, listening on `listen` (e.g. the address of a store that
     /// was killed, so that clients reconnect to the same place).
     pub fn start_on(data_dir: &Path, listen: &str) -> Result<Store> {
-        let mut child = Command::new(bin_path("event-store"))
+        Store::start_binary_on(&bin_path("event-store"), data_dir, listen)
+    }
+
+    /// Starts another build of the store (e.g. the bench's fsync-skipped one) on
+    /// `data_dir`, on a free port.
+    pub fn start_binary(binary: &Path, data_dir: &Path) -> Result<Store> {
+        Store::start_binary_on(binary, data_dir, "127.0.0.1:0")
+    }
+
+    fn start_binary_on(binary: &Path, data_dir: &Path, listen: &str) -> Result<Store> {
+        let mut child = Command::new(binary)
             .args(["--listen", listen, "--data-dir"])
             .arg(data_dir)
             .env(
@@ -74,7 +85,7 @@ impl Store {
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
-            .context("spawn event-store")?;
+            .with_context(|| format!("spawn {}", binary.display()))?;
         let addr = wait_for_listen_line(child.stderr.take().expect("piped stderr"), "event-store")?;
         Ok(Store {
             child,
@@ -323,6 +334,11 @@ impl GrpcurlChild {
             stdout,
             stderr,
         }
+    }
+
+    /// grpcurl's process id (to freeze it with SIGSTOP, say).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
     }
 
     /// Everything printed to stdout so far.

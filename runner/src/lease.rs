@@ -12,15 +12,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use agentlog_proto::v1::{
-    event_store_client::EventStoreClient, ClaimSessionRequest, Lease, ReleaseLeaseRequest,
-    RenewLeaseRequest,
-};
+use crate::store_client::StoreClient;
+use agentlog_proto::v1::{ClaimSessionRequest, Lease, ReleaseLeaseRequest, RenewLeaseRequest};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tonic::transport::Channel;
 use tonic::Code;
 use tracing::Instrument;
 
@@ -35,7 +32,7 @@ const CLAIM_RETRY: Duration = Duration::from_secs(1);
 /// A held lease, renewed in the background until released or lost.
 #[derive(Debug)]
 pub struct LeaseGuard {
-    client: EventStoreClient<Channel>,
+    client: StoreClient,
     lease: Lease,
     ttl: Duration,
     /// By our monotonic clock: the store's expiry is no earlier than this.
@@ -51,7 +48,7 @@ impl LeaseGuard {
     /// Takes over a lease just granted by `ClaimSession`. A first renewal pins its expiry to
     /// our own clock (the claim's long-poll leaves the moment of the grant unknown).
     pub async fn hold(
-        client: EventStoreClient<Channel>,
+        client: StoreClient,
         lease: Lease,
         ttl: Duration,
         shutdown: &CancellationToken,
@@ -126,7 +123,7 @@ impl LeaseGuard {
 
 /// One renewal. On success the lease is ours until `sent + ttl` by our clock.
 async fn renew(
-    client: &EventStoreClient<Channel>,
+    client: &StoreClient,
     lease: &Lease,
     ttl: Duration,
     valid_until: &Mutex<Instant>,
@@ -158,7 +155,7 @@ async fn renew(
 }
 
 async fn keep_renewing(
-    client: EventStoreClient<Channel>,
+    client: StoreClient,
     lease: Lease,
     ttl: Duration,
     valid_until: Arc<Mutex<Instant>>,
@@ -211,7 +208,7 @@ pub struct ClaimConfig {
 /// its lease is lost, or `shutdown` fires. On shutdown no new claim is made, every session
 /// finishes the append in hand and gives its lease back, and then this returns.
 pub async fn claim_loop(
-    client: EventStoreClient<Channel>,
+    client: StoreClient,
     config: ClaimConfig,
     context: Arc<TurnContext>,
     shutdown: CancellationToken,
@@ -268,7 +265,7 @@ pub async fn claim_loop(
 
 /// Works one claimed session until it is idle or must stop, then lets the lease go.
 async fn work_session(
-    client: EventStoreClient<Channel>,
+    client: StoreClient,
     lease: Lease,
     ttl: Duration,
     context: &TurnContext,

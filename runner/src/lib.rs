@@ -8,5 +8,6 @@ pub mod json;
 pub mod lease;
 pub mod model;
 pub mod session_log;
+pub mod store_client;
 pub mod tools;
 pub mod turn;

@@ -5,11 +5,11 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use agentlog_proto::v1::event_store_client::EventStoreClient;
 use anyhow::{Context, Result};
 use clap::Parser;
 use runner::lease::{claim_loop, ClaimConfig};
 use runner::model::{Backoff, Model};
+use runner::store_client::StoreConnection;
 use runner::tools::Toolbox;
 use runner::turn::TurnContext;
 use tokio::signal::unix::{signal, SignalKind};
@@ -21,9 +21,23 @@ use tracing_subscriber::EnvFilter;
 #[derive(Debug, Parser)]
 #[command(version)]
 struct Args {
-    /// The event store's gRPC URL, e.g. http://127.0.0.1:50051.
+    /// The event store's gRPC URL: http://127.0.0.1:50051, or https://HOST:PORT for TLS.
     #[arg(long, env = "AGENTLOG_EVENT_STORE")]
     event_store: String,
+    /// PEM CA certificate that signed the store's TLS certificate (https:// only; default:
+    /// the public web roots).
+    #[arg(long, env = "AGENTLOG_TLS_CA")]
+    tls_ca: Option<PathBuf>,
+    /// PEM client certificate this runner presents to a store that requires mTLS.
+    #[arg(long, env = "AGENTLOG_TLS_CLIENT_CERT", requires = "tls_client_key")]
+    tls_client_cert: Option<PathBuf>,
+    /// The PEM private key of --tls-client-cert.
+    #[arg(long, env = "AGENTLOG_TLS_CLIENT_KEY", requires = "tls_client_cert")]
+    tls_client_key: Option<PathBuf>,
+    /// A file holding this runner's store token (a runner-role token). Without it the token
+    /// is read from the AGENTLOG_TOKEN environment variable, if set. Never logged.
+    #[arg(long, env = "AGENTLOG_TOKEN_FILE")]
+    token_file: Option<PathBuf>,
     /// This runner's name, the owner of its leases (unique among live runners).
     #[arg(long, env = "AGENTLOG_RUNNER_ID")]
     runner_id: String,
@@ -52,6 +66,12 @@ async fn main() -> Result<()> {
             EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
         )
         .init();
+    // A tool runs as this process's user: without this it could read our environment (the
+    // model API key, the store token) from /proc/<pid>/environ or our memory. Not dumpable,
+    // those files belong to root and ptrace is refused.
+    if let Err(e) = nix::sys::prctl::set_dumpable(false) {
+        tracing::warn!(error = %e, "cannot mark the runner non-dumpable; tools may read its environment");
+    }
     let args = Args::parse();
     anyhow::ensure!(
         args.lease_ttl_ms >= 300,
@@ -66,11 +86,15 @@ async fn main() -> Result<()> {
             args.workspace_root.display()
         )
     })?;
-    let channel = tonic::transport::Endpoint::from_shared(args.event_store.clone())
-        .with_context(|| format!("--event-store {:?} is not a URL", args.event_store))?
-        .connect_timeout(Duration::from_secs(5))
-        .connect_lazy();
-    let client = EventStoreClient::new(channel);
+    let client = StoreConnection {
+        url: args.event_store.clone(),
+        tls_ca: args.tls_ca.clone(),
+        client_cert: args.tls_client_cert.clone(),
+        client_key: args.tls_client_key.clone(),
+        token_file: args.token_file.clone(),
+    }
+    .client()
+    .context("connecting to the event store")?;
 
     let shutdown = CancellationToken::new();
     let mut terminate = signal(SignalKind::terminate()).context("install the SIGTERM handler")?;

@@ -10,12 +10,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use agentlog_proto::v1::{
-    event::Kind, event_store_client::EventStoreClient, AppendRequest, Durability, Event,
-    SubscribeRequest,
-};
+use crate::store_client::StoreClient;
+use agentlog_proto::v1::{event::Kind, AppendRequest, Durability, Event, SubscribeRequest};
 use tokio_stream::StreamExt;
-use tonic::transport::Channel;
 use tonic::Code;
 
 /// Attempts for an append or read that fails because the store is unreachable.
@@ -39,15 +36,20 @@ impl From<tonic::Status> for StoreError {
     }
 }
 
-/// Whether another attempt may succeed: the store or the path to it is briefly down.
+/// Whether another attempt may succeed: the store or the path to it is briefly down. A
+/// connection cut mid-call (the store killed, a reset) surfaces from tonic as `Unknown`
+/// ("transport error"); the store itself never answers `Unknown`.
 fn is_transient(status: &tonic::Status) -> bool {
-    matches!(status.code(), Code::Unavailable | Code::DeadlineExceeded)
+    matches!(
+        status.code(),
+        Code::Unavailable | Code::DeadlineExceeded | Code::Unknown
+    )
 }
 
 /// Appends to one session under one lease epoch. Cheap to clone (the delta writer has one).
 #[derive(Debug, Clone)]
 pub struct Appender {
-    client: EventStoreClient<Channel>,
+    client: StoreClient,
     session_id: String,
     epoch: u64,
     /// The highest seq any clone of this appender was given for a SYNC append: the store
@@ -58,7 +60,7 @@ pub struct Appender {
 }
 
 impl Appender {
-    pub fn new(client: EventStoreClient<Channel>, session_id: String, epoch: u64) -> Appender {
+    pub fn new(client: StoreClient, session_id: String, epoch: u64) -> Appender {
         Appender {
             client,
             session_id,

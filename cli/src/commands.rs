@@ -1,0 +1,353 @@
+//! The session commands: `send`, `continue`, `resume`, `tail`, `ls`, `show`.
+
+use std::io::Write;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use agentlog_proto::v1::{
+    event::Kind, AppendRequest, Event, GetSessionRequest, ListSessionsRequest, SessionInfo,
+    SessionStatus, SubscribeRequest, UserMessage,
+};
+use anyhow::{anyhow, bail, Result};
+use tokio_stream::StreamExt;
+use tonic::Code;
+
+use crate::follow::{follow, Flow};
+use crate::render::{ends_turn, event_json, Transcript};
+use crate::store::{self, Backoff};
+
+/// How long `send` waits, with no event, before it says that no runner seems to be working.
+const NO_RUNNER_HINT_AFTER: Duration = Duration::from_secs(5);
+/// How long an append keeps retrying a store that is unreachable (e.g. restarting).
+const APPEND_PATIENCE: Duration = Duration::from_secs(15);
+
+/// Output settings shared by every command.
+#[derive(Debug, Clone)]
+pub struct Output {
+    pub addr: String,
+    pub json: bool,
+}
+
+/// `send`/`continue`/`resume`: appends a user turn and streams the session until it is idle.
+pub async fn send(out: &Output, session: Option<String>, text: &str) -> Result<()> {
+    let session = session.unwrap_or_else(new_session_id);
+    let mut client = store::connect(&out.addr).await?;
+    // A deterministic event id makes a retried append (after a lost acknowledgement) write
+    // nothing twice.
+    let event_id = format!("user:{}", uuid::Uuid::new_v4().simple());
+    let request = AppendRequest {
+        session_id: session.clone(),
+        events: vec![Event {
+            event_id,
+            kind: Some(Kind::UserMessage(UserMessage {
+                text: text.to_string(),
+            })),
+            ..Event::default()
+        }],
+        ..AppendRequest::default()
+    };
+    let deadline = tokio::time::Instant::now() + APPEND_PATIENCE;
+    let mut backoff = Backoff::new();
+    let seq = loop {
+        match client.append(request.clone()).await {
+            Ok(response) => break response.into_inner().last_seq,
+            Err(status)
+                if store::is_transient(&status) && tokio::time::Instant::now() < deadline =>
+            {
+                backoff.wait().await;
+            }
+            Err(status) => return Err(store::explain(&out.addr, "Append", status)),
+        }
+    };
+    if out.json {
+        println!(
+            "{}",
+            serde_json::json!({"sessionId": session, "seq": seq.to_string()})
+        );
+    } else {
+        eprintln!("session {session} (follow it with `agentlog tail {session}`)");
+    }
+
+    let seen_any = Arc::new(AtomicBool::new(false));
+    let hint = tokio::spawn(no_runner_hint(
+        client.clone(),
+        session.clone(),
+        seen_any.clone(),
+    ));
+    let mut transcript = Transcript::new();
+    let stdout = std::io::stdout();
+    let result = follow(&out.addr, &session, seq + 1, |event| {
+        seen_any.store(true, Ordering::SeqCst);
+        print_event(out, &mut transcript, &mut stdout.lock(), event)?;
+        Ok(if ends_turn(event) {
+            Flow::Stop
+        } else {
+            Flow::Continue
+        })
+    })
+    .await;
+    hint.abort();
+    result
+}
+
+/// Says so on stderr if nothing happens for a while and no runner holds the session.
+async fn no_runner_hint(mut client: store::Client, session: String, seen_any: Arc<AtomicBool>) {
+    tokio::time::sleep(NO_RUNNER_HINT_AFTER).await;
+    if seen_any.load(Ordering::SeqCst) {
+        return;
+    }
+    let info = client
+        .get_session(GetSessionRequest {
+            session_id: session,
+        })
+        .await;
+    if matches!(info, Ok(info) if info.get_ref().lease.is_none()) {
+        eprintln!(
+            "agentlog: no runner has picked the session up yet; is `agentlog up` (or a runner) running against this store?"
+        );
+    }
+}
+
+/// `continue TEXT`: the most recently updated session.
+pub async fn continue_latest(out: &Output, text: &str) -> Result<()> {
+    let mut client = store::connect(&out.addr).await?;
+    let page = client
+        .list_sessions(ListSessionsRequest {
+            page_size: 1,
+            ..ListSessionsRequest::default()
+        })
+        .await
+        .map_err(|s| store::explain(&out.addr, "ListSessions", s))?
+        .into_inner();
+    let Some(latest) = page.sessions.into_iter().next() else {
+        bail!("there is no session to continue yet: start one with `agentlog send TEXT`");
+    };
+    send(out, Some(latest.session_id), text).await
+}
+
+/// `resume SESSION TEXT`: a session that must already exist.
+pub async fn resume(out: &Output, session: String, text: &str) -> Result<()> {
+    let mut client = store::connect(&out.addr).await?;
+    match client
+        .get_session(GetSessionRequest {
+            session_id: session.clone(),
+        })
+        .await
+    {
+        Ok(_) => send(out, Some(session), text).await,
+        Err(status) if status.code() == Code::NotFound => Err(anyhow!(
+            "there is no session {session:?}: `agentlog ls` lists them, `agentlog send TEXT` starts one"
+        )),
+        Err(status) => Err(store::explain(&out.addr, "GetSession", status)),
+    }
+}
+
+/// `tail SESSION [--from N]`: follows forever (until Ctrl-C), reconnecting as needed.
+pub async fn tail(out: &Output, session: &str, from: u64) -> Result<()> {
+    // Fail fast on a store that is not there at all; later outages are ridden out.
+    store::connect(&out.addr).await?;
+    let mut transcript = Transcript::new();
+    let stdout = std::io::stdout();
+    follow(&out.addr, session, from, |event| {
+        print_event(out, &mut transcript, &mut stdout.lock(), event)?;
+        Ok(Flow::Continue)
+    })
+    .await
+}
+
+/// `show SESSION`: the whole transcript as it is now.
+pub async fn show(out: &Output, session: &str) -> Result<()> {
+    let mut client = store::connect(&out.addr).await?;
+    if let Err(status) = client
+        .get_session(GetSessionRequest {
+            session_id: session.to_string(),
+        })
+        .await
+    {
+        if status.code() == Code::NotFound {
+            bail!("there is no session {session:?}: `agentlog ls` lists them");
+        }
+        return Err(store::explain(&out.addr, "GetSession", status));
+    }
+    let mut stream = client
+        .subscribe(SubscribeRequest {
+            session_id: session.to_string(),
+            from_seq: 1,
+            follow: false,
+        })
+        .await
+        .map_err(|s| store::explain(&out.addr, "Subscribe", s))?
+        .into_inner();
+    let mut events = Vec::new();
+    while let Some(event) = stream.next().await {
+        events.push(event.map_err(|s| store::explain(&out.addr, "Subscribe", s))?);
+    }
+    let stdout = std::io::stdout();
+    let mut stdout = stdout.lock();
+    if out.json {
+        for event in &events {
+            writeln!(stdout, "{}", event_json(event))?;
+        }
+        return Ok(());
+    }
+    // The reply is the record: streamed text is shown only for a reply still being written.
+    let last_record = events
+        .iter()
+        .rposition(|e| !matches!(e.kind, Some(Kind::AssistantDelta(_))));
+    let mut transcript = Transcript::new();
+    for (i, event) in events.iter().enumerate() {
+        let superseded =
+            matches!(event.kind, Some(Kind::AssistantDelta(_))) && Some(i) < last_record;
+        if !superseded {
+            transcript.event(event, &mut stdout)?;
+        }
+    }
+    if last_record.map_or(!events.is_empty(), |i| i + 1 < events.len()) {
+        transcript.end_stream(&mut stdout)?;
+        writeln!(stdout, "(the reply is still being written)")?;
+    }
+    Ok(())
+}
+
+/// `ls`: sessions, most recently updated first.
+pub async fn ls(
+    out: &Output,
+    query: Option<String>,
+    status: Option<SessionStatus>,
+    limit: usize,
+) -> Result<()> {
+    let mut client = store::connect(&out.addr).await?;
+    let mut sessions: Vec<SessionInfo> = Vec::new();
+    let mut page_token = String::new();
+    while sessions.len() < limit {
+        let page = client
+            .list_sessions(ListSessionsRequest {
+                page_size: (limit - sessions.len()).min(1000) as u32,
+                page_token: page_token.clone(),
+                query: query.clone().unwrap_or_default(),
+                status: status.unwrap_or(SessionStatus::Unspecified) as i32,
+            })
+            .await
+            .map_err(|s| store::explain(&out.addr, "ListSessions", s))?
+            .into_inner();
+        sessions.extend(page.sessions);
+        if page.next_page_token.is_empty() {
+            break;
+        }
+        page_token = page.next_page_token;
+    }
+    sessions.truncate(limit);
+    let stdout = std::io::stdout();
+    let mut stdout = stdout.lock();
+    if out.json {
+        for s in &sessions {
+            let lease = s.lease.as_ref().map(|l| {
+                serde_json::json!({"owner": l.owner, "epoch": l.epoch.to_string(),
+                    "expiresUnixMs": l.expires_unix_ms.to_string()})
+            });
+            writeln!(
+                stdout,
+                "{}",
+                serde_json::json!({
+                    "sessionId": s.session_id,
+                    "lastSeq": s.last_seq.to_string(),
+                    "createdUnixMs": s.created_unix_ms.to_string(),
+                    "updatedUnixMs": s.updated_unix_ms.to_string(),
+                    "status": s.status().as_str_name(),
+                    "lease": lease,
+                    "title": s.title,
+                })
+            )?;
+        }
+        return Ok(());
+    }
+    if sessions.is_empty() {
+        writeln!(
+            stdout,
+            "no sessions{}; start one with `agentlog send TEXT`",
+            if query.is_some() || status.is_some() {
+                " match"
+            } else {
+                " yet"
+            }
+        )?;
+        return Ok(());
+    }
+    let width = sessions
+        .iter()
+        .map(|s| s.session_id.len())
+        .max()
+        .unwrap_or(7)
+        .max(7);
+    writeln!(
+        stdout,
+        "{:<width$}  {:<8}  {:>6}  {:<10}  {:<14}  TITLE",
+        "SESSION", "STATUS", "EVENTS", "UPDATED", "RUNNER"
+    )?;
+    let now = now_ms();
+    for s in &sessions {
+        let status = match s.status() {
+            SessionStatus::Runnable => "runnable",
+            SessionStatus::Idle => "idle",
+            SessionStatus::Unspecified => "?",
+        };
+        let runner = s.lease.as_ref().map_or("-", |l| l.owner.as_str());
+        let title: String = s
+            .title
+            .lines()
+            .next()
+            .unwrap_or("")
+            .chars()
+            .take(60)
+            .collect();
+        writeln!(
+            stdout,
+            "{:<width$}  {:<8}  {:>6}  {:<10}  {:<14}  {title}",
+            s.session_id,
+            status,
+            s.last_seq,
+            ago(now - s.updated_unix_ms),
+            runner
+        )?;
+    }
+    Ok(())
+}
+
+fn print_event(
+    out: &Output,
+    transcript: &mut Transcript,
+    stdout: &mut impl Write,
+    event: &Event,
+) -> Result<()> {
+    if out.json {
+        writeln!(stdout, "{}", event_json(event))?;
+        stdout.flush()?;
+    } else {
+        transcript.event(event, stdout)?;
+    }
+    Ok(())
+}
+
+/// A fresh session id: `s-` and 12 hex digits.
+fn new_session_id() -> String {
+    let id = uuid::Uuid::new_v4().simple().to_string();
+    format!("s-{}", &id[..12])
+}
+
+fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+fn ago(ms: i64) -> String {
+    let s = (ms / 1000).max(0);
+    match s {
+        0..=59 => format!("{s}s ago"),
+        60..=3599 => format!("{}m ago", s / 60),
+        3600..=86_399 => format!("{}h ago", s / 3600),
+        _ => format!("{}d ago", s / 86_400),
+    }
+}

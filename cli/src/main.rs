@@ -1,0 +1,156 @@
+//! `agentlog`: run the local stack, talk to sessions, and watch them — durably.
+#![forbid(unsafe_code)]
+
+mod commands;
+mod demo;
+mod follow;
+mod render;
+mod stack;
+mod store;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use agentlog_proto::v1::SessionStatus;
+use clap::{Parser, Subcommand, ValueEnum};
+
+use commands::Output;
+
+/// Durable AI-agent sessions: every step is in an fsync'd event log, so a crash resumes
+/// exactly where it stopped.
+#[derive(Debug, Parser)]
+#[command(name = "agentlog", version)]
+struct Cli {
+    /// The event store to talk to.
+    #[arg(long, global = true, env = "AGENTLOG_ADDR", default_value = store::DEFAULT_ADDR)]
+    addr: String,
+    /// Print JSON (one object per line, proto3 JSON mapping as grpcurl prints) for scripts.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Start the local stack: an event store and one runner, until Ctrl-C.
+    Up {
+        /// Where the store's log and the sessions' workspaces live.
+        #[arg(long, env = "AGENTLOG_DATA_DIR", default_value = ".agentlog")]
+        data_dir: PathBuf,
+        /// HOST:PORT for the store (default: the host and port of --addr).
+        #[arg(long)]
+        listen: Option<String>,
+        /// PROVIDER:MODEL for the runner (default: from ANTHROPIC_API_KEY, OPENAI_BASE_URL,
+        /// or the built-in demo model).
+        #[arg(long)]
+        model: Option<String>,
+        /// The runner's name (the owner of its leases).
+        #[arg(long, default_value = "local-runner")]
+        runner_id: String,
+        /// The runner's lease time to live.
+        #[arg(long)]
+        lease_ttl_ms: Option<u64>,
+    },
+    /// Append a user message (to a new session unless --session) and stream the reply.
+    Send {
+        #[arg(long)]
+        session: Option<String>,
+        text: String,
+    },
+    /// Follow a session live; reconnects by itself, never shows an event twice.
+    Tail {
+        session: String,
+        /// The first seq to show.
+        #[arg(long, default_value_t = 1)]
+        from: u64,
+    },
+    /// List sessions, most recently updated first.
+    Ls {
+        /// Case-insensitive substring of the session id or its first message.
+        #[arg(long)]
+        query: Option<String>,
+        #[arg(long)]
+        status: Option<StatusArg>,
+        /// At most this many sessions.
+        #[arg(long, default_value_t = 100)]
+        limit: usize,
+    },
+    /// A session's transcript.
+    Show { session: String },
+    /// Send to the most recently updated session.
+    Continue { text: String },
+    /// Send to a session that already exists.
+    Resume { session: String, text: String },
+    /// SIGKILL a runner mid-tool and watch a new one finish, each side effect applied once.
+    Demo {
+        /// Keep the demo's data in this (new) directory instead of a temp dir.
+        #[arg(long)]
+        keep: Option<PathBuf>,
+    },
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum StatusArg {
+    Runnable,
+    Idle,
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let out = Output {
+        addr: cli.addr.clone(),
+        json: cli.json,
+    };
+    let result = match cli.command {
+        Command::Up {
+            data_dir,
+            listen,
+            model,
+            runner_id,
+            lease_ttl_ms,
+        } => {
+            let listen = listen.unwrap_or_else(|| {
+                let url = store::normalize(&cli.addr);
+                url.split("://")
+                    .nth(1)
+                    .unwrap_or(&url)
+                    .trim_end_matches('/')
+                    .to_string()
+            });
+            stack::up(stack::UpConfig {
+                data_dir,
+                listen,
+                model,
+                runner_id,
+                lease_ttl_ms,
+            })
+            .await
+        }
+        Command::Send { session, text } => commands::send(&out, session, &text).await,
+        Command::Tail { session, from } => commands::tail(&out, &session, from).await,
+        Command::Ls {
+            query,
+            status,
+            limit,
+        } => {
+            let status = status.map(|s| match s {
+                StatusArg::Runnable => SessionStatus::Runnable,
+                StatusArg::Idle => SessionStatus::Idle,
+            });
+            commands::ls(&out, query, status, limit).await
+        }
+        Command::Show { session } => commands::show(&out, &session).await,
+        Command::Continue { text } => commands::continue_latest(&out, &text).await,
+        Command::Resume { session, text } => commands::resume(&out, session, &text).await,
+        Command::Demo { keep } => demo::demo(keep).await,
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("agentlog: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

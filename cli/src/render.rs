@@ -1,0 +1,358 @@
+//! How events look on a terminal (a transcript, text streamed as it is generated) and to
+//! scripts (`--json`: one object per line, in the proto3 JSON mapping grpcurl prints, so the
+//! same tools read both).
+
+use std::collections::HashMap;
+use std::io::Write;
+
+use agentlog_proto::v1::{content_block::Block, event::Kind, AssistantMessage, Event};
+use prost_types::value::Kind as ValueKind;
+use serde_json::{json, Map, Value};
+
+/// Tool output lines shown in a transcript; the log keeps all of it.
+const RESULT_LINES: usize = 12;
+
+/// Renders a session's events, in seq order, as a transcript.
+#[derive(Debug, Default)]
+pub struct Transcript {
+    /// The turn whose text is being streamed, and what of it was printed.
+    streaming_turn: Option<String>,
+    streamed: String,
+    /// Tool names by tool_use id, to label results.
+    tools: HashMap<String, String>,
+}
+
+impl Transcript {
+    pub fn new() -> Transcript {
+        Transcript::default()
+    }
+
+    pub fn event(&mut self, event: &Event, out: &mut impl Write) -> std::io::Result<()> {
+        match &event.kind {
+            Some(Kind::UserMessage(m)) => {
+                self.end_stream(out)?;
+                writeln!(out, "you> {}", m.text)?;
+            }
+            Some(Kind::AssistantDelta(d)) => {
+                if self.streaming_turn.as_deref() != Some(&d.turn_id) {
+                    if !self.streamed.is_empty() {
+                        // The runner was replaced mid-reply; the turn streams again.
+                        writeln!(out, "\n(the reply was interrupted; it is streaming again)")?;
+                    }
+                    self.streaming_turn = Some(d.turn_id.clone());
+                    self.streamed.clear();
+                    write!(out, "agent> ")?;
+                }
+                write!(out, "{}", d.text)?;
+                self.streamed.push_str(&d.text);
+            }
+            Some(Kind::AssistantMessage(m)) => self.reply(m, out)?,
+            Some(Kind::ToolStarted(s)) => {
+                self.end_stream(out)?;
+                if s.attempt > 1 {
+                    writeln!(
+                        out,
+                        "  ~ {} was interrupted; running it again as attempt {} with the same idempotency key {}",
+                        s.tool_use_id, s.attempt, s.idempotency_key
+                    )?;
+                }
+            }
+            Some(Kind::ToolResult(r)) => {
+                self.end_stream(out)?;
+                let name = self
+                    .tools
+                    .get(&r.tool_use_id)
+                    .map(String::as_str)
+                    .unwrap_or("tool");
+                let label = if r.is_error { "error" } else { "result" };
+                writeln!(out, "  <- {name} {label}:")?;
+                let lines: Vec<&str> = r.content.lines().collect();
+                for line in lines.iter().take(RESULT_LINES) {
+                    writeln!(out, "     {line}")?;
+                }
+                if lines.len() > RESULT_LINES {
+                    writeln!(
+                        out,
+                        "     ... {} more lines (`agentlog --json show` has all of it)",
+                        lines.len() - RESULT_LINES
+                    )?;
+                }
+            }
+            Some(Kind::RunError(e)) => {
+                self.end_stream(out)?;
+                writeln!(out, "error> {}", e.message)?;
+            }
+            None => {} // a kind newer than this CLI: skipped, as the spec asks of readers
+        }
+        out.flush()
+    }
+
+    /// Ends a stream that no reply closed (at the end of `show`, or before the next event).
+    pub fn end_stream(&mut self, out: &mut impl Write) -> std::io::Result<()> {
+        if !self.streamed.is_empty() {
+            writeln!(out)?;
+        }
+        self.streaming_turn = None;
+        self.streamed.clear();
+        Ok(())
+    }
+
+    fn reply(&mut self, m: &AssistantMessage, out: &mut impl Write) -> std::io::Result<()> {
+        let text: Vec<&str> = m
+            .content
+            .iter()
+            .filter_map(|b| match &b.block {
+                Some(Block::Text(t)) => Some(t.text.as_str()),
+                _ => None,
+            })
+            .collect();
+        let text = text.join("\n");
+        if !self.streamed.is_empty() && self.streamed == text {
+            writeln!(out)?; // it was all streamed already
+        } else {
+            self.end_stream(out)?;
+            if !text.is_empty() {
+                writeln!(out, "agent> {text}")?;
+            }
+        }
+        self.streaming_turn = None;
+        self.streamed.clear();
+        for block in &m.content {
+            if let Some(Block::ToolUse(call)) = &block.block {
+                self.tools.insert(call.id.clone(), call.name.clone());
+                let input = call.input.as_ref().map(struct_json).unwrap_or(json!({}));
+                let shown = match (call.name.as_str(), input.get("command")) {
+                    ("bash", Some(Value::String(command))) => command.clone(),
+                    _ => input.to_string(),
+                };
+                writeln!(out, "  -> {} [{}]: {shown}", call.name, call.id)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Whether this event ends a turn: the session is idle after it.
+pub fn ends_turn(event: &Event) -> bool {
+    match &event.kind {
+        Some(Kind::AssistantMessage(m)) => !m
+            .content
+            .iter()
+            .any(|b| matches!(b.block, Some(Block::ToolUse(_)))),
+        Some(Kind::RunError(_)) => true,
+        _ => false,
+    }
+}
+
+/// An event in the proto3 JSON mapping (lowerCamelCase names, 64-bit integers as strings,
+/// default values left out), as grpcurl prints it.
+pub fn event_json(event: &Event) -> Value {
+    let mut o = Map::new();
+    put_str(&mut o, "sessionId", &event.session_id);
+    put_u64(&mut o, "seq", event.seq);
+    put_str(&mut o, "eventId", &event.event_id);
+    if event.ts_unix_ms != 0 {
+        o.insert("tsUnixMs".into(), json!(event.ts_unix_ms.to_string()));
+    }
+    if event.schema_version != 0 {
+        o.insert("schemaVersion".into(), json!(event.schema_version));
+    }
+    let (name, body) = match &event.kind {
+        Some(Kind::UserMessage(m)) => ("userMessage", fields([("text", str_(&m.text))])),
+        Some(Kind::AssistantMessage(m)) => ("assistantMessage", assistant_json(m)),
+        Some(Kind::ToolStarted(s)) => (
+            "toolStarted",
+            fields([
+                ("toolUseId", str_(&s.tool_use_id)),
+                ("idempotencyKey", str_(&s.idempotency_key)),
+                ("attempt", (s.attempt != 0).then(|| json!(s.attempt))),
+            ]),
+        ),
+        Some(Kind::ToolResult(r)) => (
+            "toolResult",
+            fields([
+                ("toolUseId", str_(&r.tool_use_id)),
+                ("content", str_(&r.content)),
+                ("isError", r.is_error.then_some(json!(true))),
+            ]),
+        ),
+        Some(Kind::AssistantDelta(d)) => (
+            "assistantDelta",
+            fields([("turnId", str_(&d.turn_id)), ("text", str_(&d.text))]),
+        ),
+        Some(Kind::RunError(e)) => (
+            "runError",
+            fields([
+                ("message", str_(&e.message)),
+                ("retryable", e.retryable.then_some(json!(true))),
+            ]),
+        ),
+        None => return Value::Object(o),
+    };
+    o.insert(name.into(), body);
+    Value::Object(o)
+}
+
+fn assistant_json(m: &AssistantMessage) -> Value {
+    let content: Vec<Value> = m
+        .content
+        .iter()
+        .map(|b| match &b.block {
+            Some(Block::Text(t)) => json!({"text": fields([("text", str_(&t.text))])}),
+            Some(Block::ToolUse(u)) => json!({"toolUse": fields([
+                ("id", str_(&u.id)),
+                ("name", str_(&u.name)),
+                ("input", u.input.as_ref().map(struct_json)),
+            ])}),
+            Some(Block::Thinking(t)) => json!({"thinking": fields([
+                ("thinking", str_(&t.thinking)),
+                ("signature", str_(&t.signature)),
+            ])}),
+            Some(Block::RedactedThinking(r)) => {
+                json!({"redactedThinking": fields([("data", str_(&r.data))])})
+            }
+            None => json!({}),
+        })
+        .collect();
+    let usage = m.usage.as_ref().map(|u| {
+        let n = |v: u64| (v != 0).then(|| json!(v.to_string()));
+        fields([
+            ("inputTokens", n(u.input_tokens)),
+            ("outputTokens", n(u.output_tokens)),
+            ("cacheCreationInputTokens", n(u.cache_creation_input_tokens)),
+            ("cacheReadInputTokens", n(u.cache_read_input_tokens)),
+        ])
+    });
+    fields([
+        (
+            "content",
+            (!content.is_empty()).then_some(Value::Array(content)),
+        ),
+        ("stopReason", str_(&m.stop_reason)),
+        ("model", str_(&m.model)),
+        ("usage", usage),
+        ("messageId", str_(&m.message_id)),
+    ])
+}
+
+/// A `google.protobuf.Struct` as the JSON object it stands for.
+pub fn struct_json(s: &prost_types::Struct) -> Value {
+    Value::Object(
+        s.fields
+            .iter()
+            .map(|(k, v)| (k.clone(), value_json(v)))
+            .collect(),
+    )
+}
+
+fn value_json(v: &prost_types::Value) -> Value {
+    match &v.kind {
+        None | Some(ValueKind::NullValue(_)) => Value::Null,
+        Some(ValueKind::NumberValue(n)) => json!(n),
+        Some(ValueKind::StringValue(s)) => json!(s),
+        Some(ValueKind::BoolValue(b)) => json!(b),
+        Some(ValueKind::StructValue(s)) => struct_json(s),
+        Some(ValueKind::ListValue(l)) => Value::Array(l.values.iter().map(value_json).collect()),
+    }
+}
+
+fn fields<const N: usize>(pairs: [(&str, Option<Value>); N]) -> Value {
+    Value::Object(
+        pairs
+            .into_iter()
+            .filter_map(|(k, v)| v.map(|v| (k.to_string(), v)))
+            .collect(),
+    )
+}
+
+fn str_(s: &str) -> Option<Value> {
+    (!s.is_empty()).then(|| json!(s))
+}
+
+fn put_str(o: &mut Map<String, Value>, key: &str, value: &str) {
+    if !value.is_empty() {
+        o.insert(key.into(), json!(value));
+    }
+}
+
+fn put_u64(o: &mut Map<String, Value>, key: &str, value: u64) {
+    if value != 0 {
+        o.insert(key.into(), json!(value.to_string()));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use agentlog_proto::v1::{AssistantDelta, ContentBlock, TextBlock, UserMessage};
+
+    fn ev(seq: u64, kind: Kind) -> Event {
+        Event {
+            session_id: "s1".into(),
+            seq,
+            kind: Some(kind),
+            ..Event::default()
+        }
+    }
+
+    fn reply(text: &str) -> Kind {
+        Kind::AssistantMessage(AssistantMessage {
+            content: vec![ContentBlock {
+                block: Some(Block::Text(TextBlock { text: text.into() })),
+            }],
+            stop_reason: "end_turn".into(),
+            ..AssistantMessage::default()
+        })
+    }
+
+    fn delta(turn: &str, text: &str) -> Kind {
+        Kind::AssistantDelta(AssistantDelta {
+            turn_id: turn.into(),
+            text: text.into(),
+        })
+    }
+
+    fn render(events: &[Event]) -> String {
+        let mut out = Vec::new();
+        let mut t = Transcript::new();
+        for e in events {
+            t.event(e, &mut out).expect("write to a Vec");
+        }
+        t.end_stream(&mut out).expect("write to a Vec");
+        String::from_utf8(out).expect("utf-8")
+    }
+
+    #[test]
+    fn streamed_text_is_not_printed_again_with_the_reply() {
+        let out = render(&[
+            ev(1, Kind::UserMessage(UserMessage { text: "hi".into() })),
+            ev(2, delta("0.1.1", "Hel")),
+            ev(3, delta("0.1.1", "lo")),
+            ev(4, reply("Hello")),
+        ]);
+        assert_eq!(out, "you> hi\nagent> Hello\n");
+    }
+
+    #[test]
+    fn a_restarted_stream_is_marked_and_the_reply_shown_whole() {
+        let out = render(&[
+            ev(1, delta("0.1.1", "Hel")),
+            ev(2, delta("0.2.1", "Hello")),
+            ev(3, reply("Hello")),
+        ]);
+        assert_eq!(
+            out,
+            "agent> Hel\n(the reply was interrupted; it is streaming again)\nagent> Hello\n"
+        );
+    }
+
+    #[test]
+    fn json_follows_the_proto3_mapping() {
+        let value = event_json(&ev(7, Kind::UserMessage(UserMessage { text: "hi".into() })));
+        assert_eq!(
+            value,
+            json!({"sessionId": "s1", "seq": "7", "userMessage": {"text": "hi"}})
+        );
+        assert!(ends_turn(&ev(8, reply("done"))));
+    }
+}

@@ -1,0 +1,269 @@
+//! Connections: accept, count per peer address, and (with TLS) the handshake, each off the
+//! accept loop so that a slow or hostile handshaker delays nobody else.
+//!
+//! Limits: beyond `max_connections` in all a new connection is closed at once; beyond
+//! `max_per_peer` from one address it is served just long enough for every call on it to
+//! be answered `RESOURCE_EXHAUSTED` (by [`crate::limits`]), then closed.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::net::{IpAddr, SocketAddr};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::server::Connected;
+
+use crate::tls::ReloadingTls;
+
+/// A TLS handshake must finish within this.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// An over-limit connection is closed this long after it was accepted.
+const OVER_LIMIT_GRACE: Duration = Duration::from_secs(5);
+
+#[derive(Debug, Clone, Copy)]
+pub struct ConnLimits {
+    pub max_connections: usize,
+    pub max_per_peer: usize,
+}
+
+/// What the service layers learn about a call's connection (request extensions).
+#[derive(Debug, Clone)]
+pub struct PeerInfo {
+    pub remote: Option<SocketAddr>,
+    /// Set on a connection over the per-peer limit: why its calls are refused.
+    pub over_limit: Option<Arc<str>>,
+}
+
+#[derive(Default)]
+struct Counts {
+    total: usize,
+    per_peer: HashMap<IpAddr, usize>,
+}
+
+/// One open connection in the counts, until dropped.
+struct Counted {
+    counts: Arc<Mutex<Counts>>,
+    ip: Option<IpAddr>,
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        let mut counts = self.counts.lock().unwrap_or_else(|p| p.into_inner());
+        counts.total = counts.total.saturating_sub(1);
+        if let Some(ip) = self.ip {
+            if let Some(n) = counts.per_peer.get_mut(&ip) {
+                *n -= 1;
+                if *n == 0 {
+                    counts.per_peer.remove(&ip);
+                }
+            }
+        }
+    }
+}
+
+enum Io {
+    Plain(TcpStream),
+    Tls(Box<tokio_rustls::server::TlsStream<TcpStream>>),
+}
+
+/// An accepted (and, with TLS, handshaken) connection.
+pub struct ServerConn {
+    io: Io,
+    info: PeerInfo,
+    close_at: Option<Pin<Box<tokio::time::Sleep>>>,
+    _counted: Counted,
+}
+
+impl Connected for ServerConn {
+    type ConnectInfo = PeerInfo;
+
+    fn connect_info(&self) -> PeerInfo {
+        self.info.clone()
+    }
+}
+
+impl AsyncRead for ServerConn {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        if let Some(close_at) = this.close_at.as_mut() {
+            if close_at.as_mut().poll(cx).is_ready() {
+                return Poll::Ready(Ok(())); // end of stream: hyper closes the connection
+            }
+        }
+        match &mut this.io {
+            Io::Plain(s) => Pin::new(s).poll_read(cx, buf),
+            Io::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for ServerConn {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        match &mut self.get_mut().io {
+            Io::Plain(s) => Pin::new(s).poll_write(cx, buf),
+            Io::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match &mut self.get_mut().io {
+            Io::Plain(s) => Pin::new(s).poll_flush(cx),
+            Io::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match &mut self.get_mut().io {
+            Io::Plain(s) => Pin::new(s).poll_shutdown(cx),
+            Io::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        match &mut self.get_mut().io {
+            Io::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            Io::Tls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match &self.io {
+            Io::Plain(s) => s.is_write_vectored(),
+            Io::Tls(s) => s.is_write_vectored(),
+        }
+    }
+}
+
+/// The stream of connections `tonic` serves: accepted on `listener` until `shutdown`.
+pub fn accept(
+    listener: TcpListener,
+    tls: Option<Arc<ReloadingTls>>,
+    limits: ConnLimits,
+    shutdown: CancellationToken,
+) -> ReceiverStream<Result<ServerConn, std::io::Error>> {
+    let (tx, rx) = mpsc::channel(256);
+    tokio::spawn(accept_loop(listener, tls, limits, shutdown, tx));
+    ReceiverStream::new(rx)
+}
+
+async fn accept_loop(
+    listener: TcpListener,
+    tls: Option<Arc<ReloadingTls>>,
+    limits: ConnLimits,
+    shutdown: CancellationToken,
+    tx: mpsc::Sender<Result<ServerConn, std::io::Error>>,
+) {
+    let counts = Arc::new(Mutex::new(Counts::default()));
+    let mut last_full_warning: Option<tokio::time::Instant> = None;
+    loop {
+        let (stream, remote) = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(e) => {
+                    // Out of file descriptors and the like: pause rather than spin.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+        };
+        let ip = remote.ip();
+        let (counted, over_limit) = {
+            let mut c = counts.lock().unwrap_or_else(|p| p.into_inner());
+            if c.total >= limits.max_connections {
+                drop(c);
+                let now = tokio::time::Instant::now();
+                if last_full_warning.is_none_or(|t| now - t > Duration::from_secs(10)) {
+                    last_full_warning = Some(now);
+                    tracing::warn!(
+                        max_connections = limits.max_connections,
+                        "connection limit reached; closing new connections"
+                    );
+                }
+                continue;
+            }
+            c.total += 1;
+            let n = c.per_peer.entry(ip).or_default();
+            *n += 1;
+            let over = (*n > limits.max_per_peer).then(|| {
+                Arc::<str>::from(format!(
+                    "too many connections from your address ({} open, the limit is {}); \
+                     HTTP/2 multiplexes calls: reuse a connection",
+                    *n, limits.max_per_peer
+                ))
+            });
+            (
+                Counted {
+                    counts: counts.clone(),
+                    ip: Some(ip),
+                },
+                over,
+            )
+        };
+        let _ = stream.set_nodelay(true);
+        let info = PeerInfo {
+            remote: Some(remote),
+            over_limit,
+        };
+        let close_at = info
+            .over_limit
+            .is_some()
+            .then(|| Box::pin(tokio::time::sleep(OVER_LIMIT_GRACE)));
+        match &tls {
+            None => {
+                let conn = ServerConn {
+                    io: Io::Plain(stream),
+                    info,
+                    close_at,
+                    _counted: counted,
+                };
+                if tx.send(Ok(conn)).await.is_err() {
+                    return;
+                }
+            }
+            Some(tls) => {
+                let acceptor = tls.acceptor();
+                let tx = tx.clone();
+                tokio::spawn(async move {
+                    let handshake =
+                        tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await;
+                    match handshake {
+                        Ok(Ok(stream)) => {
+                            let conn = ServerConn {
+                                io: Io::Tls(Box::new(stream)),
+                                info,
+                                close_at,
+                                _counted: counted,
+                            };
+                            let _ = tx.send(Ok(conn)).await;
+                        }
+                        // A scanner, a plaintext client, a client without an acceptable
+                        // certificate (mTLS): nothing was served.
+                        Ok(Err(e)) => tracing::info!(%remote, error = %e, "TLS handshake refused"),
+                        Err(_) => tracing::info!(%remote, "TLS handshake timed out"),
+                    }
+                });
+            }
+        }
+    }
+}
