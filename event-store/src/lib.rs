@@ -303,23 +303,27 @@ impl Store {
         .map(|_| ())
     }
 
-    /// Waits up to `wait` for a runnable session without a live lease and leases it to
-    /// `owner`; `None` if none came (or `cancel` fired).
+    /// Waits up to `wait` for a runnable session in `scope` without a live lease and
+    /// leases it to `owner`; `None` if none came (or `cancel` fired). The writer picks and
+    /// grants in one step, so each runnable session goes to exactly one claimant.
     pub async fn claim(
         &self,
         owner: String,
         ttl_ms: u64,
         wait: Duration,
         cancel: &CancellationToken,
+        scope: &scope::Scope,
     ) -> Result<Option<Lease>, StoreError> {
         let deadline = tokio::time::Instant::now() + wait;
         let mut changes = self.shared.claimable.subscribe();
         loop {
             changes.borrow_and_update();
-            let owner = owner.clone();
-            let outcome = self
-                .submit(|tx| Op::Lease(LeaseOp::Claim { owner, ttl_ms }, tx))
-                .await?;
+            let claim = LeaseOp::Claim {
+                owner: owner.clone(),
+                ttl_ms,
+                scope: scope.clone(),
+            };
+            let outcome = self.submit(|tx| Op::Lease(claim, tx)).await?;
             let retry_at = match outcome {
                 LeaseOutcome::Granted(lease) => return Ok(Some(lease)),
                 LeaseOutcome::Released => return Ok(None),

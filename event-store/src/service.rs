@@ -295,7 +295,7 @@ impl EventStore for EventStoreService {
         }
         let lease = self
             .store
-            .claim_in(
+            .claim(
                 req.owner,
                 req.ttl_ms,
                 Duration::from_millis(req.wait_ms),

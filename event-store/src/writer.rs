@@ -25,6 +25,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::error::StoreError;
 use crate::index::{Index, IndexBatch};
 use crate::log::{LeaseRecord, LogWriter, Record};
+use crate::scope::Scope;
 use crate::session::{
     is_runner_kind, kind_name, lease_of, now_unix_ms, SessionMeta, SCHEMA_VERSION,
 };
@@ -67,9 +68,11 @@ pub enum LeaseOp {
         owner: String,
         epoch: u64,
     },
+    /// The oldest runnable, unleased session in `scope`.
     Claim {
         owner: String,
         ttl_ms: u64,
+        scope: Scope,
     },
 }
 
@@ -351,16 +354,23 @@ impl Writer {
                 record.expires_unix_ms = now;
                 (session_id, record)
             }
-            LeaseOp::Claim { owner, ttl_ms } => {
+            LeaseOp::Claim {
+                owner,
+                ttl_ms,
+                scope,
+            } => {
                 let claimable = self.runnable.iter().find(|(_, id)| {
-                    self.sessions
-                        .get(id)
-                        .is_some_and(|m| m.live_lease(now).is_none())
+                    scope.admits(id)
+                        && self
+                            .sessions
+                            .get(id)
+                            .is_some_and(|m| m.live_lease(now).is_none())
                 });
                 let Some((_, session_id)) = claimable.cloned() else {
                     let next_expiry_unix_ms = self
                         .runnable
                         .iter()
+                        .filter(|(_, id)| scope.admits(id))
                         .filter_map(|(_, id)| self.sessions.get(id)?.live_lease(now))
                         .map(|l| l.expires_unix_ms)
                         .min();
