@@ -1,154 +1,680 @@
-//! `agentlog-bench`: what a durable append costs, next to what the disk allows.
+//! `agentlog-bench`: what a durable append, a catch-up, a live follower and a resume cost
+//! through the real `event-store` binary, next to what the disk allows and to the stores
+//! users would otherwise pick, all measured in one run on one disk (issue 6).
 //!
-//! Measured in one run, on the same filesystem:
-//! 1. the disk's raw rate of `write(300 B) + fdatasync`, one record per sync and batched;
-//! 2. SYNC appends of one 300-byte event through the real `event-store` binary over gRPC,
-//!    from 1 client and from many concurrent clients (one session each).
-//!
-//! Every figure is the median of several runs, with min and max. Nothing here asserts a
-//! speed: `--quick` only checks that the whole path still runs.
+//! `bash bench/run` builds the release binaries, installs and starts the baselines and
+//! writes `bench/RESULTS.md`; `--quick` only checks that every path still runs (CI). Every
+//! figure is the median of several runs with min and max; nothing here asserts a speed.
 #![forbid(unsafe_code)]
 
-use std::fs::OpenOptions;
-use std::io::Write;
-use std::path::Path;
-use std::time::{Duration, Instant};
+mod agentlog;
+mod baselines;
+mod disk;
+mod fanout;
+mod load;
+mod profile;
+mod report;
+mod resume;
+mod stats;
 
-use agentlog_proto::v1::{event, AppendRequest, Event, UserMessage};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
 use anyhow::Context;
 use clap::Parser;
 use integration_tests::Store;
 
+use crate::agentlog::AgentlogAppender;
+use crate::baselines::{etcd::Etcd, postgres::Postgres, redis::Redis};
+use crate::load::{closed_loop, Appender, LoadRun, Window};
+use crate::report::Report;
+use crate::stats::Runs;
+
 #[derive(Parser)]
-#[command(about = "Durable append throughput against the raw fdatasync rate of the same disk")]
+#[command(
+    about = "agentlog's benchmark suite: durable appends, subscriptions, resume and \
+                   footprint against the raw disk and PostgreSQL, Redis and etcd"
+)]
 struct Args {
-    /// Tiny runs that only check the benchmark still works.
+    /// Tiny runs that only check every path still works: no baselines but the naive one,
+    /// no fsync-skipped store, under a minute.
     #[arg(long)]
     quick: bool,
     /// Runs per figure (the median is reported).
     #[arg(long, default_value_t = 5)]
     runs: usize,
-    /// Concurrent clients for the many-clients figure(s).
-    #[arg(long, value_delimiter = ',', default_value = "1,16,64")]
+    /// Measured seconds per load point and run (after a warm-up of a fifth of it).
+    #[arg(long, default_value_t = 1.5)]
+    secs: f64,
+    /// Concurrent clients for the append figures.
+    #[arg(long, value_delimiter = ',', default_value = "1,16,64,256")]
     clients: Vec<usize>,
-    /// Where to put the data (on the disk you want to measure).
+    /// Where every store keeps its data (on the disk you want to measure).
     #[arg(long, default_value = "target/bench-data")]
-    dir: std::path::PathBuf,
+    dir: PathBuf,
+    /// Write the markdown report here (else it is printed).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// An `event-store` built with `--features unsafe-skip-fsync`, for the ceiling of the
+    /// gRPC path (never the default build).
+    #[arg(long)]
+    nofsync_store: Option<PathBuf>,
+    /// Skip PostgreSQL, Redis and etcd (the naive JSONL baseline always runs).
+    #[arg(long)]
+    no_baselines: bool,
+    /// Skip the `perf` profile.
+    #[arg(long)]
+    no_profile: bool,
+    /// Sessions (of 100 events) for the memory and disk figure.
+    #[arg(long, default_value_t = 10_000)]
+    footprint_sessions: usize,
+    /// Events in the session read by the catch-up figure.
+    #[arg(long, default_value_t = 100_000)]
+    catch_up_events: usize,
+    /// The command that ran this, for the report.
+    #[arg(long, default_value = "")]
+    command: String,
 }
 
-const RECORD_BYTES: usize = 300;
+/// Every text payload is this long.
+pub const EVENT_BYTES: usize = 300;
+
+/// A 300-byte text, like a short user turn.
+pub fn event_text() -> String {
+    let phrase = "Please look at the failing test in the parser module and fix it. ";
+    phrase.repeat(EVENT_BYTES / phrase.len() + 1)[..EVENT_BYTES].to_string()
+}
+
+/// The same event as the JSON line a baseline stores.
+pub fn event_json() -> String {
+    serde_json::json!({"type": "user_message", "text": event_text()}).to_string()
+}
+
+/// Sizes of everything, full or quick.
+struct Plan {
+    runs: usize,
+    window: Window,
+    raw_secs: Duration,
+    clients: Vec<usize>,
+    catch_up_events: usize,
+    followers: Vec<usize>,
+    fan_out_events: usize,
+    fan_out_interval: Duration,
+    resume_sizes: Vec<usize>,
+    footprint: (usize, usize),
+}
+
+impl Plan {
+    fn from(args: &Args) -> Plan {
+        if args.quick {
+            return Plan {
+                runs: 1,
+                window: Window {
+                    warmup: Duration::from_millis(50),
+                    measure: Duration::from_millis(250),
+                },
+                raw_secs: Duration::from_millis(200),
+                clients: vec![1, 4],
+                catch_up_events: 2_000,
+                followers: vec![1, 10],
+                fan_out_events: 5,
+                fan_out_interval: Duration::from_millis(10),
+                resume_sizes: vec![10, 1_000],
+                footprint: (100, 10),
+            };
+        }
+        Plan {
+            runs: args.runs.max(1),
+            window: Window {
+                warmup: Duration::from_secs_f64(args.secs / 5.0),
+                measure: Duration::from_secs_f64(args.secs),
+            },
+            raw_secs: Duration::from_millis(750),
+            clients: args.clients.clone(),
+            catch_up_events: args.catch_up_events,
+            followers: vec![1, 100, 1_000],
+            fan_out_events: 50,
+            fan_out_interval: Duration::from_millis(20),
+            resume_sizes: vec![10, 1_000, 10_000, 100_000],
+            footprint: (args.footprint_sessions, 100),
+        }
+    }
+}
+
+/// The systems an append load point can run against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Target {
+    /// agentlog, one session per client.
+    Agentlog,
+    /// agentlog, every client on one session.
+    AgentlogOneSession,
+    /// agentlog with fsync skipped, one session per client.
+    Ceiling,
+    /// agentlog with fsync skipped, every client on one session.
+    CeilingOneSession,
+    Naive,
+    Postgres,
+    Redis,
+    Etcd,
+}
+
+impl Target {
+    pub fn label(self) -> &'static str {
+        match self {
+            Target::Agentlog => "agentlog, one session per client",
+            Target::AgentlogOneSession => "agentlog, all clients on one session",
+            Target::Ceiling => "agentlog, fsync skipped (ceiling), one session per client",
+            Target::CeilingOneSession => "agentlog, fsync skipped (ceiling), one session",
+            Target::Naive => "naive JSONL + fsync per event (one process)",
+            Target::Postgres => "PostgreSQL 15, INSERT per event, synchronous_commit=on",
+            Target::Redis => "Redis Streams XADD, appendfsync always",
+            Target::Etcd => "etcd Put, single node",
+        }
+    }
+}
+
+/// Every running system of one suite run.
+struct Systems {
+    store: Store,
+    ceiling: Option<Store>,
+    postgres: Option<Postgres>,
+    redis: Option<Redis>,
+    etcd: Option<Etcd>,
+    naive_dir: PathBuf,
+}
+
+enum AnyAppender {
+    Agentlog(AgentlogAppender),
+    Naive(disk::NaiveJsonl),
+    Postgres(baselines::postgres::PgAppender),
+    Redis(baselines::redis::RedisAppender),
+    Etcd(baselines::etcd::EtcdAppender),
+}
+
+impl Appender for AnyAppender {
+    async fn append(&mut self) -> anyhow::Result<()> {
+        match self {
+            AnyAppender::Agentlog(a) => a.append().await,
+            AnyAppender::Naive(a) => a.append().await,
+            AnyAppender::Postgres(a) => a.append().await,
+            AnyAppender::Redis(a) => a.append().await,
+            AnyAppender::Etcd(a) => a.append().await,
+        }
+    }
+}
+
+impl Systems {
+    /// The clients of one load point, or None where the target is not running (or, for
+    /// the naive baseline, is one process by definition).
+    async fn appenders(
+        &self,
+        target: Target,
+        clients: usize,
+        run: usize,
+    ) -> anyhow::Result<Option<Vec<AnyAppender>>> {
+        let mut out = Vec::with_capacity(clients);
+        for c in 0..clients {
+            let session = format!("load-{clients}-{run}-{c}");
+            let shared = format!("load-{clients}-{run}-shared");
+            let appender = match target {
+                Target::Agentlog => AnyAppender::Agentlog(
+                    AgentlogAppender::connect(&self.store.url(), session).await?,
+                ),
+                Target::AgentlogOneSession => AnyAppender::Agentlog(
+                    AgentlogAppender::connect(&self.store.url(), shared).await?,
+                ),
+                Target::Ceiling | Target::CeilingOneSession => {
+                    let Some(ceiling) = &self.ceiling else {
+                        return Ok(None);
+                    };
+                    let session = if target == Target::Ceiling {
+                        session
+                    } else {
+                        shared
+                    };
+                    AnyAppender::Agentlog(AgentlogAppender::connect(&ceiling.url(), session).await?)
+                }
+                Target::Naive => {
+                    if clients != 1 {
+                        return Ok(None);
+                    }
+                    AnyAppender::Naive(disk::NaiveJsonl::create(&self.naive_dir, &session)?)
+                }
+                Target::Postgres => match &self.postgres {
+                    Some(pg) => AnyAppender::Postgres(pg.appender(session).await?),
+                    None => return Ok(None),
+                },
+                Target::Redis => match &self.redis {
+                    Some(redis) => AnyAppender::Redis(redis.appender(session).await?),
+                    None => return Ok(None),
+                },
+                Target::Etcd => match &self.etcd {
+                    Some(etcd) => AnyAppender::Etcd(etcd.appender(session).await?),
+                    None => return Ok(None),
+                },
+            };
+            out.push(appender);
+        }
+        Ok(Some(out))
+    }
+}
+
+/// Results of the append matrix: (target, clients) → one `LoadRun` per run.
+pub type LoadResults = HashMap<(Target, usize), Vec<LoadRun>>;
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    // A real deployment's followers come from many callers; the bench's 1,000 all come
+    // from this one process, over its default per-caller limit of 1,000 streams. Set
+    // before any thread or child process exists.
+    std::env::set_var("AGENTLOG_MAX_SUBSCRIPTIONS_PER_CALLER", "100000");
+    let plan = Plan::from(&args);
     std::fs::create_dir_all(&args.dir)?;
-    let runs = if args.quick { 1 } else { args.runs };
-    let secs = if args.quick { 0.2 } else { 2.0 };
+    let dir = std::fs::canonicalize(&args.dir)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let mut report = Report::new(&args, &dir);
+    let outcome = rt.block_on(run_suite(&args, &plan, &dir, &mut report));
+    if let Err(e) = &outcome {
+        report.note(format!("The run stopped early: {e:#}"));
+    }
+    report.finish();
+    let text = report.render();
+    match &args.out {
+        Some(path) => {
+            std::fs::write(path, &text).with_context(|| format!("write {}", path.display()))?;
+            eprintln!("wrote {}", path.display());
+        }
+        None => println!("{text}"),
+    }
+    outcome
+}
 
-    println!("| figure | median | min | max |");
-    println!("|---|---|---|---|");
-    let raw = raw_fdatasync(&args.dir, 1, runs, secs)?;
-    row("raw write+fdatasync, 1 record/sync (syncs/s)", &raw);
-    for batch in [8, 64, 256] {
-        let r = raw_fdatasync(&args.dir, batch, runs, secs)?;
-        row(
-            &format!("raw write+fdatasync, {batch} records/sync (records/s)"),
-            &r,
-        );
+fn progress(what: &str) {
+    eprintln!("[bench] {what}");
+}
+
+async fn run_suite(
+    args: &Args,
+    plan: &Plan,
+    dir: &Path,
+    report: &mut Report,
+) -> anyhow::Result<()> {
+    // 1. The limits of the disk, first.
+    progress("raw write + fdatasync");
+    let mut raw: Vec<(disk::RawFile, usize, Runs, Runs)> = Vec::new();
+    for layout in [disk::RawFile::Preallocated, disk::RawFile::Appending] {
+        for batch in [1, 8, 64, 256] {
+            let mut rates = Runs::default();
+            let mut sync_ms = Runs::default();
+            for _ in 0..plan.runs {
+                let run = tokio::task::block_in_place(|| {
+                    disk::raw_fdatasync(dir, batch, plan.raw_secs, layout)
+                })?;
+                rates.push(run.records_per_s);
+                sync_ms.push(run.sync_ms);
+            }
+            raw.push((layout, batch, rates, sync_ms));
+        }
+    }
+    report.raw = raw;
+
+    // Start everything the append figures compare.
+    progress("starting the stores");
+    let fresh = |name: &str| -> anyhow::Result<PathBuf> {
+        let path = dir.join(name);
+        if path.exists() {
+            std::fs::remove_dir_all(&path)?;
+        }
+        std::fs::create_dir_all(&path)?;
+        Ok(path)
+    };
+    let store = Store::start_in(&fresh("agentlog")?)?;
+    let ceiling = match &args.nofsync_store {
+        Some(binary) if !args.quick => {
+            Some(Store::start_binary(binary, &fresh("agentlog-nofsync")?)?)
+        }
+        _ => {
+            report.note(if args.quick {
+                "Quick mode measures no fsync-skipped ceiling.".into()
+            } else {
+                "The fsync-skipped ceiling was not measured: no `--nofsync-store` binary \
+                 (bench/run builds one when the event-store has the `unsafe-skip-fsync` feature)."
+                    .into()
+            });
+            None
+        }
+    };
+    let baselines = !args.quick && !args.no_baselines;
+    let postgres = if baselines {
+        start_or_note(
+            report,
+            "PostgreSQL",
+            Postgres::start(&fresh("postgres")?).await,
+        )
+    } else {
+        None
+    };
+    let redis = if baselines {
+        start_or_note(report, "Redis", Redis::start(&fresh("redis")?).await)
+    } else {
+        None
+    };
+    let etcd = if baselines {
+        start_or_note(report, "etcd", Etcd::start(&fresh("etcd")?).await)
+    } else {
+        None
+    };
+    report.versions.extend([
+        ("PostgreSQL", postgres.as_ref().map(|p| p.version.clone())),
+        ("Redis", redis.as_ref().map(|r| r.version.clone())),
+        ("etcd", etcd.as_ref().map(|e| e.version.clone())),
+    ]);
+    let systems = Systems {
+        store,
+        ceiling,
+        postgres,
+        redis,
+        etcd,
+        naive_dir: fresh("naive")?,
+    };
+
+    // 2 and 3. Appends: each run goes round every system, so that all of them see the
+    // same moments of a noisy machine.
+    let targets = [
+        Target::Agentlog,
+        Target::AgentlogOneSession,
+        Target::Ceiling,
+        Target::CeilingOneSession,
+        Target::Naive,
+        Target::Postgres,
+        Target::Redis,
+        Target::Etcd,
+    ];
+    let mut loads: LoadResults = HashMap::new();
+    let mut failed = std::collections::HashSet::new();
+    for &clients in &plan.clients {
+        progress(&format!("appends, {clients} clients"));
+        for run in 0..plan.runs {
+            for target in targets {
+                if failed.contains(&target) {
+                    continue;
+                }
+                // A system that fails is reported and left out; the others go on.
+                let result = async {
+                    let Some(appenders) = systems.appenders(target, clients, run).await? else {
+                        return anyhow::Ok(None);
+                    };
+                    Ok(Some(closed_loop(appenders, plan.window).await?))
+                }
+                .await;
+                match result {
+                    Ok(Some(result)) => loads.entry((target, clients)).or_default().push(result),
+                    Ok(None) => {}
+                    Err(e) => {
+                        report.note(format!(
+                            "{} failed at {clients} clients and was left out from there on: {e:#}",
+                            target.label()
+                        ));
+                        failed.insert(target);
+                    }
+                }
+            }
+        }
+    }
+    report.loads = loads;
+
+    // Where the time goes at 64 clients (or the largest count measured).
+    if !args.quick && !args.no_profile {
+        progress("profile");
+        let clients = if plan.clients.contains(&64) {
+            64
+        } else {
+            plan.clients.iter().copied().max().unwrap_or(1)
+        };
+        let window = Window {
+            warmup: plan.window.warmup,
+            measure: plan.window.measure.max(Duration::from_secs(3)),
+        };
+        match profile_appends(&systems, clients, window, dir).await {
+            Ok(p) => report.profile = Some(p),
+            Err(e) => report.note(format!("No profile: {e:#}")),
+        }
     }
 
-    let data = tempfile::tempdir_in(&args.dir)?;
-    let store = Store::start_in(data.path())?;
-    let rt = tokio::runtime::Runtime::new()?;
-    for &clients in &args.clients {
-        let mut rates = Vec::new();
-        for run in 0..runs {
-            rates.push(rt.block_on(appends(&store, clients, run, secs))?);
+    // 4. Subscribe: catch-up and live fan-out.
+    progress("catch-up");
+    let n = plan.catch_up_events;
+    let url = systems.store.url();
+    agentlog::fill_session(&url, "catchup", n).await?;
+    if let Some(pg) = &systems.postgres {
+        pg.fill("catchup", n as i64).await?;
+    }
+    if let Some(redis) = &systems.redis {
+        redis.fill("catchup", n).await?;
+    }
+    if let Some(etcd) = &systems.etcd {
+        etcd.fill("catchup", n).await?;
+    }
+    let mut catch_up: Vec<(&'static str, Runs)> =
+        vec![("agentlog Subscribe from seq 1", Runs::default())];
+    if systems.postgres.is_some() {
+        catch_up.push(("PostgreSQL SELECT … ORDER BY seq", Runs::default()));
+    }
+    if systems.redis.is_some() {
+        catch_up.push(("Redis XREAD COUNT 1000 from an id", Runs::default()));
+    }
+    if systems.etcd.is_some() {
+        catch_up.push(("etcd Range pages of 1000", Runs::default()));
+    }
+    for _ in 0..plan.runs {
+        for (name, runs) in catch_up.iter_mut() {
+            let rate = if name.starts_with("agentlog") {
+                agentlog::catch_up(&url, "catchup", n).await?
+            } else if name.starts_with("PostgreSQL") {
+                systems
+                    .postgres
+                    .as_ref()
+                    .context("postgres")?
+                    .catch_up("catchup", n)
+                    .await?
+            } else if name.starts_with("Redis") {
+                systems
+                    .redis
+                    .as_ref()
+                    .context("redis")?
+                    .catch_up("catchup", n)
+                    .await?
+            } else {
+                systems
+                    .etcd
+                    .as_ref()
+                    .context("etcd")?
+                    .catch_up("catchup", n)
+                    .await?
+            };
+            runs.push(rate);
         }
-        row(
-            &format!("durable Append via gRPC, {clients} clients (appends/s)"),
-            &rates,
-        );
-        if clients == 1 {
-            let median_raw = median(&raw);
-            let median_store = median(&rates);
-            println!(
-                "| 1 client: append latency / raw fdatasync latency | {:.2}x | | |",
-                median_raw / median_store
+    }
+    report.catch_up = (n, catch_up);
+
+    progress("fan-out");
+    let mut fan_out: Vec<(&'static str, usize, Vec<Vec<f64>>)> = Vec::new();
+    for &followers in &plan.followers {
+        let mut ours = Vec::new();
+        let mut redis_runs = Vec::new();
+        let mut etcd_runs = Vec::new();
+        for run in 0..plan.runs {
+            let session = format!("fanout-{followers}-{run}");
+            ours.push(
+                agentlog::fan_out(
+                    &url,
+                    &session,
+                    followers,
+                    plan.fan_out_events,
+                    plan.fan_out_interval,
+                )
+                .await
+                .with_context(|| format!("agentlog fan-out to {followers}"))?,
             );
+            // A baseline that fails is reported and left out; the others go on.
+            if let Some(redis) = &systems.redis {
+                let events = plan.fan_out_events;
+                match redis
+                    .fan_out(&session, followers, events, plan.fan_out_interval)
+                    .await
+                {
+                    Ok(latencies) => redis_runs.push(latencies),
+                    Err(e) => report.note(format!("Redis fan-out to {followers} failed: {e:#}")),
+                }
+            }
+            if let Some(etcd) = &systems.etcd {
+                let events = plan.fan_out_events;
+                match etcd
+                    .fan_out(&session, followers, events, plan.fan_out_interval)
+                    .await
+                {
+                    Ok(latencies) => etcd_runs.push(latencies),
+                    Err(e) => report.note(format!("etcd fan-out to {followers} failed: {e:#}")),
+                }
+            }
+        }
+        fan_out.push(("agentlog Subscribe(follow)", followers, ours));
+        if !redis_runs.is_empty() {
+            fan_out.push(("Redis XREAD BLOCK", followers, redis_runs));
+        }
+        if !etcd_runs.is_empty() {
+            fan_out.push(("etcd Watch", followers, etcd_runs));
         }
     }
+    report.fan_out = (plan.fan_out_events, plan.fan_out_interval, fan_out);
+
+    // The baselines are done: stop them so that they take no CPU from what follows.
+    drop(systems);
+
+    // 5. Resume, on a store of its own (the load sessions above are all runnable).
+    progress("resume");
+    let resume_dir = fresh("resume")?;
+    let resume_store = Store::start_in(&resume_dir.join("store"))?;
+    let rurl = resume_store.url();
+    let max = plan.resume_sizes.iter().copied().max().unwrap_or(0);
+    for &size in &plan.resume_sizes {
+        resume::build_session(&rurl, &format!("resume-{size}"), size).await?;
+    }
+    let runner = resume::start_runner(&rurl, &resume_dir, max, plan.runs + 1)?;
+    // The first resume also waits for the runner to start; it is not counted.
+    resume::resume_once(&rurl, &format!("resume-{}", plan.resume_sizes[0]))
+        .await
+        .context("warm-up resume (see runner.log in the bench dir)")?;
+    let mut resumes = Vec::new();
+    for &size in &plan.resume_sizes {
+        let mut first = Runs::default();
+        let mut reply = Runs::default();
+        for _ in 0..plan.runs {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let r = resume::resume_once(&rurl, &format!("resume-{size}")).await?;
+            first.push(r.first_action_ms);
+            reply.push(r.reply_ms);
+        }
+        resumes.push((size, first, reply));
+    }
+    report.resume = resumes;
+    drop(runner);
+    drop(resume_store);
+
+    // 6. Memory and disk.
+    progress("footprint");
+    let (sessions, per_session) = plan.footprint;
+    report.footprint =
+        Some(agentlog::footprint(&fresh("footprint")?, sessions, per_session).await?);
     Ok(())
 }
 
-fn row(name: &str, values: &[f64]) {
-    let min = values.iter().cloned().fold(f64::INFINITY, f64::min);
-    let max = values.iter().cloned().fold(0.0, f64::max);
-    println!("| {name} | {:.0} | {min:.0} | {max:.0} |", median(values));
-}
-
-fn median(values: &[f64]) -> f64 {
-    let mut v = values.to_vec();
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
-}
-
-/// Records per second made durable by `write(batch × 300 B) + fdatasync` in a loop.
-fn raw_fdatasync(dir: &Path, batch: usize, runs: usize, secs: f64) -> anyhow::Result<Vec<f64>> {
-    let mut rates = Vec::new();
-    for _ in 0..runs {
-        let path = dir.join("raw-fdatasync.bin");
-        let mut file = OpenOptions::new()
-            .create(true)
-            .write(true)
-            .truncate(true)
-            .open(&path)
-            .context("open the raw fdatasync file")?;
-        let buf = vec![b'x'; RECORD_BYTES * batch];
-        let start = Instant::now();
-        let mut records = 0u64;
-        while start.elapsed().as_secs_f64() < secs {
-            file.write_all(&buf)?;
-            file.sync_data()?;
-            records += batch as u64;
+fn start_or_note<T>(report: &mut Report, name: &str, started: anyhow::Result<T>) -> Option<T> {
+    match started {
+        Ok(server) => Some(server),
+        Err(e) => {
+            report.note(format!("{name} was not measured: it did not start: {e:#}"));
+            None
         }
-        rates.push(records as f64 / start.elapsed().as_secs_f64());
-        std::fs::remove_file(&path)?;
     }
-    Ok(rates)
 }
 
-/// SYNC appends per second from `clients` concurrent clients, one session each.
-async fn appends(store: &Store, clients: usize, run: usize, secs: f64) -> anyhow::Result<f64> {
-    let deadline = Instant::now() + Duration::from_secs_f64(secs);
-    let start = Instant::now();
-    let mut tasks = Vec::new();
-    for c in 0..clients {
-        let mut client = store.client().await?;
-        let session_id = format!("bench-{clients}-{run}-{c}");
-        tasks.push(tokio::spawn(async move {
-            let mut n = 0u64;
-            while Instant::now() < deadline {
-                let event = Event {
-                    kind: Some(event::Kind::UserMessage(UserMessage {
-                        text: "x".repeat(RECORD_BYTES),
-                    })),
-                    ..Default::default()
-                };
-                client
-                    .append(AppendRequest {
-                        session_id: session_id.clone(),
-                        events: vec![event],
-                        ..Default::default()
-                    })
-                    .await?;
-                n += 1;
-            }
-            Ok::<u64, tonic::Status>(n)
-        }));
+/// CPU use, fsync counts and a sampled profile of the store under `clients` clients, and
+/// fsync counts of the baselines under the same load.
+async fn profile_appends(
+    systems: &Systems,
+    clients: usize,
+    window: Window,
+    dir: &Path,
+) -> anyhow::Result<report::Profile> {
+    let perf = profile::perf_available();
+    let mut rows = Vec::new();
+    let targets = [
+        (Target::Agentlog, Some(systems.store.pid())),
+        (Target::Postgres, systems.postgres.as_ref().map(|p| p.pid())),
+        (Target::Redis, systems.redis.as_ref().map(|r| r.pid())),
+        (Target::Etcd, systems.etcd.as_ref().map(|e| e.pid())),
+    ];
+    let mut recording = None;
+    for (target, pid) in targets {
+        let Some(pid) = pid else { continue };
+        let Some(appenders) = systems.appenders(target, clients, 1000).await? else {
+            continue;
+        };
+        let pids = profile::with_children(pid);
+        // Load for the whole window; count and sample over the measured part only.
+        let load = tokio::spawn(closed_loop(appenders, window));
+        tokio::time::sleep(window.warmup).await;
+        let secs = window.measure.as_secs_f64();
+        let counter = if perf {
+            Some(profile::SyscallCount::start(
+                &pids,
+                &dir.join("perf-stat.txt"),
+                secs,
+            )?)
+        } else {
+            None
+        };
+        let record = if perf && target == Target::Agentlog {
+            Some(profile::Recording::start(
+                pid,
+                &dir.join("perf.data"),
+                secs,
+            )?)
+        } else {
+            None
+        };
+        let server_cpu_before: f64 = pids.iter().map(|&p| profile::cpu_secs(p)).sum();
+        let bench_cpu_before = profile::cpu_secs(std::process::id());
+        let started = std::time::Instant::now();
+        let result = load.await??;
+        let wall = started.elapsed().as_secs_f64();
+        let server_cpu: f64 =
+            pids.iter().map(|&p| profile::cpu_secs(p)).sum::<f64>() - server_cpu_before;
+        let bench_cpu = profile::cpu_secs(std::process::id()) - bench_cpu_before;
+        let syncs = match counter {
+            Some(c) => Some(tokio::task::block_in_place(|| c.finish())?),
+            None => None,
+        };
+        if let Some(r) = record {
+            recording = Some(tokio::task::block_in_place(|| r.finish())?);
+        }
+        rows.push(report::ProfileRow {
+            target,
+            rate: result.rate,
+            server_cores: server_cpu / wall,
+            bench_cores: bench_cpu / wall,
+            server_cpu_us_per_append: server_cpu * 1e6 / (result.rate * wall),
+            syncs_per_s: syncs.map(|s| s as f64 / secs),
+            appends_per_sync: syncs.map(|s| result.rate * secs / (s as f64).max(1.0)),
+        });
     }
-    let mut total = 0;
-    for task in tasks {
-        total += task.await??;
-    }
-    Ok(total as f64 / start.elapsed().as_secs_f64())
+    Ok(report::Profile {
+        clients,
+        rows,
+        perf: recording,
+    })
 }

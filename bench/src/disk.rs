@@ -1,0 +1,139 @@
+//! What the disk allows, and what most agent harnesses do today.
+//!
+//! - the raw rate: `write(batch × 300 B) + fdatasync` in a loop, on a growing file and on
+//!   a zero-filled one, the floor under any durable store on this disk;
+//! - the naive baseline: one JSON line per event, `write` + `fsync`, from one process.
+
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+
+use crate::load::Appender;
+use crate::EVENT_BYTES;
+
+/// One run of the raw loop.
+#[derive(Debug, Clone, Copy)]
+pub struct RawRun {
+    /// Records made durable per second.
+    pub records_per_s: f64,
+    /// Median time of one write + fdatasync.
+    pub sync_ms: f64,
+}
+
+/// How the raw loop lays out its file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RawFile {
+    /// Appends: every fdatasync also persists the grown file size (what a naive JSONL log
+    /// pays).
+    Appending,
+    /// Overwrites zero-filled, synced blocks (as the store's preallocated segments do), so
+    /// an fdatasync persists only the data.
+    Preallocated,
+}
+
+const PREALLOCATED_BYTES: u64 = 16 << 20;
+
+/// Records per second made durable by `write(batch × 300 B) + fdatasync`, for `secs`.
+pub fn raw_fdatasync(
+    dir: &Path,
+    batch: usize,
+    secs: Duration,
+    layout: RawFile,
+) -> anyhow::Result<RawRun> {
+    use std::os::unix::fs::FileExt;
+    let path = dir.join("raw-fdatasync.bin");
+    let mut file = OpenOptions::new()
+        .create(true)
+        .write(true)
+        .truncate(true)
+        .open(&path)
+        .context("open the raw fdatasync file")?;
+    if layout == RawFile::Preallocated {
+        let zeros = vec![0u8; 1 << 20];
+        for _ in 0..PREALLOCATED_BYTES >> 20 {
+            file.write_all(&zeros)?;
+        }
+        file.sync_all()?;
+    }
+    let buf = vec![b'x'; EVENT_BYTES * batch];
+    let start = Instant::now();
+    let mut records = 0u64;
+    let mut offset = 0u64;
+    let mut syncs_ms = Vec::new();
+    while start.elapsed() < secs {
+        let t = Instant::now();
+        match layout {
+            RawFile::Appending => file.write_all(&buf)?,
+            RawFile::Preallocated => {
+                if offset + buf.len() as u64 > PREALLOCATED_BYTES {
+                    offset = 0;
+                }
+                file.write_all_at(&buf, offset)?;
+                offset += buf.len() as u64;
+            }
+        }
+        file.sync_data()?;
+        syncs_ms.push(t.elapsed().as_secs_f64() * 1e3);
+        records += batch as u64;
+    }
+    let elapsed = start.elapsed().as_secs_f64();
+    drop(file);
+    std::fs::remove_file(&path)?;
+    Ok(RawRun {
+        records_per_s: records as f64 / elapsed,
+        sync_ms: crate::stats::percentile_f64(&syncs_ms, 0.5),
+    })
+}
+
+/// The naive approach: append a JSON line to the session's file and fsync it, per event.
+pub struct NaiveJsonl {
+    file: File,
+    path: PathBuf,
+    seq: u64,
+    text: String,
+}
+
+impl NaiveJsonl {
+    pub fn create(dir: &Path, session: &str) -> anyhow::Result<NaiveJsonl> {
+        let path = dir.join(format!("{session}.jsonl"));
+        let file = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .with_context(|| format!("open {}", path.display()))?;
+        Ok(NaiveJsonl {
+            file,
+            path,
+            seq: 0,
+            text: crate::event_text(),
+        })
+    }
+}
+
+impl Drop for NaiveJsonl {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+impl Appender for NaiveJsonl {
+    async fn append(&mut self) -> anyhow::Result<()> {
+        self.seq += 1;
+        let line = serde_json::json!({
+            "seq": self.seq,
+            "type": "user_message",
+            "text": self.text,
+        });
+        let mut bytes = serde_json::to_vec(&line)?;
+        bytes.push(b'\n');
+        // Blocking file I/O, as the harnesses do it; off the async workers' backs.
+        tokio::task::block_in_place(|| {
+            self.file.write_all(&bytes)?;
+            self.file.sync_all()
+        })?;
+        Ok(())
+    }
+}

@@ -1,0 +1,695 @@
+//! bench/RESULTS.md: the machine, the date, the exact commands, every figure as median
+//! (min–max) over the runs, ratios against the baselines of the same run, and the issue's
+//! goals marked met or not met.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use crate::agentlog::Footprint;
+use crate::stats::{fmt_num, fmt_ratio, percentile_f64, Runs};
+use crate::{Args, LoadResults, Target};
+
+pub struct ProfileRow {
+    pub target: Target,
+    pub rate: f64,
+    pub server_cores: f64,
+    pub bench_cores: f64,
+    pub server_cpu_us_per_append: f64,
+    pub syncs_per_s: Option<f64>,
+    pub appends_per_sync: Option<f64>,
+}
+
+pub struct Profile {
+    pub clients: usize,
+    pub rows: Vec<ProfileRow>,
+    /// perf report by thread, by symbol, and the log writer's inclusive profile.
+    pub perf: Option<(String, String, String)>,
+}
+
+/// (system, followers, every run's delivery latencies in ms).
+pub type FanOutRows = Vec<(&'static str, usize, Vec<Vec<f64>>)>;
+
+#[derive(Default)]
+pub struct Report {
+    quick: bool,
+    command: String,
+    argv: String,
+    dir: PathBuf,
+    started: String,
+    load_before: String,
+    load_after: String,
+    finished: String,
+    pub versions: Vec<(&'static str, Option<String>)>,
+    notes: Vec<String>,
+    pub raw: Vec<(crate::disk::RawFile, usize, Runs, Runs)>,
+    pub loads: LoadResults,
+    pub profile: Option<Profile>,
+    pub catch_up: (usize, Vec<(&'static str, Runs)>),
+    pub fan_out: (usize, Duration, FanOutRows),
+    pub resume: Vec<(usize, Runs, Runs)>,
+    pub footprint: Option<Footprint>,
+}
+
+fn shell(program: &str, args: &[&str]) -> String {
+    Command::new(program)
+        .args(args)
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_else(|| "?".into())
+}
+
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "?".into())
+}
+
+impl Report {
+    pub fn new(args: &Args, dir: &Path) -> Report {
+        Report {
+            quick: args.quick,
+            command: args.command.clone(),
+            argv: std::env::args()
+                .map(|a| if a.contains(' ') { format!("'{a}'") } else { a })
+                .collect::<Vec<_>>()
+                .join(" "),
+            dir: dir.to_path_buf(),
+            started: shell("date", &["-u", "+%Y-%m-%d %H:%M:%S UTC"]),
+            load_before: loadavg(),
+            ..Default::default()
+        }
+    }
+
+    pub fn note(&mut self, note: String) {
+        eprintln!("[bench] note: {note}");
+        self.notes.push(note);
+    }
+
+    pub fn finish(&mut self) {
+        self.load_after = loadavg();
+        self.finished = shell("date", &["-u", "+%H:%M:%S UTC"]);
+    }
+
+    fn load(&self, target: Target, clients: usize) -> Option<&Vec<crate::load::LoadRun>> {
+        self.loads.get(&(target, clients))
+    }
+
+    fn rate(&self, target: Target, clients: usize) -> Option<Runs> {
+        self.load(target, clients)
+            .map(|runs| Runs(runs.iter().map(|r| r.rate).collect()))
+    }
+
+    fn p50(&self, target: Target, clients: usize) -> Option<Runs> {
+        self.load(target, clients)
+            .map(|runs| Runs(runs.iter().map(|r| r.p50_ms).collect()))
+    }
+
+    fn p99(&self, target: Target, clients: usize) -> Option<Runs> {
+        self.load(target, clients)
+            .map(|runs| Runs(runs.iter().map(|r| r.p99_ms).collect()))
+    }
+
+    fn clients(&self) -> Vec<usize> {
+        let mut c: Vec<usize> = self.loads.keys().map(|(_, c)| *c).collect();
+        c.sort_unstable();
+        c.dedup();
+        c
+    }
+
+    pub fn render(&self) -> String {
+        let mut md = String::new();
+        let _ = self.render_into(&mut md);
+        md
+    }
+
+    fn render_into(&self, md: &mut String) -> std::fmt::Result {
+        writeln!(md, "# agentlog benchmark results\n")?;
+        if self.quick {
+            writeln!(
+                md,
+                "**Quick mode**: tiny runs that only check the suite still works. These numbers mean nothing.\n"
+            )?;
+        }
+        writeln!(
+            md,
+            "Every figure is the **median** of the runs, with (min–max). Ratios compare medians \
+             measured in this same run, on the same disk; each run visits every system in turn, \
+             so all of them share the same moments of the machine. Events are 300-byte texts; \
+             appends are SYNC (acknowledged after fdatasync) unless said otherwise.\n"
+        )?;
+        self.render_machine(md)?;
+        self.render_goals(md)?;
+        self.render_limits(md)?;
+        self.render_appends(md)?;
+        self.render_profile(md)?;
+        self.render_subscribe(md)?;
+        self.render_resume(md)?;
+        self.render_footprint(md)?;
+        self.render_method(md)?;
+        if !self.notes.is_empty() {
+            writeln!(md, "## Notes from this run\n")?;
+            for note in &self.notes {
+                writeln!(md, "- {note}")?;
+            }
+            writeln!(md)?;
+        }
+        Ok(())
+    }
+
+    fn render_machine(&self, md: &mut String) -> std::fmt::Result {
+        let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+        let cpu = cpuinfo
+            .lines()
+            .find(|l| l.starts_with("model name"))
+            .and_then(|l| l.split(':').nth(1))
+            .unwrap_or("?")
+            .trim()
+            .to_string();
+        let cores = std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(0);
+        let mem = std::fs::read_to_string("/proc/meminfo")
+            .ok()
+            .and_then(|m| {
+                m.lines()
+                    .find(|l| l.starts_with("MemTotal"))
+                    .and_then(|l| l.split_whitespace().nth(1))
+                    .and_then(|kb| kb.parse::<f64>().ok())
+            })
+            .map(|kb| format!("{:.1} GiB", kb / 1024.0 / 1024.0))
+            .unwrap_or_else(|| "?".into());
+        let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+            .unwrap_or_default()
+            .trim()
+            .to_string();
+        let dir = self.dir.to_string_lossy().to_string();
+        let fs = shell("findmnt", &["-no", "SOURCE,FSTYPE,OPTIONS", "-T", &dir]);
+        let commit = shell("git", &["rev-parse", "--short", "HEAD"]);
+        let dirty = if shell("git", &["status", "--porcelain"]).is_empty() {
+            ""
+        } else {
+            " (with uncommitted changes)"
+        };
+        writeln!(md, "## Machine and run\n")?;
+        writeln!(md, "| | |\n|---|---|")?;
+        writeln!(md, "| date | {} → {} |", self.started, self.finished)?;
+        writeln!(
+            md,
+            "| CPU | {cpu}, {cores} cores (shared by the stores and the load generator) |"
+        )?;
+        writeln!(md, "| memory | {mem} |")?;
+        writeln!(md, "| kernel | Linux {kernel} |")?;
+        writeln!(
+            md,
+            "| data disk | `{dir}` on `{fs}` (every store's data, and the raw test, on it) |"
+        )?;
+        writeln!(
+            md,
+            "| load average (1, 5, 15 min) | before: {}; after: {} |",
+            self.load_before, self.load_after
+        )?;
+        let build = if cfg!(debug_assertions) {
+            "debug"
+        } else {
+            "release"
+        };
+        writeln!(md, "| agentlog | commit {commit}{dirty}, {build} build |")?;
+        writeln!(md, "| rustc | {} |", shell("rustc", &["--version"]))?;
+        for (name, version) in &self.versions {
+            writeln!(
+                md,
+                "| {name} | {} |",
+                version.as_deref().unwrap_or("not measured in this run")
+            )?;
+        }
+        writeln!(md)?;
+        writeln!(md, "Commands:\n")?;
+        writeln!(md, "```sh")?;
+        if !self.command.is_empty() {
+            writeln!(md, "{}", self.command)?;
+            writeln!(md, "# which ran:")?;
+        }
+        writeln!(md, "{}", self.argv)?;
+        writeln!(md, "```\n")?;
+        Ok(())
+    }
+
+    fn render_goals(&self, md: &mut String) -> std::fmt::Result {
+        writeln!(md, "## Goals (issue 6)\n")?;
+        writeln!(md, "| goal | measured | met? |\n|---|---|---|")?;
+        let c64 = if self.clients().contains(&64) {
+            64
+        } else {
+            *self.clients().last().unwrap_or(&1)
+        };
+        let ours64 = self.rate(Target::Agentlog, c64).map(|r| r.median());
+        for (target, name) in [
+            (Target::Postgres, "PostgreSQL"),
+            (Target::Redis, "Redis (appendfsync always)"),
+            (Target::Etcd, "etcd"),
+        ] {
+            let theirs = self.rate(target, c64).map(|r| r.median());
+            let (measured, met) = match (ours64, theirs) {
+                (Some(o), Some(t)) => (
+                    format!(
+                        "{} vs {} appends/s = **{}**",
+                        fmt_num(o),
+                        fmt_num(t),
+                        fmt_ratio(o / t)
+                    ),
+                    met(o / t >= 3.0),
+                ),
+                _ => ("not measured".into(), "–".into()),
+            };
+            writeln!(md, "| {c64} clients: ≥ 3× {name} | {measured} | {met} |")?;
+        }
+        let raw_sync = self
+            .raw
+            .iter()
+            .find(|(layout, b, _, _)| *layout == crate::disk::RawFile::Preallocated && *b == 1)
+            .map(|(_, _, _, ms)| ms.median());
+        let ours1 = self.p50(Target::Agentlog, 1).map(|r| r.median());
+        let (measured, ok) = match (ours1, raw_sync) {
+            (Some(o), Some(r)) => (
+                format!(
+                    "p50 {:.3} ms vs raw write+fdatasync (preallocated) p50 {:.3} ms = **{}**",
+                    o,
+                    r,
+                    fmt_ratio(o / r)
+                ),
+                met(o / r <= 1.5),
+            ),
+            _ => ("not measured".into(), "–".into()),
+        };
+        writeln!(
+            md,
+            "| 1 client: latency ≤ 1.5× raw fdatasync | {measured} | {ok} |"
+        )?;
+        let ceiling64 = self.rate(Target::Ceiling, c64).map(|r| r.median());
+        let (measured, ok) = match (ours64, ceiling64) {
+            (Some(o), Some(c)) => (
+                format!(
+                    "{} vs {} appends/s = **{:.0}%**",
+                    fmt_num(o),
+                    fmt_num(c),
+                    100.0 * o / c
+                ),
+                met(o / c >= 0.8),
+            ),
+            _ => ("not measured (no fsync-skipped build)".into(), "–".into()),
+        };
+        writeln!(
+            md,
+            "| {c64} clients: ≥ 80% of the fsync-skipped ceiling | {measured} | {ok} |"
+        )?;
+        writeln!(md)?;
+        Ok(())
+    }
+
+    fn render_limits(&self, md: &mut String) -> std::fmt::Result {
+        writeln!(
+            md,
+            "## 1. The limits: the disk, and the gRPC path without fsync\n"
+        )?;
+        writeln!(
+            md,
+            "`write(n × 300 B)` + `fdatasync` in a loop on one file in the data dir, measured \
+             before anything else. *Preallocated* overwrites zero-filled, synced blocks, as the \
+             store's segments do (the fdatasync persists only data); *appending* grows the \
+             file, so every fdatasync also persists its size, as the naive JSONL log does. The \
+             goals use the preallocated figure, the faster of the two. The ceiling of the gRPC \
+             path (fsync skipped) is in the next table.\n"
+        )?;
+        writeln!(
+            md,
+            "| file | records per fdatasync | records/s | fdatasync p50 ms |\n|---|---|---|---|"
+        )?;
+        for (layout, batch, rates, ms) in &self.raw {
+            let layout = match layout {
+                crate::disk::RawFile::Preallocated => "preallocated",
+                crate::disk::RawFile::Appending => "appending",
+            };
+            writeln!(
+                md,
+                "| {layout} | {batch} | {} | {} |",
+                cell(rates),
+                cell_ms(ms)
+            )?;
+        }
+        writeln!(md)?;
+        Ok(())
+    }
+
+    fn render_appends(&self, md: &mut String) -> std::fmt::Result {
+        let clients = self.clients();
+        writeln!(
+            md,
+            "## 2–3. Durable appends: agentlog through gRPC, the ceiling, and the baselines\n"
+        )?;
+        writeln!(
+            md,
+            "Closed loop: each client sends its next append when the previous one is acknowledged. \
+             Appends/s of all clients together, median (min–max):\n"
+        )?;
+        let header: Vec<String> = clients
+            .iter()
+            .map(|&c| format!("{c} client{}", if c == 1 { "" } else { "s" }))
+            .collect();
+        writeln!(md, "| system | {} |", header.join(" | "))?;
+        writeln!(md, "|---|{}", "---|".repeat(clients.len()))?;
+        let targets = [
+            Target::Agentlog,
+            Target::AgentlogOneSession,
+            Target::Ceiling,
+            Target::CeilingOneSession,
+            Target::Naive,
+            Target::Postgres,
+            Target::Redis,
+            Target::Etcd,
+        ];
+        for target in targets {
+            if !clients.iter().any(|&c| self.load(target, c).is_some()) {
+                continue;
+            }
+            let cells: Vec<String> = clients
+                .iter()
+                .map(|&c| {
+                    self.rate(target, c)
+                        .map(|r| cell(&r))
+                        .unwrap_or_else(|| "–".into())
+                })
+                .collect();
+            writeln!(md, "| {} | {} |", target.label(), cells.join(" | "))?;
+        }
+        writeln!(md)?;
+        writeln!(
+            md,
+            "Latency per append, p50 / p99 in ms (each the median over the runs):\n"
+        )?;
+        writeln!(md, "| system | {} |", header.join(" | "))?;
+        writeln!(md, "|---|{}", "---|".repeat(clients.len()))?;
+        for target in targets {
+            if !clients.iter().any(|&c| self.load(target, c).is_some()) {
+                continue;
+            }
+            let cells: Vec<String> = clients
+                .iter()
+                .map(|&c| match (self.p50(target, c), self.p99(target, c)) {
+                    (Some(p50), Some(p99)) => format!("{:.2} / {:.2}", p50.median(), p99.median()),
+                    _ => "–".into(),
+                })
+                .collect();
+            writeln!(md, "| {} | {} |", target.label(), cells.join(" | "))?;
+        }
+        writeln!(md)?;
+        writeln!(
+            md,
+            "agentlog (one session per client) as a multiple of each baseline's appends/s:\n"
+        )?;
+        writeln!(md, "| vs | {} |", header.join(" | "))?;
+        writeln!(md, "|---|{}", "---|".repeat(clients.len()))?;
+        for target in [
+            Target::Ceiling,
+            Target::Naive,
+            Target::Postgres,
+            Target::Redis,
+            Target::Etcd,
+        ] {
+            if !clients.iter().any(|&c| self.load(target, c).is_some()) {
+                continue;
+            }
+            let cells: Vec<String> = clients
+                .iter()
+                .map(
+                    |&c| match (self.rate(Target::Agentlog, c), self.rate(target, c)) {
+                        (Some(o), Some(t)) => fmt_ratio(o.median() / t.median()),
+                        _ => "–".into(),
+                    },
+                )
+                .collect();
+            writeln!(md, "| {} | {} |", target.label(), cells.join(" | "))?;
+        }
+        writeln!(md)?;
+        Ok(())
+    }
+
+    fn render_profile(&self, md: &mut String) -> std::fmt::Result {
+        let Some(p) = &self.profile else {
+            return Ok(());
+        };
+        writeln!(md, "### Where the time goes at {} clients\n", p.clients)?;
+        writeln!(
+            md,
+            "One more run per system with its server's CPU time (/proc, all threads and child \
+             processes) and its fdatasync/fsync calls counted by `perf stat` tracepoints. \
+             \"appends per sync\" is the group-commit batch.\n"
+        )?;
+        writeln!(
+            md,
+            "| system | appends/s | server cores | load-generator cores | server CPU µs/append | syncs/s | appends per sync |\n|---|---|---|---|---|---|---|"
+        )?;
+        for r in &p.rows {
+            writeln!(
+                md,
+                "| {} | {} | {:.2} | {:.2} | {:.1} | {} | {} |",
+                r.target.label(),
+                fmt_num(r.rate),
+                r.server_cores,
+                r.bench_cores,
+                r.server_cpu_us_per_append,
+                r.syncs_per_s.map(fmt_num).unwrap_or_else(|| "–".into()),
+                r.appends_per_sync
+                    .map(fmt_num)
+                    .unwrap_or_else(|| "–".into()),
+            )?;
+        }
+        writeln!(md)?;
+        if let Some((threads, symbols, writer)) = &p.perf {
+            writeln!(
+                md,
+                "`perf record -e cpu-clock -g` of the store, CPU by thread:\n"
+            )?;
+            writeln!(md, "```\n{threads}\n```\n")?;
+            writeln!(md, "Hottest symbols (self time):\n")?;
+            writeln!(md, "```\n{symbols}\n```\n")?;
+            writeln!(
+                md,
+                "The `log-writer` thread (the single writer: validate, write, fdatasync, sled \
+                 index, publish), self CPU time by symbol, relative to that thread (the release \
+                 build has no frame pointers, so inclusive times are not reliable; off-CPU time \
+                 waiting for the disk is not in a cpu-clock profile):\n"
+            )?;
+            writeln!(md, "```\n{writer}\n```\n")?;
+        }
+        Ok(())
+    }
+
+    fn render_subscribe(&self, md: &mut String) -> std::fmt::Result {
+        let (n, rows) = &self.catch_up;
+        writeln!(md, "## 4. Subscribe\n")?;
+        writeln!(
+            md,
+            "Catch-up: read a whole session of {} events from the start (events/s):\n",
+            fmt_num(*n as f64)
+        )?;
+        writeln!(md, "| reader | events/s | agentlog ×  |\n|---|---|---|")?;
+        let ours = rows.first().map(|(_, r)| r.median());
+        for (name, runs) in rows {
+            let ratio = ours
+                .map(|o| fmt_ratio(o / runs.median()))
+                .unwrap_or_default();
+            writeln!(md, "| {name} | {} | {ratio} |", cell(runs))?;
+        }
+        writeln!(md)?;
+        let (events, interval, fan) = &self.fan_out;
+        writeln!(
+            md,
+            "Live fan-out: N followers on one session; a writer appends {events} events, one every {} ms; \
+             latency = received − acknowledged, over every delivery (ms; negative means the \
+             follower had it before the writer's acknowledgement arrived):\n",
+            interval.as_millis()
+        )?;
+        writeln!(
+            md,
+            "| followers | system | p50 ms | p99 ms | max ms |\n|---|---|---|---|---|"
+        )?;
+        for (name, followers, runs) in fan {
+            let p50 = Runs(runs.iter().map(|r| percentile_f64(r, 0.5)).collect());
+            let p99 = Runs(runs.iter().map(|r| percentile_f64(r, 0.99)).collect());
+            let max = Runs(runs.iter().map(|r| percentile_f64(r, 1.0)).collect());
+            writeln!(
+                md,
+                "| {followers} | {name} | {} | {} | {} |",
+                cell_ms(&p50),
+                cell_ms(&p99),
+                cell_ms(&max)
+            )?;
+        }
+        writeln!(md)?;
+        Ok(())
+    }
+
+    fn render_resume(&self, md: &mut String) -> std::fmt::Result {
+        writeln!(md, "## 5. Resume\n")?;
+        writeln!(
+            md,
+            "A session built with appends (cycles of user turn, reply with a `bash` tool_use, \
+             tool_started, tool_result, final reply), idle. A `runner` (scripted model) waits in \
+             ClaimSession. Each run appends a user turn and times, from its acknowledgement, the \
+             runner's claim → read → fold → model → first append (its first streamed delta, \
+             BUFFERED) and its durable reply (SYNC). The 10-event row is the fixed cost.\n"
+        )?;
+        writeln!(
+            md,
+            "| events in the session | first new action ms | reply durable ms |\n|---|---|---|"
+        )?;
+        for (size, first, reply) in &self.resume {
+            writeln!(
+                md,
+                "| {} | {} | {} |",
+                fmt_int(*size),
+                cell_ms(first),
+                cell_ms(reply)
+            )?;
+        }
+        writeln!(md)?;
+        Ok(())
+    }
+
+    fn render_footprint(&self, md: &mut String) -> std::fmt::Result {
+        let Some(f) = &self.footprint else {
+            return Ok(());
+        };
+        let mib = |b: u64| b as f64 / 1024.0 / 1024.0;
+        writeln!(md, "## 6. Memory and disk\n")?;
+        writeln!(
+            md,
+            "A fresh store filled with {} events (one append of a session's events per \
+             session, 64 writers), then measured; then restarted (recovery) and measured again. \
+             Single run.\n",
+            fmt_num(f.events as f64),
+        )?;
+        writeln!(md, "| | |\n|---|---|")?;
+        writeln!(
+            md,
+            "| the fill | {:.1} s = {} events/s; the store used {:.1} CPU s = {:.0} µs per event |",
+            f.fill_secs,
+            fmt_num(f.events as f64 / f.fill_secs),
+            f.fill_cpu_secs,
+            f.fill_cpu_secs * 1e6 / f.events as f64
+        )?;
+        writeln!(
+            md,
+            "| store RSS after the fill | {:.0} MiB (peak {:.0} MiB) |",
+            mib(f.rss_bytes),
+            mib(f.peak_rss_bytes)
+        )?;
+        writeln!(
+            md,
+            "| store RSS after a restart | {:.0} MiB |",
+            mib(f.rss_after_restart_bytes)
+        )?;
+        writeln!(md, "| restart until serving | {:.2} s |", f.restart_secs)?;
+        writeln!(
+            md,
+            "| log on disk | {:.1} MiB = {:.0} bytes per event (payload 300) |",
+            mib(f.log_bytes),
+            f.log_bytes as f64 / f.events as f64
+        )?;
+        writeln!(
+            md,
+            "| index (sled) and the rest on disk | {:.1} MiB = {:.0} bytes per event |",
+            mib(f.index_bytes),
+            f.index_bytes as f64 / f.events as f64
+        )?;
+        writeln!(
+            md,
+            "| total bytes on disk per event | {:.0} |",
+            (f.log_bytes + f.index_bytes) as f64 / f.events as f64
+        )?;
+        writeln!(md)?;
+        Ok(())
+    }
+
+    fn render_method(&self, md: &mut String) -> std::fmt::Result {
+        writeln!(md, "## How each system is driven\n")?;
+        writeln!(
+            md,
+            "- **agentlog**: the real `event-store` release binary, `Append` of one event per \
+             request over tonic, one HTTP/2 connection per client. The ceiling is the same \
+             binary built with `--features unsafe-skip-fsync` into its own target dir \
+             (`LogWriter::sync` does nothing), started beside it.\n\
+             - **naive**: one process appends a JSON line to a file and calls `fsync` per event \
+             (what most agent harnesses do).\n\
+             - **PostgreSQL 15**: a private cluster (initdb in the bench dir, 127.0.0.1, \
+             `fsync=on`, `synchronous_commit=on`, `full_page_writes=on`, shared_buffers 256MB), \
+             one autocommit `INSERT` per event into `events(session, seq, body)` with primary key \
+             `(session, seq)`, tokio-postgres, one connection per client.\n\
+             - **Redis**: Debian's `redis-server` with `appendonly yes`, `appendfsync always`, \
+             no RDB snapshots; `XADD` per event, `XREAD` to catch up and `XREAD BLOCK` to follow; \
+             redis-rs, one connection per client.\n\
+             - **etcd**: Debian's `etcd-server`, one node, WAL fdatasync'd per commit; `Put` per \
+             event (key `s/<session>/<seq>`), `Range` pages to catch up, `Watch` from a revision \
+             to follow; etcd's own gRPC API through tonic (messages declared by hand in \
+             bench/src/baselines/etcd.rs), one connection per client.\n\
+             - Clients are written in Rust in the bench crate, all in one process on the same 2 \
+             cores as the servers; every server listens on 127.0.0.1 only and keeps its data \
+             under the data dir above. Baselines run one session (stream, key prefix) per client; \
+             only agentlog is also measured with all clients on one session.\n\
+             - NATS JetStream is not measured: Debian's nats-server 2.9 has no per-write fsync, \
+             so it would not be a durable baseline.\n"
+        )?;
+        Ok(())
+    }
+}
+
+/// "100,000" for a count.
+fn fmt_int(n: usize) -> String {
+    if n < 100 {
+        n.to_string()
+    } else {
+        fmt_num(n as f64)
+    }
+}
+
+fn met(ok: bool) -> String {
+    if ok { "**met**" } else { "**not met**" }.into()
+}
+
+/// "12,345 (11,000–13,000)".
+fn cell(runs: &Runs) -> String {
+    if runs.is_empty() {
+        return "–".into();
+    }
+    if runs.0.len() == 1 {
+        return fmt_num(runs.median());
+    }
+    format!(
+        "{} ({}–{})",
+        fmt_num(runs.median()),
+        fmt_num(runs.min()),
+        fmt_num(runs.max())
+    )
+}
+
+/// Milliseconds with three significant decimals where small.
+fn cell_ms(runs: &Runs) -> String {
+    if runs.is_empty() {
+        return "–".into();
+    }
+    let f = |v: f64| {
+        if v.abs() < 10.0 {
+            format!("{v:.3}")
+        } else {
+            fmt_num(v)
+        }
+    };
+    if runs.0.len() == 1 {
+        return f(runs.median());
+    }
+    format!("{} ({}–{})", f(runs.median()), f(runs.min()), f(runs.max()))
+}
