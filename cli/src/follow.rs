@@ -47,7 +47,7 @@ pub async fn follow(
                 continue;
             }
         };
-        let mut client = store::Client::new(channel);
+        let mut client = store::client(channel);
         let request = SubscribeRequest {
             session_id: session.to_string(),
             from_seq: next,

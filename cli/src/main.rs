@@ -27,6 +27,14 @@ struct Cli {
     /// Print JSON (one object per line, proto3 JSON mapping as grpcurl prints) for scripts.
     #[arg(long, global = true)]
     json: bool,
+    /// PEM CA that signed the store's certificate, for an https:// --addr (default: the
+    /// public web roots).
+    #[arg(long, global = true, env = "AGENTLOG_TLS_CA")]
+    tls_ca: Option<PathBuf>,
+    /// File holding this caller's bearer token for a store that checks tokens (or put the
+    /// token itself in AGENTLOG_TOKEN).
+    #[arg(long, global = true, env = "AGENTLOG_TOKEN_FILE")]
+    token_file: Option<PathBuf>,
     #[command(subcommand)]
     command: Command,
 }
@@ -99,6 +107,10 @@ enum StatusArg {
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Err(e) = store::configure(&cli.addr, cli.tls_ca.clone(), cli.token_file.clone()) {
+        eprintln!("agentlog: {e:#}");
+        return ExitCode::FAILURE;
+    }
     let out = Output {
         addr: cli.addr.clone(),
         json: cli.json,

@@ -1,14 +1,49 @@
 //! Reaching the event store: one place that turns `--addr` into a channel and a failed call
 //! into an error that says what to fix.
 
+use std::path::PathBuf;
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use agentlog_proto::v1::event_store_client::EventStoreClient;
-use anyhow::{anyhow, Context, Result};
+use anyhow::{anyhow, Result};
+use runner::store_client::{BearerToken, StoreConnection};
 use tonic::transport::{Channel, Endpoint};
 use tonic::Code;
 
-pub type Client = EventStoreClient<Channel>;
+/// The same client (TLS, bearer token) the runner uses.
+pub type Client = runner::store_client::StoreClient;
+
+/// How this process authenticates to the store: the CA to trust for an `https://` address
+/// and the bearer token (from `--token-file` or `AGENTLOG_TOKEN`), set once by `main`.
+struct Credentials {
+    tls_ca: Option<PathBuf>,
+    bearer: BearerToken,
+}
+
+static CREDENTIALS: OnceLock<Credentials> = OnceLock::new();
+
+/// Reads the token (once) and remembers the CA for every connection this process makes.
+pub fn configure(addr: &str, tls_ca: Option<PathBuf>, token_file: Option<PathBuf>) -> Result<()> {
+    let connection = StoreConnection {
+        url: normalize(addr),
+        token_file,
+        ..StoreConnection::default()
+    };
+    let bearer = connection.bearer()?;
+    // A second call keeps the first credentials (main calls this once).
+    let _ = CREDENTIALS.set(Credentials { tls_ca, bearer });
+    Ok(())
+}
+
+/// A client on `channel` that sends this process's bearer token, if any.
+pub fn client(channel: Channel) -> Client {
+    let bearer = match CREDENTIALS.get() {
+        Some(credentials) => credentials.bearer.clone(),
+        None => BearerToken::none(),
+    };
+    EventStoreClient::with_interceptor(channel, bearer)
+}
 
 /// The default `--addr`: where `agentlog up` serves the store.
 pub const DEFAULT_ADDR: &str = "http://127.0.0.1:50051";
@@ -19,13 +54,16 @@ pub const DEFAULT_ADDR: &str = "http://127.0.0.1:50051";
 /// store that vanished without a FIN) so that followers reconnect instead of waiting
 /// forever.
 ///
-/// TLS hook: when the store serves TLS, an `https://` address is where a
-/// `tonic::transport::ClientTlsConfig` (CA, client identity) gets attached, here and only
-/// here; the CLI does not configure one yet.
+/// An `https://` address gets TLS, trusting `--tls-ca` (or the public web roots).
 pub fn endpoint(addr: &str) -> Result<Endpoint> {
-    let url = normalize(addr);
-    let endpoint = Endpoint::from_shared(url.clone())
-        .with_context(|| format!("--addr {addr:?} is not a URL; use http://HOST:PORT"))?;
+    let connection = StoreConnection {
+        url: normalize(addr),
+        tls_ca: CREDENTIALS.get().and_then(|c| c.tls_ca.clone()),
+        ..StoreConnection::default()
+    };
+    let endpoint = connection
+        .endpoint()
+        .map_err(|e| anyhow!("--addr {addr:?}: {e}"))?;
     Ok(endpoint
         .connect_timeout(Duration::from_secs(3))
         .http2_keep_alive_interval(Duration::from_secs(5))
@@ -48,7 +86,7 @@ pub async fn connect(addr: &str) -> Result<Client> {
         .connect()
         .await
         .map_err(|_| not_reachable(addr))?;
-    Ok(EventStoreClient::new(channel))
+    Ok(client(channel))
 }
 
 pub fn not_reachable(addr: &str) -> anyhow::Error {

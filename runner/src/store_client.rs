@@ -33,7 +33,7 @@ pub struct StoreConnection {
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConnectError {
-    #[error("--event-store {0:?} is not a URL")]
+    #[error("{0:?} is not an event store URL (http://HOST:PORT or https://HOST:PORT)")]
     Url(String),
     #[error("cannot read {what} {path}: {source}")]
     Read {
@@ -59,6 +59,13 @@ impl std::fmt::Debug for BearerToken {
     }
 }
 
+impl BearerToken {
+    /// No token: calls go out without `authorization` (an open store).
+    pub fn none() -> BearerToken {
+        BearerToken(None)
+    }
+}
+
 impl tonic::service::Interceptor for BearerToken {
     fn call(
         &mut self,
@@ -76,12 +83,18 @@ impl tonic::service::Interceptor for BearerToken {
 impl StoreConnection {
     /// A lazily connecting client (the store may come up after the runner).
     pub fn client(&self) -> Result<StoreClient, ConnectError> {
-        let token = self.token()?;
+        let token = self.bearer()?;
+        let channel = self.endpoint()?.connect_lazy();
+        Ok(EventStoreClient::with_interceptor(channel, token))
+    }
+
+    /// The endpoint, with TLS for an `https://` URL. (The CLI connects eagerly and again
+    /// after each outage, from this and one [`StoreConnection::bearer`].)
+    pub fn endpoint(&self) -> Result<Endpoint, ConnectError> {
         let mut endpoint = Endpoint::from_shared(self.url.clone())
             .map_err(|_| ConnectError::Url(self.url.clone()))?
             .connect_timeout(Duration::from_secs(5));
-        let https = self.url.starts_with("https://");
-        if https {
+        if self.url.starts_with("https://") {
             let mut tls = ClientTlsConfig::new();
             tls = match &self.tls_ca {
                 Some(ca) => tls.ca_certificate(Certificate::from_pem(read(ca, "--tls-ca")?)),
@@ -106,19 +119,23 @@ impl StoreConnection {
                 .map_err(|e| ConnectError::Config(format!("TLS configuration: {e}")))?;
         } else if self.tls_ca.is_some() || self.client_cert.is_some() {
             return Err(ConnectError::Config(
-                "--tls-ca and --tls-client-cert need an https:// --event-store URL".into(),
+                "--tls-ca and --tls-client-cert need an https:// store URL".into(),
             ));
-        } else if token.is_some() && !is_loopback_url(&self.url) {
+        }
+        Ok(endpoint)
+    }
+
+    /// The bearer token every call carries (none without a token). Read once: reading it
+    /// removes `AGENTLOG_TOKEN` from this process's environment.
+    pub fn bearer(&self) -> Result<BearerToken, ConnectError> {
+        let token = self.token()?;
+        if token.is_some() && !self.url.starts_with("https://") && !is_loopback_url(&self.url) {
             tracing::warn!(
                 "sending the store token over plaintext http to a non-loopback address; use an \
-                 https:// --event-store URL"
+                 https:// store URL"
             );
         }
-        let channel = endpoint.connect_lazy();
-        Ok(EventStoreClient::with_interceptor(
-            channel,
-            BearerToken(token),
-        ))
+        Ok(BearerToken(token))
     }
 
     /// The token, from `--token-file` or `AGENTLOG_TOKEN` (then removed from this process's
