@@ -290,6 +290,7 @@ pub async fn ls(
         let status = match s.status() {
             SessionStatus::Runnable => "runnable",
             SessionStatus::Idle => "idle",
+            SessionStatus::Waiting => "waiting",
             SessionStatus::Unspecified => "?",
         };
         let runner = s.lease.as_ref().map_or("-", |l| l.owner.as_str());

@@ -102,6 +102,7 @@ enum Command {
 enum StatusArg {
     Runnable,
     Idle,
+    Waiting,
 }
 
 #[tokio::main]
@@ -150,6 +151,7 @@ async fn main() -> ExitCode {
             let status = status.map(|s| match s {
                 StatusArg::Runnable => SessionStatus::Runnable,
                 StatusArg::Idle => SessionStatus::Idle,
+                StatusArg::Waiting => SessionStatus::Waiting,
             });
             commands::ls(&out, query, status, limit).await
         }

@@ -82,6 +82,40 @@ impl Transcript {
                 self.end_stream(out)?;
                 writeln!(out, "error> {}", e.message)?;
             }
+            Some(Kind::Interrupt(i)) => {
+                self.end_stream(out)?;
+                writeln!(out, "you> (interrupt) {}", i.reason)?;
+            }
+            Some(Kind::Interrupted(i)) => {
+                self.end_stream(out)?;
+                writeln!(out, "(interrupted: {})", i.reason)?;
+            }
+            Some(Kind::ApprovalRequested(r)) => {
+                self.end_stream(out)?;
+                self.tools
+                    .insert(r.tool_use_id.clone(), r.tool_name.clone());
+                writeln!(
+                    out,
+                    "  ? {} [{}] waits for a person: {}\n    answer with `agentlog approve {} {}` or `agentlog deny {} {} --note WHY`",
+                    r.tool_name,
+                    r.tool_use_id,
+                    r.reason,
+                    event.session_id,
+                    r.tool_use_id,
+                    event.session_id,
+                    r.tool_use_id
+                )?;
+            }
+            Some(Kind::ApprovalDecision(d)) => {
+                self.end_stream(out)?;
+                let verdict = if d.approved { "approved" } else { "denied" };
+                let note = if d.note.is_empty() {
+                    String::new()
+                } else {
+                    format!(": {}", d.note)
+                };
+                writeln!(out, "  {verdict} [{}]{note}", d.tool_use_id)?;
+            }
             None => {} // a kind newer than this CLI: skipped, as the spec asks of readers
         }
         out.flush()
@@ -139,7 +173,7 @@ pub fn ends_turn(event: &Event) -> bool {
             .content
             .iter()
             .any(|b| matches!(b.block, Some(Block::ToolUse(_)))),
-        Some(Kind::RunError(_)) => true,
+        Some(Kind::RunError(_)) | Some(Kind::Interrupted(_)) => true,
         _ => false,
     }
 }
@@ -185,6 +219,25 @@ pub fn event_json(event: &Event) -> Value {
             fields([
                 ("message", str_(&e.message)),
                 ("retryable", e.retryable.then_some(json!(true))),
+            ]),
+        ),
+        Some(Kind::Interrupt(i)) => ("interrupt", fields([("reason", str_(&i.reason))])),
+        Some(Kind::Interrupted(i)) => ("interrupted", fields([("reason", str_(&i.reason))])),
+        Some(Kind::ApprovalRequested(r)) => (
+            "approvalRequested",
+            fields([
+                ("toolUseId", str_(&r.tool_use_id)),
+                ("toolName", str_(&r.tool_name)),
+                ("input", r.input.as_ref().map(struct_json)),
+                ("reason", str_(&r.reason)),
+            ]),
+        ),
+        Some(Kind::ApprovalDecision(d)) => (
+            "approvalDecision",
+            fields([
+                ("toolUseId", str_(&d.tool_use_id)),
+                ("approved", d.approved.then_some(json!(true))),
+                ("note", str_(&d.note)),
             ]),
         ),
         None => return Value::Object(o),

@@ -436,10 +436,11 @@ pub fn authorize(caller: &Caller, rpc: Rpc, target: &Target) -> Result<(), Statu
                     if client { "client" } else { "runner" },
                     kind_name(kind),
                     if client {
-                        "clients append user_message only"
+                        "clients append user_message, interrupt and approval_decision only"
                     } else {
-                        "runners append assistant_message, tool_started, tool_result, \
-                         assistant_delta and run_error only"
+                        "runners append the runner-written kinds only (assistant_message, \
+                         tool_started, tool_result, assistant_delta, run_error, interrupted, \
+                         approval_requested)"
                     }
                 )));
             }

@@ -1,5 +1,6 @@
 //! What the store knows about one session, and the rules that derive it from the log: the
-//! status (runnable or idle) from the last non-delta event, the title from the first user
+//! status (runnable, idle or waiting for a person) from the last non-delta event and the
+//! approvals still pending, the title from the first user
 //! message, and the lease from the last lease record. Recovery and the live writer apply
 //! records through the same functions, so both always agree.
 
@@ -32,11 +33,18 @@ pub struct SessionMeta {
     /// for the next grant).
     #[prost(message, optional, tag = "6")]
     pub lease: Option<LeaseRecord>,
+    /// Calls with an `approval_requested` and neither a decision nor a result yet.
+    #[prost(string, repeated, tag = "7")]
+    pub pending_approvals: Vec<String>,
 }
 
-/// Who writes an event kind. Runner-written kinds need the session's current lease.
+/// Who writes an event kind. Runner-written kinds need the session's current lease; the
+/// others are a person's (a turn, an interrupt, an approval decision).
 pub fn is_runner_kind(kind: &event::Kind) -> bool {
-    !matches!(kind, event::Kind::UserMessage(_))
+    !matches!(
+        kind,
+        event::Kind::UserMessage(_) | event::Kind::Interrupt(_) | event::Kind::ApprovalDecision(_)
+    )
 }
 
 /// The kind's name as it appears in the proto `oneof`, for error messages.
@@ -48,7 +56,50 @@ pub fn kind_name(kind: &event::Kind) -> &'static str {
         event::Kind::ToolResult(_) => "tool_result",
         event::Kind::AssistantDelta(_) => "assistant_delta",
         event::Kind::RunError(_) => "run_error",
+        event::Kind::Interrupt(_) => "interrupt",
+        event::Kind::Interrupted(_) => "interrupted",
+        event::Kind::ApprovalRequested(_) => "approval_requested",
+        event::Kind::ApprovalDecision(_) => "approval_decision",
     }
+}
+
+/// Why an approval decision cannot be appended: it must answer a request that is pending
+/// in this session, once.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "approval_decision for tool_use_id {tool_use_id:?}: session {session_id} has no pending \
+     approval request for that call (never requested, already decided, or already answered)"
+)]
+pub struct NoPendingApproval {
+    pub session_id: String,
+    pub tool_use_id: String,
+}
+
+/// Checks the approval decisions among `events` against the approvals pending before them
+/// (requests and results earlier in the same append count too).
+pub fn check_approval_decisions<'a>(
+    session_id: &str,
+    pending: &[String],
+    events: impl IntoIterator<Item = &'a Event>,
+) -> Result<(), NoPendingApproval> {
+    let mut pending: Vec<&str> = pending.iter().map(String::as_str).collect();
+    for event in events {
+        match &event.kind {
+            Some(event::Kind::ApprovalRequested(r)) => pending.push(&r.tool_use_id),
+            Some(event::Kind::ToolResult(r)) => pending.retain(|id| *id != r.tool_use_id),
+            Some(event::Kind::ApprovalDecision(d)) => {
+                let Some(at) = pending.iter().position(|id| *id == d.tool_use_id) else {
+                    return Err(NoPendingApproval {
+                        session_id: session_id.to_string(),
+                        tool_use_id: d.tool_use_id.clone(),
+                    });
+                };
+                pending.remove(at);
+            }
+            _ => {}
+        }
+    }
+    Ok(())
 }
 
 impl SessionMeta {
@@ -69,10 +120,12 @@ impl SessionMeta {
                 if self.first_user_text.is_empty() {
                     self.first_user_text = truncate_chars_to_bytes(&m.text, FIRST_USER_TEXT_BYTES);
                 }
-                self.status = SessionStatus::Runnable as i32;
+                self.status = self.runnable_unless_waiting();
             }
-            event::Kind::ToolStarted(_) | event::Kind::ToolResult(_) => {
-                self.status = SessionStatus::Runnable as i32;
+            event::Kind::ToolStarted(_) => self.status = SessionStatus::Runnable as i32,
+            event::Kind::ToolResult(r) => {
+                self.pending_approvals.retain(|id| *id != r.tool_use_id);
+                self.status = self.runnable_unless_waiting();
             }
             event::Kind::AssistantMessage(m) => {
                 let wants_tools = m.content.iter().any(|b| {
@@ -89,9 +142,34 @@ impl SessionMeta {
                     SessionStatus::Idle
                 } as i32;
             }
-            event::Kind::RunError(_) => self.status = SessionStatus::Idle as i32,
+            event::Kind::RunError(_) | event::Kind::Interrupted(_) => {
+                self.pending_approvals.clear();
+                self.status = SessionStatus::Idle as i32;
+            }
+            // A runner must answer an interrupt, whatever the session was doing.
+            event::Kind::Interrupt(_) => self.status = SessionStatus::Runnable as i32,
+            event::Kind::ApprovalRequested(r) => {
+                if !self.pending_approvals.contains(&r.tool_use_id) {
+                    self.pending_approvals.push(r.tool_use_id.clone());
+                }
+                self.status = SessionStatus::Waiting as i32;
+            }
+            event::Kind::ApprovalDecision(d) => {
+                self.pending_approvals.retain(|id| *id != d.tool_use_id);
+                self.status = self.runnable_unless_waiting();
+            }
             // Streamed text says nothing about who has work.
             event::Kind::AssistantDelta(_) => {}
+        }
+    }
+
+    /// Runnable, unless a call still awaits a person: then the session keeps waiting (a new
+    /// user turn is folded in when the turn goes on; only an interrupt wakes a runner).
+    fn runnable_unless_waiting(&self) -> i32 {
+        if self.pending_approvals.is_empty() {
+            SessionStatus::Runnable as i32
+        } else {
+            SessionStatus::Waiting as i32
         }
     }
 
@@ -154,4 +232,101 @@ pub fn now_unix_ms() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as i64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use agentlog_proto::v1::{ApprovalDecision, ApprovalRequested, Interrupt, Interrupted};
+    use agentlog_proto::v1::{ToolResult, UserMessage};
+
+    fn ev(seq: u64, kind: event::Kind) -> Event {
+        Event {
+            seq,
+            kind: Some(kind),
+            ..Event::default()
+        }
+    }
+    fn request(id: &str) -> event::Kind {
+        event::Kind::ApprovalRequested(ApprovalRequested {
+            tool_use_id: id.into(),
+            ..ApprovalRequested::default()
+        })
+    }
+    fn decision(id: &str) -> event::Kind {
+        event::Kind::ApprovalDecision(ApprovalDecision {
+            tool_use_id: id.into(),
+            approved: true,
+            note: String::new(),
+        })
+    }
+    fn status_after(kinds: Vec<event::Kind>) -> SessionStatus {
+        let mut meta = SessionMeta::default();
+        for (i, kind) in kinds.into_iter().enumerate() {
+            meta.apply_event(&ev(i as u64 + 1, kind));
+        }
+        meta.status()
+    }
+    fn user(text: &str) -> event::Kind {
+        event::Kind::UserMessage(UserMessage { text: text.into() })
+    }
+
+    #[test]
+    fn a_pending_approval_makes_the_session_wait_until_every_call_is_decided() {
+        use SessionStatus::*;
+        assert_eq!(status_after(vec![user("go"), request("a")]), Waiting);
+        assert_eq!(
+            status_after(vec![user("go"), request("a"), request("b"), decision("a")]),
+            Waiting
+        );
+        assert_eq!(
+            status_after(vec![user("go"), request("a"), decision("a")]),
+            Runnable
+        );
+        // A new user turn does not wake a runner while a call awaits a person.
+        assert_eq!(
+            status_after(vec![user("go"), request("a"), user("also")]),
+            Waiting
+        );
+    }
+
+    #[test]
+    fn an_interrupt_wakes_a_runner_and_interrupted_ends_the_wait() {
+        use SessionStatus::*;
+        let interrupt = || event::Kind::Interrupt(Interrupt::default());
+        let interrupted = || event::Kind::Interrupted(Interrupted::default());
+        assert_eq!(
+            status_after(vec![user("go"), request("a"), interrupt()]),
+            Runnable
+        );
+        assert_eq!(
+            status_after(vec![user("go"), request("a"), interrupt(), interrupted()]),
+            Idle
+        );
+        assert_eq!(status_after(vec![user("go"), interrupt()]), Runnable);
+    }
+
+    #[test]
+    fn a_decision_must_answer_a_pending_request_once() {
+        let pending = vec!["a".to_string()];
+        let events = [ev(0, decision("a"))];
+        assert!(check_approval_decisions("s", &pending, &events).is_ok());
+        let twice = [ev(0, decision("a")), ev(0, decision("a"))];
+        assert!(check_approval_decisions("s", &pending, &twice).is_err());
+        assert!(check_approval_decisions("s", &[], &events).is_err());
+        // A request earlier in the same append counts; a result closes the request.
+        let same_append = [ev(0, request("b")), ev(0, decision("b"))];
+        assert!(check_approval_decisions("s", &[], &same_append).is_ok());
+        let answered = [
+            ev(
+                0,
+                event::Kind::ToolResult(ToolResult {
+                    tool_use_id: "a".into(),
+                    ..ToolResult::default()
+                }),
+            ),
+            ev(0, decision("a")),
+        ];
+        assert!(check_approval_decisions("s", &pending, &answered).is_err());
+    }
 }

@@ -27,7 +27,8 @@ use crate::index::{Index, IndexBatch};
 use crate::log::{LeaseRecord, LogWriter, Record};
 use crate::scope::Scope;
 use crate::session::{
-    is_runner_kind, kind_name, lease_of, now_unix_ms, SessionMeta, SCHEMA_VERSION,
+    check_approval_decisions, is_runner_kind, kind_name, lease_of, now_unix_ms, SessionMeta,
+    SCHEMA_VERSION,
 };
 use crate::Shared;
 
@@ -279,6 +280,8 @@ impl Writer {
                     });
                 }
             }
+            check_approval_decisions(&req.session_id, &meta.pending_approvals, &fresh)
+                .map_err(|e| StoreError::FailedPrecondition(e.to_string()))?;
         }
 
         let session_id = req.session_id;

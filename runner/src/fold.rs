@@ -127,7 +127,14 @@ pub fn fold_log(events: &[Event]) -> Folded {
                 ends_in_run_error = true;
             }
             Some(Kind::ToolStarted(_)) | Some(Kind::ToolResult(_)) => ends_in_run_error = false,
-            Some(Kind::AssistantDelta(_)) | None => {}
+            // Interrupts and approvals are answered by the loop in `turn.rs`; the
+            // conversation the provider sees is made of turns, calls and results only.
+            Some(Kind::Interrupt(_))
+            | Some(Kind::Interrupted(_))
+            | Some(Kind::ApprovalRequested(_))
+            | Some(Kind::ApprovalDecision(_))
+            | Some(Kind::AssistantDelta(_))
+            | None => {}
         }
     }
 

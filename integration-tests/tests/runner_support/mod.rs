@@ -203,6 +203,12 @@ pub fn kinds(events: &[Event]) -> Vec<String> {
             Some(Kind::ToolResult(r)) => format!("result({})", r.tool_use_id),
             Some(Kind::AssistantDelta(_)) => "delta".to_string(),
             Some(Kind::RunError(r)) => format!("run_error({})", r.message),
+            Some(Kind::Interrupt(_)) => "interrupt".to_string(),
+            Some(Kind::Interrupted(_)) => "interrupted".to_string(),
+            Some(Kind::ApprovalRequested(r)) => format!("approval_requested({})", r.tool_use_id),
+            Some(Kind::ApprovalDecision(d)) => {
+                format!("approval_decision({},{})", d.tool_use_id, d.approved)
+            }
             None => "unknown".to_string(),
         })
         .filter(|k| k != "delta")
