@@ -6,6 +6,7 @@
 //! first (`cargo build --workspace --bins`, which `.ci/run` does).
 
 pub mod anthropic_standin;
+pub mod openai_standin;
 pub mod secure;
 
 use std::io::{BufRead, BufReader};

@@ -166,11 +166,18 @@ fn assistant_message(reply: &AssistantMessage) -> Value {
             _ => {}
         }
     }
-    let mut message = json!({"role": "assistant", "content": if text.is_empty() { Value::Null } else { json!(text) }});
-    if !calls.is_empty() {
-        message["tool_calls"] = json!(calls);
+    // `content` may be null only beside `tool_calls`: a reply that said nothing (a bare
+    // `stop`, or one cut by `length`) goes back as empty text, which the API accepts.
+    if calls.is_empty() {
+        json!({"role": "assistant", "content": text})
+    } else {
+        let content = if text.is_empty() {
+            Value::Null
+        } else {
+            json!(text)
+        };
+        json!({"role": "assistant", "content": content, "tool_calls": calls})
     }
-    message
 }
 
 #[derive(Debug, Default)]

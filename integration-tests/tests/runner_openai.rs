@@ -1,0 +1,520 @@
+//! The runner with `--model openai:…` against the real event store and the strict
+//! OpenAI-compatible stand-in (`integration_tests::openai_standin`): a multi-step session
+//! with parallel tool calls runs to the end through 429s, 5xx, a cut stream and an error
+//! chunk; a refused request ends the turn with `run_error`; a reply that says nothing goes
+//! back as a valid turn; and the session is exactly-once when the runner is SIGKILLed at
+//! each point of a step and at random moments.
+
+mod runner_support;
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use agentlog_proto::v1::{event::Kind, Event, SessionStatus};
+use integration_tests::bin_path;
+use integration_tests::openai_standin::{Fault, OpenAiStandin, StandinReply};
+use integration_tests::Store;
+use runner_support::*;
+use serde_json::json;
+
+/// A `runner --model openai:standin-1` process pointed at the stand-in; SIGKILLed when
+/// dropped.
+struct OpenAiRunner(Child);
+
+impl OpenAiRunner {
+    fn start(
+        store: &Store,
+        id: &str,
+        workspace_root: &Path,
+        standin: &OpenAiStandin,
+        ttl_ms: u64,
+    ) -> OpenAiRunner {
+        let mut child = Command::new(bin_path("runner"))
+            .args(["--event-store", &store.url(), "--runner-id", id])
+            .args(["--model", "openai:standin-1"])
+            .arg("--workspace-root")
+            .arg(workspace_root)
+            .args(["--lease-ttl-ms", &ttl_ms.to_string(), "--max-sessions", "2"])
+            .env("OPENAI_BASE_URL", standin.url())
+            .env("OPENAI_API_KEY", "test-key")
+            .env(
+                "RUST_LOG",
+                std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
+            )
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn runner");
+        if let Some(stderr) = child.stderr.take() {
+            let name = id.to_string();
+            std::thread::spawn(move || {
+                for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                    eprintln!("[{name}] {line}");
+                }
+            });
+        }
+        OpenAiRunner(child)
+    }
+
+    fn pid(&self) -> u32 {
+        self.0.id()
+    }
+
+    fn kill9(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+
+    /// SIGTERM; whether it exited 0 within 30 s.
+    fn terminate(&mut self) -> bool {
+        integration_tests::signal(self.0.id(), integration_tests::Signal::SIGTERM);
+        poll_exit(&mut self.0)
+    }
+}
+
+fn poll_exit(child: &mut Child) -> bool {
+    integration_tests::poll_until("the runner to exit", Duration::from_secs(30), || {
+        child.try_wait().ok().flatten()
+    })
+    .success()
+}
+
+impl Drop for OpenAiRunner {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// Whether the log ends in a final chat completions reply.
+fn ends_in_final_reply(events: &[Event]) -> bool {
+    let last = events
+        .iter()
+        .rev()
+        .find(|e| !matches!(e.kind, Some(Kind::AssistantDelta(_))));
+    matches!(last.and_then(|e| e.kind.as_ref()), Some(Kind::AssistantMessage(m)) if m.stop_reason == "stop")
+}
+
+fn result_content(events: &[Event], tool_use_id: &str) -> Option<String> {
+    events.iter().find_map(|e| match &e.kind {
+        Some(Kind::ToolResult(r)) if r.tool_use_id == tool_use_id => Some(r.content.clone()),
+        _ => None,
+    })
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_session_with_parallel_calls_runs_to_the_end_through_transient_failures() {
+    let store = Store::start().expect("store");
+    let mut client = store.client().await.expect("client");
+    let standin = OpenAiStandin::start(vec![
+        StandinReply::text("I will record the key and write a note.")
+            .tool(
+                "bash",
+                json!({"command": "echo \"$IDEMPOTENCY_KEY\" >> keys.txt; echo done", "timeout_ms": 5000}),
+            )
+            .tool(
+                "write_file",
+                json!({"path": "notes/a.txt", "content": "hello, \"world\" {}"}),
+            ),
+        StandinReply::text("Now reading it back.")
+            .tool("read_file", json!({"path": "notes/a.txt"}))
+            .tool("list_files", json!({"path": "notes"})),
+        StandinReply::text("All finished."),
+    ])
+    .await
+    .expect("stand-in");
+    standin.inject(
+        0,
+        Fault::RateLimited {
+            retry_after_s: Some(1),
+        },
+    );
+    standin.inject(0, Fault::ServerError(500));
+    standin.inject(0, Fault::CutStream);
+    standin.inject(1, Fault::ServerError(503));
+    standin.inject(1, Fault::ErrorChunk);
+    let workspaces = tempfile::tempdir().expect("temp dir");
+    let mut runner = OpenAiRunner::start(&store, "r1", workspaces.path(), &standin, 3000);
+
+    user_says(&mut client, "s1", "please record the key").await;
+    let events = wait_idle(&mut client, "s1", 0, Duration::from_secs(60)).await;
+
+    assert_eq!(standin.violations(), Vec::<String>::new());
+    assert_eq!(
+        kinds(&events),
+        [
+            "user",
+            "reply(tool_calls)",
+            "started(call_0_0#1)",
+            "result(call_0_0)",
+            "started(call_0_1#1)",
+            "result(call_0_1)",
+            "reply(tool_calls)",
+            "started(call_1_0#1)",
+            "result(call_1_0)",
+            "started(call_1_1#1)",
+            "result(call_1_1)",
+            "reply(stop)",
+        ]
+    );
+    assert_eq!(
+        result_content(&events, "call_1_0").as_deref(),
+        Some("hello, \"world\" {}"),
+        "arguments cut mid-JSON were reassembled"
+    );
+    assert!(
+        result_content(&events, "call_1_1").is_some_and(|listing| listing.contains("a.txt")),
+        "{events:?}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(workspaces.path().join("s1/keys.txt"))
+            .ok()
+            .as_deref(),
+        Some("s1/call_0_0\n")
+    );
+    assert!(
+        events
+            .iter()
+            .any(|e| matches!(e.kind, Some(Kind::AssistantDelta(_)))),
+        "text was streamed as deltas"
+    );
+    let usage = events.iter().find_map(|e| match &e.kind {
+        Some(Kind::AssistantMessage(m)) => m.usage,
+        _ => None,
+    });
+    assert_eq!(
+        usage.map(|u| (u.input_tokens, u.output_tokens)),
+        Some((10, 20))
+    );
+
+    let requests = standin.requests();
+    let served: Vec<(usize, &str)> = requests
+        .iter()
+        .map(|r| (r.turn, r.served.as_str()))
+        .collect();
+    assert_eq!(
+        served,
+        [
+            (0, "rate_limited"),
+            (0, "server_error"),
+            (0, "cut_stream"),
+            (0, "reply"),
+            (1, "server_error"),
+            (1, "error_chunk"),
+            (1, "reply"),
+            (2, "reply"),
+        ]
+    );
+    // `retry-after: 1` is a floor on the wait, whatever the backoff drew.
+    assert!(
+        requests[1].received_unix_ms - requests[0].received_unix_ms >= 1000,
+        "the 429's retry-after was not honoured: {} ms",
+        requests[1].received_unix_ms - requests[0].received_unix_ms
+    );
+    // The results went back as `tool` messages; the stand-in checked the pairing.
+    let last = &requests[requests.len() - 1].body["messages"];
+    let roles: Vec<&str> = last
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|m| m["role"].as_str())
+        .collect();
+    assert_eq!(
+        roles,
+        [
+            "system",
+            "user",
+            "assistant",
+            "tool",
+            "tool",
+            "assistant",
+            "tool",
+            "tool"
+        ]
+    );
+    assert!(runner.terminate(), "runner exits 0 on SIGTERM");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_refused_request_ends_the_turn_with_run_error() {
+    let store = Store::start().expect("store");
+    let mut client = store.client().await.expect("client");
+    let standin = OpenAiStandin::start(vec![StandinReply::text("Hello again.")])
+        .await
+        .expect("stand-in");
+    standin.inject(0, Fault::BadRequest);
+    let workspaces = tempfile::tempdir().expect("temp dir");
+    let _runner = OpenAiRunner::start(&store, "r1", workspaces.path(), &standin, 3000);
+
+    user_says(&mut client, "s2", "hi").await;
+    let events = wait_idle(&mut client, "s2", 0, Duration::from_secs(30)).await;
+    let logged = kinds(&events);
+    assert_eq!(logged.len(), 2, "{logged:?}");
+    assert!(
+        logged[1].starts_with("run_error(HTTP 400")
+            && logged[1].contains("invalid_request_error: the stand-in refuses this request"),
+        "{logged:?}"
+    );
+    assert!(
+        matches!(&events[1].kind, Some(Kind::RunError(e)) if !e.retryable),
+        "a refusal is not retryable"
+    );
+    assert_eq!(standin.requests().len(), 1, "a refusal is not retried");
+
+    // The user speaks again: the turn is asked for once more, both user turns in it.
+    let again = user_says(&mut client, "s2", "again").await;
+    let events = wait_idle(&mut client, "s2", again, Duration::from_secs(30)).await;
+    assert!(ends_in_final_reply(&events), "{:?}", kinds(&events));
+    assert_eq!(standin.violations(), Vec::<String>::new());
+    let requests = standin.requests();
+    let sent = requests[1].body["messages"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(sent.len(), 2, "{sent:?}");
+    assert_eq!(sent[0]["role"], "system");
+    assert_eq!(sent[1], json!({"role": "user", "content": "hi\n\nagain"}));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reply_that_says_nothing_goes_back_as_a_valid_turn() {
+    let store = Store::start().expect("store");
+    let mut client = store.client().await.expect("client");
+    let standin = OpenAiStandin::start(vec![
+        StandinReply::text(""),
+        StandinReply::text("Now I have something to say."),
+    ])
+    .await
+    .expect("stand-in");
+    let workspaces = tempfile::tempdir().expect("temp dir");
+    let _runner = OpenAiRunner::start(&store, "r1", workspaces.path(), &standin, 3000);
+
+    user_says(&mut client, "s3", "say nothing").await;
+    wait_idle(&mut client, "s3", 0, Duration::from_secs(30)).await;
+    let again = user_says(&mut client, "s3", "now say something").await;
+    let events = wait_idle(&mut client, "s3", again, Duration::from_secs(30)).await;
+    assert_eq!(standin.violations(), Vec::<String>::new());
+    assert_eq!(
+        kinds(&events),
+        ["user", "reply(stop)", "user", "reply(stop)"]
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// Exactly-once under SIGKILL
+// ---------------------------------------------------------------------------------------
+
+const TTL_MS: u64 = 1000;
+
+/// Three steps, each recording its key from bash; the middle one with two calls at once.
+fn kill_script() -> Vec<StandinReply> {
+    let record = json!({"command": "sleep 0.3; echo \"$IDEMPOTENCY_KEY\" >> keys.txt"});
+    let mut replies: Vec<StandinReply> = (0..3)
+        .map(|i| {
+            let reply = StandinReply::text(&format!(
+                "Step {i}: I am recording the idempotency key in the file now."
+            ))
+            .slow(10)
+            .tool("bash", record.clone());
+            if i == 1 {
+                reply.tool("bash", record.clone())
+            } else {
+                reply
+            }
+        })
+        .collect();
+    replies.push(StandinReply::text("Every step is done and the keys are recorded.").slow(10));
+    replies
+}
+
+/// The finished session against the log, the workspace and the stand-in: every call has
+/// exactly one result and no start after it, each run had its own `tool_started`, the model
+/// was never asked for a turn after its reply was logged, and no request broke a rule.
+fn assert_resumed_exactly_once(
+    events: &[Event],
+    workspace_root: &Path,
+    session: &str,
+    standin: &OpenAiStandin,
+) {
+    let mut results: HashMap<String, usize> = HashMap::new();
+    let mut starts: HashMap<String, usize> = HashMap::new();
+    for event in events {
+        match &event.kind {
+            Some(Kind::ToolResult(r)) => *results.entry(r.tool_use_id.clone()).or_default() += 1,
+            Some(Kind::ToolStarted(s)) => {
+                assert!(
+                    !results.contains_key(&s.tool_use_id),
+                    "{} started after its result: {:?}",
+                    s.tool_use_id,
+                    kinds(events)
+                );
+                *starts.entry(s.tool_use_id.clone()).or_default() += 1;
+            }
+            _ => {}
+        }
+    }
+    let ids = tool_use_ids(events);
+    assert_eq!(ids.len(), 4, "{:?}", kinds(events));
+    assert_eq!(results.len(), ids.len(), "{:?}", kinds(events));
+    let keys = key_counts(workspace_root, session);
+    for id in &ids {
+        assert_eq!(results.get(id), Some(&1), "{id}: {:?}", kinds(events));
+        let key = format!("{session}/{id}");
+        let ran = keys.get(&key).copied().unwrap_or(0);
+        let started = starts.get(id).copied().unwrap_or(0);
+        assert!(
+            ran <= started,
+            "{key} ran {ran} times but was started {started} times"
+        );
+        assert!(ran >= 1 || started > 1, "{key} never completed a run");
+    }
+    assert!(ends_in_final_reply(events), "{:?}", kinds(events));
+    let replies = reply_times(events);
+    for request in standin
+        .requests()
+        .iter()
+        .filter(|r| r.first_user_text == session)
+    {
+        if let Some(&logged) = replies.get(request.turn) {
+            assert!(
+                request.received_unix_ms <= logged,
+                "turn {} was asked for at {} after its reply was logged at {logged}",
+                request.turn,
+                request.received_unix_ms
+            );
+        }
+    }
+    assert_eq!(standin.violations(), Vec::<String>::new());
+}
+
+async fn kill_at(point: &str, matches: fn(&Event) -> bool, delay: Duration) {
+    let store = Store::start().expect("store");
+    let mut client = store.client().await.expect("client");
+    let standin = OpenAiStandin::start(kill_script()).await.expect("stand-in");
+    let workspaces = tempfile::tempdir().expect("temp dir");
+    let session = format!("kill-{point}");
+    user_says(&mut client, &session, &session).await;
+
+    let mut kills = 0;
+    for generation in 0..3 {
+        let log = history(&mut client, &session).await;
+        if status(&mut client, &session).await == SessionStatus::Idle {
+            break;
+        }
+        let from = log.last().map_or(0, |e| e.seq) + 1;
+        let mut runner = OpenAiRunner::start(
+            &store,
+            &format!("{point}-{generation}"),
+            workspaces.path(),
+            &standin,
+            TTL_MS,
+        );
+        let watcher = tokio::spawn(kill_when(
+            client.clone(),
+            session.clone(),
+            from,
+            runner.pid(),
+            matches,
+            delay,
+        ));
+        let fired = tokio::time::timeout(Duration::from_secs(30), watcher).await;
+        runner.kill9();
+        if matches!(fired, Ok(Ok(true))) {
+            kills += 1;
+        }
+    }
+    assert!(kills >= 1, "the runner was never killed at {point}");
+    let _survivor = OpenAiRunner::start(
+        &store,
+        &format!("{point}-final"),
+        workspaces.path(),
+        &standin,
+        TTL_MS,
+    );
+    let events = wait_idle(&mut client, &session, 0, Duration::from_secs(60)).await;
+    assert_resumed_exactly_once(&events, workspaces.path(), &session, &standin);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn killed_after_tool_started() {
+    kill_at(
+        "started",
+        |e| matches!(e.kind, Some(Kind::ToolStarted(_))),
+        Duration::ZERO,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn killed_during_the_tool() {
+    kill_at(
+        "during",
+        |e| matches!(e.kind, Some(Kind::ToolStarted(_))),
+        Duration::from_millis(120),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn killed_after_tool_result() {
+    kill_at(
+        "result",
+        |e| matches!(e.kind, Some(Kind::ToolResult(_))),
+        Duration::ZERO,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn killed_mid_stream() {
+    kill_at(
+        "stream",
+        |e| matches!(e.kind, Some(Kind::AssistantDelta(_))),
+        Duration::ZERO,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn killed_after_the_reply() {
+    kill_at(
+        "reply",
+        |e| matches!(e.kind, Some(Kind::AssistantMessage(_))),
+        Duration::ZERO,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn killed_at_random_moments() {
+    let store = Store::start().expect("store");
+    let mut client = store.client().await.expect("client");
+    let standin = OpenAiStandin::start(kill_script()).await.expect("stand-in");
+    let workspaces = tempfile::tempdir().expect("temp dir");
+    let session = "kill-random".to_string();
+    user_says(&mut client, &session, &session).await;
+    for generation in 0..10 {
+        if status(&mut client, &session).await == SessionStatus::Idle {
+            break;
+        }
+        let mut runner = OpenAiRunner::start(
+            &store,
+            &format!("random-{generation}"),
+            workspaces.path(),
+            &standin,
+            TTL_MS,
+        );
+        // Long enough to claim (after the previous lease expires) and get some way in.
+        let pause = 300 + fastrand::u64(0..1500);
+        eprintln!("generation {generation}: SIGKILL after {pause} ms");
+        tokio::time::sleep(Duration::from_millis(pause)).await;
+        runner.kill9();
+    }
+    let _survivor =
+        OpenAiRunner::start(&store, "random-final", workspaces.path(), &standin, TTL_MS);
+    let events = wait_idle(&mut client, &session, 0, Duration::from_secs(60)).await;
+    assert_resumed_exactly_once(&events, workspaces.path(), &session, &standin);
+}
