@@ -61,6 +61,19 @@ impl StandinReply {
     }
 }
 
+/// How the stand-in names its tool calls. OpenAI's ids are unique; some OpenAI-compatible
+/// servers send none, or the same ones every turn.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum CallIds {
+    /// `call_<turn>_<i>`: unique within a session.
+    #[default]
+    Unique,
+    /// `call_<i>`: the same ids again in every turn.
+    Reused,
+    /// No `id` in the stream at all.
+    Missing,
+}
+
 /// A failure served instead of (or in the middle of) a reply.
 #[derive(Debug, Clone)]
 pub enum Fault {
@@ -71,6 +84,9 @@ pub enum Fault {
     /// HTTP 200, some of the stream (into the tool-call arguments when there are calls, else
     /// into the text), then the connection is aborted.
     CutStream,
+    /// HTTP 200, the same part of the stream as [`Fault::CutStream`], then a clean end: no
+    /// `finish_reason`, no `[DONE]`.
+    StreamEnds,
     /// HTTP 200, a first chunk, then a `data: {"error": …}` chunk and the end of the stream.
     ErrorChunk,
     /// HTTP 400 `invalid_request_error`.
@@ -94,6 +110,7 @@ pub struct RecordedRequest {
 #[derive(Debug, Default)]
 struct Inner {
     replies: Vec<StandinReply>,
+    call_ids: CallIds,
     faults: HashMap<usize, VecDeque<Fault>>,
     requests: Vec<RecordedRequest>,
     violations: Vec<String>,
@@ -111,8 +128,17 @@ pub struct OpenAiStandin {
 impl OpenAiStandin {
     /// Starts the server on a free port (needs a running tokio runtime).
     pub async fn start(replies: Vec<StandinReply>) -> Result<OpenAiStandin> {
+        OpenAiStandin::start_with(replies, CallIds::Unique).await
+    }
+
+    /// Starts a server that names its tool calls as `call_ids` says.
+    pub async fn start_with(
+        replies: Vec<StandinReply>,
+        call_ids: CallIds,
+    ) -> Result<OpenAiStandin> {
         let inner: Shared = Arc::new(Mutex::new(Inner {
             replies,
+            call_ids,
             ..Inner::default()
         }));
         let app = Router::new()
@@ -213,7 +239,7 @@ async fn chat_completions(
     };
     let checked = check_content_type(&headers)
         .and_then(|()| check_request(&request))
-        .and_then(|()| check_verbatim(&state.replies, &request));
+        .and_then(|()| check_verbatim(&state.replies, state.call_ids, &request));
     if let Err(message) = checked {
         state.violations.push(message.clone());
         record(&mut state, "rejected");
@@ -236,6 +262,7 @@ async fn chat_completions(
     let fault = state.faults.get_mut(&turn).and_then(VecDeque::pop_front);
     let model = request["model"].as_str().unwrap_or_default().to_string();
     let usage = request["stream_options"]["include_usage"] == true;
+    let call_ids = state.call_ids;
     let ending = match fault {
         Some(Fault::RateLimited { retry_after_s }) => {
             record(&mut state, "rate_limited");
@@ -272,6 +299,10 @@ async fn chat_completions(
             record(&mut state, "cut_stream");
             Ending::Cut
         }
+        Some(Fault::StreamEnds) => {
+            record(&mut state, "stream_ends");
+            Ending::Ends
+        }
         Some(Fault::ErrorChunk) => {
             record(&mut state, "error_chunk");
             Ending::ErrorChunk
@@ -282,7 +313,7 @@ async fn chat_completions(
         }
     };
     drop(state);
-    stream(turn, model, usage, reply, ending)
+    stream(turn, model, usage, call_ids, reply, ending)
 }
 
 /// The API's error body: `{"error": {message, type, param, code}}`.
@@ -444,6 +475,14 @@ fn check_request(request: &Value) -> Result<(), String> {
         && !request["stream_options"]["include_usage"].is_boolean()
     {
         return Err("Invalid type for 'stream_options.include_usage': expected a boolean".into());
+    }
+    for limit in ["max_tokens", "max_completion_tokens"] {
+        if !request[limit].is_null() && request[limit].as_u64().unwrap_or(0) == 0 {
+            return Err(format!(
+                "Invalid '{limit}': expected a positive integer, got {}",
+                request[limit]
+            ));
+        }
     }
     if !request["n"].is_null() && request["n"] != 1 {
         return Err("the stand-in answers with one choice: n must be 1".into());
@@ -624,8 +663,13 @@ fn check_tool_calls(calls: &Value, at: &str) -> Result<Vec<String>, String> {
 }
 
 /// Assistant turns must come back as they were streamed: the same text, the same calls
-/// (ids, names, and arguments that parse to the same JSON, integers still integers).
-fn check_verbatim(replies: &[StandinReply], request: &Value) -> Result<(), String> {
+/// (names, and arguments that parse to the same JSON, integers still integers; and the ids,
+/// when the stand-in gave unique ones).
+fn check_verbatim(
+    replies: &[StandinReply],
+    call_ids: CallIds,
+    request: &Value,
+) -> Result<(), String> {
     let assistants = messages(request)
         .iter()
         .filter(|m| m["role"] == "assistant");
@@ -642,7 +686,10 @@ fn check_verbatim(replies: &[StandinReply], request: &Value) -> Result<(), Strin
             .map(|call| {
                 let function = &call["function"];
                 (
-                    call["id"].as_str().unwrap_or_default().to_string(),
+                    match call_ids {
+                        CallIds::Unique => call["id"].as_str().unwrap_or_default().to_string(),
+                        CallIds::Reused | CallIds::Missing => String::new(),
+                    },
                     function["name"].as_str().unwrap_or_default().to_string(),
                     function["arguments"]
                         .as_str()
@@ -655,7 +702,13 @@ fn check_verbatim(replies: &[StandinReply], request: &Value) -> Result<(), Strin
             .tool_calls
             .iter()
             .enumerate()
-            .map(|(i, (name, arguments))| (call_id(turn, i), name.clone(), arguments.clone()))
+            .map(|(i, (name, arguments))| {
+                let id = match call_ids {
+                    CallIds::Unique => call_id(call_ids, turn, i).unwrap_or_default(),
+                    CallIds::Reused | CallIds::Missing => String::new(),
+                };
+                (id, name.clone(), arguments.clone())
+            })
             .collect();
         if text_of(&message["content"]) != reply.text || sent_calls != expected_calls {
             return Err(format!(
@@ -667,14 +720,20 @@ fn check_verbatim(replies: &[StandinReply], request: &Value) -> Result<(), Strin
     Ok(())
 }
 
-fn call_id(turn: usize, i: usize) -> String {
-    format!("call_{turn}_{i}")
+/// The id the stand-in gives call `i` of `turn`, if any.
+fn call_id(call_ids: CallIds, turn: usize, i: usize) -> Option<String> {
+    match call_ids {
+        CallIds::Unique => Some(format!("call_{turn}_{i}")),
+        CallIds::Reused => Some(format!("call_{i}")),
+        CallIds::Missing => None,
+    }
 }
 
 #[derive(Clone, Copy)]
 enum Ending {
     Complete,
     Cut,
+    Ends,
     ErrorChunk,
 }
 
@@ -686,7 +745,7 @@ enum Piece {
 
 /// The reply as the stream's deltas, in the order they are sent: the role, the text in
 /// pieces, then the calls interleaved by index with their arguments cut mid-JSON.
-fn pieces(turn: usize, reply: &StandinReply) -> Vec<Piece> {
+fn pieces(turn: usize, call_ids: CallIds, reply: &StandinReply) -> Vec<Piece> {
     let mut pieces = vec![Piece::Delta(
         json!({"role": "assistant", "content": "", "refusal": null}),
     )];
@@ -705,10 +764,14 @@ fn pieces(turn: usize, reply: &StandinReply) -> Vec<Piece> {
         // send every call's next piece in one chunk, highest index first.
         if round == 0 {
             for (i, (name, _)) in reply.tool_calls.iter().enumerate() {
-                pieces.push(Piece::Delta(json!({"tool_calls": [{
-                    "index": i, "id": call_id(turn, i), "type": "function",
+                let mut opening = json!({
+                    "index": i, "type": "function",
                     "function": {"name": name, "arguments": ""},
-                }]})));
+                });
+                if let Some(id) = call_id(call_ids, turn, i) {
+                    opening["id"] = json!(id);
+                }
+                pieces.push(Piece::Delta(json!({ "tool_calls": [opening] })));
                 pieces.push(Piece::Delta(json!({"tool_calls": [{
                     "index": i, "function": {"arguments": arguments[i][0]},
                 }]})));
@@ -750,6 +813,7 @@ fn stream(
     turn: usize,
     model: String,
     usage: bool,
+    call_ids: CallIds,
     reply: StandinReply,
     ending: Ending,
 ) -> Response {
@@ -767,7 +831,7 @@ fn stream(
             }
             chunk
         };
-        let pieces = pieces(turn, &reply);
+        let pieces = pieces(turn, call_ids, &reply);
         // The cut comes after the first piece of arguments when there are calls, else
         // after the first piece of text.
         let cut_at = pieces
@@ -794,6 +858,7 @@ fn stream(
                 return;
             }
             match ending {
+                Ending::Ends if n == cut_at => return,
                 Ending::Cut if n == cut_at => {
                     let _ = tx
                         .send(Err(std::io::Error::other(

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use agentlog_proto::v1::{event::Kind, Event, SessionStatus};
 use integration_tests::bin_path;
-use integration_tests::openai_standin::{Fault, OpenAiStandin, StandinReply};
+use integration_tests::openai_standin::{CallIds, Fault, OpenAiStandin, StandinReply};
 use integration_tests::Store;
 use runner_support::*;
 use serde_json::json;
@@ -136,6 +136,7 @@ async fn a_session_with_parallel_calls_runs_to_the_end_through_transient_failure
     standin.inject(0, Fault::CutStream);
     standin.inject(1, Fault::ServerError(503));
     standin.inject(1, Fault::ErrorChunk);
+    standin.inject(1, Fault::StreamEnds);
     let workspaces = tempfile::tempdir().expect("temp dir");
     let mut runner = OpenAiRunner::start(&store, "r1", workspaces.path(), &standin, 3000);
 
@@ -204,6 +205,7 @@ async fn a_session_with_parallel_calls_runs_to_the_end_through_transient_failure
             (0, "reply"),
             (1, "server_error"),
             (1, "error_chunk"),
+            (1, "stream_ends"),
             (1, "reply"),
             (2, "reply"),
         ]
@@ -301,6 +303,49 @@ async fn a_reply_that_says_nothing_goes_back_as_a_valid_turn() {
         kinds(&events),
         ["user", "reply(stop)", "user", "reply(stop)"]
     );
+}
+
+/// A server that names its calls `call_0`, `call_1`, … again in every turn, or sends no
+/// ids at all: each call still gets an id of its own in the session, so every call runs
+/// and its result pairs with it, not with an earlier call of the same name.
+#[tokio::test(flavor = "multi_thread")]
+async fn calls_without_unique_ids_get_ids_of_their_own() {
+    let store = Store::start().expect("store");
+    let mut client = store.client().await.expect("client");
+    let workspaces = tempfile::tempdir().expect("temp dir");
+    for (session, call_ids) in [("reused", CallIds::Reused), ("missing", CallIds::Missing)] {
+        let standin = OpenAiStandin::start_with(
+            vec![
+                StandinReply::text("First.").tool("bash", json!({"command": "echo one >> f"})),
+                StandinReply::text("Second.")
+                    .tool("bash", json!({"command": "echo two >> f"}))
+                    .tool("bash", json!({"command": "echo three >> f"})),
+                StandinReply::text("Done."),
+            ],
+            call_ids,
+        )
+        .await
+        .expect("stand-in");
+        let _runner = OpenAiRunner::start(&store, session, workspaces.path(), &standin, 3000);
+        user_says(&mut client, session, session).await;
+        let events = wait_idle(&mut client, session, 0, Duration::from_secs(30)).await;
+        assert_eq!(standin.violations(), Vec::<String>::new(), "{session}");
+        let ids = tool_use_ids(&events);
+        let distinct: std::collections::HashSet<&String> = ids.iter().collect();
+        assert_eq!((ids.len(), distinct.len()), (3, 3), "{session}: {ids:?}");
+        assert!(
+            ends_in_final_reply(&events),
+            "{session}: {:?}",
+            kinds(&events)
+        );
+        assert_eq!(
+            std::fs::read_to_string(workspaces.path().join(session).join("f"))
+                .ok()
+                .as_deref(),
+            Some("one\ntwo\nthree\n"),
+            "{session}: every call ran once"
+        );
+    }
 }
 
 // ---------------------------------------------------------------------------------------

@@ -4,9 +4,13 @@
 //! Promise: each logged tool result goes back as a `tool` message right after the
 //! assistant message whose `tool_calls` it answers, and a reply is returned only once the
 //! stream finished (`[DONE]`, or a `finish_reason` followed by the end of the stream).
-//! Tool calls are assembled from their streamed fragments, in `index` order.
+//! Tool calls are assembled from their streamed fragments, in `index` order, and each gets
+//! an id no other call of the conversation has: some servers send no ids, or the same
+//! `call_0` every turn, and the log pairs a result with its call by id (`result:<id>`), so a
+//! repeated id would hand a new call an old result. Unlike Anthropic's, these ids carry no
+//! signature; the server only needs them consistent within a request.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 
 use agentlog_proto::v1::{
     content_block::Block, AssistantMessage, ContentBlock, TextBlock, ToolUseBlock, Usage,
@@ -14,7 +18,7 @@ use agentlog_proto::v1::{
 use serde_json::{json, Map, Value};
 
 use super::{http, ModelError, ModelRequest, TextSink};
-use crate::fold::{Message, UserBlock};
+use crate::fold::{tool_uses, Conversation, Message, UserBlock};
 use crate::json::{object_to_struct, struct_to_object};
 
 const DEFAULT_BASE_URL: &str = "https://api.openai.com/v1";
@@ -69,9 +73,10 @@ impl OpenAi {
         let response = http::send(post).await?;
         let mut events = http::events(response);
         let mut reply = Assembly::default();
+        let taken = CallIds::of(request.conversation);
         while let Some(event) = http::next_event(&mut events).await? {
             if event.data.trim() == "[DONE]" {
-                return Ok(reply.finish());
+                return Ok(reply.finish(taken));
             }
             let Ok(chunk) = serde_json::from_str::<Value>(&event.data) else {
                 continue;
@@ -87,8 +92,48 @@ impl OpenAi {
                 "the stream ended before the reply finished (cut mid-reply)",
             ))
         } else {
-            Ok(reply.finish())
+            Ok(reply.finish(taken))
         }
+    }
+}
+
+/// The tool-call ids of a conversation's replies, and the turn being asked for.
+struct CallIds {
+    taken: HashSet<String>,
+    turn: usize,
+}
+
+impl CallIds {
+    fn of(conversation: &Conversation) -> CallIds {
+        let replies = conversation.messages.iter().filter_map(|m| match m {
+            Message::Assistant(reply) => Some(reply),
+            Message::User(_) => None,
+        });
+        let mut ids = CallIds {
+            taken: HashSet::new(),
+            turn: 0,
+        };
+        for reply in replies {
+            ids.turn += 1;
+            ids.taken
+                .extend(tool_uses(reply).map(|call| call.id.clone()));
+        }
+        ids
+    }
+
+    /// `id` if the server gave one no earlier call has, else a fresh one; taken either way.
+    fn claim(&mut self, id: String, index: u64) -> String {
+        if !id.is_empty() && self.taken.insert(id.clone()) {
+            return id;
+        }
+        let base = format!("call_agentlog_{}_{index}", self.turn);
+        let mut fresh = base.clone();
+        let mut n = 1;
+        while !self.taken.insert(fresh.clone()) {
+            n += 1;
+            fresh = format!("{base}_{n}");
+        }
+        fresh
     }
 }
 
@@ -246,8 +291,7 @@ impl Assembly {
         }
     }
 
-    fn finish(mut self) -> AssistantMessage {
-        let message_id = self.message.message_id.clone();
+    fn finish(mut self, mut ids: CallIds) -> AssistantMessage {
         let mut content = Vec::new();
         if !self.text.is_empty() {
             content.push(ContentBlock {
@@ -259,12 +303,7 @@ impl Assembly {
                 Ok(Value::Object(object)) => object,
                 _ => Map::new(),
             };
-            // Some local servers send no call id; the log needs one to pair the result.
-            let id = if call.id.is_empty() {
-                format!("call_{message_id}_{index}")
-            } else {
-                call.id
-            };
+            let id = ids.claim(call.id, index);
             content.push(ContentBlock {
                 block: Some(Block::ToolUse(ToolUseBlock {
                     id,
@@ -304,7 +343,7 @@ mod tests {
             }
         }
         assert_eq!(streamed, "Let me check.");
-        let reply = assembly.finish();
+        let reply = assembly.finish(CallIds::of(&Conversation { messages: vec![] }));
         assert_eq!(reply.stop_reason, "tool_calls");
         assert_eq!(reply.usage.map(|u| u.output_tokens), Some(4));
 
