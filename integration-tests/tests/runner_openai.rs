@@ -237,6 +237,8 @@ async fn a_session_with_parallel_calls_runs_to_the_end_through_transient_failure
             "tool"
         ]
     );
+    // The runner's default --max-tokens, under the name current servers honour.
+    assert_eq!(requests[0].body["max_completion_tokens"], 8192);
     assert!(runner.terminate(), "runner exits 0 on SIGTERM");
 }
 

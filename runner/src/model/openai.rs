@@ -180,9 +180,12 @@ pub fn request_body(model: &str, request: ModelRequest<'_>) -> Value {
             }})
         })
         .collect();
+    // `max_completion_tokens`, not the older `max_tokens` that OpenAI refuses for its
+    // reasoning models; vLLM honours it too, and servers that do not know it ignore it.
     let mut body = json!({
         "model": model,
         "messages": messages,
+        "max_completion_tokens": request.max_tokens,
         "stream": true,
         "stream_options": {"include_usage": true},
     });
@@ -278,8 +281,11 @@ impl Assembly {
             if let Some(name) = fragment["function"]["name"].as_str() {
                 call.name.push_str(name);
             }
-            if let Some(arguments) = fragment["function"]["arguments"].as_str() {
-                call.arguments.push_str(arguments);
+            match &fragment["function"]["arguments"] {
+                Value::String(piece) => call.arguments.push_str(piece),
+                // Some servers send the arguments whole, as an object.
+                Value::Object(object) => call.arguments = Value::Object(object.clone()).to_string(),
+                _ => {}
             }
         }
         match delta["content"].as_str() {
@@ -382,5 +388,6 @@ mod tests {
             ])
         );
         assert!(body.get("tools").is_none());
+        assert_eq!(body["max_completion_tokens"], 100);
     }
 }
