@@ -271,15 +271,29 @@ impl Assembly {
         }
         let delta = &choice["delta"];
         for fragment in delta["tool_calls"].as_array().into_iter().flatten() {
-            let index = fragment["index"]
-                .as_u64()
-                .unwrap_or(self.calls.len() as u64);
+            let id = fragment["id"].as_str().unwrap_or_default();
+            let index = match fragment["index"].as_u64() {
+                Some(index) => index,
+                // Without an index, a fragment with a new id opens a call and any other
+                // continues the latest one.
+                None => match self.calls.last_key_value() {
+                    Some((&last, call)) if id.is_empty() || id == call.id => last,
+                    Some((&last, _)) => last + 1,
+                    None => 0,
+                },
+            };
             let call = self.calls.entry(index).or_default();
-            if let Some(id) = fragment["id"].as_str() {
-                call.id.push_str(id);
+            // An id is never split; some servers repeat it (or make a new one) in every
+            // fragment, and the first one names the call.
+            if call.id.is_empty() {
+                call.id = id.to_string();
             }
+            // A name may come in pieces; older llama.cpp servers repeat it whole in every
+            // fragment instead.
             if let Some(name) = fragment["function"]["name"].as_str() {
-                call.name.push_str(name);
+                if name != call.name {
+                    call.name.push_str(name);
+                }
             }
             match &fragment["function"]["arguments"] {
                 Value::String(piece) => call.arguments.push_str(piece),
@@ -389,5 +403,48 @@ mod tests {
         );
         assert!(body.get("tools").is_none());
         assert_eq!(body["max_completion_tokens"], 100);
+    }
+
+    /// What servers other than OpenAI send: the name and id repeated in every fragment, a
+    /// name in pieces, fragments without an index, arguments whole as an object.
+    #[test]
+    fn tool_calls_assemble_from_the_fragments_other_servers_send() {
+        let chunks = [
+            json!({"choices":[{"delta":{"tool_calls":[{"index":0,"id":"a","function":{"name":"bash","arguments":"{\"command\":"}}]}}]}),
+            json!({"choices":[{"delta":{"tool_calls":[{"index":0,"id":"a","function":{"name":"bash","arguments":"\"ls\"}"}}]}}]}),
+            json!({"choices":[{"delta":{"tool_calls":[{"index":1,"id":"b","function":{"name":"read_"}}]}}]}),
+            json!({"choices":[{"delta":{"tool_calls":[{"index":1,"function":{"name":"file","arguments":"{\"path\": \"x\"}"}}]}}]}),
+            json!({"choices":[{"delta":{"tool_calls":[{"id":"c","function":{"name":"list_files","arguments":"{"}}]}}]}),
+            json!({"choices":[{"delta":{"tool_calls":[{"function":{"arguments":"}"}}]}}]}),
+            json!({"choices":[{"delta":{"tool_calls":[{"id":"d","function":{"name":"write_file","arguments":{"path":"y","content":"z"}}}]}}]}),
+            json!({"choices":[{"delta":{},"finish_reason":"tool_calls"}]}),
+        ];
+        let mut assembly = Assembly::default();
+        for chunk in &chunks {
+            assembly.apply(chunk).expect("no error chunk");
+        }
+        let reply = assembly.finish(CallIds::of(&Conversation { messages: vec![] }));
+        let calls: Vec<(String, String, Value)> = tool_uses(&reply)
+            .map(|call| {
+                (
+                    call.id.clone(),
+                    call.name.clone(),
+                    Value::Object(struct_to_object(call.input.as_ref())),
+                )
+            })
+            .collect();
+        assert_eq!(
+            calls,
+            [
+                ("a".into(), "bash".into(), json!({"command": "ls"})),
+                ("b".into(), "read_file".into(), json!({"path": "x"})),
+                ("c".into(), "list_files".into(), json!({})),
+                (
+                    "d".into(),
+                    "write_file".into(),
+                    json!({"path": "y", "content": "z"})
+                ),
+            ]
+        );
     }
 }
