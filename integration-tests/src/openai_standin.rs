@@ -643,8 +643,13 @@ fn check_tool_calls(calls: &Value, at: &str) -> Result<Vec<String>, String> {
         }
         let Some(arguments) = call["function"]["arguments"].as_str() else {
             return Err(format!(
-                "Invalid type for '{at}.function.arguments': expected a string, but got {}",
-                call["function"]["arguments"]
+                "Invalid type for '{at}.function.arguments': expected a string, but got {}.",
+                match &call["function"]["arguments"] {
+                    Value::Object(_) => "an object",
+                    Value::Array(_) => "an array",
+                    Value::Null => "null",
+                    _ => "a scalar",
+                }
             ));
         };
         // OpenAI passes the string through; vLLM and llama.cpp parse it for the chat

@@ -350,6 +350,138 @@ async fn calls_without_unique_ids_get_ids_of_their_own() {
     }
 }
 
+/// Posts `body` to the stand-in over a plain HTTP/1.1 connection; returns the status and
+/// the response body.
+async fn post_raw(
+    standin: &OpenAiStandin,
+    bearer: bool,
+    body: &serde_json::Value,
+) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let body = body.to_string();
+    let auth = if bearer {
+        "authorization: Bearer k\r\n"
+    } else {
+        ""
+    };
+    let request = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: standin\r\n{auth}content-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let mut stream = tokio::net::TcpStream::connect(standin.addr)
+        .await
+        .expect("connect");
+    stream.write_all(request.as_bytes()).await.expect("send");
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.expect("read");
+    let status = response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .unwrap_or(0);
+    (status, response)
+}
+
+/// The stand-in is only as good as its strictness: each request here breaks one rule of the
+/// API and must be refused with the API's words, and the well-formed one must be served.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_standin_refuses_what_the_api_refuses() {
+    let standin = OpenAiStandin::start(vec![
+        StandinReply::text("Listing.").tool("list_files", json!({"path": "."})),
+        StandinReply::text("Done."),
+    ])
+    .await
+    .expect("stand-in");
+    let user = json!({"role": "user", "content": "hi"});
+    let call = json!({"id": "call_0_0", "type": "function", "function": {"name": "list_files", "arguments": "{\"path\":\".\"}"}});
+    let assistant = json!({"role": "assistant", "content": "Listing.", "tool_calls": [call]});
+    let answer = json!({"role": "tool", "tool_call_id": "call_0_0", "content": "a.txt"});
+    let with =
+        |messages: serde_json::Value| json!({"model": "m", "stream": true, "messages": messages});
+    let with_call = |call: serde_json::Value| {
+        with(json!([user, {"role": "assistant", "content": null, "tool_calls": [call]}, answer]))
+    };
+    let refused = [
+        (
+            with(json!([user, assistant])),
+            "did not have response messages: call_0_0",
+        ),
+        (
+            with(json!([user, assistant, user, answer])),
+            "did not have response messages: call_0_0",
+        ),
+        (
+            with(json!([user, answer])),
+            "must be a response to a preceding message with 'tool_calls'",
+        ),
+        (
+            with(json!([user, assistant, answer, answer])),
+            "must be a response to a preceding message with 'tool_calls'",
+        ),
+        (
+            with(json!([user, {"role": "model", "content": "x"}, user])),
+            "Invalid value: 'model'",
+        ),
+        (
+            with(json!([{"role": "user", "content": "hi", "tool_call_id": "x"}])),
+            "('tool_call_id' was unexpected)",
+        ),
+        (
+            with(json!([user, {"role": "assistant", "content": null}, user])),
+            "expected a string, got null",
+        ),
+        (
+            with(json!([user, {"role": "assistant", "content": "x", "tool_calls": []}, user])),
+            "empty array",
+        ),
+        (
+            with_call(
+                json!({"id": "call_0_0", "type": "function", "function": {"name": "list_files", "arguments": {"path": "."}}}),
+            ),
+            "expected a string, but got an object",
+        ),
+        (
+            with_call(
+                json!({"id": "call_0_0", "type": "function", "function": {"name": "list_files", "arguments": "{\"path\":"}}),
+            ),
+            "not a JSON object",
+        ),
+        (
+            with(
+                json!([user, {"role": "assistant", "content": "Listing!", "tool_calls": [call]}, answer]),
+            ),
+            "is not what the model said",
+        ),
+        (
+            json!({"model": "m", "stream": true, "messages": [user], "max_token": 5}),
+            "Unrecognized request argument supplied: max_token",
+        ),
+        (
+            json!({"model": "m", "stream": true, "messages": [user], "tools": []}),
+            "[] is too short - 'tools'",
+        ),
+        (
+            json!({"model": "m", "stream": true, "messages": []}),
+            "[] is too short - 'messages'",
+        ),
+    ];
+    for (body, words) in &refused {
+        let (status, response) = post_raw(&standin, true, body).await;
+        assert!(
+            status == 400 && response.contains(words),
+            "expected a 400 saying {words:?} for {body}, got {status}: {response}"
+        );
+    }
+    let (status, _) = post_raw(&standin, false, &with(json!([user]))).await;
+    assert_eq!(status, 401, "a request without a key");
+    assert_eq!(standin.violations().len(), refused.len() + 1);
+
+    let (status, response) =
+        post_raw(&standin, true, &with(json!([user, assistant, answer]))).await;
+    assert_eq!(status, 200, "{response}");
+    assert!(response.contains("data: [DONE]"), "{response}");
+}
+
 // ---------------------------------------------------------------------------------------
 // Exactly-once under SIGKILL
 // ---------------------------------------------------------------------------------------
