@@ -10,7 +10,7 @@
 //! repeated id would hand a new call an old result. Unlike Anthropic's, these ids carry no
 //! signature; the server only needs them consistent within a request.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use agentlog_proto::v1::{
     content_block::Block, AssistantMessage, ContentBlock, TextBlock, ToolUseBlock, Usage,
@@ -232,8 +232,10 @@ fn assistant_message(reply: &AssistantMessage) -> Value {
 struct Assembly {
     message: AssistantMessage,
     text: String,
-    /// By the `index` the stream gives each call.
+    /// In the order the calls were opened.
     calls: BTreeMap<u64, Call>,
+    /// The stream's `index` → the call its fragments continue.
+    slots: HashMap<u64, u64>,
 }
 
 #[derive(Debug, Default)]
@@ -272,19 +274,9 @@ impl Assembly {
         let delta = &choice["delta"];
         for fragment in delta["tool_calls"].as_array().into_iter().flatten() {
             let id = fragment["id"].as_str().unwrap_or_default();
-            let index = match fragment["index"].as_u64() {
-                Some(index) => index,
-                // Without an index, a fragment with a new id opens a call and any other
-                // continues the latest one.
-                None => match self.calls.last_key_value() {
-                    Some((&last, call)) if id.is_empty() || id == call.id => last,
-                    Some((&last, _)) => last + 1,
-                    None => 0,
-                },
-            };
-            let call = self.calls.entry(index).or_default();
-            // An id is never split; some servers repeat it (or make a new one) in every
-            // fragment, and the first one names the call.
+            let key = self.slot(fragment["index"].as_u64(), id);
+            let call = self.calls.entry(key).or_default();
+            // An id is never split; some servers repeat it in every fragment.
             if call.id.is_empty() {
                 call.id = id.to_string();
             }
@@ -309,6 +301,36 @@ impl Assembly {
             }
             _ => Ok(None),
         }
+    }
+
+    /// The call a fragment belongs to. OpenAI gives each call its own `index`; other
+    /// servers do not always: a fragment with a known id continues that call (LocalAI
+    /// repeats a call under several indexes), a new id at an index already taken opens a
+    /// new call (Ollama gives every call index 0), and a fragment without an index
+    /// continues the latest call unless its id is new.
+    fn slot(&mut self, index: Option<u64>, id: &str) -> u64 {
+        let next = self.calls.last_key_value().map_or(0, |(&key, _)| key + 1);
+        let known = (!id.is_empty())
+            .then(|| self.calls.iter().find(|(_, call)| call.id == id))
+            .flatten()
+            .map(|(&key, _)| key);
+        let key = match (known, index) {
+            (Some(key), _) => key,
+            (None, Some(index)) => match self.slots.get(&index) {
+                Some(&key)
+                    if id.is_empty() || self.calls.get(&key).is_none_or(|c| c.id.is_empty()) =>
+                {
+                    key
+                }
+                _ => next,
+            },
+            (None, None) if id.is_empty() && next > 0 => next - 1,
+            (None, None) => next,
+        };
+        if let Some(index) = index {
+            self.slots.insert(index, key);
+        }
+        key
     }
 
     fn finish(mut self, mut ids: CallIds) -> AssistantMessage {
@@ -406,7 +428,8 @@ mod tests {
     }
 
     /// What servers other than OpenAI send: the name and id repeated in every fragment, a
-    /// name in pieces, fragments without an index, arguments whole as an object.
+    /// name in pieces, fragments without an index, arguments whole as an object, every call
+    /// at index 0, one call under two indexes.
     #[test]
     fn tool_calls_assemble_from_the_fragments_other_servers_send() {
         let chunks = [
@@ -417,6 +440,9 @@ mod tests {
             json!({"choices":[{"delta":{"tool_calls":[{"id":"c","function":{"name":"list_files","arguments":"{"}}]}}]}),
             json!({"choices":[{"delta":{"tool_calls":[{"function":{"arguments":"}"}}]}}]}),
             json!({"choices":[{"delta":{"tool_calls":[{"id":"d","function":{"name":"write_file","arguments":{"path":"y","content":"z"}}}]}}]}),
+            json!({"choices":[{"delta":{"tool_calls":[{"index":0,"id":"e","function":{"name":"bash","arguments":"{\"command\":\"pwd\"}"}}]}}]}),
+            json!({"choices":[{"delta":{"tool_calls":[{"index":7,"id":"f","function":{"name":"read_file","arguments":"{\"path\":"}}]}}]}),
+            json!({"choices":[{"delta":{"tool_calls":[{"index":8,"id":"f","function":{"arguments":"\"w\"}"}}]}}]}),
             json!({"choices":[{"delta":{},"finish_reason":"tool_calls"}]}),
         ];
         let mut assembly = Assembly::default();
@@ -444,6 +470,8 @@ mod tests {
                     "write_file".into(),
                     json!({"path": "y", "content": "z"})
                 ),
+                ("e".into(), "bash".into(), json!({"command": "pwd"})),
+                ("f".into(), "read_file".into(), json!({"path": "w"})),
             ]
         );
     }
