@@ -87,6 +87,9 @@ pub enum Fault {
     /// HTTP 200, the same part of the stream as [`Fault::CutStream`], then a clean end: no
     /// `finish_reason`, no `[DONE]`.
     StreamEnds,
+    /// HTTP 200 and the whole reply with its `finish_reason`, then the end of the stream
+    /// without the usage chunk or `[DONE]`, as some servers end: a complete reply all the same.
+    NoDone,
     /// HTTP 200, a first chunk, then a `data: {"error": …}` chunk and the end of the stream.
     ErrorChunk,
     /// HTTP 400 `invalid_request_error`.
@@ -302,6 +305,10 @@ async fn chat_completions(
         Some(Fault::StreamEnds) => {
             record(&mut state, "stream_ends");
             Ending::Ends
+        }
+        Some(Fault::NoDone) => {
+            record(&mut state, "no_done");
+            Ending::NoDone
         }
         Some(Fault::ErrorChunk) => {
             record(&mut state, "error_chunk");
@@ -739,6 +746,7 @@ enum Ending {
     Complete,
     Cut,
     Ends,
+    NoDone,
     ErrorChunk,
 }
 
@@ -880,6 +888,9 @@ fn stream(
                 }
                 _ => {}
             }
+        }
+        if let Ending::NoDone = ending {
+            return;
         }
         if usage {
             let figures = json!({"prompt_tokens": 10 + turn, "completion_tokens": 20, "total_tokens": 30 + turn});

@@ -1,9 +1,11 @@
 //! The runner with `--model openai:…` against the real event store and the strict
 //! OpenAI-compatible stand-in (`integration_tests::openai_standin`): a multi-step session
-//! with parallel tool calls runs to the end through 429s, 5xx, a cut stream and an error
-//! chunk; a refused request ends the turn with `run_error`; a reply that says nothing goes
-//! back as a valid turn; and the session is exactly-once when the runner is SIGKILLed at
-//! each point of a step and at random moments.
+//! with parallel tool calls runs to the end through a 429 with `retry-after`, 5xx, streams
+//! cut or ended mid-reply and an error chunk; a refused request ends the turn with
+//! `run_error`; a reply that says nothing goes back as a valid turn; servers that send no
+//! call ids, or the same ones every turn, still get every call run once; the stand-in
+//! refuses what the API refuses; and the session is exactly-once when the runner is
+//! SIGKILLed at each point of a step and at random moments.
 
 mod runner_support;
 
@@ -137,6 +139,7 @@ async fn a_session_with_parallel_calls_runs_to_the_end_through_transient_failure
     standin.inject(1, Fault::ServerError(503));
     standin.inject(1, Fault::ErrorChunk);
     standin.inject(1, Fault::StreamEnds);
+    standin.inject(2, Fault::NoDone);
     let workspaces = tempfile::tempdir().expect("temp dir");
     let mut runner = OpenAiRunner::start(&store, "r1", workspaces.path(), &standin, 3000);
 
@@ -207,7 +210,7 @@ async fn a_session_with_parallel_calls_runs_to_the_end_through_transient_failure
             (1, "error_chunk"),
             (1, "stream_ends"),
             (1, "reply"),
-            (2, "reply"),
+            (2, "no_done"),
         ]
     );
     // `retry-after: 1` is a floor on the wait, whatever the backoff drew.

@@ -4,8 +4,9 @@
 //! Promise: each logged tool result goes back as a `tool` message right after the
 //! assistant message whose `tool_calls` it answers, and a reply is returned only once the
 //! stream finished (`[DONE]`, or a `finish_reason` followed by the end of the stream).
-//! Tool calls are assembled from their streamed fragments, in `index` order, and each gets
-//! an id no other call of the conversation has: some servers send no ids, or the same
+//! Tool calls are assembled from their streamed fragments (by `index` as OpenAI sends them,
+//! and by id where other servers get the index wrong), in the order they were opened, and
+//! each gets an id no other call of the conversation has: some servers send no ids, or the same
 //! `call_0` every turn, and the log pairs a result with its call by id (`result:<id>`), so a
 //! repeated id would hand a new call an old result. Unlike Anthropic's, these ids carry no
 //! signature; the server only needs them consistent within a request.
