@@ -61,17 +61,19 @@ impl StandinReply {
     }
 }
 
-/// How the stand-in names its tool calls. OpenAI's ids are unique; some OpenAI-compatible
-/// servers send none, or the same ones every turn.
+/// How the stand-in streams tool calls: as OpenAI does, or with one of the quirks of other
+/// OpenAI-compatible servers.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub enum CallIds {
-    /// `call_<turn>_<i>`: unique within a session.
+pub enum Dialect {
+    /// Ids `call_<turn>_<i>` (unique within a session), one `index` per call.
     #[default]
-    Unique,
-    /// `call_<i>`: the same ids again in every turn.
-    Reused,
+    OpenAi,
+    /// Ids `call_<i>`: the same ids again in every turn.
+    ReusedIds,
     /// No `id` in the stream at all.
-    Missing,
+    NoIds,
+    /// Every call whole in one fragment, all at `index` 0 (as Ollama sends them).
+    IndexZero,
 }
 
 /// A failure served instead of (or in the middle of) a reply.
@@ -113,7 +115,7 @@ pub struct RecordedRequest {
 #[derive(Debug, Default)]
 struct Inner {
     replies: Vec<StandinReply>,
-    call_ids: CallIds,
+    dialect: Dialect,
     faults: HashMap<usize, VecDeque<Fault>>,
     requests: Vec<RecordedRequest>,
     violations: Vec<String>,
@@ -131,17 +133,14 @@ pub struct OpenAiStandin {
 impl OpenAiStandin {
     /// Starts the server on a free port (needs a running tokio runtime).
     pub async fn start(replies: Vec<StandinReply>) -> Result<OpenAiStandin> {
-        OpenAiStandin::start_with(replies, CallIds::Unique).await
+        OpenAiStandin::start_with(replies, Dialect::OpenAi).await
     }
 
-    /// Starts a server that names its tool calls as `call_ids` says.
-    pub async fn start_with(
-        replies: Vec<StandinReply>,
-        call_ids: CallIds,
-    ) -> Result<OpenAiStandin> {
+    /// Starts a server that streams tool calls in `dialect`.
+    pub async fn start_with(replies: Vec<StandinReply>, dialect: Dialect) -> Result<OpenAiStandin> {
         let inner: Shared = Arc::new(Mutex::new(Inner {
             replies,
-            call_ids,
+            dialect,
             ..Inner::default()
         }));
         let app = Router::new()
@@ -242,7 +241,7 @@ async fn chat_completions(
     };
     let checked = check_content_type(&headers)
         .and_then(|()| check_request(&request))
-        .and_then(|()| check_verbatim(&state.replies, state.call_ids, &request));
+        .and_then(|()| check_verbatim(&state.replies, state.dialect, &request));
     if let Err(message) = checked {
         state.violations.push(message.clone());
         record(&mut state, "rejected");
@@ -265,7 +264,7 @@ async fn chat_completions(
     let fault = state.faults.get_mut(&turn).and_then(VecDeque::pop_front);
     let model = request["model"].as_str().unwrap_or_default().to_string();
     let usage = request["stream_options"]["include_usage"] == true;
-    let call_ids = state.call_ids;
+    let dialect = state.dialect;
     let ending = match fault {
         Some(Fault::RateLimited { retry_after_s }) => {
             record(&mut state, "rate_limited");
@@ -320,7 +319,7 @@ async fn chat_completions(
         }
     };
     drop(state);
-    stream(turn, model, usage, call_ids, reply, ending)
+    stream(turn, model, usage, dialect, reply, ending)
 }
 
 /// The API's error body: `{"error": {message, type, param, code}}`.
@@ -514,7 +513,7 @@ fn check_request(request: &Value) -> Result<(), String> {
         unexpected_field(message, fields, &at)?;
         if role != "tool" && !open.is_empty() {
             return Err(format!(
-                "An assistant message with 'tool_calls' must be followed by tool messages responding to each 'tool_call_id'. The following tool_call_ids did not have response messages: {}",
+                "An assistant message with 'tool_calls' must be followed by tool messages responding to each 'tool_call_id'. The following tool_dialect did not have response messages: {}",
                 open.join(", ")
             ));
         }
@@ -549,7 +548,7 @@ fn check_request(request: &Value) -> Result<(), String> {
     }
     if !open.is_empty() {
         return Err(format!(
-            "An assistant message with 'tool_calls' must be followed by tool messages responding to each 'tool_call_id'. The following tool_call_ids did not have response messages: {}",
+            "An assistant message with 'tool_calls' must be followed by tool messages responding to each 'tool_call_id'. The following tool_dialect did not have response messages: {}",
             open.join(", ")
         ));
     }
@@ -679,7 +678,7 @@ fn check_tool_calls(calls: &Value, at: &str) -> Result<Vec<String>, String> {
 /// when the stand-in gave unique ones).
 fn check_verbatim(
     replies: &[StandinReply],
-    call_ids: CallIds,
+    dialect: Dialect,
     request: &Value,
 ) -> Result<(), String> {
     let assistants = messages(request)
@@ -698,9 +697,11 @@ fn check_verbatim(
             .map(|call| {
                 let function = &call["function"];
                 (
-                    match call_ids {
-                        CallIds::Unique => call["id"].as_str().unwrap_or_default().to_string(),
-                        CallIds::Reused | CallIds::Missing => String::new(),
+                    match dialect {
+                        Dialect::OpenAi | Dialect::IndexZero => {
+                            call["id"].as_str().unwrap_or_default().to_string()
+                        }
+                        Dialect::ReusedIds | Dialect::NoIds => String::new(),
                     },
                     function["name"].as_str().unwrap_or_default().to_string(),
                     function["arguments"]
@@ -715,9 +716,11 @@ fn check_verbatim(
             .iter()
             .enumerate()
             .map(|(i, (name, arguments))| {
-                let id = match call_ids {
-                    CallIds::Unique => call_id(call_ids, turn, i).unwrap_or_default(),
-                    CallIds::Reused | CallIds::Missing => String::new(),
+                let id = match dialect {
+                    Dialect::OpenAi | Dialect::IndexZero => {
+                        call_id(dialect, turn, i).unwrap_or_default()
+                    }
+                    Dialect::ReusedIds | Dialect::NoIds => String::new(),
                 };
                 (id, name.clone(), arguments.clone())
             })
@@ -733,11 +736,11 @@ fn check_verbatim(
 }
 
 /// The id the stand-in gives call `i` of `turn`, if any.
-fn call_id(call_ids: CallIds, turn: usize, i: usize) -> Option<String> {
-    match call_ids {
-        CallIds::Unique => Some(format!("call_{turn}_{i}")),
-        CallIds::Reused => Some(format!("call_{i}")),
-        CallIds::Missing => None,
+fn call_id(dialect: Dialect, turn: usize, i: usize) -> Option<String> {
+    match dialect {
+        Dialect::OpenAi | Dialect::IndexZero => Some(format!("call_{turn}_{i}")),
+        Dialect::ReusedIds => Some(format!("call_{i}")),
+        Dialect::NoIds => None,
     }
 }
 
@@ -757,13 +760,23 @@ enum Piece {
 }
 
 /// The reply as the stream's deltas, in the order they are sent: the role, the text in
-/// pieces, then the calls interleaved by index with their arguments cut mid-JSON.
-fn pieces(turn: usize, call_ids: CallIds, reply: &StandinReply) -> Vec<Piece> {
+/// pieces, then the calls interleaved by index with their arguments cut mid-JSON (or, in
+/// [`Dialect::IndexZero`], each whole at index 0).
+fn pieces(turn: usize, dialect: Dialect, reply: &StandinReply) -> Vec<Piece> {
     let mut pieces = vec![Piece::Delta(
         json!({"role": "assistant", "content": "", "refusal": null}),
     )];
     for text in reply.text.split_inclusive(' ') {
         pieces.push(Piece::Delta(json!({"content": text})));
+    }
+    if dialect == Dialect::IndexZero {
+        for (i, (name, arguments)) in reply.tool_calls.iter().enumerate() {
+            pieces.push(Piece::Delta(json!({"tool_calls": [{
+                "index": 0, "id": call_id(dialect, turn, i), "type": "function",
+                "function": {"name": name, "arguments": arguments.to_string()},
+            }]})));
+        }
+        return finished(pieces, reply);
     }
     // Each call's arguments in three pieces, cut at a third and two thirds of the text.
     let arguments: Vec<Vec<String>> = reply
@@ -781,7 +794,7 @@ fn pieces(turn: usize, call_ids: CallIds, reply: &StandinReply) -> Vec<Piece> {
                     "index": i, "type": "function",
                     "function": {"name": name, "arguments": ""},
                 });
-                if let Some(id) = call_id(call_ids, turn, i) {
+                if let Some(id) = call_id(dialect, turn, i) {
                     opening["id"] = json!(id);
                 }
                 pieces.push(Piece::Delta(json!({ "tool_calls": [opening] })));
@@ -798,6 +811,11 @@ fn pieces(turn: usize, call_ids: CallIds, reply: &StandinReply) -> Vec<Piece> {
             pieces.push(Piece::Delta(json!({"tool_calls": fragments})));
         }
     }
+    finished(pieces, reply)
+}
+
+/// The pieces with the `finish_reason` chunk after them.
+fn finished(mut pieces: Vec<Piece>, reply: &StandinReply) -> Vec<Piece> {
     pieces.push(Piece::Finish(if reply.tool_calls.is_empty() {
         "stop"
     } else {
@@ -826,7 +844,7 @@ fn stream(
     turn: usize,
     model: String,
     usage: bool,
-    call_ids: CallIds,
+    dialect: Dialect,
     reply: StandinReply,
     ending: Ending,
 ) -> Response {
@@ -844,7 +862,7 @@ fn stream(
             }
             chunk
         };
-        let pieces = pieces(turn, call_ids, &reply);
+        let pieces = pieces(turn, dialect, &reply);
         // The cut comes after the first piece of arguments when there are calls, else
         // after the first piece of text.
         let cut_at = pieces

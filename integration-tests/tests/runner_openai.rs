@@ -3,9 +3,9 @@
 //! with parallel tool calls runs to the end through a 429 with `retry-after`, 5xx, streams
 //! cut or ended mid-reply and an error chunk; a refused request ends the turn with
 //! `run_error`; a reply that says nothing goes back as a valid turn; servers that send no
-//! call ids, or the same ones every turn, still get every call run once; the stand-in
-//! refuses what the API refuses; and the session is exactly-once when the runner is
-//! SIGKILLed at each point of a step and at random moments.
+//! call ids, the same ones every turn, or every call at index 0 still get every call run
+//! once; the stand-in refuses what the API refuses; and the session is exactly-once when
+//! the runner is SIGKILLed at each point of a step and at random moments.
 
 mod runner_support;
 
@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use agentlog_proto::v1::{event::Kind, Event, SessionStatus};
 use integration_tests::bin_path;
-use integration_tests::openai_standin::{CallIds, Fault, OpenAiStandin, StandinReply};
+use integration_tests::openai_standin::{Dialect, Fault, OpenAiStandin, StandinReply};
 use integration_tests::Store;
 use runner_support::*;
 use serde_json::json;
@@ -310,15 +310,20 @@ async fn a_reply_that_says_nothing_goes_back_as_a_valid_turn() {
     );
 }
 
-/// A server that names its calls `call_0`, `call_1`, … again in every turn, or sends no
-/// ids at all: each call still gets an id of its own in the session, so every call runs
-/// and its result pairs with it, not with an earlier call of the same name.
+/// Servers that name their calls `call_0`, `call_1`, … again in every turn, send no ids at
+/// all, or put every call at index 0: each call is still assembled whole and gets an id of
+/// its own in the session, so every call runs once and its result pairs with it, not with
+/// an earlier call of the same name.
 #[tokio::test(flavor = "multi_thread")]
-async fn calls_without_unique_ids_get_ids_of_their_own() {
+async fn every_call_runs_once_whatever_the_servers_ids_and_indexes() {
     let store = Store::start().expect("store");
     let mut client = store.client().await.expect("client");
     let workspaces = tempfile::tempdir().expect("temp dir");
-    for (session, call_ids) in [("reused", CallIds::Reused), ("missing", CallIds::Missing)] {
+    for (session, dialect) in [
+        ("reused", Dialect::ReusedIds),
+        ("missing", Dialect::NoIds),
+        ("index-zero", Dialect::IndexZero),
+    ] {
         let standin = OpenAiStandin::start_with(
             vec![
                 StandinReply::text("First.").tool("bash", json!({"command": "echo one >> f"})),
@@ -327,7 +332,7 @@ async fn calls_without_unique_ids_get_ids_of_their_own() {
                     .tool("bash", json!({"command": "echo three >> f"})),
                 StandinReply::text("Done."),
             ],
-            call_ids,
+            dialect,
         )
         .await
         .expect("stand-in");
