@@ -74,10 +74,10 @@ impl OpenAi {
         let response = http::send(post).await?;
         let mut events = http::events(response);
         let mut reply = Assembly::default();
-        let taken = CallIds::of(request.conversation);
+        let ids = CallIds::of(request.conversation);
         while let Some(event) = http::next_event(&mut events).await? {
             if event.data.trim() == "[DONE]" {
-                return Ok(reply.finish(taken));
+                return Ok(reply.finish(ids));
             }
             let Ok(chunk) = serde_json::from_str::<Value>(&event.data) else {
                 continue;
@@ -93,7 +93,7 @@ impl OpenAi {
                 "the stream ended before the reply finished (cut mid-reply)",
             ))
         } else {
-            Ok(reply.finish(taken))
+            Ok(reply.finish(ids))
         }
     }
 }
