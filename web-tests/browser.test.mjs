@@ -8,7 +8,8 @@
 //    carries on by itself: every event shown once, in order, the streamed text never
 //    doubled;
 // 2. a call waiting for a person is approved from the page (the decision is in the log);
-// 3. Cancel on the page appends an interrupt (it is in the log and in the transcript).
+// 3. Cancel on the page appends an interrupt (it is in the log and in the transcript);
+// 4. a re-run call and an interrupted turn are marked.
 //
 // Screenshots of the list and of session pages go to screenshots/.
 //
@@ -199,6 +200,27 @@ async function main() {
     const interrupts = readLog(storeAddr, waiting).filter((e) => e.interrupt);
     assert.equal(interrupts.length, 1, "the interrupt is in the log");
     assert.equal(interrupts[0].interrupt.reason, "cancelled from the web view");
+
+    // ---- a re-run call and an interrupted turn are marked ----
+    const rerun = "rerun-shown";
+    grpcurl(storeAddr, "Append", { session_id: rerun, events: [{ event_id: "u1", user_message: { text: "Append a line." } }] });
+    const lease2 = JSON.parse(grpcurl(storeAddr, "AcquireLease", { session_id: rerun, owner: "test-as-runner", ttl_ms: 60000 }));
+    grpcurl(storeAddr, "Append", {
+      session_id: rerun,
+      lease_epoch: lease2.epoch,
+      events: [
+        { event_id: "reply:1", assistant_message: { content: [{ tool_use: { id: "toolu_0_0", name: "bash", input: { command: "echo line >> log.txt" } } }], stop_reason: "tool_use" } },
+        { event_id: "started:1", tool_started: { tool_use_id: "toolu_0_0", idempotency_key: `${rerun}/toolu_0_0`, attempt: 1 } },
+        { event_id: "started:2", tool_started: { tool_use_id: "toolu_0_0", idempotency_key: `${rerun}/toolu_0_0`, attempt: 2 } },
+        { event_id: "result:toolu_0_0", tool_result: { tool_use_id: "toolu_0_0", content: "interrupted before it finished", is_error: true } },
+        { event_id: "interrupted", interrupted: { reason: "the user cancelled" } },
+      ],
+    });
+    await page.goto(url(`/sessions/${rerun}`));
+    await page.waitForSelector(".note.interrupted");
+    assert.match(await page.locator(".tool.rerun .rerun-note").textContent(), /attempt 2 with the same idempotency key rerun-shown\/toolu_0_0/);
+    assert.equal(await page.locator(".tool.failed pre.result.is-error").count(), 1);
+    assert.match(await page.locator(".note.interrupted").textContent(), /the user cancelled/);
 
     // ---- the list, live ----
     await page.goto(url("/"));
