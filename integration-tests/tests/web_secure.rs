@@ -63,6 +63,30 @@ fn off_loopback_it_refuses_to_start_without_https_and_a_login_token() {
     .expect("run agentlog web");
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("at least 16"));
+    // A key file that holds no key is named before anything is served.
+    let out = agentlog_web(
+        &[
+            &bare[..],
+            &[
+                "--tls-cert",
+                cert,
+                "--tls-key",
+                cert,
+                "--login-token-file",
+                login,
+            ],
+        ]
+        .concat(),
+    )
+    .stderr(Stdio::piped())
+    .output()
+    .expect("run agentlog web");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("--tls-key") && !stderr.contains("listening"),
+        "{stderr}"
+    );
 }
 
 struct Web(Child);

@@ -55,12 +55,12 @@ pub async fn serve(config: WebConfig) -> Result<()> {
         .with_context(|| format!("--listen {}: cannot listen there", config.listen))?;
     let local = tcp.local_addr()?;
     let loopback = local.ip().is_loopback();
-    let tls_files = match (&config.tls_cert, &config.tls_key) {
-        (Some(cert), Some(key)) => Some((cert, key)),
+    let tls_config = match (&config.tls_cert, &config.tls_key) {
+        (Some(cert), Some(key)) => Some(tls::server_config(cert, key)?),
         (None, None) => None,
         _ => bail!("--tls-cert and --tls-key go together"),
     };
-    if !loopback && (tls_files.is_none() || config.login_token_file.is_none()) {
+    if !loopback && (tls_config.is_none() || config.login_token_file.is_none()) {
         bail!(
             "--listen {local} is reachable from other machines, so it needs HTTPS (--tls-cert and --tls-key) and a login token (--login-token-file); or listen on 127.0.0.1"
         );
@@ -69,7 +69,7 @@ pub async fn serve(config: WebConfig) -> Result<()> {
         Some(path) => Some(Guard::read_login_token(path)?),
         None => None,
     };
-    let guard = Arc::new(Guard::new(login, loopback, tls_files.is_some()));
+    let guard = Arc::new(Guard::new(login, loopback, tls_config.is_some()));
     let (stop, shutdown) = watch::channel(false);
     let app = App {
         store: store::client(store::endpoint(&config.store_addr)?.connect_lazy()),
@@ -77,7 +77,11 @@ pub async fn serve(config: WebConfig) -> Result<()> {
         shutdown,
     };
     let router = routes(app, guard.clone());
-    let scheme = if tls_files.is_some() { "https" } else { "http" };
+    let scheme = if tls_config.is_some() {
+        "https"
+    } else {
+        "http"
+    };
     // The listen_addr= form is what scripts and tests look for.
     eprintln!(
         "agentlog web: listening listen_addr={local} url={scheme}://{local}/ store={} login={}",
@@ -85,16 +89,16 @@ pub async fn serve(config: WebConfig) -> Result<()> {
         if guard.needs_login() {
             "required"
         } else {
-            "off (loopback)"
+            "off"
         }
     );
     let stopping = async move {
         wait_for_stop_signal().await;
         let _ = stop.send(true);
     };
-    match tls_files {
-        Some((cert, key)) => {
-            let listener = tls::TlsListener::new(tcp, tls::server_config(cert, key)?)?;
+    match tls_config {
+        Some(tls_config) => {
+            let listener = tls::TlsListener::new(tcp, tls_config)?;
             run(axum::serve(listener, router).with_graceful_shutdown(stopping)).await
         }
         None => run(axum::serve(tcp, router).with_graceful_shutdown(stopping)).await,
