@@ -98,7 +98,7 @@ enum Command {
         /// --login-token-file are required.
         #[arg(long, env = "AGENTLOG_WEB_LISTEN", default_value = "127.0.0.1:8080")]
         listen: String,
-        /// PEM certificate chain: serve HTTPS.
+        /// PEM certificate chain of this web server: serve HTTPS (the store's CA is --tls-ca).
         #[arg(long, requires = "tls_key")]
         tls_cert: Option<PathBuf>,
         /// PEM private key of --tls-cert.
