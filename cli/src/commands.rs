@@ -14,7 +14,7 @@ use tokio_stream::StreamExt;
 use tonic::Code;
 
 use crate::follow::{follow, Flow};
-use crate::render::{ends_turn, event_json, Transcript};
+use crate::render::{ends_turn, event_json, session_json, Transcript};
 use crate::store::{self, Backoff};
 
 /// How long `send` waits, with no event, before it says that no runner seems to be working.
@@ -242,23 +242,7 @@ pub async fn ls(
     let mut stdout = stdout.lock();
     if out.json {
         for s in &sessions {
-            let lease = s.lease.as_ref().map(|l| {
-                serde_json::json!({"owner": l.owner, "epoch": l.epoch.to_string(),
-                    "expiresUnixMs": l.expires_unix_ms.to_string()})
-            });
-            writeln!(
-                stdout,
-                "{}",
-                serde_json::json!({
-                    "sessionId": s.session_id,
-                    "lastSeq": s.last_seq.to_string(),
-                    "createdUnixMs": s.created_unix_ms.to_string(),
-                    "updatedUnixMs": s.updated_unix_ms.to_string(),
-                    "status": s.status().as_str_name(),
-                    "lease": lease,
-                    "title": s.title,
-                })
-            )?;
+            writeln!(stdout, "{}", session_json(s))?;
         }
         return Ok(());
     }

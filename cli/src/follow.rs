@@ -1,4 +1,4 @@
-//! The reconnecting follower behind `tail` and `send`.
+//! The reconnecting follower behind `tail`, `send` and the web view's event streams.
 //!
 //! Promise: the callback sees the session's events exactly once each, in seq order, with no
 //! gap — across store restarts and cut connections. It keeps `next`, the seq after the last
@@ -6,6 +6,8 @@
 //! else the stream yields (an overlap, a gap) is dropped or answered with a fresh
 //! subscription from `next`. The store's own promise (a seq once seen always means the same
 //! event) makes that enough.
+
+use std::future::Future;
 
 use agentlog_proto::v1::{Event, SubscribeRequest};
 use anyhow::Result;
@@ -29,6 +31,24 @@ pub async fn follow(
     from_seq: u64,
     mut on_event: impl FnMut(&Event) -> Result<Flow>,
 ) -> Result<()> {
+    follow_async(addr, session, from_seq, |event| {
+        std::future::ready(on_event(&event))
+    })
+    .await
+}
+
+/// [`follow`] with a callback that may wait (e.g. for room in a reader's buffer): the
+/// next event is asked of the store only once the callback's future is done.
+pub async fn follow_async<F, Fut>(
+    addr: &str,
+    session: &str,
+    from_seq: u64,
+    mut on_event: F,
+) -> Result<()>
+where
+    F: FnMut(Event) -> Fut,
+    Fut: Future<Output = Result<Flow>>,
+{
     let mut next = from_seq.max(1);
     let mut backoff = Backoff::new();
     let mut outage = false;
@@ -79,7 +99,7 @@ pub async fn follow(
                 Some(Ok(event)) => {
                     next = event.seq + 1;
                     backoff.reset();
-                    if on_event(&event)? == Flow::Stop {
+                    if on_event(event).await? == Flow::Stop {
                         return Ok(());
                     }
                 }

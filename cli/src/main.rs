@@ -7,6 +7,7 @@ mod follow;
 mod render;
 mod stack;
 mod store;
+mod web;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -90,6 +91,24 @@ enum Command {
     Continue { text: String },
     /// Send to a session that already exists.
     Resume { session: String, text: String },
+    /// Watch sessions live in a browser, and serve their events to programs as
+    /// Server-Sent Events (GET /v1/sessions/{id}/events) and JSON.
+    Web {
+        /// HOST:PORT to serve on. Off loopback, --tls-cert, --tls-key and
+        /// --login-token-file are required.
+        #[arg(long, env = "AGENTLOG_WEB_LISTEN", default_value = "127.0.0.1:8080")]
+        listen: String,
+        /// PEM certificate chain of this web server: serve HTTPS (the store's CA is --tls-ca).
+        #[arg(long, requires = "tls_key")]
+        tls_cert: Option<PathBuf>,
+        /// PEM private key of --tls-cert.
+        #[arg(long, requires = "tls_cert")]
+        tls_key: Option<PathBuf>,
+        /// File holding the token people sign in with (at least 16 characters); without
+        /// it, a loopback server needs no login.
+        #[arg(long, env = "AGENTLOG_WEB_LOGIN_TOKEN_FILE")]
+        login_token_file: Option<PathBuf>,
+    },
     /// SIGKILL a runner mid-tool and watch a new one finish, each side effect applied once.
     Demo {
         /// Keep the demo's data in this (new) directory instead of a temp dir.
@@ -159,6 +178,21 @@ async fn main() -> ExitCode {
         Command::Continue { text } => commands::continue_latest(&out, &text).await,
         Command::Resume { session, text } => commands::resume(&out, session, &text).await,
         Command::Demo { keep } => demo::demo(keep).await,
+        Command::Web {
+            listen,
+            tls_cert,
+            tls_key,
+            login_token_file,
+        } => {
+            web::serve(web::WebConfig {
+                listen,
+                tls_cert,
+                tls_key,
+                login_token_file,
+                store_addr: cli.addr.clone(),
+            })
+            .await
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

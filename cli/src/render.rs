@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::io::Write;
 
-use agentlog_proto::v1::{content_block::Block, event::Kind, AssistantMessage, Event};
+use agentlog_proto::v1::{content_block::Block, event::Kind, AssistantMessage, Event, SessionInfo};
 use prost_types::value::Kind as ValueKind;
 use serde_json::{json, Map, Value};
 
@@ -176,6 +176,40 @@ pub fn ends_turn(event: &Event) -> bool {
         Some(Kind::RunError(_)) | Some(Kind::Interrupted(_)) => true,
         _ => false,
     }
+}
+
+/// The name of an event's kind as its field in the `Event.kind` oneof (`user_message`, …);
+/// `None` for a kind newer than this program.
+pub fn kind_name(event: &Event) -> Option<&'static str> {
+    Some(match event.kind.as_ref()? {
+        Kind::UserMessage(_) => "user_message",
+        Kind::AssistantMessage(_) => "assistant_message",
+        Kind::ToolStarted(_) => "tool_started",
+        Kind::ToolResult(_) => "tool_result",
+        Kind::AssistantDelta(_) => "assistant_delta",
+        Kind::RunError(_) => "run_error",
+        Kind::Interrupt(_) => "interrupt",
+        Kind::Interrupted(_) => "interrupted",
+        Kind::ApprovalRequested(_) => "approval_requested",
+        Kind::ApprovalDecision(_) => "approval_decision",
+    })
+}
+
+/// A session's summary in the proto3 JSON mapping, as `ls --json` and the web view give it.
+pub fn session_json(s: &SessionInfo) -> Value {
+    let lease = s.lease.as_ref().map(|l| {
+        json!({"owner": l.owner, "epoch": l.epoch.to_string(),
+            "expiresUnixMs": l.expires_unix_ms.to_string()})
+    });
+    json!({
+        "sessionId": s.session_id,
+        "lastSeq": s.last_seq.to_string(),
+        "createdUnixMs": s.created_unix_ms.to_string(),
+        "updatedUnixMs": s.updated_unix_ms.to_string(),
+        "status": s.status().as_str_name(),
+        "lease": lease,
+        "title": s.title,
+    })
 }
 
 /// An event in the proto3 JSON mapping (lowerCamelCase names, 64-bit integers as strings,

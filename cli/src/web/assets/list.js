@@ -1,0 +1,72 @@
+// The session list: refreshed every two seconds (the store has no list-wide event stream),
+// filters kept in the address so a reload keeps them.
+"use strict";
+
+const POLL_MS = 2000;
+const params = new URLSearchParams(location.search);
+const query = document.getElementById("query");
+const status = document.getElementById("status");
+query.value = params.get("query") || "";
+status.value = params.get("status") || "";
+
+let timer = null;
+
+async function refresh() {
+  clearTimeout(timer);
+  const q = new URLSearchParams();
+  if (query.value) q.set("query", query.value);
+  if (status.value) q.set("status", status.value);
+  history.replaceState(null, "", q.toString() ? `/?${q}` : "/");
+  const conn = document.getElementById("conn");
+  const error = document.getElementById("error");
+  try {
+    const page = await api("GET", `/v1/sessions?${q}`);
+    render(page.sessions);
+    conn.dataset.state = "live";
+    conn.textContent = "live";
+    error.hidden = true;
+  } catch (e) {
+    conn.dataset.state = "reconnecting";
+    conn.textContent = "reconnecting";
+    error.textContent = e.message;
+    error.hidden = false;
+  }
+  timer = setTimeout(refresh, POLL_MS);
+}
+
+function render(sessions) {
+  const body = document.querySelector("#sessions tbody");
+  body.replaceChildren(
+    ...sessions.map((s) => {
+      const href = `/sessions/${encodeURIComponent(s.sessionId)}`;
+      const name = statusName(s.status);
+      return el(
+        "tr",
+        { "data-session": s.sessionId },
+        el("td", {}, el("span", { class: `badge ${name}` }, name)),
+        el("td", { class: "title" }, el("a", { href }, s.title || "(no message yet)")),
+        el("td", {}, el("a", { href, class: "id" }, s.sessionId)),
+        el("td", { class: "num" }, s.lastSeq),
+        el("td", { class: "muted" }, ago(s.updatedUnixMs)),
+      );
+    }),
+  );
+  document.getElementById("empty").hidden = sessions.length > 0;
+}
+
+document.getElementById("new").addEventListener("submit", async (event) => {
+  event.preventDefault();
+  const text = document.getElementById("new-text").value;
+  const id = newSessionId();
+  try {
+    await api("POST", `/v1/sessions/${id}/messages`, { text });
+    location.href = `/sessions/${id}`;
+  } catch (e) {
+    const error = document.getElementById("error");
+    error.textContent = e.message;
+    error.hidden = false;
+  }
+});
+query.addEventListener("input", refresh);
+status.addEventListener("change", refresh);
+refresh();

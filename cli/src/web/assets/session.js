@@ -1,0 +1,295 @@
+// One session, live: the transcript as `agentlog show` prints it, built from the event
+// stream of /v1/sessions/{id}/events.
+//
+// Promise: every event is rendered once, in seq order. `next` is the seq wanted next; an
+// event below it is a repeat and skipped, one above it is a gap and answered by
+// reconnecting from `next`. The connection is the page's own: on any error it reconnects
+// from `next` with capped, jittered backoff, so a server restart or a sleeping laptop
+// only delays the transcript.
+"use strict";
+
+const KINDS = [
+  "user_message", "assistant_message", "tool_started", "tool_result", "assistant_delta",
+  "run_error", "interrupt", "interrupted", "approval_requested", "approval_decision", "unknown",
+];
+const BACKOFF_FIRST_MS = 250;
+const BACKOFF_MAX_MS = 5000;
+
+const sessionId = decodeURIComponent(location.pathname.replace(/^\/sessions\//, ""));
+const base = `/v1/sessions/${encodeURIComponent(sessionId)}`;
+const transcript = document.getElementById("transcript");
+const conn = document.getElementById("conn");
+
+let next = 1;
+let source = null;
+let backoff = BACKOFF_FIRST_MS;
+let retryTimer = null;
+// Every seq rendered, in order (the browser test reads it).
+window.agentlogSeen = [];
+
+document.getElementById("session-id").textContent = sessionId;
+document.title = `agentlog — ${sessionId}`;
+
+function setConn(state) {
+  conn.dataset.state = state;
+  conn.textContent = state;
+}
+
+function connect() {
+  clearTimeout(retryTimer);
+  if (source) source.close();
+  setConn(next === 1 ? "connecting" : "reconnecting");
+  source = new EventSource(`${base}/events?from_seq=${next}`);
+  for (const kind of KINDS) source.addEventListener(kind, onEvent);
+  source.addEventListener("caught_up", () => {
+    backoff = BACKOFF_FIRST_MS;
+    setConn("live");
+    refreshInfo();
+  });
+  source.onerror = () => reconnectLater();
+}
+
+function reconnectLater() {
+  if (source) source.close();
+  source = null;
+  setConn("reconnecting");
+  const wait = backoff / 2 + Math.random() * backoff / 2;
+  backoff = Math.min(backoff * 2, BACKOFF_MAX_MS);
+  clearTimeout(retryTimer);
+  retryTimer = setTimeout(connect, wait);
+}
+
+function onEvent(message) {
+  const seq = Number(message.lastEventId);
+  if (seq < next) return; // already shown
+  if (seq > next) {
+    // Never skip one: ask again from the first seq not shown.
+    connect();
+    return;
+  }
+  next = seq + 1;
+  backoff = BACKOFF_FIRST_MS;
+  window.agentlogSeen.push(seq);
+  render(message.type, JSON.parse(message.data), seq);
+  if (message.type !== "assistant_delta") refreshInfoSoon();
+}
+
+// ---- rendering -------------------------------------------------------------------------
+
+let stream = null; // {turnId, node, text}: the reply being streamed
+const tools = new Map(); // tool_use id -> its card
+
+function add(node) {
+  const atBottom = window.innerHeight + window.scrollY >= document.body.scrollHeight - 40;
+  transcript.append(node);
+  if (atBottom) window.scrollTo(0, document.body.scrollHeight);
+  return node;
+}
+
+function endStream() {
+  if (stream) stream.node.classList.remove("streaming");
+  stream = null;
+}
+
+function render(kind, ev, seq) {
+  switch (kind) {
+    case "user_message":
+      endStream();
+      add(el("div", { class: "turn user", "data-seq": seq }, el("span", { class: "who" }, "you"), el("div", { class: "text" }, ev.userMessage.text || "")));
+      break;
+    case "assistant_delta":
+      delta(ev.assistantDelta, seq);
+      break;
+    case "assistant_message":
+      reply(ev.assistantMessage || {}, seq);
+      break;
+    case "tool_started": {
+      endStream();
+      const s = ev.toolStarted;
+      const card = cardFor(s.toolUseId, seq);
+      const attempt = Number(s.attempt || 1);
+      card.state.textContent = "running";
+      if (attempt > 1) {
+        card.node.classList.add("rerun");
+        card.node.append(el("div", { class: "note rerun-note", "data-seq": seq },
+          `interrupted; running it again as attempt ${attempt} with the same idempotency key ${s.idempotencyKey}`));
+      }
+      break;
+    }
+    case "tool_result": {
+      endStream();
+      const r = ev.toolResult;
+      const card = cardFor(r.toolUseId, seq);
+      card.state.textContent = r.isError ? "error" : "done";
+      card.node.classList.add(r.isError ? "failed" : "done");
+      card.node.append(el("pre", { class: `result${r.isError ? " is-error" : ""}`, "data-seq": seq }, r.content || ""));
+      break;
+    }
+    case "run_error":
+      endStream();
+      add(el("div", { class: "turn error", "data-seq": seq }, el("span", { class: "who" }, "error"), el("div", { class: "text" }, ev.runError.message || "")));
+      break;
+    case "interrupt":
+      endStream();
+      add(el("div", { class: "turn user interrupt", "data-seq": seq }, el("span", { class: "who" }, "you"), el("div", { class: "text" }, `(interrupt) ${ev.interrupt.reason || ""}`)));
+      break;
+    case "interrupted":
+      endStream();
+      add(el("div", { class: "note interrupted", "data-seq": seq }, `interrupted: ${ev.interrupted.reason || ""}`));
+      break;
+    case "approval_requested":
+      endStream();
+      approvalRequested(ev.approvalRequested, seq);
+      break;
+    case "approval_decision": {
+      endStream();
+      const d = ev.approvalDecision;
+      const card = cardFor(d.toolUseId, seq);
+      if (card.approval) card.approval.remove();
+      card.approval = null;
+      const verdict = d.approved ? "approved" : "denied";
+      card.node.append(el("div", { class: `decision ${verdict}`, "data-seq": seq }, d.note ? `${verdict}: ${d.note}` : verdict));
+      break;
+    }
+    default:
+      break; // a kind newer than this page: skipped, as readers must
+  }
+}
+
+function delta(d, seq) {
+  if (!stream || stream.turnId !== d.turnId) {
+    if (stream && stream.text) {
+      // The runner was replaced mid-reply; the turn streams again.
+      stream.node.classList.remove("streaming");
+      add(el("div", { class: "note restarted" }, "the reply was interrupted; it is streaming again"));
+    }
+    const text = el("div", { class: "text" });
+    const node = add(el("div", { class: "turn agent streaming", "data-seq": seq }, el("span", { class: "who" }, "agent"), text));
+    stream = { turnId: d.turnId, node, textNode: text, text: "" };
+  }
+  stream.text += d.text || "";
+  stream.textNode.append(d.text || "");
+}
+
+function reply(m, seq) {
+  const blocks = m.content || [];
+  const text = blocks.filter((b) => b.text).map((b) => b.text.text || "").join("\n");
+  if (stream) {
+    // The record replaces what was streamed (they are the same unless a stream restarted).
+    stream.textNode.textContent = text;
+    stream.node.dataset.seq = seq;
+    endStream();
+  } else if (text) {
+    add(el("div", { class: "turn agent", "data-seq": seq }, el("span", { class: "who" }, "agent"), el("div", { class: "text" }, text)));
+  }
+  for (const block of blocks) {
+    if (!block.toolUse) continue;
+    const call = block.toolUse;
+    const input = call.input || {};
+    const shown = call.name === "bash" && typeof input.command === "string" ? input.command : JSON.stringify(input, null, 2);
+    const card = cardFor(call.id, seq);
+    card.name.textContent = call.name;
+    card.input.textContent = shown;
+  }
+}
+
+// The card of one tool call, made on first mention.
+function cardFor(id, seq) {
+  let card = tools.get(id);
+  if (card) return card;
+  const name = el("span", { class: "tool-name" }, "tool");
+  const state = el("span", { class: "tool-state" }, "");
+  const input = el("pre", { class: "input" });
+  const node = add(el("div", { class: "tool", "data-tool-use-id": id, "data-seq": seq },
+    el("div", { class: "tool-head" }, "→ ", name, " ", el("code", { class: "muted" }, `[${id}]`), " ", state), input));
+  card = { node, name, state, input, approval: null };
+  tools.set(id, card);
+  return card;
+}
+
+function approvalRequested(r, seq) {
+  const card = cardFor(r.toolUseId, seq);
+  card.name.textContent = r.toolName;
+  if (!card.input.textContent) card.input.textContent = JSON.stringify(r.input || {}, null, 2);
+  card.state.textContent = "waits for you";
+  const note = el("input", { class: "note-input", placeholder: "note (optional)" });
+  const error = el("span", { class: "error" });
+  const decide = async (verb, buttons) => {
+    buttons.forEach((b) => (b.disabled = true));
+    error.textContent = "";
+    try {
+      await api("POST", `${base}/${verb}`, { toolUseId: r.toolUseId, note: note.value });
+    } catch (e) {
+      error.textContent = e.message;
+      buttons.forEach((b) => (b.disabled = false));
+    }
+  };
+  const approve = el("button", { class: "approve" }, "Approve");
+  const deny = el("button", { class: "deny danger" }, "Deny");
+  approve.addEventListener("click", () => decide("approve", [approve, deny]));
+  deny.addEventListener("click", () => decide("deny", [approve, deny]));
+  card.approval = el("div", { class: "approval", "data-seq": seq },
+    el("div", {}, `A person must decide before this call runs: ${r.reason || ""}`),
+    el("div", { class: "row" }, approve, deny, note), error);
+  card.node.append(card.approval);
+}
+
+// ---- session info and actions ------------------------------------------------------------
+
+let infoTimer = null;
+
+function refreshInfoSoon() {
+  if (!infoTimer) infoTimer = setTimeout(() => { infoTimer = null; refreshInfo(); }, 300);
+}
+
+async function refreshInfo() {
+  try {
+    const info = await api("GET", base);
+    document.getElementById("title").textContent = info.title || "";
+    const badge = document.getElementById("status");
+    const name = statusName(info.status);
+    badge.textContent = name;
+    badge.className = `badge ${name}`;
+  } catch (e) {
+    if (e.status === 404) {
+      document.getElementById("title").textContent = "(no events yet: send the first message)";
+    }
+  }
+}
+
+function showError(message) {
+  const error = document.getElementById("error");
+  error.textContent = message;
+  error.hidden = !message;
+}
+
+document.getElementById("send").addEventListener("submit", async (event) => {
+  event.preventDefault();
+  const box = document.getElementById("text");
+  try {
+    await api("POST", `${base}/messages`, { text: box.value });
+    box.value = "";
+    showError("");
+  } catch (e) {
+    showError(e.message);
+  }
+});
+
+document.getElementById("cancel").addEventListener("click", async () => {
+  try {
+    await api("POST", `${base}/cancel`, { reason: "cancelled from the web view" });
+    showError("");
+  } catch (e) {
+    showError(e.message);
+  }
+});
+
+// Enter sends, Shift+Enter is a new line.
+document.getElementById("text").addEventListener("keydown", (event) => {
+  if (event.key === "Enter" && !event.shiftKey) {
+    event.preventDefault();
+    document.getElementById("send").requestSubmit();
+  }
+});
+
+connect();
