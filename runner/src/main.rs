@@ -180,9 +180,9 @@ async fn run() -> Result<()> {
         model = %args.model,
         max_sessions = args.max_sessions,
         lease_ttl_ms = args.lease_ttl_ms,
-        sandbox = sandbox.describe(),
-        tool_network = ?sandbox.network,
-        tool_user = ?sandbox.user.map(|ids| ids.uid),
+        sandbox = %sandbox.mode_name(),
+        tool_network = %sandbox.network_name(),
+        tool_uid = ?sandbox.user.map(|ids| ids.uid),
         "runner started"
     );
     let context = Arc::new(TurnContext {

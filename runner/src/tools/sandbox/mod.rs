@@ -145,14 +145,21 @@ impl Sandbox {
         }
     }
 
-    /// One line for the start-up log.
-    pub fn describe(&self) -> String {
-        let mode = match self.mode {
+    /// The mode's flag value, for the start-up log line (`agentlog up` shows it).
+    pub fn mode_name(&self) -> &'static str {
+        match self.mode {
             SandboxMode::Require => "require",
             SandboxMode::BestEffort => "best-effort",
             SandboxMode::Off => "off",
-        };
-        mode.to_string()
+        }
+    }
+
+    /// The network's flag value, for the start-up log line.
+    pub fn network_name(&self) -> &'static str {
+        match self.network {
+            ToolNetwork::None => "none",
+            ToolNetwork::All => "all",
+        }
     }
 
     /// The note added to every tool result in best-effort mode where the kernel falls short.
