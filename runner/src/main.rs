@@ -10,7 +10,7 @@ use clap::Parser;
 use runner::lease::{claim_loop, ClaimConfig};
 use runner::model::{Backoff, Model};
 use runner::store_client::StoreConnection;
-use runner::tools::sandbox::{self, Ids, Sandbox, SandboxMode, ToolNetwork, HELPER_ARG};
+use runner::tools::sandbox::{self, Ids, Sandbox, SandboxMode, ToolNetwork, HELPER_ARG, SELF_EXE};
 use runner::tools::Toolbox;
 use runner::turn::TurnContext;
 use tokio::signal::unix::{signal, SignalKind};
@@ -130,7 +130,7 @@ async fn run() -> Result<()> {
         network: args.tool_network,
         user: tool_user(args.tool_user.as_deref())?,
         read_paths: args.tool_read_paths.clone(),
-        helper: std::env::current_exe().context("cannot find the runner's own binary")?,
+        helper: SELF_EXE.into(),
         weakness: None,
     };
     sandbox.probe(&args.workspace_root).await?;

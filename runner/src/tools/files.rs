@@ -66,13 +66,10 @@ pub(super) struct ListFiles {
 
 pub(super) fn read_file(ws: &Workspace, input: ReadFile) -> Result<String, String> {
     let relative = ws.relative(&input.path)?;
-    let file = fs::File::from(ws.open_beneath(&relative, OFlag::O_RDONLY, &input.path)?);
+    let file = open_regular(ws, &relative, OFlag::O_RDONLY, &input.path)?;
     let meta = file
         .metadata()
         .map_err(|e| format!("cannot read `{}`: {e}", input.path))?;
-    if meta.is_dir() {
-        return Err(format!("`{}` is a directory; use list_files", input.path));
-    }
     let size = meta.len();
     // Read one byte past the cap to know whether there was more, without loading a huge
     // file into memory.
@@ -91,6 +88,27 @@ pub(super) fn read_file(ws: &Workspace, input: ReadFile) -> Result<String, Strin
     Ok(String::from_utf8_lossy(&bytes).into_owned())
 }
 
+/// Opens `relative` beneath the workspace and makes sure it is a regular file. Opened
+/// non-blocking, so a FIFO planted by a bash call cannot hang the tool.
+fn open_regular(
+    ws: &Workspace,
+    relative: &Path,
+    flags: OFlag,
+    shown: &str,
+) -> Result<fs::File, String> {
+    let file = fs::File::from(ws.open_beneath(relative, flags | OFlag::O_NONBLOCK, shown)?);
+    let meta = file
+        .metadata()
+        .map_err(|e| format!("cannot open `{shown}`: {e}"))?;
+    if meta.is_dir() {
+        return Err(format!("`{shown}` is a directory; use list_files"));
+    }
+    if !meta.is_file() {
+        return Err(format!("`{shown}` is not a regular file"));
+    }
+    Ok(file)
+}
+
 /// Replaces the content of `relative` (creating it), opened beneath the workspace.
 fn write_beneath(
     ws: &Workspace,
@@ -99,7 +117,7 @@ fn write_beneath(
     shown: &str,
 ) -> Result<(), String> {
     let flags = OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_TRUNC;
-    let mut file = fs::File::from(ws.open_beneath(relative, flags, shown)?);
+    let mut file = open_regular(ws, relative, flags, shown)?;
     file.write_all(content.as_bytes())
         .map_err(|e| format!("cannot write `{shown}`: {e}"))
 }
@@ -129,7 +147,7 @@ pub(super) fn edit_file(ws: &Workspace, input: EditFile) -> Result<String, Strin
     }
     let relative = ws.relative(&input.path)?;
     let mut text = String::new();
-    fs::File::from(ws.open_beneath(&relative, OFlag::O_RDONLY, &input.path)?)
+    open_regular(ws, &relative, OFlag::O_RDONLY, &input.path)?
         .read_to_string(&mut text)
         .map_err(|e| format!("cannot read `{}`: {e}", input.path))?;
     match text.matches(&input.old).count() {
@@ -339,6 +357,25 @@ mod tests {
             Some("s3cr3t")
         );
         assert!(!root.path().join("evil").exists());
+    }
+
+    #[tokio::test]
+    async fn a_fifo_is_refused_without_blocking() {
+        let (_root, tb, ws) = setup();
+        fs::create_dir_all(&ws).expect("mkdir");
+        nix::unistd::mkfifo(
+            &ws.join("pipe"),
+            nix::sys::stat::Mode::from_bits_truncate(0o644),
+        )
+        .expect("mkfifo");
+        for (name, value) in [
+            ("read_file", json!({"path": "pipe"})),
+            ("edit_file", json!({"path": "pipe", "old": "a", "new": "b"})),
+            ("write_file", json!({"path": "pipe", "content": "x"})),
+        ] {
+            let out = run(&tb, name, value).await;
+            assert!(out.is_error, "{name}: {out:?}");
+        }
     }
 
     #[tokio::test]

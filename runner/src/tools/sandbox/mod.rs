@@ -24,6 +24,9 @@ pub use process::main as process_main;
 
 /// The hidden first argument that makes the runner binary a sandbox process.
 pub const HELPER_ARG: &str = "__tool-sandbox";
+/// The running runner binary: still the same file after the one on disk is replaced (a
+/// rebuild, an upgrade), unlike its path.
+pub const SELF_EXE: &str = "/proc/self/exe";
 /// Test-only: set to `unsupported` to make the start-up probe answer that the kernel has no
 /// Landlock, as an old or misconfigured kernel would.
 pub const PROBE_OVERRIDE_ENV: &str = "AGENTLOG_TEST_SANDBOX_PROBE";

@@ -38,7 +38,7 @@ use seccompiler::{
     SeccompRule,
 };
 
-use super::{Enforcement, Plan, ToolNetwork, HELPER_ARG};
+use super::{Enforcement, Plan, ToolNetwork, HELPER_ARG, SELF_EXE};
 
 /// The Landlock ABI whose features the sandbox asks for: filesystem access (with truncate
 /// and device ioctls), TCP bind/connect, and the signal and abstract-socket scopes.
@@ -122,8 +122,7 @@ fn helper(plan: &str) -> Result<i32, String> {
     signals
         .thread_block()
         .map_err(|e| format!("cannot block signals: {e}"))?;
-    let exe = std::env::current_exe().map_err(|e| format!("cannot find the runner: {e}"))?;
-    let stage = Command::new(exe)
+    let stage = Command::new(SELF_EXE)
         .args([HELPER_ARG, "stage", plan])
         .spawn()
         .map_err(|e| format!("cannot start the tool: {e}"))?;
