@@ -2,7 +2,7 @@
 //! Landlock (forced with the test-only AGENTLOG_TEST_SANDBOX_PROBE=unsupported) `require`
 //! refuses to start naming the kernel feature and the flag, `best-effort` starts, warns and
 //! marks every tool result, `off` warns; `--tool-network all` lets a tool reach a loopback
-//! listener.
+//! listener; `--tool-read-path` opens one more directory, read-only.
 
 mod sandbox_support;
 
@@ -98,4 +98,43 @@ async fn tool_network_all_reaches_loopback() {
     listener.set_nonblocking(true).expect("nonblocking");
     assert!(listener.accept().is_ok(), "nothing arrived");
     assert!(runner.log().contains("sandbox=require"));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn tool_read_path_adds_a_read_only_directory() {
+    let store = Store::start().expect("store");
+    let mut client = store.client().await.expect("client");
+    let toolchain = tempfile::tempdir().expect("temp dir");
+    std::fs::set_permissions(
+        toolchain.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .expect("chmod");
+    let tool = toolchain.path().join("tool.sh");
+    std::fs::write(&tool, "#!/bin/sh\necho toolchain-ran\n").expect("write");
+    std::fs::set_permissions(&tool, std::os::unix::fs::PermissionsExt::from_mode(0o777))
+        .expect("chmod");
+    let dir = toolchain.path().display().to_string();
+    let command = format!("{dir}/tool.sh; echo x > {dir}/written; echo end");
+    let replies = [bash(&command), done()];
+    let with = start(
+        &store.url(),
+        &replies,
+        RunAs::Me,
+        Options {
+            args: &["--tool-read-path", &dir],
+            env: &[],
+        },
+    );
+    let results = run_session(&mut client, "with").await;
+    assert!(results[0].content.contains("toolchain-ran"), "{results:?}");
+    assert!(!toolchain.path().join("written").exists(), "{results:?}");
+    drop(with);
+
+    let _without = start(&store.url(), &replies, RunAs::Me, Options::default());
+    let results = run_session(&mut client, "without").await;
+    assert!(
+        results[0].content.contains("end") && !results[0].content.contains("toolchain-ran"),
+        "{results:?}"
+    );
 }

@@ -1,7 +1,7 @@
 //! Inside the sandbox, ordinary work still works (python3, git, files written by bash and by
 //! the file tools, a temporary file), and nothing a call starts outlives it: `setsid` and
-//! double-forked processes are gone once the result is in, and a fork bomb is bounded,
-//! cleaned up, and leaves the runner working.
+//! double-forked processes are gone once the result is in or once the runner is killed,
+//! and a fork bomb is bounded, cleaned up, and leaves the runner working.
 
 mod sandbox_support;
 
@@ -103,6 +103,36 @@ async fn setsid_and_double_forked_processes_do_not_outlive_the_call() {
 #[tokio::test(flavor = "multi_thread")]
 async fn setsid_and_double_forked_processes_do_not_outlive_the_call_unprivileged() {
     no_survivors(RunAs::Unprivileged).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn killing_the_runner_kills_its_running_tools() {
+    let store = Store::start().expect("store");
+    let mut client = store.client().await.expect("client");
+    let command = "setsid sleep 4281 & (sleep 4282 &) ; touch running; sleep 4283";
+    let mut runner = start(
+        &store.url(),
+        &[bash(command), done()],
+        RunAs::Me,
+        Options::default(),
+    );
+    user_says(&mut client, "orphan", "go").await;
+    wait_for_file(&runner.workspace("orphan").join("running"));
+    // The sleepers, and the helper and bash whose command lines hold the command.
+    assert!(
+        processes_with("sleep 428").len() >= 3,
+        "the call is running"
+    );
+    runner.kill9();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !processes_with("sleep 428").is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the call outlived its runner: {:?}",
+            processes_with("sleep 428")
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 /// As root only: the bomb's tools run as a user of their own (the process limit counts per

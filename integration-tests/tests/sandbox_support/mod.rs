@@ -115,6 +115,11 @@ impl SandboxRunner {
         self.child.id()
     }
 
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
     pub fn is_running(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
     }
@@ -159,8 +164,7 @@ impl SandboxRunner {
 
 impl Drop for SandboxRunner {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.kill9();
     }
 }
 

@@ -70,6 +70,8 @@ enum Enforcement {
 /// What a sandbox process is told to do (passed as JSON on its command line).
 #[derive(Debug, Serialize, Deserialize)]
 struct Plan {
+    /// The runner's pid: a helper whose parent is already someone else stops at once.
+    runner: u32,
     workspace: PathBuf,
     user: Option<Ids>,
     enforcement: Enforcement,
@@ -229,6 +231,7 @@ impl Sandbox {
         enforcement: Enforcement,
     ) -> String {
         let plan = Plan {
+            runner: std::process::id(),
             workspace: workspace.to_path_buf(),
             user: self.user,
             enforcement,

@@ -82,7 +82,7 @@ pub fn main(args: &[OsString]) -> i32 {
         }
     };
     let result = match verb.as_ref() {
-        "helper" => helper(&plan),
+        "helper" => helper(&plan, parsed.runner),
         "stage" => stage(&parsed).map(|never| match never {}),
         "probe" => probe(&parsed),
         other => Err(format!("unknown verb {other:?}")),
@@ -101,11 +101,11 @@ enum Outcome {
     Stopped,
 }
 
-fn helper(plan: &str) -> Result<i32, String> {
-    let parent = getppid();
+fn helper(plan: &str, runner: u32) -> Result<i32, String> {
     nix::sys::prctl::set_pdeathsig(Signal::SIGTERM)
         .map_err(|e| format!("cannot set the parent-death signal: {e}"))?;
-    if getppid() != parent {
+    // Checked after the parent-death signal is set, so the runner cannot die unnoticed.
+    if u32::try_from(getppid().as_raw()).ok() != Some(runner) {
         return Err("the runner exited before the call started".into());
     }
     nix::sys::prctl::set_child_subreaper(true)
