@@ -93,7 +93,10 @@ async fn signals_and_proc(run_as: RunAs) {
     let store = Store::start().expect("store");
     let mut client = store.client().await.expect("client");
     let command = r#"case "$IDEMPOTENCY_KEY" in
-victim/*) echo $$ > pid; sleep 4; echo alive > alive.txt; echo survived ;;
+victim/*) echo $$ > pid
+   # Runs until the test says the attack is over.
+   for _ in $(seq 600); do [ -e attack-over ] && break; sleep 0.1; done
+   echo alive > alive.txt; echo survived ;;
 *) R=$(head -1 pids); T=$(tail -1 pids)
    tr '\0' '\n' < /proc/$R/environ; cat /proc/$R/cmdline; ls /proc/$R/; ls /proc
    kill -9 $R; kill -TERM $R; kill -9 $T; kill -STOP $T; pkill -9 sleep; kill -9 -1; echo after ;;
@@ -126,6 +129,7 @@ esac"#;
         "read the runner's command line: {out}"
     );
     assert!(runner.is_running(), "the runner survived: {out}");
+    runner.plant("victim", "attack-over", "");
 
     let victim = wait_idle(
         &mut client,
