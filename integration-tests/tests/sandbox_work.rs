@@ -1,4 +1,4 @@
-//! Inside the sandbox, ordinary work still works (python3, git, files written by bash and by
+//! Inside the sandbox, ordinary work still works (python3, git, cc, files written by bash and by
 //! the file tools, a temporary file), and nothing a call starts outlives it: `setsid` and
 //! double-forked processes are gone once the result is in or once the runner is killed,
 //! and a fork bomb is bounded, cleaned up, and leaves the runner working.
@@ -20,6 +20,8 @@ git init -q repo && cd repo
 git config --global user.email t@example.com && git config --global user.name T
 echo hello > a.txt && git add a.txt && git commit -qm first && git log --oneline | wc -l
 cd .. && f=$(mktemp) && echo temp > "$f" && cat "$f"
+printf '#include <stdio.h>\nint main(void) { puts("compiled"); return 0; }\n' > hello.c
+cc hello.c -o hello && ./hello
 echo more >> notes.txt && cat notes.txt
 echo from-bash > own.txt"#;
     let replies = [
@@ -44,6 +46,10 @@ echo from-bash > own.txt"#;
     assert!(out.contains("py 42\n"), "{out}");
     assert!(out.contains("\n1\n"), "one commit: {out}");
     assert!(out.contains("temp\n"), "{out}");
+    assert!(
+        out.contains("compiled\n"),
+        "the C compiler (the linker cargo needs) works: {out}"
+    );
     assert!(out.contains("from the file tool\nmore\n"), "{out}");
     assert_eq!(results[2].content, "from-bash\n");
     assert!(results[4].content.contains("a.txt"), "{results:?}");
