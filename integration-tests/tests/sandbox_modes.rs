@@ -2,7 +2,8 @@
 //! Landlock (forced with the test-only AGENTLOG_TEST_SANDBOX_PROBE=unsupported) `require`
 //! refuses to start naming the kernel feature and the flag, `best-effort` starts, warns and
 //! marks every tool result, `off` warns; `--tool-network all` lets a tool reach a loopback
-//! listener; `--tool-read-path` opens one more directory, read-only.
+//! listener; `--tool-read-path` opens one more directory, read-only; `--tool-user` refuses
+//! root.
 
 mod sandbox_support;
 
@@ -137,4 +138,21 @@ async fn tool_read_path_adds_a_read_only_directory() {
         results[0].content.contains("end") && !results[0].content.contains("toolchain-ran"),
         "{results:?}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn tools_never_run_as_root() {
+    let store = Store::start().expect("store");
+    let mut runner = start(
+        &store.url(),
+        &[done()],
+        RunAs::Me,
+        Options {
+            args: &["--tool-user", "0"],
+            env: &[],
+        },
+    );
+    assert!(!runner.wait_exit().success());
+    let log = runner.log();
+    assert!(log.contains("--tool-user must not be root"), "{log}");
 }
