@@ -142,6 +142,11 @@ impl Proc {
         }
     }
 
+    /// The first line logged so far that `find` accepts, without waiting.
+    pub fn find_line<T>(&self, find: impl Fn(&str) -> Option<T>) -> Option<T> {
+        self.lines.borrow().iter().find_map(|line| find(line))
+    }
+
     pub fn last_line(&self) -> String {
         self.lines
             .borrow()
@@ -424,6 +429,7 @@ pub async fn up(config: UpConfig) -> Result<()> {
         config.runner_id,
         workspaces.display()
     );
+    println!("  tool sandbox {}", sandbox_line(&runner));
     println!(
         "  try          agentlog send \"hello\"   (another terminal; add --addr {url} if not the default)"
     );
@@ -460,4 +466,49 @@ pub async fn up(config: UpConfig) -> Result<()> {
             bail!("{which} exited unexpectedly ({status}); its log is above")
         }
     }
+}
+
+/// What the runner's start-up line says about the tool sandbox: its mode and tool network.
+fn sandbox_line(runner: &Proc) -> String {
+    let field = |line: &str, name: &str| {
+        line.split_whitespace()
+            .find_map(|word| word.strip_prefix(name))
+            .map(|value| value.trim_matches('"').to_string())
+    };
+    let found = runner.find_line(|line| {
+        let line = &strip_ansi(line);
+        if !line.contains("runner started") {
+            return None;
+        }
+        let mode = field(line, "sandbox=")?;
+        let network = field(line, "tool_network=").unwrap_or_else(|| "?".into());
+        Some(match mode.as_str() {
+            "require" => format!("require: each tool call confined to its workspace, network {network}"),
+            "best-effort" => format!("best-effort: this kernel does not enforce all of it (see the runner's warning), network {network}"),
+            _ => format!("{mode}: tools are NOT confined (runner --sandbox {mode})"),
+        })
+    });
+    found.unwrap_or_else(|| {
+        "the runner's start-up line was filtered out (RUST_LOG); it says which mode is in force"
+            .to_string()
+    })
+}
+
+/// `text` without ANSI colour sequences (the logs are coloured even into a pipe).
+fn strip_ansi(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            // ESC [ parameters… final letter
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }

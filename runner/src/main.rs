@@ -10,6 +10,7 @@ use clap::Parser;
 use runner::lease::{claim_loop, ClaimConfig};
 use runner::model::{Backoff, Model};
 use runner::store_client::StoreConnection;
+use runner::tools::sandbox::{self, Ids, Sandbox, SandboxMode, ToolNetwork, HELPER_ARG, SELF_EXE};
 use runner::tools::Toolbox;
 use runner::turn::TurnContext;
 use tokio::signal::unix::{signal, SignalKind};
@@ -56,10 +57,48 @@ struct Args {
     /// The most tokens one model reply may have.
     #[arg(long, env = "AGENTLOG_MAX_TOKENS", default_value_t = 8192)]
     max_tokens: u32,
+    /// The tool sandbox: `require` refuses to start where the kernel cannot enforce it
+    /// (Landlock ABI 6, Linux 6.12+); `best-effort` enforces what it can and marks every
+    /// tool result; `off` runs tools unconfined.
+    #[arg(long, env = "AGENTLOG_SANDBOX", value_enum, default_value = "require")]
+    sandbox: SandboxMode,
+    /// Network for tool calls: `none` (Unix sockets only) or `all` (whatever the runner
+    /// reaches, including a store on loopback).
+    #[arg(
+        long,
+        env = "AGENTLOG_TOOL_NETWORK",
+        value_enum,
+        default_value = "none"
+    )]
+    tool_network: ToolNetwork,
+    /// The user tools run as, NAME or UID[:GID]; only a root runner can switch. Default:
+    /// `nobody` (65534) when the runner is root, else the runner's own user.
+    #[arg(long, env = "AGENTLOG_TOOL_USER")]
+    tool_user: Option<String>,
+    /// Another path tools may read and execute (a toolchain, say), besides /usr, /bin,
+    /// /sbin, /lib*, /etc and /opt. Repeatable.
+    #[arg(
+        long = "tool-read-path",
+        env = "AGENTLOG_TOOL_READ_PATHS",
+        value_delimiter = ','
+    )]
+    tool_read_paths: Vec<PathBuf>,
 }
 
-#[tokio::main]
-async fn main() -> Result<()> {
+fn main() -> Result<()> {
+    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    // The tool sandbox's helper and stage: the same binary, single-threaded, no runtime.
+    if args.get(1).is_some_and(|arg| arg == HELPER_ARG) {
+        std::process::exit(sandbox::process_main(&args[2..]));
+    }
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("start the async runtime")?
+        .block_on(run())
+}
+
+async fn run() -> Result<()> {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_env_filter(
@@ -86,6 +125,33 @@ async fn main() -> Result<()> {
             args.workspace_root.display()
         )
     })?;
+    let mut sandbox = Sandbox {
+        mode: args.sandbox,
+        network: args.tool_network,
+        user: tool_user(args.tool_user.as_deref())?,
+        read_paths: args.tool_read_paths.clone(),
+        helper: SELF_EXE.into(),
+        weakness: None,
+    };
+    sandbox.probe(&args.workspace_root).await?;
+    match (sandbox.mode, &sandbox.weakness) {
+        (SandboxMode::Off, _) => tracing::warn!(
+            "--sandbox off: tool calls can read and write everything the tool user can, \
+             signal other processes and use the network"
+        ),
+        (_, Some(gap)) => tracing::warn!(
+            %gap,
+            "--sandbox best-effort: this kernel does not enforce the whole tool sandbox; \
+             every tool result says so"
+        ),
+        _ => {}
+    }
+    for dir in sandbox
+        .open_path_to(&args.workspace_root)
+        .context("cannot let the tool user reach the workspace root")?
+    {
+        tracing::warn!(dir = %dir.display(), "gave others search permission (o+x) so the tool user reaches the workspaces");
+    }
     let client = StoreConnection {
         url: args.event_store.clone(),
         tls_ca: args.tls_ca.clone(),
@@ -114,11 +180,14 @@ async fn main() -> Result<()> {
         model = %args.model,
         max_sessions = args.max_sessions,
         lease_ttl_ms = args.lease_ttl_ms,
+        sandbox = %sandbox.mode_name(),
+        tool_network = %sandbox.network_name(),
+        tool_uid = ?sandbox.user.map(|ids| ids.uid),
         "runner started"
     );
     let context = Arc::new(TurnContext {
         model,
-        toolbox: Toolbox::new(args.workspace_root),
+        toolbox: Toolbox::new(args.workspace_root, sandbox),
         tools: Toolbox::specs(),
         max_tokens: args.max_tokens,
         backoff: Backoff::default(),
@@ -136,4 +205,54 @@ async fn main() -> Result<()> {
     .await;
     tracing::info!("runner stopped");
     Ok(())
+}
+
+/// The ids `--tool-user` names; by default `nobody` when the runner is root, else none (the
+/// runner's own user).
+fn tool_user(spec: Option<&str>) -> Result<Option<Ids>> {
+    let root = nix::unistd::geteuid().is_root();
+    let Some(spec) = spec else {
+        if !root {
+            return Ok(None);
+        }
+        let nobody = nix::unistd::User::from_name("nobody").ok().flatten();
+        return Ok(Some(nobody.map_or(
+            Ids {
+                uid: 65534,
+                gid: 65534,
+            },
+            |user| Ids {
+                uid: user.uid.as_raw(),
+                gid: user.gid.as_raw(),
+            },
+        )));
+    };
+    let ids = match spec.split_once(':') {
+        Some((uid, gid)) => Ids {
+            uid: uid.parse().context("--tool-user UID:GID needs numbers")?,
+            gid: gid.parse().context("--tool-user UID:GID needs numbers")?,
+        },
+        None => match spec.parse::<u32>() {
+            Ok(uid) => Ids { uid, gid: uid },
+            Err(_) => {
+                let user = nix::unistd::User::from_name(spec)
+                    .with_context(|| format!("cannot look up --tool-user {spec}"))?
+                    .with_context(|| format!("--tool-user {spec}: no such user"))?;
+                Ids {
+                    uid: user.uid.as_raw(),
+                    gid: user.gid.as_raw(),
+                }
+            }
+        },
+    };
+    anyhow::ensure!(
+        ids.uid != 0,
+        "--tool-user must not be root: tools never run as root"
+    );
+    let own = nix::unistd::geteuid().as_raw();
+    anyhow::ensure!(
+        root || ids.uid == own,
+        "--tool-user {spec}: only a runner started as root can run tools as another user"
+    );
+    Ok((ids.uid != own).then_some(ids))
 }

@@ -1,16 +1,18 @@
-//! The `bash` tool: `bash -c COMMAND` in the workspace, in its own process group, with a
-//! minimal environment (no secret of the runner leaks into it) and a timeout after which
-//! the whole group is killed.
+//! The `bash` tool: `bash -c COMMAND` in the workspace, under the tool sandbox's helper
+//! (see `tools::sandbox`), with a minimal environment (no secret of the runner leaks into
+//! it: `PATH`, `HOME` = the workspace, a private `TMPDIR` inside it, `IDEMPOTENCY_KEY`) and
+//! a timeout. When the call ends, times out or its future is dropped, the helper kills and
+//! reaps everything the command started.
 
 use std::process::Stdio;
 use std::time::Duration;
 
-use nix::sys::signal::{killpg, Signal};
+use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use serde::Deserialize;
 use tokio::io::{AsyncRead, AsyncReadExt};
-use tokio::process::Command;
 
+use super::sandbox::Sandbox;
 use super::{ToolOutput, Workspace, OUTPUT_CAP};
 
 const DEFAULT_TIMEOUT_MS: u64 = 120_000;
@@ -27,36 +29,41 @@ pub(super) struct BashInput {
     timeout_ms: Option<u64>,
 }
 
-pub(super) async fn run(ws: &Workspace, input: BashInput, idempotency_key: &str) -> ToolOutput {
+pub(super) async fn run(
+    ws: &Workspace,
+    sandbox: &Sandbox,
+    input: BashInput,
+    idempotency_key: &str,
+) -> ToolOutput {
     let timeout_ms = input
         .timeout_ms
         .unwrap_or(DEFAULT_TIMEOUT_MS)
         .clamp(1, MAX_TIMEOUT_MS);
     let path = std::env::var("PATH").unwrap_or_else(|_| DEFAULT_PATH.to_string());
-    let mut child = match Command::new("bash")
-        .arg("-c")
-        .arg(&input.command)
-        .current_dir(ws.dir())
+    // CPU time is wall time at most, per process: the rlimit backs up the timeout.
+    let cpu_secs = timeout_ms.div_ceil(1000) + 1;
+    let mut child = match sandbox
+        .command(ws.dir(), cpu_secs, input.command)
         .env_clear()
         .env("PATH", path)
         .env("HOME", ws.dir())
+        .env("TMPDIR", ws.tmp_dir())
         .env("IDEMPOTENCY_KEY", idempotency_key)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .process_group(0)
-        .kill_on_drop(true)
         .spawn()
     {
         Ok(child) => child,
-        Err(e) => return ToolOutput::error(format!("cannot start bash: {e}")),
+        Err(e) => return ToolOutput::error(format!("cannot start the tool sandbox: {e}")),
     };
-    // The group id is the child's pid (process_group(0)). If this future is dropped (the
-    // lease was lost, the runner is stopping) the guard kills the whole group.
-    let group = child
+    // If this future is dropped (an interrupt, the lease was lost, the runner is stopping)
+    // the guard tells the helper to stop, and it kills the whole call; tokio reaps it.
+    let helper = child
         .id()
         .and_then(|pid| i32::try_from(pid).ok())
-        .map(|pid| GroupKill(Pid::from_raw(pid)));
+        .map(|pid| StopHelper(Pid::from_raw(pid)));
     let stdout = child
         .stdout
         .take()
@@ -70,22 +77,22 @@ pub(super) async fn run(ws: &Workspace, input: BashInput, idempotency_key: &str)
         match tokio::time::timeout(Duration::from_millis(timeout_ms), child.wait()).await {
             Ok(status) => (status, false),
             Err(_) => {
-                if let Some(group) = &group {
-                    group.kill();
+                if let Some(helper) = &helper {
+                    helper.stop();
                 }
                 (child.wait().await, true)
             }
         };
-    if let Some(mut group) = group {
-        group.disarm();
+    if let Some(mut helper) = helper {
+        helper.disarm();
     }
     let stdout = drain(stdout).await;
     let stderr = drain(stderr).await;
 
     let mut report = match (&status, timed_out) {
-        (_, true) => {
-            format!("timed out after {timeout_ms} ms; the command's process group was killed\n")
-        }
+        (_, true) => format!(
+            "timed out after {timeout_ms} ms; the command and every process it started were killed\n"
+        ),
         (Ok(status), false) => match status.code() {
             Some(code) => format!("exit code: {code}\n"),
             None => format!("terminated by a signal ({status})\n"),
@@ -112,13 +119,14 @@ pub(super) async fn run(ws: &Workspace, input: BashInput, idempotency_key: &str)
     }
 }
 
-/// Kills a process group when dropped, unless disarmed.
-struct GroupKill(Pid);
+/// Tells the helper to stop (it kills and reaps every process of the call, then exits)
+/// when dropped, unless disarmed.
+struct StopHelper(Pid);
 
-impl GroupKill {
-    fn kill(&self) {
-        // ESRCH (the group is already gone) is the outcome we want anyway.
-        let _ = killpg(self.0, Signal::SIGKILL);
+impl StopHelper {
+    fn stop(&self) {
+        // ESRCH (the helper is already gone) is the outcome we want anyway.
+        let _ = kill(self.0, Signal::SIGTERM);
     }
 
     fn disarm(&mut self) {
@@ -126,10 +134,10 @@ impl GroupKill {
     }
 }
 
-impl Drop for GroupKill {
+impl Drop for StopHelper {
     fn drop(&mut self) {
         if self.0.as_raw() > 0 {
-            self.kill();
+            self.stop();
         }
     }
 }
@@ -161,111 +169,5 @@ async fn drain(reader: Option<tokio::task::JoinHandle<(String, usize)>>) -> (Str
             reader.abort();
             (String::new(), 0)
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use std::time::Instant;
-
-    use serde_json::{json, Value};
-
-    use crate::tools::Toolbox;
-
-    use super::*;
-
-    async fn bash(root: &std::path::Path, input: Value) -> ToolOutput {
-        let Value::Object(input) = input else {
-            return ToolOutput::error("test input is not an object");
-        };
-        Toolbox::new(root.to_path_buf())
-            .run("s1", "bash", input, "s1/toolu_1")
-            .await
-    }
-
-    #[tokio::test]
-    async fn runs_in_the_workspace_with_the_key_and_a_clean_env() {
-        let root = tempfile::tempdir().expect("temp dir");
-        std::env::set_var("RUNNER_TEST_SECRET", "hunter2");
-        let out = bash(
-            root.path(),
-            json!({"command": "pwd; echo \"key=$IDEMPOTENCY_KEY home=$HOME secret=$RUNNER_TEST_SECRET\"; echo oops >&2; echo $IDEMPOTENCY_KEY >> log"}),
-        )
-        .await;
-        assert!(!out.is_error, "{out:?}");
-        let ws = root.path().join("s1").canonicalize().expect("workspace");
-        assert!(
-            out.content.starts_with("exit code: 0\n--- stdout ---\n"),
-            "{}",
-            out.content
-        );
-        assert!(out.content.contains(&format!("{}\n", ws.display())));
-        assert!(out
-            .content
-            .contains(&format!("key=s1/toolu_1 home={} secret=\n", ws.display())));
-        assert!(out.content.contains("--- stderr ---\noops\n"));
-        assert_eq!(
-            std::fs::read_to_string(ws.join("log")).ok().as_deref(),
-            Some("s1/toolu_1\n")
-        );
-    }
-
-    #[tokio::test]
-    async fn failures_are_error_results_with_the_exit_code() {
-        let root = tempfile::tempdir().expect("temp dir");
-        let out = bash(root.path(), json!({"command": "echo half; exit 3"})).await;
-        assert!(out.is_error);
-        assert!(out
-            .content
-            .starts_with("exit code: 3\n--- stdout ---\nhalf\n"));
-    }
-
-    #[tokio::test]
-    async fn a_timeout_kills_the_whole_process_group() {
-        let root = tempfile::tempdir().expect("temp dir");
-        let started = Instant::now();
-        // The background sleeper would outlive a kill of bash alone and write the file.
-        let out = bash(
-            root.path(),
-            json!({"command": "(sleep 1; touch survived) & sleep 30", "timeout_ms": 200}),
-        )
-        .await;
-        assert!(out.is_error);
-        assert!(
-            out.content.starts_with("timed out after 200 ms"),
-            "{}",
-            out.content
-        );
-        assert!(started.elapsed() < Duration::from_secs(10));
-        tokio::time::sleep(Duration::from_millis(1500)).await;
-        assert!(!root.path().join("s1/survived").exists());
-    }
-
-    #[tokio::test]
-    async fn dropping_the_call_kills_the_process_group() {
-        let root = tempfile::tempdir().expect("temp dir");
-        let call = bash(root.path(), json!({"command": "sleep 1; touch survived"}));
-        assert!(tokio::time::timeout(Duration::from_millis(200), call)
-            .await
-            .is_err());
-        tokio::time::sleep(Duration::from_millis(1500)).await;
-        assert!(!root.path().join("s1/survived").exists());
-    }
-
-    #[tokio::test]
-    async fn big_output_is_capped_and_marked() {
-        let root = tempfile::tempdir().expect("temp dir");
-        let out = bash(
-            root.path(),
-            json!({"command": "head -c 200000 /dev/zero | tr '\\0' x"}),
-        )
-        .await;
-        assert!(!out.is_error);
-        assert!(out.content.len() <= OUTPUT_CAP + 200);
-        assert!(
-            out.content.contains("cut"),
-            "{}",
-            &out.content[out.content.len() - 200..]
-        );
     }
 }

@@ -1,9 +1,13 @@
 //! The file tools: `read_file`, `write_file`, `edit_file`, `list_files`. Each runs on the
-//! blocking pool (plain `std::fs`), confined to the workspace by [`Workspace::resolve`].
+//! blocking pool (plain `std::fs`), confined to the workspace: every path is opened beneath it by
+//! [`Workspace::open_beneath`].
 
 use std::fs;
-use std::io::Read;
+use std::io::{Read, Write};
 use std::path::Path;
+
+use nix::dir::{Dir, Type};
+use nix::fcntl::OFlag;
 
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
@@ -61,12 +65,12 @@ pub(super) struct ListFiles {
 }
 
 pub(super) fn read_file(ws: &Workspace, input: ReadFile) -> Result<String, String> {
-    let path = ws.resolve(&input.path)?;
-    let file = fs::File::open(&path).map_err(|e| format!("cannot read `{}`: {e}", input.path))?;
-    let size = file.metadata().map(|m| m.len()).unwrap_or(0);
-    if path.is_dir() {
-        return Err(format!("`{}` is a directory; use list_files", input.path));
-    }
+    let relative = ws.relative(&input.path)?;
+    let file = open_regular(ws, &relative, OFlag::O_RDONLY, &input.path)?;
+    let meta = file
+        .metadata()
+        .map_err(|e| format!("cannot read `{}`: {e}", input.path))?;
+    let size = meta.len();
     // Read one byte past the cap to know whether there was more, without loading a huge
     // file into memory.
     let mut bytes = Vec::new();
@@ -84,14 +88,52 @@ pub(super) fn read_file(ws: &Workspace, input: ReadFile) -> Result<String, Strin
     Ok(String::from_utf8_lossy(&bytes).into_owned())
 }
 
-pub(super) fn write_file(ws: &Workspace, input: WriteFile) -> Result<String, String> {
-    let path = ws.resolve(&input.path)?;
-    if let Some(parent) = path.parent() {
-        fs::create_dir_all(parent)
-            .map_err(|e| format!("cannot create the directory of `{}`: {e}", input.path))?;
+/// Opens `relative` beneath the workspace and makes sure it is a regular file. Opened
+/// non-blocking, so a FIFO planted by a bash call cannot hang the tool.
+fn open_regular(
+    ws: &Workspace,
+    relative: &Path,
+    flags: OFlag,
+    shown: &str,
+) -> Result<fs::File, String> {
+    let file = fs::File::from(ws.open_beneath(relative, flags | OFlag::O_NONBLOCK, shown)?);
+    let meta = file
+        .metadata()
+        .map_err(|e| format!("cannot open `{shown}`: {e}"))?;
+    if meta.is_dir() {
+        return Err(format!("`{shown}` is a directory; use list_files"));
     }
-    fs::write(&path, input.content.as_bytes())
-        .map_err(|e| format!("cannot write `{}`: {e}", input.path))?;
+    if !meta.is_file() {
+        return Err(format!("`{shown}` is not a regular file"));
+    }
+    Ok(file)
+}
+
+/// Replaces the content of `relative` (creating it), opened beneath the workspace.
+fn write_beneath(
+    ws: &Workspace,
+    relative: &Path,
+    content: &str,
+    shown: &str,
+) -> Result<(), String> {
+    let flags = OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_TRUNC;
+    let mut file = open_regular(ws, relative, flags, shown)?;
+    file.write_all(content.as_bytes())
+        .map_err(|e| format!("cannot write `{shown}`: {e}"))
+}
+
+pub(super) fn write_file(ws: &Workspace, input: WriteFile) -> Result<String, String> {
+    let relative = ws.relative(&input.path)?;
+    if relative.as_os_str().is_empty() {
+        return Err(format!(
+            "`{}` is the workspace itself; name a file",
+            input.path
+        ));
+    }
+    if let Some(parent) = relative.parent() {
+        ws.create_dirs(parent, &input.path)?;
+    }
+    write_beneath(ws, &relative, &input.content, &input.path)?;
     Ok(format!(
         "wrote {} bytes to {}",
         input.content.len(),
@@ -103,9 +145,11 @@ pub(super) fn edit_file(ws: &Workspace, input: EditFile) -> Result<String, Strin
     if input.old.is_empty() {
         return Err("`old` is empty; give text that occurs exactly once in the file".into());
     }
-    let path = ws.resolve(&input.path)?;
-    let text =
-        fs::read_to_string(&path).map_err(|e| format!("cannot read `{}`: {e}", input.path))?;
+    let relative = ws.relative(&input.path)?;
+    let mut text = String::new();
+    open_regular(ws, &relative, OFlag::O_RDONLY, &input.path)?
+        .read_to_string(&mut text)
+        .map_err(|e| format!("cannot read `{}`: {e}", input.path))?;
     match text.matches(&input.old).count() {
         1 => {}
         0 => return Err(format!("`old` does not occur in `{}`", input.path)),
@@ -117,20 +161,23 @@ pub(super) fn edit_file(ws: &Workspace, input: EditFile) -> Result<String, Strin
         }
     }
     let edited = text.replacen(&input.old, &input.new, 1);
-    fs::write(&path, edited.as_bytes())
-        .map_err(|e| format!("cannot write `{}`: {e}", input.path))?;
+    write_beneath(ws, &relative, &edited, &input.path)?;
     Ok(format!("edited {}", input.path))
 }
 
 pub(super) fn list_files(ws: &Workspace, input: ListFiles) -> Result<String, String> {
     let shown = input.path.unwrap_or_default();
-    let dir = ws.resolve(&shown)?;
-    if !dir.is_dir() {
-        return Err(format!("`{shown}` is not a directory"));
-    }
+    let relative = ws.relative(&shown)?;
     let mut entries = Vec::new();
     let mut more = false;
-    walk(&dir, &dir, &mut entries, &mut more).map_err(|e| format!("cannot list `{shown}`: {e}"))?;
+    walk(
+        ws,
+        &relative,
+        Path::new(""),
+        &shown,
+        &mut entries,
+        &mut more,
+    )?;
     if entries.is_empty() {
         return Ok("(empty directory)".into());
     }
@@ -142,28 +189,52 @@ pub(super) fn list_files(ws: &Workspace, input: ListFiles) -> Result<String, Str
 }
 
 /// Depth-first, sorted, not following symbolic links (a link is shown with a trailing `@`).
-fn walk(base: &Path, dir: &Path, out: &mut Vec<String>, more: &mut bool) -> std::io::Result<()> {
-    let mut children: Vec<_> = fs::read_dir(dir)?.collect::<Result<_, _>>()?;
-    children.sort_by_key(|entry| entry.file_name());
-    for entry in children {
+/// Each directory is opened beneath the workspace.
+fn walk(
+    ws: &Workspace,
+    base: &Path,
+    below: &Path,
+    shown: &str,
+    out: &mut Vec<String>,
+    more: &mut bool,
+) -> Result<(), String> {
+    // Below the listed directory, a symbolic link is never followed (it is shown as one).
+    let mut flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY;
+    if !below.as_os_str().is_empty() {
+        flags |= OFlag::O_NOFOLLOW;
+    }
+    let dir = ws.open_beneath(&base.join(below), flags, shown);
+    let dir = match dir {
+        Ok(dir) => dir,
+        Err(e) if below.as_os_str().is_empty() && e.contains("a part of the path") => {
+            return Err(format!("`{shown}` is not a directory"))
+        }
+        Err(e) => return Err(e),
+    };
+    let mut children: Vec<(String, Option<Type>)> = Dir::from_fd(dir)
+        .map_err(|e| format!("cannot list `{shown}`: {e}"))?
+        .into_iter()
+        .filter_map(Result::ok)
+        .filter_map(|entry| {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            (name != "." && name != "..").then(|| (name, entry.file_type()))
+        })
+        .collect();
+    children.sort_by(|a, b| a.0.cmp(&b.0));
+    for (name, kind) in children {
         if out.len() >= LIST_CAP {
             *more = true;
             return Ok(());
         }
-        let path = entry.path();
-        let shown = path
-            .strip_prefix(base)
-            .unwrap_or(&path)
-            .display()
-            .to_string();
-        let kind = entry.file_type()?;
-        if kind.is_symlink() {
-            out.push(format!("{shown}@"));
-        } else if kind.is_dir() {
-            out.push(format!("{shown}/"));
-            walk(base, &path, out, more)?;
-        } else {
-            out.push(shown);
+        let path = below.join(&name);
+        let display = path.display().to_string();
+        match kind {
+            Some(Type::Symlink) => out.push(format!("{display}@")),
+            Some(Type::Directory) => {
+                out.push(format!("{display}/"));
+                walk(ws, base, &path, shown, out, more)?;
+            }
+            _ => out.push(display),
         }
     }
     Ok(())
@@ -175,7 +246,7 @@ mod tests {
 
     use serde_json::json;
 
-    use crate::tools::Toolbox;
+    use crate::tools::{Sandbox, Toolbox};
 
     use super::*;
 
@@ -192,7 +263,7 @@ mod tests {
 
     fn setup() -> (tempfile::TempDir, Toolbox, PathBuf) {
         let root = tempfile::tempdir().expect("temp dir");
-        let toolbox = Toolbox::new(root.path().to_path_buf());
+        let toolbox = Toolbox::new(root.path().to_path_buf(), Sandbox::unconfined_for_tests());
         let ws = root.path().join("s1");
         (root, toolbox, ws)
     }
@@ -254,7 +325,7 @@ mod tests {
         );
 
         let out = run(&tb, "list_files", json!({})).await;
-        assert_eq!(out.content, "src/\nsrc/a.txt");
+        assert_eq!(out.content, ".tmp/\nsrc/\nsrc/a.txt");
         let out = run(&tb, "list_files", json!({"path": "src"})).await;
         assert_eq!(out.content, "a.txt");
     }
@@ -289,6 +360,25 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_fifo_is_refused_without_blocking() {
+        let (_root, tb, ws) = setup();
+        fs::create_dir_all(&ws).expect("mkdir");
+        nix::unistd::mkfifo(
+            &ws.join("pipe"),
+            nix::sys::stat::Mode::from_bits_truncate(0o644),
+        )
+        .expect("mkfifo");
+        for (name, value) in [
+            ("read_file", json!({"path": "pipe"})),
+            ("edit_file", json!({"path": "pipe", "old": "a", "new": "b"})),
+            ("write_file", json!({"path": "pipe", "content": "x"})),
+        ] {
+            let out = run(&tb, name, value).await;
+            assert!(out.is_error, "{name}: {out:?}");
+        }
+    }
+
+    #[tokio::test]
     async fn big_files_are_cut_and_missing_files_are_errors() {
         let (_root, tb, ws) = setup();
         fs::create_dir_all(&ws).expect("mkdir");
@@ -299,7 +389,7 @@ mod tests {
             .content
             .ends_with(&format!("of {} bytes]", OUTPUT_CAP * 2)));
         let out = run(&tb, "read_file", json!({"path": "nope"})).await;
-        assert!(out.is_error && out.content.contains("cannot read `nope`"));
+        assert!(out.is_error && out.content.contains("`nope`: no such file"));
         let out = run(&tb, "read_file", json!({"path": "."})).await;
         assert!(out.is_error && out.content.contains("is a directory"));
     }

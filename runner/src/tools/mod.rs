@@ -8,13 +8,16 @@
 
 mod bash;
 mod files;
+pub mod sandbox;
 mod workspace;
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use serde::de::DeserializeOwned;
 use serde_json::{json, Map, Value};
 
+pub use sandbox::Sandbox;
 pub use workspace::Workspace;
 
 /// The most bytes of output a tool result carries, not counting the note that says it was
@@ -69,15 +72,19 @@ impl ToolOutput {
     }
 }
 
-/// The five tools, bound to a workspace root.
+/// The five tools, bound to a workspace root and the sandbox bash calls run in.
 #[derive(Debug, Clone)]
 pub struct Toolbox {
     root: PathBuf,
+    sandbox: Arc<Sandbox>,
 }
 
 impl Toolbox {
-    pub fn new(root: PathBuf) -> Toolbox {
-        Toolbox { root }
+    pub fn new(root: PathBuf, sandbox: Sandbox) -> Toolbox {
+        Toolbox {
+            root,
+            sandbox: Arc::new(sandbox),
+        }
     }
 
     /// Every tool, for the model request.
@@ -161,8 +168,8 @@ impl Toolbox {
     }
 
     /// Runs one call in `<root>/<session_id>/`. `idempotency_key` is passed to the tool
-    /// (bash exports it as `IDEMPOTENCY_KEY`). Dropping the future stops the call: a bash
-    /// command's whole process group is killed.
+    /// (bash exports it as `IDEMPOTENCY_KEY`). Dropping the future stops the call: every
+    /// process a bash command started is killed and reaped.
     pub async fn run(
         &self,
         session_id: &str,
@@ -170,13 +177,29 @@ impl Toolbox {
         input: Map<String, Value>,
         idempotency_key: &str,
     ) -> ToolOutput {
-        let workspace = match Workspace::open(&self.root, session_id).await {
+        let mut output = self
+            .run_unmarked(session_id, name, input, idempotency_key)
+            .await;
+        if let Some(mark) = self.sandbox.mark() {
+            output.content = format!("{mark}\n{}", output.content);
+        }
+        output
+    }
+
+    async fn run_unmarked(
+        &self,
+        session_id: &str,
+        name: &str,
+        input: Map<String, Value>,
+        idempotency_key: &str,
+    ) -> ToolOutput {
+        let workspace = match Workspace::open(&self.root, session_id, self.sandbox.user).await {
             Ok(workspace) => workspace,
             Err(e) => return ToolOutput::error(format!("the workspace is unavailable: {e}")),
         };
         match name {
             "bash" => match parse(name, input) {
-                Ok(input) => bash::run(&workspace, input, idempotency_key).await,
+                Ok(input) => bash::run(&workspace, &self.sandbox, input, idempotency_key).await,
                 Err(e) => e,
             },
             "read_file" => files::run_blocking(workspace, name, input, files::read_file).await,
@@ -240,7 +263,7 @@ mod tests {
     #[tokio::test]
     async fn unknown_tools_and_bad_input_are_error_results() {
         let root = tempfile::tempdir().expect("temp dir");
-        let toolbox = Toolbox::new(root.path().to_path_buf());
+        let toolbox = Toolbox::new(root.path().to_path_buf(), Sandbox::unconfined_for_tests());
         let out = toolbox.run("s1", "rm_rf", Map::new(), "k").await;
         assert!(out.is_error && out.content.contains("no tool named `rm_rf`"));
         let out = toolbox.run("s1", "bash", Map::new(), "k").await;
