@@ -8,6 +8,7 @@
 //! - [`service`]: the gRPC edge: validation, limits, status codes.
 //! - [`auth`], [`limits`], [`tls`]: who may call, how much, and over what; [`scope`]: the
 //!   one rule for which sessions a caller may see.
+//! - [`metrics`]: what the store reports to Prometheus.
 #![forbid(unsafe_code)]
 
 pub mod auth;
@@ -16,6 +17,7 @@ pub mod incoming;
 pub mod index;
 pub mod limits;
 pub mod log;
+pub mod metrics;
 pub mod scope;
 pub mod service;
 pub mod session;
@@ -35,6 +37,7 @@ use agentlog_proto::v1::{
 use prost::Message;
 use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 pub use error::StoreError;
 use index::{Index, IndexBatch, IndexError};
@@ -229,6 +232,8 @@ impl Store {
 
     /// Appends (validated) events; see [`AppendOp`].
     pub async fn append(&self, op: AppendOp) -> Result<AppendResponse, StoreError> {
+        let observer =
+            metrics::AppendObserver::start(&op.session_id, op.events.len(), op.durability);
         let bytes: usize = op.events.iter().map(Message::encoded_len).sum();
         let kib = (bytes / 1024 + 1).min(QUEUED_KIB) as u32;
         let _budget = self
@@ -236,7 +241,10 @@ impl Store {
             .acquire_many(kib)
             .await
             .map_err(|_| StoreError::Unavailable("the store is shutting down".into()))?;
-        self.submit(|tx| Op::Append(op, tx)).await
+        let result = self
+            .submit(|tx| Op::Append(op, tx))
+            .instrument(observer.span().clone());
+        observer.finish(result.await)
     }
 
     pub async fn acquire_lease(
@@ -245,18 +253,21 @@ impl Store {
         owner: String,
         ttl_ms: u64,
     ) -> Result<Lease, StoreError> {
-        granted(
-            self.submit(|tx| {
-                Op::Lease(
-                    LeaseOp::Acquire {
-                        session_id,
-                        owner,
-                        ttl_ms,
-                    },
-                    tx,
-                )
-            })
-            .await?,
+        metrics::lease_granted(
+            "acquire",
+            granted(
+                self.submit(|tx| {
+                    Op::Lease(
+                        LeaseOp::Acquire {
+                            session_id,
+                            owner,
+                            ttl_ms,
+                        },
+                        tx,
+                    )
+                })
+                .await?,
+            ),
         )
     }
 
@@ -267,7 +278,7 @@ impl Store {
         epoch: u64,
         ttl_ms: u64,
     ) -> Result<Lease, StoreError> {
-        granted(
+        metrics::lease_renewed(granted(
             self.submit(|tx| {
                 Op::Lease(
                     LeaseOp::Renew {
@@ -280,7 +291,7 @@ impl Store {
                 )
             })
             .await?,
-        )
+        ))
     }
 
     pub async fn release_lease(
@@ -314,6 +325,7 @@ impl Store {
         cancel: &CancellationToken,
         scope: &scope::Scope,
     ) -> Result<Option<Lease>, StoreError> {
+        let _waiting = metrics::ClaimWaiting::enter();
         let deadline = tokio::time::Instant::now() + wait;
         let mut changes = self.shared.claimable.subscribe();
         loop {
@@ -325,7 +337,9 @@ impl Store {
             };
             let outcome = self.submit(|tx| Op::Lease(claim, tx)).await?;
             let retry_at = match outcome {
-                LeaseOutcome::Granted(lease) => return Ok(Some(lease)),
+                LeaseOutcome::Granted(lease) => {
+                    return Ok(Some(metrics::lease_granted("claim", lease)))
+                }
                 LeaseOutcome::Released => return Ok(None),
                 LeaseOutcome::NothingToClaim {
                     next_expiry_unix_ms,

@@ -133,6 +133,9 @@ pub async fn serve(
     server
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .http2_keepalive_timeout(Some(Duration::from_secs(10)))
+        .layer(telemetry::propagation::TraceContextLayer::new(
+            "agentlog.v1.",
+        ))
         .layer(AuthLayer::new(options.access))
         .layer(LimitsLayer::new(options.caller_limits))
         .add_service(health)
