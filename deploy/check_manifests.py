@@ -6,7 +6,9 @@ usage: check_manifests.py RENDERED.yaml BIN_DIR
 - every AGENTLOG_* variable it sets (directly or through a ConfigMap) is one the binary
   reads (clap prints `[env: NAME=...]`);
 - the gRPC port is the same everywhere: `--listen`, the named container port, the probes,
-  the Services' ports, and the store URL the runners are given.
+  the Services' ports, and the store URL the runners are given;
+- the metrics port too: `--metrics-listen` (or AGENTLOG_METRICS_LISTEN), the container port
+  named `metrics`, and the Services' `metrics` ports.
 """
 
 import re
@@ -67,6 +69,17 @@ def main(rendered, bin_dir):
             if "AGENTLOG_EVENT_STORE" in env:
                 store_urls.append((where, env["AGENTLOG_EVENT_STORE"]))
             ports = {p.get("name"): p["containerPort"] for p in c.get("ports", [])}
+            metrics_listen = (args[args.index("--metrics-listen") + 1] if "--metrics-listen" in args
+                              else env.get("AGENTLOG_METRICS_LISTEN"))
+            metrics_port = int(metrics_listen.rsplit(":", 1)[1]) if metrics_listen else None
+            if ports.get("metrics") != metrics_port:
+                fail(f"{where}: container port 'metrics' {ports.get('metrics')} != --metrics-listen port {metrics_port}")
+            for s in services:
+                if s["spec"]["selector"] != doc["spec"]["selector"]["matchLabels"]:
+                    continue
+                for sp in s["spec"]["ports"]:
+                    if sp.get("name") == "metrics" and ports.get(sp.get("targetPort")) != metrics_port:
+                        fail(f"Service/{s['metadata']['name']}: port 'metrics' does not reach --metrics-listen")
             if binary == "event-store":
                 listen = args[args.index("--listen") + 1] if "--listen" in args else None
                 if listen is None:
@@ -94,6 +107,8 @@ def main(rendered, bin_dir):
                     if s["spec"]["selector"] != doc["spec"]["selector"]["matchLabels"]:
                         continue
                     for sp in s["spec"]["ports"]:
+                        if sp.get("name") == "metrics":
+                            continue  # checked above, for both binaries
                         target = sp.get("targetPort")
                         target = ports.get(target) if isinstance(target, str) else target
                         if target != grpc_port:
