@@ -241,10 +241,10 @@ impl Store {
             .acquire_many(kib)
             .await
             .map_err(|_| StoreError::Unavailable("the store is shutting down".into()))?;
-        let result = self
-            .submit(|tx| Op::Append(op, tx))
-            .instrument(observer.span().clone());
-        observer.finish(result.await)
+        let (span, in_span) = (observer.span().clone(), observer.span().clone());
+        let result = self.submit(|tx| Op::Append(op, tx, span));
+        let result = result.instrument(in_span).await;
+        observer.finish(result)
     }
 
     pub async fn acquire_lease(

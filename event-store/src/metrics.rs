@@ -212,24 +212,33 @@ impl AppendObserver {
     }
 }
 
-/// One group-commit fdatasync: started before the call, observed after it.
+/// One group-commit fdatasync: started before the call, observed after it. When spans
+/// are exported, each SYNC append waiting for it gets an `fsync` child span covering it,
+/// so an append's trace shows the fsync it waited for and the batch it shared.
 pub struct FsyncObserver {
     records: usize,
     bytes: u64,
     started: Instant,
-    span: tracing::span::EnteredSpan,
+    spans: Vec<tracing::Span>,
 }
 
 impl FsyncObserver {
-    /// `written`: the positions of the batch's records, just written.
-    pub fn start(written: &[Position]) -> FsyncObserver {
+    /// `written`: the positions of the batch's records, just written; `waiting`: the spans
+    /// of the appends that are acknowledged only after this fsync.
+    pub fn start(written: &[Position], waiting: &[tracing::Span]) -> FsyncObserver {
         let records = written.len();
         let bytes = written.iter().map(|p| u64::from(p.len)).sum();
+        let spans = if telemetry::exporting() {
+            let batch = |parent| tracing::info_span!(parent: parent, "fsync", records, bytes);
+            waiting.iter().map(batch).collect()
+        } else {
+            Vec::new()
+        };
         FsyncObserver {
             records,
             bytes,
             started: Instant::now(),
-            span: tracing::debug_span!("fsync", records, bytes).entered(),
+            spans,
         }
     }
 
@@ -240,7 +249,7 @@ impl FsyncObserver {
         m.fsync_events.observe(self.records as f64);
         m.fsync_bytes.observe(self.bytes as f64);
         m.fsyncs.inc();
-        drop(self.span);
+        drop(self.spans);
     }
 }
 

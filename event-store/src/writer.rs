@@ -37,9 +37,12 @@ use crate::Shared;
 const MAX_BATCH_OPS: usize = 4096;
 
 pub enum Op {
+    /// The span is the append's own (see [`metrics::AppendObserver`]): its fsync is traced
+    /// under it.
     Append(
         AppendOp,
         oneshot::Sender<Result<AppendResponse, StoreError>>,
+        tracing::Span,
     ),
     Lease(LeaseOp, oneshot::Sender<Result<LeaseOutcome, StoreError>>),
 }
@@ -153,15 +156,19 @@ impl Writer {
         let mut batch = Batch::default();
         let mut pending = Vec::new();
         let mut buffered = Vec::new();
+        let mut waiting = Vec::new();
         for op in ops {
             match op {
-                Op::Append(req, reply) => {
+                Op::Append(req, reply, span) => {
                     let durability = req.durability;
                     match self.prepare_append(req, now, &mut batch) {
                         Ok(resp) if durability == Durability::Buffered => {
                             buffered.push((reply, resp))
                         }
-                        Ok(resp) => pending.push(Pending::Append(reply, resp)),
+                        Ok(resp) => {
+                            waiting.push(span);
+                            pending.push(Pending::Append(reply, resp))
+                        }
                         Err(e) => {
                             let _ = reply.send(Err(e));
                         }
@@ -197,7 +204,7 @@ impl Writer {
         for (reply, resp) in buffered {
             let _ = reply.send(Ok(resp));
         }
-        let fsync = metrics::FsyncObserver::start(&positions);
+        let fsync = metrics::FsyncObserver::start(&positions, &waiting);
         self.log.sync()?;
         fsync.done();
 

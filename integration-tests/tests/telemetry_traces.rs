@@ -1,7 +1,7 @@
 //! OTLP traces of the real binaries, received by an in-test collector (a tonic server of
 //! the OpenTelemetry protocol's `TraceService`): one runner turn is one trace, and it spans
 //! both processes — the store's request spans are children of the runner's spans through
-//! the W3C trace context in gRPC metadata.
+//! the W3C trace context in gRPC metadata — down to the fsync each append waited for.
 
 mod runner_support;
 mod telemetry_support;
@@ -188,6 +188,22 @@ async fn one_turn_is_one_trace_across_runner_and_store() {
     seqs.sort_unstable();
     let logged: Vec<u64> = events.iter().skip(1).map(|e| e.seq).collect();
     assert_eq!(seqs, logged, "each append span carries the seq it got");
+    // Each SYNC append shows the fsync it waited for (and the batch it shared); a BUFFERED
+    // one was acknowledged before its fsync and has none.
+    for append in &store_appends {
+        let fsyncs: Vec<_> = in_trace
+            .iter()
+            .filter(|s| s.name == "fsync" && s.parent_span_id == append.span_id)
+            .collect();
+        match append.attributes.get("durability").map(String::as_str) {
+            Some("sync") => {
+                assert_eq!(fsyncs.len(), 1, "{append:#?}");
+                let records: u64 = fsyncs[0].attributes["records"].parse().expect("records");
+                assert!(records >= 1);
+            }
+            _ => assert!(fsyncs.is_empty(), "{append:#?}"),
+        }
+    }
     // The turn also read the log and renewed its lease through the store.
     assert!(count("event-store", "agentlog.v1.EventStore/Subscribe") >= 1);
     assert!(count("event-store", "agentlog.v1.EventStore/RenewLease") >= 1);

@@ -17,4 +17,4 @@ pub mod logs_and_traces;
 pub mod propagation;
 
 pub use exposition::serve_metrics;
-pub use logs_and_traces::{init, Telemetry, TelemetryError};
+pub use logs_and_traces::{exporting, init, Telemetry, TelemetryError};

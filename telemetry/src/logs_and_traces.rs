@@ -7,6 +7,7 @@
 //! [`Telemetry::shutdown`] flushes what is left before the process exits.
 
 use std::io::IsTerminal;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
@@ -21,6 +22,14 @@ const ENDPOINT_VARS: [&str; 2] = [
     "OTEL_EXPORTER_OTLP_ENDPOINT",
     "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
 ];
+
+static EXPORTING: AtomicBool = AtomicBool::new(false);
+
+/// Whether spans leave this process: a caller that would make many spans only for the trace
+/// (one per waiting append, say) skips them otherwise.
+pub fn exporting() -> bool {
+    EXPORTING.load(Ordering::Relaxed)
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum TelemetryError {
@@ -38,11 +47,6 @@ pub struct Telemetry {
 }
 
 impl Telemetry {
-    /// Whether spans are exported (`OTEL_EXPORTER_OTLP_ENDPOINT` was set).
-    pub fn exporting(&self) -> bool {
-        self.provider.is_some()
-    }
-
     /// Flushes and stops the span exporter. Blocks until the collector answered or the
     /// export timed out: call it outside async code (or in `spawn_blocking`), with the
     /// Tokio runtime still running.
@@ -89,6 +93,7 @@ pub fn init(service: &'static str) -> Result<Telemetry, TelemetryError> {
         .with(fmt)
         .with(otel)
         .try_init()?;
+    EXPORTING.store(true, Ordering::Relaxed);
     Ok(Telemetry {
         provider: Some(provider),
     })
