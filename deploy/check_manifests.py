@@ -7,6 +7,7 @@ usage: check_manifests.py RENDERED.yaml BIN_DIR
   reads (clap prints `[env: NAME=...]`);
 - the gRPC port is the same everywhere: `--listen`, the named container port, the probes,
   the Services' ports, and the store URL the runners are given;
+- a ServiceMonitor selects the Services of both binaries and scrapes a port they name;
 - the metrics port too: `--metrics-listen` (or AGENTLOG_METRICS_LISTEN), the container port
   named `metrics`, and the Services' `metrics` ports.
 """
@@ -124,6 +125,21 @@ def main(rendered, bin_dir):
             fail(f"{where}: AGENTLOG_EVENT_STORE port {u.port} != Service port {store_services[host]}")
     if grpc_port is None:
         fail("no event-store workload found")
+    # No Kubernetes schema covers the Prometheus operator's ServiceMonitor: check that it
+    # selects both workloads' Services and scrapes a port they name.
+    for monitor in (d for d in docs if d["kind"] == "ServiceMonitor"):
+        wanted = monitor["spec"]["selector"].get("matchLabels", {})
+        selected = [s for s in services
+                    if wanted.items() <= s["metadata"].get("labels", {}).items()]
+        names = {s["spec"]["selector"].get("app.kubernetes.io/name") for s in selected}
+        if names != {"event-store", "runner"}:
+            fail(f"ServiceMonitor/{monitor['metadata']['name']}: selects the Services of {sorted(names)}, "
+                 "not of event-store and runner")
+        for endpoint in monitor["spec"]["endpoints"]:
+            for s in selected:
+                if endpoint.get("port") not in {p.get("name") for p in s["spec"]["ports"]}:
+                    fail(f"ServiceMonitor/{monitor['metadata']['name']}: Service/{s['metadata']['name']} "
+                         f"has no port {endpoint.get('port')!r}")
     for p in problems:
         print(f"MISMATCH {rendered}: {p}")
     if problems:
