@@ -13,15 +13,20 @@ use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::SdkTracerProvider;
 use opentelemetry_sdk::Resource;
+use tracing_subscriber::filter::filter_fn;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::EnvFilter;
+use tracing_subscriber::Layer;
 
 /// The standard variables that turn OTLP trace export on.
 const ENDPOINT_VARS: [&str; 2] = [
     "OTEL_EXPORTER_OTLP_ENDPOINT",
     "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
 ];
+
+/// Log targets of the gRPC stack the exporter itself runs on.
+const TRANSPORT_TARGETS: [&str; 5] = ["h2", "hyper", "tonic", "tower", "opentelemetry"];
 
 static EXPORTING: AtomicBool = AtomicBool::new(false);
 
@@ -87,7 +92,15 @@ pub fn init(service: &'static str) -> Result<Telemetry, TelemetryError> {
         .with_resource(Resource::builder().with_service_name(service).build())
         .build();
     opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
-    let otel = tracing_opentelemetry::layer().with_tracer(provider.tracer(service));
+    // The exporter's own transport (tonic over hyper and h2) must not feed spans back into
+    // the exporter, whatever RUST_LOG enables.
+    let otel = tracing_opentelemetry::layer()
+        .with_tracer(provider.tracer(service))
+        .with_filter(filter_fn(|meta| {
+            !TRANSPORT_TARGETS
+                .iter()
+                .any(|t| meta.target().starts_with(t))
+        }));
     tracing_subscriber::registry()
         .with(filter)
         .with(fmt)
