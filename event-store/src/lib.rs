@@ -37,7 +37,6 @@ use agentlog_proto::v1::{
 use prost::Message;
 use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 use tokio_util::sync::CancellationToken;
-use tracing::Instrument;
 
 pub use error::StoreError;
 use index::{Index, IndexBatch, IndexError};
@@ -232,8 +231,6 @@ impl Store {
 
     /// Appends (validated) events; see [`AppendOp`].
     pub async fn append(&self, op: AppendOp) -> Result<AppendResponse, StoreError> {
-        let observer =
-            metrics::AppendObserver::start(&op.session_id, op.events.len(), op.durability);
         let bytes: usize = op.events.iter().map(Message::encoded_len).sum();
         let kib = (bytes / 1024 + 1).min(QUEUED_KIB) as u32;
         let _budget = self
@@ -241,10 +238,8 @@ impl Store {
             .acquire_many(kib)
             .await
             .map_err(|_| StoreError::Unavailable("the store is shutting down".into()))?;
-        let (span, in_span) = (observer.span().clone(), observer.span().clone());
-        let result = self.submit(|tx| Op::Append(op, tx, span));
-        let result = result.instrument(in_span).await;
-        observer.finish(result)
+        self.submit(|tx| Op::Append(op, tx, tracing::Span::current()))
+            .await
     }
 
     pub async fn acquire_lease(
@@ -253,21 +248,18 @@ impl Store {
         owner: String,
         ttl_ms: u64,
     ) -> Result<Lease, StoreError> {
-        metrics::lease_granted(
-            "acquire",
-            granted(
-                self.submit(|tx| {
-                    Op::Lease(
-                        LeaseOp::Acquire {
-                            session_id,
-                            owner,
-                            ttl_ms,
-                        },
-                        tx,
-                    )
-                })
-                .await?,
-            ),
+        granted(
+            self.submit(|tx| {
+                Op::Lease(
+                    LeaseOp::Acquire {
+                        session_id,
+                        owner,
+                        ttl_ms,
+                    },
+                    tx,
+                )
+            })
+            .await?,
         )
     }
 
@@ -278,7 +270,7 @@ impl Store {
         epoch: u64,
         ttl_ms: u64,
     ) -> Result<Lease, StoreError> {
-        metrics::lease_renewed(granted(
+        granted(
             self.submit(|tx| {
                 Op::Lease(
                     LeaseOp::Renew {
@@ -291,7 +283,7 @@ impl Store {
                 )
             })
             .await?,
-        ))
+        )
     }
 
     pub async fn release_lease(
@@ -325,7 +317,6 @@ impl Store {
         cancel: &CancellationToken,
         scope: &scope::Scope,
     ) -> Result<Option<Lease>, StoreError> {
-        let _waiting = metrics::ClaimWaiting::enter();
         let deadline = tokio::time::Instant::now() + wait;
         let mut changes = self.shared.claimable.subscribe();
         loop {
@@ -337,9 +328,7 @@ impl Store {
             };
             let outcome = self.submit(|tx| Op::Lease(claim, tx)).await?;
             let retry_at = match outcome {
-                LeaseOutcome::Granted(lease) => {
-                    return Ok(Some(metrics::lease_granted("claim", lease)))
-                }
+                LeaseOutcome::Granted(lease) => return Ok(Some(lease)),
                 LeaseOutcome::Released => return Ok(None),
                 LeaseOutcome::NothingToClaim {
                     next_expiry_unix_ms,

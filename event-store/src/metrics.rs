@@ -6,11 +6,12 @@
 //! the code for what it does is not disturbed by what it reports. The metrics live for the
 //! process (statics), and [`registry`] exposes them for `--metrics-listen`.
 
+use std::future::Future;
 use std::path::PathBuf;
 use std::sync::LazyLock;
 use std::time::Instant;
 
-use agentlog_proto::v1::{AppendResponse, Durability};
+use agentlog_proto::v1::{AppendRequest, AppendResponse, Durability};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::Counter;
@@ -18,6 +19,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
+use tracing::Instrument;
 
 use crate::error::StoreError;
 use crate::log::Position;
@@ -158,8 +160,8 @@ fn outcome_label<T>(result: &Result<T, StoreError>) -> &'static str {
     }
 }
 
-/// Times one append from submission to answer and counts its outcome; its span (`append`)
-/// records the seqs it got.
+/// Times one Append call from its arrival to its answer and counts its outcome (a request
+/// refused by validation too); its span (`append`) records the seqs it got.
 pub struct AppendObserver {
     durability: &'static str,
     started: Instant,
@@ -167,8 +169,9 @@ pub struct AppendObserver {
 }
 
 impl AppendObserver {
-    pub fn start(session_id: &str, events: usize, durability: Durability) -> AppendObserver {
-        let durability = durability_label(durability);
+    pub fn start(request: &AppendRequest) -> AppendObserver {
+        let durability = durability_label(request.durability());
+        let (session_id, events) = (request.session_id.as_str(), request.events.len());
         AppendObserver {
             durability,
             started: Instant::now(),
@@ -184,15 +187,12 @@ impl AppendObserver {
         }
     }
 
-    /// The span covering the wait for the writer (its write and the fsync it shares).
-    pub fn span(&self) -> &tracing::Span {
-        &self.span
-    }
-
-    pub fn finish(
+    /// Runs the append in the span, then counts and times its outcome.
+    pub async fn observe(
         self,
-        result: Result<AppendResponse, StoreError>,
+        append: impl Future<Output = Result<AppendResponse, StoreError>>,
     ) -> Result<AppendResponse, StoreError> {
+        let result = append.instrument(self.span.clone()).await;
         let m = &*METRICS;
         let outcome = outcome_label(&result);
         m.appends
@@ -310,16 +310,14 @@ impl Drop for ClaimWaiting {
     }
 }
 
-/// Counts a lease granted (`how`: "claim" or "acquire") and passes it on.
-pub fn lease_granted<T>(how: &'static str, lease: T) -> T {
+/// Counts a lease granted (`how`: "claim" or "acquire").
+pub fn lease_granted(how: &'static str) {
     METRICS.lease_grants.get_or_create(&[("how", how)]).inc();
-    lease
 }
 
-/// Counts a lease renewed and passes it on (refused renewals are fencing refusals).
-pub fn lease_renewed<T>(lease: T) -> T {
+/// Counts a lease renewed (refused renewals are counted as fencing refusals).
+pub fn lease_renewed() {
     METRICS.lease_renewals.inc();
-    lease
 }
 
 /// A write under an epoch that is no longer the session's live lease (`op`: "append" or

@@ -37,8 +37,8 @@ use crate::Shared;
 const MAX_BATCH_OPS: usize = 4096;
 
 pub enum Op {
-    /// The span is the append's own (see [`metrics::AppendObserver`]): its fsync is traced
-    /// under it.
+    /// The span the append was submitted in (the request's, see
+    /// [`metrics::AppendObserver`]): the fsync it waits for is traced under it.
     Append(
         AppendOp,
         oneshot::Sender<Result<AppendResponse, StoreError>>,
