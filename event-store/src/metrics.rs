@@ -86,7 +86,7 @@ pub fn registry(log_dir: Option<PathBuf>) -> Registry {
     );
     r.register(
         "agentlog_store_append_duration_seconds",
-        "Append latency inside the store, from the queue to the acknowledgement",
+        "Append latency in the store, from the call reaching the handler to its answer",
         m.append_seconds.clone(),
     );
     r.register(
@@ -171,7 +171,13 @@ pub struct AppendObserver {
 impl AppendObserver {
     pub fn start(request: &AppendRequest) -> AppendObserver {
         let durability = durability_label(request.durability());
-        let (session_id, events) = (request.session_id.as_str(), request.events.len());
+        // Not validated yet: a span never holds more of an id than a valid one can have.
+        let id = &request.session_id;
+        let cut = (0..=id.len().min(128))
+            .rev()
+            .find(|&i| id.is_char_boundary(i));
+        let session_id = &id[..cut.unwrap_or(0)];
+        let events = request.events.len();
         AppendObserver {
             durability,
             started: Instant::now(),
