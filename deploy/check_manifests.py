@@ -6,7 +6,10 @@ usage: check_manifests.py RENDERED.yaml BIN_DIR
 - every AGENTLOG_* variable it sets (directly or through a ConfigMap) is one the binary
   reads (clap prints `[env: NAME=...]`);
 - the gRPC port is the same everywhere: `--listen`, the named container port, the probes,
-  the Services' ports, and the store URL the runners are given.
+  the Services' ports, and the store URL the runners are given;
+- a ServiceMonitor selects the Services of both binaries and scrapes a port they name;
+- the metrics port too: `--metrics-listen` (or AGENTLOG_METRICS_LISTEN), the container port
+  named `metrics`, and the Services' `metrics` ports.
 """
 
 import re
@@ -67,6 +70,17 @@ def main(rendered, bin_dir):
             if "AGENTLOG_EVENT_STORE" in env:
                 store_urls.append((where, env["AGENTLOG_EVENT_STORE"]))
             ports = {p.get("name"): p["containerPort"] for p in c.get("ports", [])}
+            metrics_listen = (args[args.index("--metrics-listen") + 1] if "--metrics-listen" in args
+                              else env.get("AGENTLOG_METRICS_LISTEN"))
+            metrics_port = int(metrics_listen.rsplit(":", 1)[1]) if metrics_listen else None
+            if ports.get("metrics") != metrics_port:
+                fail(f"{where}: container port 'metrics' {ports.get('metrics')} != --metrics-listen port {metrics_port}")
+            for s in services:
+                if s["spec"]["selector"] != doc["spec"]["selector"]["matchLabels"]:
+                    continue
+                for sp in s["spec"]["ports"]:
+                    if sp.get("name") == "metrics" and ports.get(sp.get("targetPort")) != metrics_port:
+                        fail(f"Service/{s['metadata']['name']}: port 'metrics' does not reach --metrics-listen")
             if binary == "event-store":
                 listen = args[args.index("--listen") + 1] if "--listen" in args else None
                 if listen is None:
@@ -94,6 +108,8 @@ def main(rendered, bin_dir):
                     if s["spec"]["selector"] != doc["spec"]["selector"]["matchLabels"]:
                         continue
                     for sp in s["spec"]["ports"]:
+                        if sp.get("name") == "metrics":
+                            continue  # checked above, for both binaries
                         target = sp.get("targetPort")
                         target = ports.get(target) if isinstance(target, str) else target
                         if target != grpc_port:
@@ -109,6 +125,21 @@ def main(rendered, bin_dir):
             fail(f"{where}: AGENTLOG_EVENT_STORE port {u.port} != Service port {store_services[host]}")
     if grpc_port is None:
         fail("no event-store workload found")
+    # No Kubernetes schema covers the Prometheus operator's ServiceMonitor: check that it
+    # selects both workloads' Services and scrapes a port they name.
+    for monitor in (d for d in docs if d["kind"] == "ServiceMonitor"):
+        wanted = monitor["spec"]["selector"].get("matchLabels", {})
+        selected = [s for s in services
+                    if wanted.items() <= s["metadata"].get("labels", {}).items()]
+        names = {s["spec"]["selector"].get("app.kubernetes.io/name") for s in selected}
+        if names != {"event-store", "runner"}:
+            fail(f"ServiceMonitor/{monitor['metadata']['name']}: selects the Services of {sorted(names)}, "
+                 "not of event-store and runner")
+        for endpoint in monitor["spec"]["endpoints"]:
+            for s in selected:
+                if endpoint.get("port") not in {p.get("name") for p in s["spec"]["ports"]}:
+                    fail(f"ServiceMonitor/{monitor['metadata']['name']}: Service/{s['metadata']['name']} "
+                         f"has no port {endpoint.get('port')!r}")
     for p in problems:
         print(f"MISMATCH {rendered}: {p}")
     if problems:

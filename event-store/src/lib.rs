@@ -8,6 +8,7 @@
 //! - [`service`]: the gRPC edge: validation, limits, status codes.
 //! - [`auth`], [`limits`], [`tls`]: who may call, how much, and over what; [`scope`]: the
 //!   one rule for which sessions a caller may see.
+//! - [`metrics`]: what the store reports to Prometheus.
 #![forbid(unsafe_code)]
 
 pub mod auth;
@@ -16,6 +17,7 @@ pub mod incoming;
 pub mod index;
 pub mod limits;
 pub mod log;
+pub mod metrics;
 pub mod scope;
 pub mod service;
 pub mod session;
@@ -236,7 +238,8 @@ impl Store {
             .acquire_many(kib)
             .await
             .map_err(|_| StoreError::Unavailable("the store is shutting down".into()))?;
-        self.submit(|tx| Op::Append(op, tx)).await
+        self.submit(|tx| Op::Append(op, tx, tracing::Span::current()))
+            .await
     }
 
     pub async fn acquire_lease(

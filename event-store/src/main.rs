@@ -4,7 +4,6 @@
 //! finish and be fsync'd, then exit 0. A failure of the log's disk exits 1: nothing more can
 //! be acknowledged safely, and a restart recovers from what is really on disk.
 
-use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -99,21 +98,23 @@ struct Args {
     /// Connections open at once in all; more are closed as they arrive.
     #[arg(long, env = "AGENTLOG_MAX_CONNECTIONS", default_value_t = 10_000)]
     max_connections: usize,
+    /// Serve Prometheus metrics at http://HOST:PORT/metrics (plaintext, no auth: bind it
+    /// where only the scraper can reach it). Traces go out over OTLP when the standard
+    /// OTEL_EXPORTER_OTLP_ENDPOINT is set.
+    #[arg(long, env = "AGENTLOG_METRICS_LISTEN")]
+    metrics_listen: Option<String>,
 }
 
 fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .init();
     let args = Args::parse();
-    tokio::runtime::Builder::new_multi_thread()
+    let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
-        .build()?
-        .block_on(run(args))
+        .build()?;
+    let telemetry = runtime.block_on(async { telemetry::init("event-store") })?;
+    let result = runtime.block_on(run(args));
+    // Outside async code, with the runtime still up: the exporter's last batch goes out.
+    telemetry.shutdown();
+    result
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
@@ -163,6 +164,20 @@ async fn run(args: Args) -> anyhow::Result<()> {
         Duration::from_millis(args.reload_interval_ms.max(50)),
         shutdown.clone(),
     ));
+    if let Some(addr) = &args.metrics_listen {
+        let metrics = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("binding --metrics-listen {addr}"))?;
+        let metrics_addr = service::local_addr(&metrics).context("reading the bound address")?;
+        tracing::info!(%metrics_addr, "serving Prometheus metrics at /metrics");
+        let registry = event_store::metrics::registry(Some(args.data_dir.join("log")));
+        let stop = shutdown.clone();
+        tokio::spawn(async move {
+            if let Err(e) = telemetry::serve_metrics(metrics, registry, stop).await {
+                tracing::error!(error = %e, "the metrics listener failed");
+            }
+        });
+    }
     if let Some(addr) = &args.health_listen {
         let health = tokio::net::TcpListener::bind(addr)
             .await

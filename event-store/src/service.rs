@@ -133,6 +133,9 @@ pub async fn serve(
     server
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .http2_keepalive_timeout(Some(Duration::from_secs(10)))
+        .layer(telemetry::propagation::TraceContextLayer::new(
+            "agentlog.v1.",
+        ))
         .layer(AuthLayer::new(options.access))
         .layer(LimitsLayer::new(options.caller_limits))
         .add_service(health)
@@ -237,8 +240,10 @@ impl EventStore for EventStoreService {
         &self,
         request: Request<AppendRequest>,
     ) -> Result<Response<AppendResponse>, Status> {
-        let op = validate_append(request.into_inner())?;
-        Ok(Response::new(self.store.append(op).await?))
+        let observer = crate::metrics::AppendObserver::start(request.get_ref());
+        let op = validate_append(request.into_inner());
+        let appended = observer.observe(async { self.store.append(op?).await });
+        Ok(Response::new(appended.await?))
     }
 
     type SubscribeStream = EventStream;
@@ -293,6 +298,7 @@ impl EventStore for EventStoreService {
             ))
             .into());
         }
+        let _waiting = crate::metrics::ClaimWaiting::enter();
         let lease = self
             .store
             .claim(
@@ -303,6 +309,9 @@ impl EventStore for EventStoreService {
                 &caller.scope,
             )
             .await?;
+        if lease.is_some() {
+            crate::metrics::lease_granted("claim");
+        }
         Ok(Response::new(ClaimSessionResponse { lease }))
     }
 
@@ -318,6 +327,7 @@ impl EventStore for EventStoreService {
             .store
             .acquire_lease(req.session_id, req.owner, req.ttl_ms)
             .await?;
+        crate::metrics::lease_granted("acquire");
         Ok(Response::new(lease))
     }
 
@@ -333,6 +343,7 @@ impl EventStore for EventStoreService {
             .store
             .renew_lease(req.session_id, req.owner, req.epoch, req.ttl_ms)
             .await?;
+        crate::metrics::lease_renewed();
         Ok(Response::new(lease))
     }
 

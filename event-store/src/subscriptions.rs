@@ -69,6 +69,7 @@ pub async fn run(
     tx: mpsc::Sender<Result<Event, StoreError>>,
     cancel: CancellationToken,
 ) {
+    let _counted = crate::metrics::Subscriber::open();
     // Register before reading history: nothing published from now on can be missed.
     let mut live = follow.then(|| source.hub.subscribe(&session_id));
     let mut next = from_seq.max(1);
@@ -138,6 +139,7 @@ async fn catch_up(
     mut next: u64,
     tx: &mpsc::Sender<Result<Event, StoreError>>,
 ) -> Result<u64, Stop> {
+    let _counted = crate::metrics::CatchingUp::enter();
     loop {
         let source = source.clone();
         let id = session_id.to_string();

@@ -25,6 +25,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::error::StoreError;
 use crate::index::{Index, IndexBatch};
 use crate::log::{LeaseRecord, LogWriter, Record};
+use crate::metrics;
 use crate::scope::Scope;
 use crate::session::{
     check_approval_decisions, is_runner_kind, kind_name, lease_of, now_unix_ms, SessionMeta,
@@ -36,9 +37,12 @@ use crate::Shared;
 const MAX_BATCH_OPS: usize = 4096;
 
 pub enum Op {
+    /// The span the append was submitted in (the request's, see
+    /// [`metrics::AppendObserver`]): the fsync it waits for is traced under it.
     Append(
         AppendOp,
         oneshot::Sender<Result<AppendResponse, StoreError>>,
+        tracing::Span,
     ),
     Lease(LeaseOp, oneshot::Sender<Result<LeaseOutcome, StoreError>>),
 }
@@ -152,15 +156,19 @@ impl Writer {
         let mut batch = Batch::default();
         let mut pending = Vec::new();
         let mut buffered = Vec::new();
+        let mut waiting = Vec::new();
         for op in ops {
             match op {
-                Op::Append(req, reply) => {
+                Op::Append(req, reply, span) => {
                     let durability = req.durability;
                     match self.prepare_append(req, now, &mut batch) {
                         Ok(resp) if durability == Durability::Buffered => {
                             buffered.push((reply, resp))
                         }
-                        Ok(resp) => pending.push(Pending::Append(reply, resp)),
+                        Ok(resp) => {
+                            waiting.push(span);
+                            pending.push(Pending::Append(reply, resp))
+                        }
                         Err(e) => {
                             let _ = reply.send(Err(e));
                         }
@@ -196,7 +204,9 @@ impl Writer {
         for (reply, resp) in buffered {
             let _ = reply.send(Ok(resp));
         }
+        let fsync = metrics::FsyncObserver::start(&positions, &waiting);
         self.log.sync()?;
+        fsync.done();
 
         let mut index_batch = IndexBatch::default();
         for (pos, record) in positions.into_iter().zip(&batch.records) {
@@ -226,7 +236,8 @@ impl Writer {
             .filter_map(|e| e.kind.as_ref())
             .find(|k| is_runner_kind(k));
         match (req.lease_epoch, runner_kind) {
-            (Some(epoch), _) => check_lease(meta, &req.session_id, epoch, now)?,
+            (Some(epoch), _) => check_lease(meta, &req.session_id, epoch, now)
+                .inspect_err(|_| metrics::fencing_refused("append"))?,
             (None, Some(kind)) => {
                 return Err(StoreError::FailedPrecondition(format!(
                     "lease_epoch: required to append {} (a runner-written kind); acquire a \
@@ -332,7 +343,8 @@ impl Writer {
                 ttl_ms,
             } => {
                 let meta = self.existing(&session_id)?;
-                let current = current_lease(meta, &session_id, &owner, epoch)?;
+                let current = current_lease(meta, &session_id, &owner, epoch)
+                    .inspect_err(|_| metrics::fencing_refused("renew"))?;
                 if current.released {
                     return Err(StoreError::FailedPrecondition(format!(
                         "the lease of epoch {epoch} on session {session_id} was released"

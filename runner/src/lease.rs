@@ -108,6 +108,7 @@ impl LeaseGuard {
     pub async fn release(self) {
         self.renewer.abort();
         if self.lost.load(Ordering::SeqCst) {
+            crate::metrics::lease_lost();
             return;
         }
         let request = ReleaseLeaseRequest {
@@ -242,8 +243,7 @@ pub async fn claim_loop(
             }
         };
         let Some(lease) = lease else { continue };
-        let span =
-            tracing::info_span!("session", session_id = %lease.session_id, epoch = lease.epoch);
+        let span = tracing::info_span!("turn", session_id = %lease.session_id, epoch = lease.epoch);
         let client = client.clone();
         let context = context.clone();
         let shutdown = shutdown.clone();
@@ -271,7 +271,9 @@ async fn work_session(
     context: &TurnContext,
     shutdown: &CancellationToken,
 ) {
-    let guard = match LeaseGuard::hold(client.clone(), lease.clone(), ttl, shutdown).await {
+    let _held = crate::metrics::SessionHeld::enter();
+    let hold = LeaseGuard::hold(client.clone(), lease.clone(), ttl, shutdown);
+    let guard = match hold.instrument(tracing::info_span!("claim")).await {
         Ok(guard) => guard,
         Err(e) => {
             tracing::warn!(error = %e, "could not confirm the claimed lease; leaving the session");

@@ -6,6 +6,7 @@
 pub mod fold;
 pub mod json;
 pub mod lease;
+pub mod metrics;
 pub mod model;
 pub mod session_log;
 pub mod store_client;

@@ -15,7 +15,6 @@ use runner::tools::Toolbox;
 use runner::turn::TurnContext;
 use tokio::signal::unix::{signal, SignalKind};
 use tokio_util::sync::CancellationToken;
-use tracing_subscriber::EnvFilter;
 
 /// Works agentlog sessions: claims runnable ones from the event store, calls the model and
 /// runs tools exactly once, resuming any session exactly where its log stops.
@@ -83,6 +82,10 @@ struct Args {
         value_delimiter = ','
     )]
     tool_read_paths: Vec<PathBuf>,
+    /// Serve Prometheus metrics at http://HOST:PORT/metrics. Traces go out over OTLP when
+    /// the standard OTEL_EXPORTER_OTLP_ENDPOINT is set.
+    #[arg(long, env = "AGENTLOG_METRICS_LISTEN")]
+    metrics_listen: Option<String>,
 }
 
 fn main() -> Result<()> {
@@ -95,16 +98,16 @@ fn main() -> Result<()> {
         .enable_all()
         .build()
         .context("start the async runtime")?
-        .block_on(run())
+        .block_on(async {
+            let telemetry = telemetry::init("runner")?;
+            let result = run().await;
+            // The exporter's last batch goes out (blocking, so off the async threads).
+            let _ = tokio::task::spawn_blocking(move || telemetry.shutdown()).await;
+            result
+        })
 }
 
 async fn run() -> Result<()> {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(
-            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
-        )
-        .init();
     // A tool runs as this process's user: without this it could read our environment (the
     // model API key, the store token) from /proc/<pid>/environ or our memory. Not dumpable,
     // those files belong to root and ptrace is refused.
@@ -163,6 +166,20 @@ async fn run() -> Result<()> {
     .context("connecting to the event store")?;
 
     let shutdown = CancellationToken::new();
+    if let Some(addr) = &args.metrics_listen {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("binding --metrics-listen {addr}"))?;
+        let metrics_addr = listener.local_addr().context("reading the bound address")?;
+        tracing::info!(%metrics_addr, "serving Prometheus metrics at /metrics");
+        let registry = runner::metrics::registry(&model);
+        let stop = shutdown.clone();
+        tokio::spawn(async move {
+            if let Err(e) = telemetry::serve_metrics(listener, registry, stop).await {
+                tracing::error!(error = %e, "the metrics listener failed");
+            }
+        });
+    }
     let mut terminate = signal(SignalKind::terminate()).context("install the SIGTERM handler")?;
     let mut interrupt = signal(SignalKind::interrupt()).context("install the SIGINT handler")?;
     let on_signal = shutdown.clone();

@@ -75,6 +75,7 @@ impl Appender {
 
     /// Appends one event; returns its seq (the original one if `event_id` was already
     /// written).
+    #[tracing::instrument(name = "append", skip_all, fields(%event_id, ?durability, seq))]
     pub async fn append(
         &self,
         event_id: String,
@@ -102,6 +103,7 @@ impl Appender {
                     if durability == Durability::Sync {
                         self.appended.fetch_max(seq, Ordering::SeqCst);
                     }
+                    tracing::Span::current().record("seq", seq);
                     return Ok(seq);
                 }
                 Err(status) if is_transient(&status) && attempt < STORE_ATTEMPTS => {

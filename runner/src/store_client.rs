@@ -71,6 +71,7 @@ impl tonic::service::Interceptor for BearerToken {
         &mut self,
         mut request: tonic::Request<()>,
     ) -> Result<tonic::Request<()>, tonic::Status> {
+        telemetry::propagation::inject(request.metadata_mut());
         if let Some(value) = &self.0 {
             request
                 .metadata_mut()

@@ -89,7 +89,7 @@ pub async fn drive_session(
             _ = cancel.cancelled() => return Ok(Outcome::Stopped),
             events = log.catch_up() => events?,
         };
-        let folded = fold_log(events);
+        let folded = tracing::info_span!("fold").in_scope(|| fold_log(events));
         let step = match folded.frontier {
             Frontier::Idle => return Ok(Outcome::Idle),
             Frontier::CallModel(conversation) => {
@@ -167,6 +167,7 @@ async fn call_model(
                     _ = cancel.cancelled() => return Ok(Step::Stopped),
                     _ = tokio::time::sleep(wait) => {}
                 }
+                crate::metrics::model_retried(&context.model);
                 attempt += 1;
             }
         }
@@ -236,6 +237,7 @@ async fn run_tools(
             CallState::Finished(_) => continue,
             CallState::NotStarted => 1,
             CallState::Interrupted { attempt } => {
+                crate::metrics::interrupted_call("rerun");
                 tracing::warn!(
                     tool_use_id = %call.tool_use.id,
                     tool = %call.tool_use.name,
@@ -286,7 +288,7 @@ async fn run_tool_guarded(
     let output = tokio::select! {
         // Dropping the run kills a bash command's process group.
         _ = lease.cancelled().cancelled() => return Ok(Step::Stopped),
-        output = context.toolbox.run(appender.session_id(), &call.tool_use.name, input, &key) => output,
+        output = crate::metrics::tool_run(&call.tool_use.name, context.toolbox.run(appender.session_id(), &call.tool_use.name, input, &key)) => output,
     };
     appender
         .append(

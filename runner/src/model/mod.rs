@@ -14,10 +14,12 @@ pub mod openai;
 mod retry;
 pub mod scripted;
 
-use std::time::Duration;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
 
 use agentlog_proto::v1::AssistantMessage;
 use tokio::sync::mpsc;
+use tracing::Instrument;
 
 use crate::fold::Conversation;
 use crate::tools::ToolSpec;
@@ -72,19 +74,34 @@ pub enum ModelSpecError {
 
 /// Where streamed reply text goes (the delta writer), if anywhere.
 #[derive(Debug, Clone, Default)]
-pub struct TextSink(Option<mpsc::Sender<String>>);
+pub struct TextSink {
+    sender: Option<mpsc::Sender<String>>,
+    /// When the first text came (the time to first token).
+    first_text: Arc<OnceLock<Instant>>,
+}
 
 impl TextSink {
     pub fn new(sender: mpsc::Sender<String>) -> TextSink {
-        TextSink(Some(sender))
+        TextSink {
+            sender: Some(sender),
+            first_text: Arc::default(),
+        }
     }
 
     /// Passes text on. Streamed text is a convenience for watchers, never the record (the
     /// complete reply is), so a receiver that has gone away is not an error.
     pub async fn send(&self, text: &str) {
-        if let (Some(sender), false) = (&self.0, text.is_empty()) {
+        if text.is_empty() {
+            return;
+        }
+        self.first_text.get_or_init(Instant::now);
+        if let Some(sender) = &self.sender {
             let _ = sender.send(text.to_string()).await;
         }
+    }
+
+    pub fn first_text(&self) -> Option<Instant> {
+        self.first_text.get().copied()
     }
 }
 
@@ -119,10 +136,24 @@ impl Model {
         request: ModelRequest<'_>,
         text: &TextSink,
     ) -> Result<AssistantMessage, ModelError> {
+        let call = crate::metrics::ModelCall::start(self);
+        let reply = async {
+            match self {
+                Model::Anthropic(model) => model.stream_reply(request, text).await,
+                Model::OpenAi(model) => model.stream_reply(request, text).await,
+                Model::Scripted(model) => model.stream_reply(request, text).await,
+            }
+        };
+        let reply = reply.instrument(call.span().clone()).await;
+        call.finish(reply, text.first_text())
+    }
+
+    /// The provider's name, as in `--model` (a metric label).
+    pub fn provider(&self) -> &'static str {
         match self {
-            Model::Anthropic(model) => model.stream_reply(request, text).await,
-            Model::OpenAi(model) => model.stream_reply(request, text).await,
-            Model::Scripted(model) => model.stream_reply(request, text).await,
+            Model::Anthropic(_) => "anthropic",
+            Model::OpenAi(_) => "openai",
+            Model::Scripted(_) => "scripted",
         }
     }
 }

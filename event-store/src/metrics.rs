@@ -1,0 +1,368 @@
+//! The store's Prometheus metrics: appends, the group commit, subscribers and leases.
+//!
+//! Promise: every label value comes from a fixed, small set (a durability, an outcome, a
+//! lease operation); no session id, owner or event text ever becomes a label. Recording is
+//! a few atomic operations, and the hooks in the store are one line each, so that reading
+//! the code for what it does is not disturbed by what it reports. The metrics live for the
+//! process (statics), and [`registry`] exposes them for `--metrics-listen`.
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::sync::LazyLock;
+use std::time::Instant;
+
+use agentlog_proto::v1::{AppendRequest, AppendResponse, Durability};
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+use tracing::Instrument;
+
+use crate::error::StoreError;
+use crate::log::Position;
+
+type Labels1 = [(&'static str, &'static str); 1];
+type Labels2 = [(&'static str, &'static str); 2];
+
+struct StoreMetrics {
+    appends: Family<Labels2, Counter>,
+    append_seconds: Family<Labels1, Histogram>,
+    fsync_seconds: Histogram,
+    fsync_events: Histogram,
+    fsync_bytes: Histogram,
+    fsyncs: Counter,
+    subscribers: Family<Labels1, Gauge>,
+    lease_grants: Family<Labels1, Counter>,
+    lease_renewals: Counter,
+    fencing_refusals: Family<Labels1, Counter>,
+    claims_waiting: Gauge,
+}
+
+static METRICS: LazyLock<StoreMetrics> = LazyLock::new(|| StoreMetrics {
+    appends: Family::default(),
+    append_seconds: Family::new_with_constructor(|| {
+        Histogram::new(exponential_buckets(0.000_1, 2.0, 16))
+    }),
+    fsync_seconds: Histogram::new(exponential_buckets(0.000_05, 2.0, 16)),
+    fsync_events: Histogram::new(exponential_buckets(1.0, 2.0, 14)),
+    fsync_bytes: Histogram::new(exponential_buckets(64.0, 4.0, 12)),
+    fsyncs: Counter::default(),
+    subscribers: Family::default(),
+    lease_grants: Family::default(),
+    lease_renewals: Counter::default(),
+    fencing_refusals: Family::default(),
+    claims_waiting: Gauge::default(),
+});
+
+/// Every store metric, plus the log's size on disk read from `log_dir` at each scrape.
+pub fn registry(log_dir: Option<PathBuf>) -> Registry {
+    let m = &*METRICS;
+    // The usual series exist from the start (at 0), so rates and the dashboard see them.
+    for durability in ["sync", "buffered"] {
+        let _ = m
+            .appends
+            .get_or_create(&[("durability", durability), ("outcome", "ok")]);
+        let _ = m
+            .append_seconds
+            .get_or_create(&[("durability", durability)]);
+    }
+    for state in ["live", "catching_up"] {
+        let _ = m.subscribers.get_or_create(&[("state", state)]);
+    }
+    for how in ["claim", "acquire"] {
+        let _ = m.lease_grants.get_or_create(&[("how", how)]);
+    }
+    for op in ["append", "renew"] {
+        let _ = m.fencing_refusals.get_or_create(&[("op", op)]);
+    }
+    let mut r = Registry::default();
+    r.register(
+        "agentlog_store_appends",
+        "Append calls by durability and outcome (ok, or the gRPC status they got)",
+        m.appends.clone(),
+    );
+    r.register(
+        "agentlog_store_append_duration_seconds",
+        "Append latency in the store, from the call reaching the handler to its answer",
+        m.append_seconds.clone(),
+    );
+    r.register(
+        "agentlog_store_fsync_duration_seconds",
+        "Time of each fdatasync of the log (one per group-commit batch)",
+        m.fsync_seconds.clone(),
+    );
+    r.register(
+        "agentlog_store_fsync_batch_records",
+        "Records (events and lease grants) made durable by one fdatasync",
+        m.fsync_events.clone(),
+    );
+    r.register(
+        "agentlog_store_fsync_batch_bytes",
+        "Bytes made durable by one fdatasync",
+        m.fsync_bytes.clone(),
+    );
+    r.register(
+        "agentlog_store_fsyncs",
+        "fdatasync calls of the log",
+        m.fsyncs.clone(),
+    );
+    r.register(
+        "agentlog_store_subscribers",
+        "Open Subscribe streams: live, or catching up from disk (history, or after lagging)",
+        m.subscribers.clone(),
+    );
+    r.register(
+        "agentlog_store_lease_grants",
+        "Leases granted, by how (claim or acquire)",
+        m.lease_grants.clone(),
+    );
+    r.register(
+        "agentlog_store_lease_renewals",
+        "Leases renewed",
+        m.lease_renewals.clone(),
+    );
+    r.register(
+        "agentlog_store_fencing_refusals",
+        "Writes refused because their lease epoch is no longer current (append or renew)",
+        m.fencing_refusals.clone(),
+    );
+    r.register(
+        "agentlog_store_claims_waiting",
+        "ClaimSession long-polls waiting for a runnable session",
+        m.claims_waiting.clone(),
+    );
+    if let Some(dir) = log_dir {
+        r.register_collector(Box::new(LogOnDisk { dir }));
+    }
+    r
+}
+
+fn durability_label(durability: Durability) -> &'static str {
+    match durability {
+        Durability::Buffered => "buffered",
+        _ => "sync",
+    }
+}
+
+fn outcome_label<T>(result: &Result<T, StoreError>) -> &'static str {
+    match result {
+        Ok(_) => "ok",
+        Err(StoreError::InvalidArgument(_)) => "invalid_argument",
+        Err(StoreError::Aborted { .. }) => "aborted",
+        Err(StoreError::FailedPrecondition(_)) => "failed_precondition",
+        Err(StoreError::NotFound(_)) => "not_found",
+        Err(StoreError::ResourceExhausted(_)) => "resource_exhausted",
+        Err(StoreError::Unavailable(_)) => "unavailable",
+        Err(StoreError::Internal(_)) => "internal",
+    }
+}
+
+/// Times one Append call from its arrival to its answer and counts its outcome (a request
+/// refused by validation too); its span (`append`) records the seqs it got.
+pub struct AppendObserver {
+    durability: &'static str,
+    started: Instant,
+    span: tracing::Span,
+}
+
+impl AppendObserver {
+    pub fn start(request: &AppendRequest) -> AppendObserver {
+        let durability = durability_label(request.durability());
+        // Not validated yet: a span never holds more of an id than a valid one can have.
+        let id = &request.session_id;
+        let cut = (0..=id.len().min(128))
+            .rev()
+            .find(|&i| id.is_char_boundary(i));
+        let session_id = &id[..cut.unwrap_or(0)];
+        let events = request.events.len();
+        AppendObserver {
+            durability,
+            started: Instant::now(),
+            span: tracing::info_span!(
+                "append",
+                session_id,
+                events,
+                durability,
+                first_seq = tracing::field::Empty,
+                last_seq = tracing::field::Empty,
+                outcome = tracing::field::Empty,
+            ),
+        }
+    }
+
+    /// Runs the append in the span, then counts and times its outcome.
+    pub async fn observe(
+        self,
+        append: impl Future<Output = Result<AppendResponse, StoreError>>,
+    ) -> Result<AppendResponse, StoreError> {
+        let result = append.instrument(self.span.clone()).await;
+        let m = &*METRICS;
+        let outcome = outcome_label(&result);
+        m.appends
+            .get_or_create(&[("durability", self.durability), ("outcome", outcome)])
+            .inc();
+        m.append_seconds
+            .get_or_create(&[("durability", self.durability)])
+            .observe(self.started.elapsed().as_secs_f64());
+        self.span.record("outcome", outcome);
+        if let Ok(response) = &result {
+            if let (Some(first), Some(last)) = (response.seqs.first(), response.seqs.last()) {
+                self.span.record("first_seq", first);
+                self.span.record("last_seq", last);
+            }
+        }
+        result
+    }
+}
+
+/// One group-commit fdatasync: started before the call, observed after it. When spans
+/// are exported, each SYNC append waiting for it gets an `fsync` child span covering it,
+/// so an append's trace shows the fsync it waited for and the batch it shared.
+pub struct FsyncObserver {
+    records: usize,
+    bytes: u64,
+    started: Instant,
+    spans: Vec<tracing::Span>,
+}
+
+impl FsyncObserver {
+    /// `written`: the positions of the batch's records, just written; `waiting`: the spans
+    /// of the appends that are acknowledged only after this fsync.
+    pub fn start(written: &[Position], waiting: &[tracing::Span]) -> FsyncObserver {
+        let records = written.len();
+        let bytes = written.iter().map(|p| u64::from(p.len)).sum();
+        let spans = if telemetry::exporting() {
+            let batch = |parent| tracing::info_span!(parent: parent, "fsync", records, bytes);
+            waiting.iter().map(batch).collect()
+        } else {
+            Vec::new()
+        };
+        FsyncObserver {
+            records,
+            bytes,
+            started: Instant::now(),
+            spans,
+        }
+    }
+
+    pub fn done(self) {
+        let m = &*METRICS;
+        m.fsync_seconds
+            .observe(self.started.elapsed().as_secs_f64());
+        m.fsync_events.observe(self.records as f64);
+        m.fsync_bytes.observe(self.bytes as f64);
+        m.fsyncs.inc();
+        drop(self.spans);
+    }
+}
+
+/// Held by every Subscribe stream for its life: counts it as live.
+pub struct Subscriber(());
+
+impl Subscriber {
+    pub fn open() -> Subscriber {
+        subscribers("live").inc();
+        Subscriber(())
+    }
+}
+
+impl Drop for Subscriber {
+    fn drop(&mut self) {
+        subscribers("live").dec();
+    }
+}
+
+/// Held while a stream reads from disk: counts it as catching up rather than live.
+pub struct CatchingUp(());
+
+impl CatchingUp {
+    pub fn enter() -> CatchingUp {
+        subscribers("live").dec();
+        subscribers("catching_up").inc();
+        CatchingUp(())
+    }
+}
+
+impl Drop for CatchingUp {
+    fn drop(&mut self) {
+        subscribers("catching_up").dec();
+        subscribers("live").inc();
+    }
+}
+
+fn subscribers(state: &'static str) -> Gauge {
+    METRICS
+        .subscribers
+        .get_or_create(&[("state", state)])
+        .clone()
+}
+
+/// Held by a ClaimSession call while it waits.
+pub struct ClaimWaiting(());
+
+impl ClaimWaiting {
+    pub fn enter() -> ClaimWaiting {
+        METRICS.claims_waiting.inc();
+        ClaimWaiting(())
+    }
+}
+
+impl Drop for ClaimWaiting {
+    fn drop(&mut self) {
+        METRICS.claims_waiting.dec();
+    }
+}
+
+/// Counts a lease granted (`how`: "claim" or "acquire").
+pub fn lease_granted(how: &'static str) {
+    METRICS.lease_grants.get_or_create(&[("how", how)]).inc();
+}
+
+/// Counts a lease renewed (refused renewals are counted as fencing refusals).
+pub fn lease_renewed() {
+    METRICS.lease_renewals.inc();
+}
+
+/// A write under an epoch that is no longer the session's live lease (`op`: "append" or
+/// "renew").
+pub fn fencing_refused(op: &'static str) {
+    METRICS.fencing_refusals.get_or_create(&[("op", op)]).inc();
+}
+
+/// The segment files under the log directory, counted and sized at each scrape.
+#[derive(Debug)]
+struct LogOnDisk {
+    dir: PathBuf,
+}
+
+impl Collector for LogOnDisk {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let (mut segments, mut bytes) = (0i64, 0i64);
+        if let Ok(entries) = std::fs::read_dir(&self.dir) {
+            for meta in entries.flatten().filter_map(|e| e.metadata().ok()) {
+                if meta.is_file() {
+                    segments += 1;
+                    bytes += meta.len() as i64;
+                }
+            }
+        }
+        let gauge = ConstGauge::new(segments);
+        gauge.encode(encoder.encode_descriptor(
+            "agentlog_store_log_segments",
+            "Segment files of the log",
+            None,
+            gauge.metric_type(),
+        )?)?;
+        let gauge = ConstGauge::new(bytes);
+        gauge.encode(encoder.encode_descriptor(
+            "agentlog_store_log_bytes",
+            "Bytes of the log's segment files on disk (preallocated zeros included)",
+            None,
+            gauge.metric_type(),
+        )?)?;
+        Ok(())
+    }
+}

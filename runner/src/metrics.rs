@@ -1,0 +1,286 @@
+//! The runner's Prometheus metrics and the spans of a turn: model calls, tool runs, leases.
+//!
+//! Promise: every label value comes from a fixed, small set (a provider, a tool name the
+//! toolbox knows, an outcome); no session id, tool input or model text ever becomes a
+//! label. Each hook in the loop is one line; the observers here time the work, count its
+//! outcome (a dropped observer counts as `cancelled`: an interrupt or a lost lease stopped
+//! it) and carry the span it runs in. The metrics live for the process (statics), and
+//! [`registry`] exposes them for `--metrics-listen`.
+
+use std::sync::LazyLock;
+use std::time::Instant;
+
+use agentlog_proto::v1::AssistantMessage;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+use crate::model::{Model, ModelError};
+use crate::tools::{ToolOutput, Toolbox};
+
+type Labels1 = [(&'static str, &'static str); 1];
+type Labels2 = [(&'static str, &'static str); 2];
+
+struct RunnerMetrics {
+    sessions_held: Gauge,
+    model_calls: Family<Labels2, Counter>,
+    model_seconds: Family<Labels1, Histogram>,
+    first_token_seconds: Family<Labels1, Histogram>,
+    tokens: Family<Labels2, Counter>,
+    model_retries: Family<Labels1, Counter>,
+    tool_runs: Family<Labels2, Counter>,
+    tool_seconds: Family<Labels1, Histogram>,
+    interrupted_calls: Family<Labels1, Counter>,
+    leases_lost: Counter,
+}
+
+fn seconds_histogram() -> Histogram {
+    // 10 ms .. ~5.5 min: model replies and tool commands both span that range.
+    Histogram::new(exponential_buckets(0.01, 2.0, 16))
+}
+
+static METRICS: LazyLock<RunnerMetrics> = LazyLock::new(|| RunnerMetrics {
+    sessions_held: Gauge::default(),
+    model_calls: Family::default(),
+    model_seconds: Family::new_with_constructor(seconds_histogram),
+    first_token_seconds: Family::new_with_constructor(seconds_histogram),
+    tokens: Family::default(),
+    model_retries: Family::default(),
+    tool_runs: Family::default(),
+    tool_seconds: Family::new_with_constructor(seconds_histogram),
+    interrupted_calls: Family::default(),
+    leases_lost: Counter::default(),
+});
+
+/// Every runner metric; the usual series of `model`'s provider and of every tool exist from
+/// the start (at 0), so rates and the dashboard see them.
+pub fn registry(model: &Model) -> Registry {
+    let m = &*METRICS;
+    let provider = model.provider();
+    let _ = m
+        .model_calls
+        .get_or_create(&[("provider", provider), ("outcome", "ok")]);
+    let _ = m.model_seconds.get_or_create(&[("provider", provider)]);
+    let _ = m
+        .first_token_seconds
+        .get_or_create(&[("provider", provider)]);
+    let _ = m.model_retries.get_or_create(&[("provider", provider)]);
+    for direction in ["input", "output"] {
+        let _ = m
+            .tokens
+            .get_or_create(&[("provider", provider), ("direction", direction)]);
+    }
+    for tool in Toolbox::specs() {
+        let _ = m
+            .tool_runs
+            .get_or_create(&[("tool", tool.name), ("outcome", "ok")]);
+        let _ = m.tool_seconds.get_or_create(&[("tool", tool.name)]);
+    }
+    let _ = m.interrupted_calls.get_or_create(&[("action", "rerun")]);
+    let mut r = Registry::default();
+    r.register(
+        "agentlog_runner_sessions_held",
+        "Sessions this runner holds a lease on and works",
+        m.sessions_held.clone(),
+    );
+    r.register(
+        "agentlog_runner_model_calls",
+        "Model call attempts by provider and outcome (ok, transient, refused, cancelled)",
+        m.model_calls.clone(),
+    );
+    r.register(
+        "agentlog_runner_model_call_duration_seconds",
+        "Time of one model call attempt, request to complete reply",
+        m.model_seconds.clone(),
+    );
+    r.register(
+        "agentlog_runner_model_time_to_first_token_seconds",
+        "Time from a model request to its first streamed text",
+        m.first_token_seconds.clone(),
+    );
+    r.register(
+        "agentlog_runner_model_tokens",
+        "Tokens the provider reported, by direction (input or output)",
+        m.tokens.clone(),
+    );
+    r.register(
+        "agentlog_runner_model_retries",
+        "Model calls retried after a transient failure",
+        m.model_retries.clone(),
+    );
+    r.register(
+        "agentlog_runner_tool_runs",
+        "Tool runs by tool and outcome (ok, error, cancelled)",
+        m.tool_runs.clone(),
+    );
+    r.register(
+        "agentlog_runner_tool_duration_seconds",
+        "Time of one tool run",
+        m.tool_seconds.clone(),
+    );
+    r.register(
+        "agentlog_runner_interrupted_calls",
+        "Tool calls found started without a result, by what was done (rerun or reported)",
+        m.interrupted_calls.clone(),
+    );
+    r.register(
+        "agentlog_runner_leases_lost",
+        "Sessions dropped because the store fenced this runner off or the lease ran out",
+        m.leases_lost.clone(),
+    );
+    r
+}
+
+/// Held while a claimed session is worked.
+pub struct SessionHeld(());
+
+impl SessionHeld {
+    pub fn enter() -> SessionHeld {
+        METRICS.sessions_held.inc();
+        SessionHeld(())
+    }
+}
+
+impl Drop for SessionHeld {
+    fn drop(&mut self) {
+        METRICS.sessions_held.dec();
+    }
+}
+
+pub fn lease_lost() {
+    METRICS.leases_lost.inc();
+}
+
+/// A call found with `tool_started` and no result; `action`: "rerun" or "reported".
+pub fn interrupted_call(action: &'static str) {
+    METRICS
+        .interrupted_calls
+        .get_or_create(&[("action", action)])
+        .inc();
+}
+
+pub fn model_retried(model: &Model) {
+    METRICS
+        .model_retries
+        .get_or_create(&[("provider", model.provider())])
+        .inc();
+}
+
+/// One model call attempt.
+pub struct ModelCall {
+    provider: &'static str,
+    started: Instant,
+    outcome: &'static str,
+    span: tracing::Span,
+}
+
+impl ModelCall {
+    pub fn start(model: &Model) -> ModelCall {
+        let provider = model.provider();
+        ModelCall {
+            provider,
+            started: Instant::now(),
+            outcome: "cancelled",
+            span: tracing::info_span!(
+                "model_call",
+                provider,
+                outcome = tracing::field::Empty,
+                input_tokens = tracing::field::Empty,
+                output_tokens = tracing::field::Empty,
+            ),
+        }
+    }
+
+    pub fn span(&self) -> &tracing::Span {
+        &self.span
+    }
+
+    /// Records the attempt's outcome and, for a reply, its tokens; `first_text`: when the
+    /// first streamed text arrived, if any did.
+    pub fn finish(
+        mut self,
+        reply: Result<AssistantMessage, ModelError>,
+        first_text: Option<Instant>,
+    ) -> Result<AssistantMessage, ModelError> {
+        let m = &*METRICS;
+        self.outcome = match &reply {
+            Ok(_) => "ok",
+            Err(ModelError::Transient { .. }) => "transient",
+            Err(ModelError::Refused(_)) => "refused",
+        };
+        if let Some(at) = first_text {
+            m.first_token_seconds
+                .get_or_create(&[("provider", self.provider)])
+                .observe(at.duration_since(self.started).as_secs_f64());
+        }
+        if let Some(usage) = reply.as_ref().ok().and_then(|r| r.usage.as_ref()) {
+            let tokens = |direction| {
+                m.tokens
+                    .get_or_create(&[("provider", self.provider), ("direction", direction)])
+                    .clone()
+            };
+            tokens("input").inc_by(usage.input_tokens);
+            tokens("output").inc_by(usage.output_tokens);
+            self.span.record("input_tokens", usage.input_tokens);
+            self.span.record("output_tokens", usage.output_tokens);
+        }
+        reply
+    }
+}
+
+impl Drop for ModelCall {
+    fn drop(&mut self) {
+        let m = &*METRICS;
+        m.model_calls
+            .get_or_create(&[("provider", self.provider), ("outcome", self.outcome)])
+            .inc();
+        m.model_seconds
+            .get_or_create(&[("provider", self.provider)])
+            .observe(self.started.elapsed().as_secs_f64());
+        self.span.record("outcome", self.outcome);
+    }
+}
+
+/// Runs one tool call in its span (`tool`), timing it and counting its outcome.
+pub async fn tool_run(
+    name: &str,
+    run: impl std::future::Future<Output = ToolOutput>,
+) -> ToolOutput {
+    let mut observer = ToolRun {
+        tool: Toolbox::specs()
+            .into_iter()
+            .find(|spec| spec.name == name)
+            .map_or("unknown", |spec| spec.name),
+        started: Instant::now(),
+        outcome: "cancelled",
+    };
+    let span = tracing::info_span!(
+        "tool",
+        tool = observer.tool,
+        is_error = tracing::field::Empty
+    );
+    let output = tracing::Instrument::instrument(run, span.clone()).await;
+    span.record("is_error", output.is_error);
+    observer.outcome = if output.is_error { "error" } else { "ok" };
+    output
+}
+
+struct ToolRun {
+    tool: &'static str,
+    started: Instant,
+    outcome: &'static str,
+}
+
+impl Drop for ToolRun {
+    fn drop(&mut self) {
+        let m = &*METRICS;
+        m.tool_runs
+            .get_or_create(&[("tool", self.tool), ("outcome", self.outcome)])
+            .inc();
+        m.tool_seconds
+            .get_or_create(&[("tool", self.tool)])
+            .observe(self.started.elapsed().as_secs_f64());
+    }
+}

@@ -1,0 +1,44 @@
+//! `GET /metrics`: the registry in the Prometheus text format (OpenMetrics 1.0), on its own
+//! listener so that scraping never shares a port, TLS or auth with the gRPC service.
+
+use std::sync::Arc;
+
+use axum::http::{header, StatusCode};
+use axum::response::IntoResponse;
+use axum::routing::get;
+use axum::Router;
+use prometheus_client::registry::Registry;
+use tokio_util::sync::CancellationToken;
+
+const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// Serves `registry` at `/metrics` on `listener` until `shutdown` fires.
+pub async fn serve_metrics(
+    listener: tokio::net::TcpListener,
+    registry: Registry,
+    shutdown: CancellationToken,
+) -> std::io::Result<()> {
+    let registry = Arc::new(registry);
+    let app = Router::new().route(
+        "/metrics",
+        get(move || {
+            let registry = registry.clone();
+            async move { render(&registry) }
+        }),
+    );
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown.cancelled_owned())
+        .await
+}
+
+fn render(registry: &Registry) -> axum::response::Response {
+    let mut body = String::new();
+    match prometheus_client::encoding::text::encode(&mut body, registry) {
+        Ok(()) => ([(header::CONTENT_TYPE, CONTENT_TYPE)], body).into_response(),
+        Err(e) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("encoding the metrics failed: {e}"),
+        )
+            .into_response(),
+    }
+}
