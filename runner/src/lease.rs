@@ -279,9 +279,20 @@ async fn work_session(
         }
     };
     tracing::info!("claimed");
-    let mut log = SessionLog::new(Appender::new(client, lease.session_id.clone(), lease.epoch));
+    let appender = Appender::new(client, lease.session_id.clone(), lease.epoch);
+    let mut log = match SessionLog::open(appender).await {
+        Ok(log) => log,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot read the session's log; leaving the session");
+            guard.release().await;
+            return;
+        }
+    };
     match turn::drive_session(context, &mut log, &guard).await {
         Ok(Outcome::Idle) => tracing::info!("session is idle; releasing it"),
+        Ok(Outcome::AwaitingApproval) => {
+            tracing::info!("a call waits for a person; releasing the session")
+        }
         Ok(Outcome::Stopped) => tracing::info!("stopped working on the session"),
         Err(TurnError::Store(StoreError::LeaseLost)) => {
             guard.mark_lost();

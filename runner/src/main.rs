@@ -10,7 +10,7 @@ use clap::Parser;
 use runner::lease::{claim_loop, ClaimConfig};
 use runner::model::{Backoff, Model};
 use runner::store_client::StoreConnection;
-use runner::tools::Toolbox;
+use runner::tools::{ToolPolicy, Toolbox};
 use runner::turn::TurnContext;
 use tokio::signal::unix::{signal, SignalKind};
 use tokio_util::sync::CancellationToken;
@@ -56,6 +56,15 @@ struct Args {
     /// The most tokens one model reply may have.
     #[arg(long, env = "AGENTLOG_MAX_TOKENS", default_value_t = 8192)]
     max_tokens: u32,
+    /// Tools whose every call waits for a person's `agentlog approve` (comma-separated, e.g.
+    /// bash,edit_file). Default: none.
+    #[arg(long, env = "AGENTLOG_APPROVE", value_delimiter = ',')]
+    approve: Vec<String>,
+    /// What a call interrupted with its outcome unknown does, per tool: TOOL=POLICY,…
+    /// with POLICY one of rerun, rerun-same-key, report, ask (e.g. bash=report,edit_file=ask).
+    /// Defaults: bash and edit_file rerun-same-key, the others rerun.
+    #[arg(long, env = "AGENTLOG_ON_UNKNOWN_OUTCOME", value_delimiter = ',')]
+    on_unknown_outcome: Vec<String>,
 }
 
 #[tokio::main]
@@ -80,6 +89,7 @@ async fn main() -> Result<()> {
     );
     anyhow::ensure!(args.max_sessions >= 1, "--max-sessions must be at least 1");
     let model = Model::from_spec(&args.model)?;
+    let policy = ToolPolicy::new(&args.approve, &args.on_unknown_outcome)?;
     std::fs::create_dir_all(&args.workspace_root).with_context(|| {
         format!(
             "cannot create the workspace root {}",
@@ -120,6 +130,7 @@ async fn main() -> Result<()> {
         model,
         toolbox: Toolbox::new(args.workspace_root),
         tools: Toolbox::specs(),
+        policy,
         max_tokens: args.max_tokens,
         backoff: Backoff::default(),
     });
