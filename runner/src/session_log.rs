@@ -13,9 +13,14 @@
 //!   order, so a step costs the events since the previous one, not the log's length.
 //! - An `interrupt` is signalled ([`InterruptSignal`]) as soon as the subscription shows it,
 //!   even while the runner is busy in a model stream or a tool.
+//! - A session this runner worked before resumes from its kept fold ([`FoldCache`]) and
+//!   reads only the events after it. That is exact because the log is append-only and a seq
+//!   once seen always means the same event: the fold of seqs 1..n, then n+1.. applied, is
+//!   the fold of the whole log (checked by the property tests in `fold.rs`).
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::fold::FoldState;
@@ -165,11 +170,75 @@ impl InterruptSignal {
     }
 }
 
+/// A session's fold as this runner last left it: every event up to `applied_through`.
+#[derive(Debug)]
+struct KeptFold {
+    fold: FoldState,
+    applied_through: u64,
+    last_used: u64,
+}
+
+/// The folds of the sessions this runner worked most recently, so that claiming one of
+/// them again costs the events since, not the log's length. Bounded: the least recently
+/// used fold is dropped first.
+#[derive(Debug)]
+pub struct FoldCache {
+    capacity: usize,
+    kept: Mutex<(u64, HashMap<String, KeptFold>)>,
+}
+
+impl FoldCache {
+    /// Keeps at most `capacity` sessions' folds (0 keeps none).
+    pub fn new(capacity: usize) -> FoldCache {
+        FoldCache {
+            capacity,
+            kept: Mutex::new((0, HashMap::new())),
+        }
+    }
+
+    fn take(&self, session_id: &str) -> Option<(FoldState, u64)> {
+        let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
+        kept.1
+            .remove(session_id)
+            .map(|k| (k.fold, k.applied_through))
+    }
+
+    fn keep(&self, session_id: String, fold: FoldState, applied_through: u64) {
+        if self.capacity == 0 || applied_through == 0 {
+            return;
+        }
+        let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
+        kept.0 += 1;
+        let last_used = kept.0;
+        kept.1.insert(
+            session_id,
+            KeptFold {
+                fold,
+                applied_through,
+                last_used,
+            },
+        );
+        while kept.1.len() > self.capacity {
+            let oldest = kept
+                .1
+                .iter()
+                .min_by_key(|(_, k)| k.last_used)
+                .map(|(id, _)| id.clone());
+            match oldest {
+                Some(id) => kept.1.remove(&id),
+                None => break,
+            };
+        }
+    }
+}
+
 /// The session's log, followed live and folded as it comes, plus its appender.
 #[derive(Debug)]
 pub struct SessionLog {
     appender: Appender,
     fold: FoldState,
+    /// The seq of the last event applied to `fold`.
+    applied_through: u64,
     events: mpsc::Receiver<Event>,
     seen: watch::Receiver<Seen>,
     /// The last seq when the session was claimed: a fold short of it would act on a log
@@ -185,8 +254,9 @@ impl Drop for SessionLog {
 }
 
 impl SessionLog {
-    /// Starts following the session's log from seq 1 (call it after the lease is held).
-    pub async fn open(appender: Appender) -> Result<SessionLog, StoreError> {
+    /// Starts following the session's log (call it after the lease is held): from the fold
+    /// `cache` kept for it, or from seq 1.
+    pub async fn open(appender: Appender, cache: &FoldCache) -> Result<SessionLog, StoreError> {
         let claimed_tail = retry_transient("GetSession", || {
             let mut client = appender.client.clone();
             let session_id = appender.session_id.clone();
@@ -199,17 +269,26 @@ impl SessionLog {
             }
         })
         .await?;
+        let (fold, applied_through) = cache
+            .take(&appender.session_id)
+            .filter(|(_, applied)| *applied <= claimed_tail)
+            .unwrap_or_default();
         let (sender, events) = mpsc::channel(EVENT_BUFFER);
-        let (publish, seen) = watch::channel(Seen::default());
+        let (publish, seen) = watch::channel(Seen {
+            through_seq: applied_through,
+            latest_interrupt: fold.last_interrupt_seq(),
+        });
         let follower = tokio::spawn(follow_log(
             appender.client.clone(),
             appender.session_id.clone(),
+            applied_through + 1,
             sender,
             publish,
         ));
         Ok(SessionLog {
             appender,
-            fold: FoldState::default(),
+            fold,
+            applied_through,
             events,
             seen,
             claimed_tail,
@@ -219,6 +298,13 @@ impl SessionLog {
 
     pub fn appender(&self) -> &Appender {
         &self.appender
+    }
+
+    /// Stops following and leaves the fold in `cache` for the next claim of this session.
+    pub fn keep_in(mut self, cache: &FoldCache) {
+        self.follower.abort();
+        let fold = std::mem::take(&mut self.fold);
+        cache.keep(self.appender.session_id.clone(), fold, self.applied_through);
     }
 
     /// A signal for `interrupt`s the current fold has not seen.
@@ -244,6 +330,7 @@ impl SessionLog {
             // `through_seq` is published after the event is buffered: drain after reading it.
             while let Ok(event) = self.events.try_recv() {
                 self.fold.apply(&event);
+                self.applied_through = event.seq;
             }
             if seen.through_seq >= target {
                 return Ok(&self.fold);
@@ -262,16 +349,16 @@ impl SessionLog {
     }
 }
 
-/// Follows the session's log from seq 1 for as long as the receiver lives, resubscribing
+/// Follows the session's log from `next` for as long as the receiver lives, resubscribing
 /// from the next seq after any failure. Non-delta events go to `sender` in seq order, each
 /// once; `publish` says how far the log has been shown.
 async fn follow_log(
     client: StoreClient,
     session_id: String,
+    mut next: u64,
     sender: mpsc::Sender<Event>,
     publish: watch::Sender<Seen>,
 ) {
-    let mut next = 1;
     let mut failures = 0u32;
     loop {
         let subscribed = client
