@@ -34,7 +34,6 @@ pub async fn send(out: &Output, session: Option<String>, text: &str) -> Result<(
     let session = session.unwrap_or_else(new_session_id);
     let mut client = store::connect(&out.addr).await?;
     let seq = append_client_event(
-        out,
         &mut client,
         &session,
         "user",
@@ -42,7 +41,8 @@ pub async fn send(out: &Output, session: Option<String>, text: &str) -> Result<(
             text: text.to_string(),
         }),
     )
-    .await?;
+    .await
+    .map_err(|status| store::explain(&out.addr, "Append", status))?;
     if out.json {
         println!(
             "{}",
@@ -86,16 +86,15 @@ pub async fn send(out: &Output, session: Option<String>, text: &str) -> Result<(
 }
 
 /// Appends one client event (`user_message`, `interrupt`, `approval_decision`) to
-/// `session`, riding out a store that is briefly unreachable; returns its seq. The event id
-/// is fixed before the first attempt, so a retry after a lost acknowledgement writes
-/// nothing twice.
+/// `session`, riding out a store that is briefly unreachable; returns its seq, or the
+/// status the store refused it with. The event id is fixed before the first attempt, so a
+/// retry after a lost acknowledgement writes nothing twice.
 pub async fn append_client_event(
-    out: &Output,
     client: &mut store::Client,
     session: &str,
     id_prefix: &str,
     kind: Kind,
-) -> Result<u64> {
+) -> Result<u64, tonic::Status> {
     let request = AppendRequest {
         session_id: session.to_string(),
         events: vec![Event {
@@ -115,7 +114,7 @@ pub async fn append_client_event(
             {
                 backoff.wait().await;
             }
-            Err(status) => return Err(store::explain(&out.addr, "Append", status)),
+            Err(status) => return Err(status),
         }
     }
 }

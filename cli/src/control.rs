@@ -6,7 +6,9 @@
 //! judge of the rest: a decision for a call with no pending request is refused there
 //! (`FAILED_PRECONDITION`), and the CLI says so.
 
-use agentlog_proto::v1::{event::Kind, ApprovalDecision, Event, Interrupt, SubscribeRequest};
+use agentlog_proto::v1::{
+    event::Kind, ApprovalDecision, Event, GetSessionRequest, Interrupt, SubscribeRequest,
+};
 use anyhow::{anyhow, bail, Result};
 use tokio_stream::StreamExt;
 use tonic::Code;
@@ -17,8 +19,19 @@ use crate::store;
 /// `cancel SESSION [--reason R]`.
 pub async fn cancel(out: &Output, session: &str, reason: &str) -> Result<()> {
     let mut client = store::connect(&out.addr).await?;
+    // An interrupt would otherwise start a session of its own.
+    if let Err(status) = client
+        .get_session(GetSessionRequest {
+            session_id: session.to_string(),
+        })
+        .await
+    {
+        if status.code() == Code::NotFound {
+            bail!("there is no session {session:?}: `agentlog ls` lists them");
+        }
+        return Err(store::explain(&out.addr, "GetSession", status));
+    }
     let seq = append_client_event(
-        out,
         &mut client,
         session,
         "interrupt",
@@ -26,7 +39,8 @@ pub async fn cancel(out: &Output, session: &str, reason: &str) -> Result<()> {
             reason: reason.to_string(),
         }),
     )
-    .await?;
+    .await
+    .map_err(|status| store::explain(&out.addr, "Append", status))?;
     if out.json {
         println!(
             "{}",
@@ -79,16 +93,17 @@ pub async fn decide(
         approved,
         note: note.to_string(),
     });
-    let seq = append_client_event(out, &mut client, session, "decision", decision)
+    let seq = append_client_event(&mut client, session, "decision", decision)
         .await
-        .map_err(|e| {
-            if e.to_string().contains("FailedPrecondition") {
+        .map_err(|status| {
+            if status.code() == Code::FailedPrecondition {
                 anyhow!(
                     "call {tool_use_id} of session {session} is not waiting for approval (never \
-                     asked, already decided, or already closed): {e:#}"
+                     asked, already decided, or already closed): {}",
+                    status.message()
                 )
             } else {
-                e
+                store::explain(&out.addr, "Append", status)
             }
         })?;
     if out.json {

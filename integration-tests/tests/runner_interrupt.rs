@@ -288,6 +288,17 @@ async fn interrupting_an_idle_session_is_harmless() {
         ]
     );
     assert_eq!(standin.violations(), Vec::<String>::new());
+
+    // A session that does not exist is not started by a cancel.
+    let nothing = agentlog(&store.url(), &["cancel", "nope"]);
+    assert!(
+        !nothing.success && nothing.stderr.contains("there is no session"),
+        "{nothing:?}"
+    );
+    assert_eq!(
+        status(&mut client, "nope").await,
+        SessionStatus::Unspecified
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
