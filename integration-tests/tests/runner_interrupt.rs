@@ -9,7 +9,10 @@ mod runner_support;
 use std::path::Path;
 use std::time::Duration;
 
-use agentlog_proto::v1::{event::Kind, SessionStatus};
+use agentlog_proto::v1::{
+    content_block::Block, event::Kind, AcquireLeaseRequest, AppendRequest, AssistantMessage,
+    ContentBlock, Event, Interrupt, ReleaseLeaseRequest, SessionStatus, ToolResult, ToolUseBlock,
+};
 use integration_tests::anthropic_standin::{AnthropicStandin, StandinReply};
 use integration_tests::Store;
 use runner_support::*;
@@ -367,4 +370,125 @@ async fn cancel_while_waiting_for_approval_closes_the_call_unrun() {
         late.stderr
     );
     assert!(!workspaces.path().join("s1/ran.txt").exists());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_half_written_answer_is_finished_by_the_next_runner_without_running_anything() {
+    let store = Store::start().expect("store");
+    let mut client = store.client().await.expect("client");
+    let standin = AnthropicStandin::start(vec![StandinReply::text("Never asked.")])
+        .await
+        .expect("stand-in");
+    user_says(&mut client, "s1", "two jobs").await;
+    // The log a runner leaves when it dies answering an interrupt: a reply with two calls,
+    // the interrupt, and the first call closed under that runner's lease.
+    let lease = client
+        .acquire_lease(AcquireLeaseRequest {
+            session_id: "s1".into(),
+            owner: "dead-runner".into(),
+            ttl_ms: 60_000,
+        })
+        .await
+        .expect("lease")
+        .into_inner();
+    let call = |id: &str| ContentBlock {
+        block: Some(Block::ToolUse(ToolUseBlock {
+            id: id.into(),
+            name: "bash".into(),
+            input: None,
+        })),
+    };
+    let runner_event = |event_id: &str, kind: Kind| Event {
+        event_id: event_id.into(),
+        kind: Some(kind),
+        ..Event::default()
+    };
+    let append = |events: Vec<Event>, lease_epoch: Option<u64>| AppendRequest {
+        session_id: "s1".into(),
+        events,
+        lease_epoch,
+        ..AppendRequest::default()
+    };
+    client
+        .append(append(
+            vec![runner_event(
+                "reply:0",
+                Kind::AssistantMessage(AssistantMessage {
+                    content: vec![call("toolu_0_0"), call("toolu_0_1")],
+                    stop_reason: "tool_use".into(),
+                    ..AssistantMessage::default()
+                }),
+            )],
+            Some(lease.epoch),
+        ))
+        .await
+        .expect("reply");
+    client
+        .append(append(
+            vec![runner_event(
+                "interrupt:1",
+                Kind::Interrupt(Interrupt {
+                    reason: "stop".into(),
+                }),
+            )],
+            None,
+        ))
+        .await
+        .expect("interrupt");
+    client
+        .append(append(
+            vec![runner_event(
+                "result:toolu_0_0",
+                Kind::ToolResult(ToolResult {
+                    tool_use_id: "toolu_0_0".into(),
+                    content: "interrupted by the user (stop) before it started; it never ran"
+                        .into(),
+                    is_error: true,
+                }),
+            )],
+            Some(lease.epoch),
+        ))
+        .await
+        .expect("first closing result");
+    client
+        .release_lease(ReleaseLeaseRequest {
+            session_id: "s1".into(),
+            owner: "dead-runner".into(),
+            epoch: lease.epoch,
+        })
+        .await
+        .expect("release");
+
+    let workspaces = tempfile::tempdir().expect("temp dir");
+    let _runner = start_runner(
+        &store.url(),
+        "r1",
+        workspaces.path(),
+        &standin.url(),
+        TTL_MS,
+        2,
+    );
+    let events = wait_for_log(&mut client, "s1", Duration::from_secs(20), |events| {
+        has(events, "interrupted")
+    })
+    .await;
+    assert_eq!(
+        kinds(&events),
+        [
+            "user",
+            "reply(tool_use)",
+            "interrupt",
+            "result(toolu_0_0)",
+            "result(toolu_0_1)",
+            "interrupted"
+        ]
+    );
+    wait_status(
+        &mut client,
+        "s1",
+        SessionStatus::Idle,
+        Duration::from_secs(5),
+    )
+    .await;
+    assert!(standin.requests().is_empty(), "the model was not asked");
 }
