@@ -108,9 +108,10 @@ pub async fn drive_session(
         let appender = log.appender();
         let step = match folded.frontier {
             Frontier::Idle => return Ok(Outcome::Idle),
-            Frontier::AnswerInterrupt { interrupt, open } => {
-                answer_interrupt(appender, &interrupt, &open).await?
-            }
+            Frontier::AnswerInterrupt {
+                interrupt: pending,
+                open,
+            } => answer_interrupt(appender, &pending, &open).await?,
             Frontier::CallModel(conversation) => {
                 call_model(
                     context,
