@@ -80,9 +80,37 @@ pub async fn measure(
                 reply.push(r.reply_ms);
             }
         }
+        // The runner lets a session go just after its reply; killing it before then would
+        // leave a live lease for the next run's cold claim to wait out.
+        wait_released(url, WARM_UP).await?;
+        for row in &rows {
+            wait_released(url, &format!("resume-{}", row.size)).await?;
+        }
         drop(runner);
     }
     Ok(rows)
+}
+
+/// Waits until no lease is held on the session.
+async fn wait_released(url: &str, session_id: &str) -> anyhow::Result<()> {
+    let mut client = EventStoreClient::connect(url.to_string()).await?;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let info = client
+            .get_session(agentlog_proto::v1::GetSessionRequest {
+                session_id: session_id.into(),
+            })
+            .await?
+            .into_inner();
+        if info.lease.is_none() {
+            return Ok(());
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the runner still holds {session_id} 30 s after its reply"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// One resume, timed from the acknowledgement of the user turn.
