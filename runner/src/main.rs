@@ -1,4 +1,4 @@
-//! `runner`: claims runnable agentlog sessions and works them (SPEC §3, §4).
+//! `runner`: claims runnable agentlog sessions and works them (flags: README.md).
 #![forbid(unsafe_code)]
 
 use std::path::PathBuf;

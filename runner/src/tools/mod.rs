@@ -1,4 +1,4 @@
-//! The tools a model may call (SPEC §3; names and inputs are contract), run in the
+//! The tools a model may call (names and inputs are part of the protocol), run in the
 //! session's workspace `<workspace-root>/<session_id>/`.
 //!
 //! Promise: [`Toolbox::run`] never fails and never panics on model input. Whatever goes
