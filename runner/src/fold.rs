@@ -142,6 +142,8 @@ pub struct FoldState {
     user_since_interrupt: bool,
     /// The seq of the latest `interrupt` applied.
     last_interrupt_seq: u64,
+    /// `messages` are out in a conversation handed out by [`FoldState::take_folded`].
+    lent: bool,
 }
 
 /// Folds a session's events (in seq order) into the frontier.
@@ -277,6 +279,40 @@ impl FoldState {
             frontier,
             turn: self.turn,
         }
+    }
+
+    /// [`FoldState::folded`], except that a conversation to send takes this state's
+    /// messages instead of a copy of them (a long session's history is not copied for each
+    /// model call). Until [`FoldState::give_back`] returns them, the state is lent: no event
+    /// may be applied and it must not be kept.
+    pub fn take_folded(&mut self) -> Folded {
+        let history = std::mem::take(&mut self.messages);
+        let mut folded = self.folded();
+        match &mut folded.frontier {
+            Frontier::CallModel(conversation) => {
+                // Folded over no history, the conversation is the trailing user message alone.
+                let mut messages = history;
+                messages.append(&mut conversation.messages);
+                conversation.messages = messages;
+                self.lent = true;
+            }
+            _ => self.messages = history,
+        }
+        folded
+    }
+
+    /// Takes back the messages of a conversation from [`FoldState::take_folded`].
+    pub fn give_back(&mut self, conversation: Conversation) {
+        let mut messages = conversation.messages;
+        // The trailing user message was made from this state, which still holds its parts.
+        messages.pop();
+        self.messages = messages;
+        self.lent = false;
+    }
+
+    /// Whether a conversation taken by [`FoldState::take_folded`] is still out.
+    pub fn is_lent(&self) -> bool {
+        self.lent
     }
 
     /// The user message that follows the last reply: its calls' results first, in call
@@ -841,7 +877,12 @@ mod tests {
                 for event in &events[..split] {
                     state.apply(event);
                 }
-                let _ = state.folded();
+                let taken = state.take_folded();
+                prop_assert_eq!(&taken, &fold_log(&events[..split]));
+                if let Frontier::CallModel(conversation) = taken.frontier {
+                    state.give_back(conversation);
+                }
+                prop_assert!(!state.is_lent());
                 for event in &events[split..] {
                     state.apply(event);
                 }

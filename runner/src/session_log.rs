@@ -303,8 +303,17 @@ impl SessionLog {
     /// Stops following and leaves the fold in `cache` for the next claim of this session.
     pub fn keep_in(mut self, cache: &FoldCache) {
         self.follower.abort();
+        if self.fold.is_lent() {
+            // A step ended without giving its conversation back: the fold is incomplete.
+            return;
+        }
         let fold = std::mem::take(&mut self.fold);
         cache.keep(self.appender.session_id.clone(), fold, self.applied_through);
+    }
+
+    /// Returns the messages of a conversation taken with [`FoldState::take_folded`].
+    pub fn give_back(&mut self, conversation: crate::fold::Conversation) {
+        self.fold.give_back(conversation);
     }
 
     /// A signal for `interrupt`s the current fold has not seen.
@@ -319,7 +328,7 @@ impl SessionLog {
     /// seen the claimed tail, our own last SYNC append and every `interrupt` signalled.
     /// Deciding the next step on a log that lacks our append would redo that step, so a log
     /// that does not get there in time is an error, never folded.
-    pub async fn catch_up(&mut self) -> Result<&FoldState, StoreError> {
+    pub async fn catch_up(&mut self) -> Result<&mut FoldState, StoreError> {
         let deadline = tokio::time::Instant::now() + CATCH_UP_LIMIT;
         loop {
             let seen = *self.seen.borrow_and_update();
@@ -333,7 +342,7 @@ impl SessionLog {
                 self.applied_through = event.seq;
             }
             if seen.through_seq >= target {
-                return Ok(&self.fold);
+                return Ok(&mut self.fold);
             }
             match tokio::time::timeout_at(deadline, self.seen.changed()).await {
                 Ok(Ok(())) => {}

@@ -102,10 +102,11 @@ pub async fn drive_session(
         }
         let folded = tokio::select! {
             _ = cancel.cancelled() => return Ok(Outcome::Stopped),
-            fold = log.catch_up() => fold?.folded(),
+            fold = log.catch_up() => fold?.take_folded(),
         };
         let interrupt = log.interrupt_signal();
-        let appender = log.appender();
+        let appender = log.appender().clone();
+        let appender = &appender;
         let step = match folded.frontier {
             Frontier::Idle => return Ok(Outcome::Idle),
             Frontier::AnswerInterrupt {
@@ -113,7 +114,7 @@ pub async fn drive_session(
                 open,
             } => answer_interrupt(appender, &pending, &open).await?,
             Frontier::CallModel(conversation) => {
-                call_model(
+                let step = call_model(
                     context,
                     appender,
                     lease,
@@ -121,7 +122,9 @@ pub async fn drive_session(
                     folded.turn,
                     &conversation,
                 )
-                .await?
+                .await;
+                log.give_back(conversation);
+                step?
             }
             Frontier::RunTools(calls) => {
                 match guard::run_calls(
