@@ -72,6 +72,9 @@ struct Args {
     /// Events in the session read by the catch-up figure.
     #[arg(long, default_value_t = 100_000)]
     catch_up_events: usize,
+    /// Run only the resume figure (section 5), e.g. after a change to the runner.
+    #[arg(long)]
+    only_resume: bool,
     /// The command that ran this, for the report.
     #[arg(long, default_value = "")]
     command: String,
@@ -302,6 +305,9 @@ async fn run_suite(
     dir: &Path,
     report: &mut Report,
 ) -> anyhow::Result<()> {
+    if args.only_resume {
+        return resume_section(plan, dir, report).await;
+    }
     // 1. The limits of the disk, first.
     progress("raw write + fdatasync");
     let mut raw: Vec<(disk::RawFile, usize, Runs, Runs)> = Vec::new();
@@ -555,40 +561,31 @@ async fn run_suite(
     drop(systems);
 
     // 5. Resume, on a store of its own (the load sessions above are all runnable).
-    progress("resume");
-    let resume_dir = fresh("resume")?;
-    let resume_store = Store::start_in(&resume_dir.join("store"))?;
-    let rurl = resume_store.url();
-    let max = plan.resume_sizes.iter().copied().max().unwrap_or(0);
-    for &size in &plan.resume_sizes {
-        resume::build_session(&rurl, &format!("resume-{size}"), size).await?;
-    }
-    let runner = resume::start_runner(&rurl, &resume_dir, max, plan.runs + 1)?;
-    // The first resume also waits for the runner to start; it is not counted.
-    resume::resume_once(&rurl, &format!("resume-{}", plan.resume_sizes[0]))
-        .await
-        .context("warm-up resume (see runner.log in the bench dir)")?;
-    let mut resumes = Vec::new();
-    for &size in &plan.resume_sizes {
-        let mut first = Runs::default();
-        let mut reply = Runs::default();
-        for _ in 0..plan.runs {
-            tokio::time::sleep(Duration::from_millis(200)).await;
-            let r = resume::resume_once(&rurl, &format!("resume-{size}")).await?;
-            first.push(r.first_action_ms);
-            reply.push(r.reply_ms);
-        }
-        resumes.push((size, first, reply));
-    }
-    report.resume = resumes;
-    drop(runner);
-    drop(resume_store);
+    resume_section(plan, dir, report).await?;
 
     // 6. Memory and disk.
     progress("footprint");
     let (sessions, per_session) = plan.footprint;
     report.footprint =
         Some(agentlog::footprint(&fresh("footprint")?, sessions, per_session).await?);
+    Ok(())
+}
+
+/// Section 5 on a store of its own.
+async fn resume_section(plan: &Plan, dir: &Path, report: &mut Report) -> anyhow::Result<()> {
+    progress("resume");
+    let resume_dir = dir.join("resume");
+    if resume_dir.exists() {
+        std::fs::remove_dir_all(&resume_dir)?;
+    }
+    let resume_store = Store::start_in(&resume_dir.join("store"))?;
+    report.resume = resume::measure(
+        &resume_store.url(),
+        &resume_dir,
+        &plan.resume_sizes,
+        plan.runs,
+    )
+    .await?;
     Ok(())
 }
 

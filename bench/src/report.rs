@@ -48,7 +48,7 @@ pub struct Report {
     pub profile: Option<Profile>,
     pub catch_up: (usize, Vec<(&'static str, Runs)>),
     pub fan_out: (usize, Duration, FanOutRows),
-    pub resume: Vec<(usize, Runs, Runs)>,
+    pub resume: Vec<crate::resume::ResumeRow>,
     pub footprint: Option<Footprint>,
 }
 
@@ -539,21 +539,27 @@ impl Report {
             md,
             "A session built with appends (cycles of user turn, reply with a `bash` tool_use, \
              tool_started, tool_result, final reply), idle. A `runner` (scripted model) waits in \
-             ClaimSession. Each run appends a user turn and times, from its acknowledgement, the \
-             runner's claim → read → fold → model → first append (its first streamed delta, \
-             BUFFERED) and its durable reply (SYNC). The 10-event row is the fixed cost.\n"
+             ClaimSession. Each resume appends a user turn and times, from its acknowledgement, \
+             the runner's claim → read → fold → model → first append (its first streamed delta, \
+             BUFFERED) and its durable reply (SYNC). *Cold*: a runner process that never worked \
+             the session (a new process each run) reads and folds the whole log. *Warm*: the \
+             same runner claims the session again; it kept the session's fold and reads only the \
+             events since. The 10-event row is the fixed cost.\n"
         )?;
         writeln!(
             md,
-            "| events in the session | first new action ms | reply durable ms |\n|---|---|---|"
+            "| events in the session | cold: first new action ms | cold: reply durable ms | \
+             warm: first new action ms | warm: reply durable ms |\n|---|---|---|---|---|"
         )?;
-        for (size, first, reply) in &self.resume {
+        for row in &self.resume {
             writeln!(
                 md,
-                "| {} | {} | {} |",
-                fmt_int(*size),
-                cell_ms(first),
-                cell_ms(reply)
+                "| {} | {} | {} | {} | {} |",
+                fmt_int(row.size),
+                cell_ms(&row.cold_first),
+                cell_ms(&row.cold_reply),
+                cell_ms(&row.warm_first),
+                cell_ms(&row.warm_reply)
             )?;
         }
         writeln!(md)?;

@@ -4,9 +4,11 @@
 //! Each session is built directly with appends (user turn, a reply with a `bash`
 //! tool_use, `tool_started`, `tool_result`, a final reply: 5 events per cycle, 300-byte
 //! texts), so it ends idle. A `runner` with a scripted model waits in `ClaimSession`. Each
-//! run appends one user turn (the session becomes runnable) and times, from that append's
-//! acknowledgement, the first event the runner writes (its first streamed delta) and its
-//! durable reply.
+//! resume appends one user turn (the session becomes runnable) and times, from that
+//! append's acknowledgement, the first event the runner writes (its first streamed delta)
+//! and its durable reply. Two cases per run ([`measure`]): *cold*, a runner process that
+//! never worked the session (it reads and folds the whole log), then *warm*, the same
+//! runner claiming it again (it keeps the session's fold and reads only the new events).
 
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -22,8 +24,94 @@ use anyhow::Context;
 use tonic::transport::Channel;
 
 use crate::agentlog::{signed_ms, user_event};
+use crate::stats::Runs;
 
 const EVENTS_PER_CYCLE: usize = 5;
+
+/// Every run of one session size: cold and warm resumes.
+#[derive(Debug, Clone, Default)]
+pub struct ResumeRow {
+    pub size: usize,
+    pub cold_first: Runs,
+    pub cold_reply: Runs,
+    pub warm_first: Runs,
+    pub warm_reply: Runs,
+}
+
+/// Builds one idle session per size on the store at `url`, then, `runs` times: starts a
+/// fresh runner, lets it answer a 10-event session (its start-up, not counted), and resumes
+/// each size once cold and once warm.
+pub async fn measure(
+    url: &str,
+    dir: &Path,
+    sizes: &[usize],
+    runs: usize,
+) -> anyhow::Result<Vec<ResumeRow>> {
+    const WARM_UP: &str = "resume-warm-up";
+    let max = sizes.iter().copied().max().unwrap_or(0);
+    build_session(url, WARM_UP, 10).await?;
+    for &size in sizes {
+        build_session(url, &format!("resume-{size}"), size).await?;
+    }
+    let mut rows: Vec<ResumeRow> = sizes
+        .iter()
+        .map(|&size| ResumeRow {
+            size,
+            ..ResumeRow::default()
+        })
+        .collect();
+    for _ in 0..runs {
+        // A new process per run: its first claim of each session is cold.
+        let runner = start_runner(url, dir, max, 3 * runs + 1)?;
+        resume_once(url, WARM_UP)
+            .await
+            .context("warm-up resume (see runner.log in the bench dir)")?;
+        for row in &mut rows {
+            let session = format!("resume-{}", row.size);
+            for warm in [false, true] {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                let r = resume_once(url, &session).await?;
+                let (first, reply) = if warm {
+                    (&mut row.warm_first, &mut row.warm_reply)
+                } else {
+                    (&mut row.cold_first, &mut row.cold_reply)
+                };
+                first.push(r.first_action_ms);
+                reply.push(r.reply_ms);
+            }
+        }
+        // The runner lets a session go just after its reply; killing it before then would
+        // leave a live lease for the next run's cold claim to wait out.
+        wait_released(url, WARM_UP).await?;
+        for row in &rows {
+            wait_released(url, &format!("resume-{}", row.size)).await?;
+        }
+        drop(runner);
+    }
+    Ok(rows)
+}
+
+/// Waits until no lease is held on the session.
+async fn wait_released(url: &str, session_id: &str) -> anyhow::Result<()> {
+    let mut client = EventStoreClient::connect(url.to_string()).await?;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let info = client
+            .get_session(agentlog_proto::v1::GetSessionRequest {
+                session_id: session_id.into(),
+            })
+            .await?
+            .into_inner();
+        if info.lease.is_none() {
+            return Ok(());
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the runner still holds {session_id} 30 s after its reply"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
 
 /// One resume, timed from the acknowledgement of the user turn.
 #[derive(Debug, Clone, Copy)]

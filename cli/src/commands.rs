@@ -33,33 +33,16 @@ pub struct Output {
 pub async fn send(out: &Output, session: Option<String>, text: &str) -> Result<()> {
     let session = session.unwrap_or_else(new_session_id);
     let mut client = store::connect(&out.addr).await?;
-    // A deterministic event id makes a retried append (after a lost acknowledgement) write
-    // nothing twice.
-    let event_id = format!("user:{}", uuid::Uuid::new_v4().simple());
-    let request = AppendRequest {
-        session_id: session.clone(),
-        events: vec![Event {
-            event_id,
-            kind: Some(Kind::UserMessage(UserMessage {
-                text: text.to_string(),
-            })),
-            ..Event::default()
-        }],
-        ..AppendRequest::default()
-    };
-    let deadline = tokio::time::Instant::now() + APPEND_PATIENCE;
-    let mut backoff = Backoff::new();
-    let seq = loop {
-        match client.append(request.clone()).await {
-            Ok(response) => break response.into_inner().last_seq,
-            Err(status)
-                if store::is_transient(&status) && tokio::time::Instant::now() < deadline =>
-            {
-                backoff.wait().await;
-            }
-            Err(status) => return Err(store::explain(&out.addr, "Append", status)),
-        }
-    };
+    let seq = append_client_event(
+        &mut client,
+        &session,
+        "user",
+        Kind::UserMessage(UserMessage {
+            text: text.to_string(),
+        }),
+    )
+    .await
+    .map_err(|status| store::explain(&out.addr, "Append", status))?;
     if out.json {
         println!(
             "{}",
@@ -80,6 +63,17 @@ pub async fn send(out: &Output, session: Option<String>, text: &str) -> Result<(
     let result = follow(&out.addr, &session, seq + 1, |event| {
         seen_any.store(true, Ordering::SeqCst);
         print_event(out, &mut transcript, &mut stdout.lock(), event)?;
+        if let Some(Kind::ApprovalRequested(_)) = &event.kind {
+            // The session waits for a person: nothing more comes until someone answers.
+            if !out.json {
+                eprintln!(
+                    "agentlog: session {session} is waiting for approval; `agentlog approve {session}` \
+                     or `agentlog deny {session} --note WHY` answers it, then `agentlog tail {session}` \
+                     follows the rest"
+                );
+            }
+            return Ok(Flow::Stop);
+        }
         Ok(if ends_turn(event) {
             Flow::Stop
         } else {
@@ -89,6 +83,40 @@ pub async fn send(out: &Output, session: Option<String>, text: &str) -> Result<(
     .await;
     hint.abort();
     result
+}
+
+/// Appends one client event (`user_message`, `interrupt`, `approval_decision`) to
+/// `session`, riding out a store that is briefly unreachable; returns its seq, or the
+/// status the store refused it with. The event id is fixed before the first attempt, so a
+/// retry after a lost acknowledgement writes nothing twice.
+pub async fn append_client_event(
+    client: &mut store::Client,
+    session: &str,
+    id_prefix: &str,
+    kind: Kind,
+) -> Result<u64, tonic::Status> {
+    let request = AppendRequest {
+        session_id: session.to_string(),
+        events: vec![Event {
+            event_id: format!("{id_prefix}:{}", uuid::Uuid::new_v4().simple()),
+            kind: Some(kind),
+            ..Event::default()
+        }],
+        ..AppendRequest::default()
+    };
+    let deadline = tokio::time::Instant::now() + APPEND_PATIENCE;
+    let mut backoff = Backoff::new();
+    loop {
+        match client.append(request.clone()).await {
+            Ok(response) => return Ok(response.into_inner().last_seq),
+            Err(status)
+                if store::is_transient(&status) && tokio::time::Instant::now() < deadline =>
+            {
+                backoff.wait().await;
+            }
+            Err(status) => return Err(status),
+        }
+    }
 }
 
 /// Says so on stderr if nothing happens for a while and no runner holds the session.

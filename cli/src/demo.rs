@@ -27,7 +27,7 @@ const KILL_IN: &str = "toolu_1_0";
 const KILL_AFTER: Duration = Duration::from_millis(400);
 const LEASE_TTL_MS: &str = "1500";
 
-/// A side effect that honours its idempotency key, as SPEC §3 asks of downstreams: a
+/// A side effect that honours its idempotency key, as the runner asks of downstreams: a
 /// re-run with the same key finds it applied and does nothing.
 const LEDGER_COMMAND: &str = "sleep 1; if grep -qxF \"$IDEMPOTENCY_KEY\" ledger.txt 2>/dev/null; \
 then echo \"already applied: $IDEMPOTENCY_KEY\"; \

@@ -2,6 +2,7 @@
 #![forbid(unsafe_code)]
 
 mod commands;
+mod control;
 mod demo;
 mod follow;
 mod render;
@@ -109,6 +110,26 @@ enum Command {
         #[arg(long, env = "AGENTLOG_WEB_LOGIN_TOKEN_FILE")]
         login_token_file: Option<PathBuf>,
     },
+    /// Ask a session to stop what it is doing now (its runner answers with `interrupted`).
+    Cancel {
+        session: String,
+        /// Why, for the log and the model's next turn.
+        #[arg(long, default_value = "")]
+        reason: String,
+    },
+    /// Let a call that waits for a person run (without an id: the one waiting call).
+    Approve {
+        session: String,
+        tool_use_id: Option<String>,
+    },
+    /// Refuse a call that waits for a person; the model is told, with the note.
+    Deny {
+        session: String,
+        tool_use_id: Option<String>,
+        /// Why, passed to the model in the call's error result.
+        #[arg(long, default_value = "")]
+        note: String,
+    },
     /// SIGKILL a runner mid-tool and watch a new one finish, each side effect applied once.
     Demo {
         /// Keep the demo's data in this (new) directory instead of a temp dir.
@@ -177,6 +198,16 @@ async fn main() -> ExitCode {
         Command::Show { session } => commands::show(&out, &session).await,
         Command::Continue { text } => commands::continue_latest(&out, &text).await,
         Command::Resume { session, text } => commands::resume(&out, session, &text).await,
+        Command::Cancel { session, reason } => control::cancel(&out, &session, &reason).await,
+        Command::Approve {
+            session,
+            tool_use_id,
+        } => control::decide(&out, &session, tool_use_id, true, "").await,
+        Command::Deny {
+            session,
+            tool_use_id,
+            note,
+        } => control::decide(&out, &session, tool_use_id, false, &note).await,
         Command::Demo { keep } => demo::demo(keep).await,
         Command::Web {
             listen,

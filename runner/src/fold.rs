@@ -1,14 +1,20 @@
-//! The fold: the one pure, deterministic function from a session's log to what the runner
-//! does next and, when that is a model call, the conversation the model is shown.
+//! The fold: the one deterministic function from a session's log to what the runner does
+//! next and, when that is a model call, the conversation the model is shown.
 //!
-//! Promise: for any sequence of events, a [`Conversation`] handed out by [`fold_log`]
-//! satisfies the providers' pairing rule (SPEC §3): every `tool_use` is answered, exactly
-//! once, by `tool_result` blocks at the very start of the next user message, in the order
-//! of the calls, with any user text that arrived in between placed after the results.
-//! Consecutive user content is merged; deltas, `run_error`s and kinds this runner does not
-//! know are skipped; assistant turns are passed through verbatim. A conversation is only
-//! handed out when every call of the last reply has its result, so an unpaired `tool_use`
-//! can never reach a provider: that state is [`Frontier::RunTools`] instead.
+//! Promise: for any sequence of events, a [`Conversation`] handed out by
+//! [`FoldState::folded`] satisfies the providers' pairing rule: every `tool_use` is
+//! answered, exactly once, by `tool_result` blocks at the very start of the next user
+//! message, in the order of the calls, with any user text that arrived in between placed
+//! after the results. Consecutive user content is merged; deltas, `run_error`s, interrupts,
+//! approvals and kinds this runner does not know never reach the provider; assistant turns
+//! are passed through verbatim. A conversation is only handed out when every call of the
+//! last reply has its result, so an unpaired `tool_use` can never reach a provider: that
+//! state is [`Frontier::RunTools`] (or [`Frontier::AnswerInterrupt`]) instead.
+//!
+//! The fold is incremental: [`FoldState::apply`] takes one event at a time in seq order and
+//! costs O(1) amortised, so a runner that keeps its state pays per step only for the events
+//! since its last step. [`fold_log`] is the same fold over a whole log at once (the tests
+//! in this module check that any split of a log into a prefix and a rest folds the same).
 
 use std::collections::HashMap;
 
@@ -53,120 +59,282 @@ pub enum CallState {
     Finished(ToolResult),
 }
 
+/// A person's say on a call's next attempt. Only what was logged after the call's last
+/// `tool_started` counts: an attempt that was interrupted needs a fresh decision.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum Approval {
+    /// Nobody was asked.
+    #[default]
+    NotAsked,
+    /// `approval_requested` is logged, no decision yet.
+    Pending,
+    Approved,
+    Denied {
+        note: String,
+    },
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct PendingCall {
     pub tool_use: ToolUseBlock,
     pub state: CallState,
+    pub approval: Approval,
 }
 
-/// The one thing to do next (SPEC §3, "act at the frontier").
+/// An `interrupt` that no `interrupted` has answered yet.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PendingInterrupt {
+    /// The seq of the first unanswered `interrupt`: the answer's event ids derive from it,
+    /// so every runner answering it writes the same ids.
+    pub seq: u64,
+    /// The reason of the latest unanswered `interrupt`.
+    pub reason: String,
+}
+
+/// The one thing to do next ("act at the frontier").
 #[derive(Debug, Clone, PartialEq)]
 pub enum Frontier {
+    /// A person asked the session to stop: close every call of the last reply that has no
+    /// result (those listed, in order) and log `interrupted`. Nothing of the turn runs.
+    AnswerInterrupt {
+        interrupt: PendingInterrupt,
+        open: Vec<PendingCall>,
+    },
     /// A trailing user turn, or every result of the last reply is in: ask the model.
     CallModel(Conversation),
     /// The last reply has calls without a result. Holds every call of that reply in order,
     /// finished ones included, so the caller can walk them in order.
     RunTools(Vec<PendingCall>),
-    /// A final reply or a `run_error` ends the log: nothing to do.
+    /// A final reply, a `run_error` or an `interrupted` ends the log: nothing to do.
     Idle,
 }
 
-/// The fold of a whole log.
+/// The fold of a log.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Folded {
     pub frontier: Frontier,
-    /// How many model turns the log has settled (replies plus `run_error`s). The next model
-    /// call is turn number `turn`; every runner folding the same log computes the same
-    /// number, which makes the event ids of that turn deterministic.
+    /// How many model turns the log has settled (replies, `run_error`s and `interrupted`s).
+    /// The next model call is turn number `turn`; every runner folding the same log
+    /// computes the same number, which makes the event ids of that turn deterministic.
     pub turn: u64,
+}
+
+/// The fold of the events seen so far, kept by a runner between steps.
+#[derive(Debug, Clone, Default)]
+pub struct FoldState {
+    /// Every message up to and including the last reply.
+    messages: Vec<Message>,
+    /// The `tool_use` blocks of the last reply.
+    open_calls: Vec<ToolUseBlock>,
+    /// User text since the last reply.
+    user_texts: Vec<String>,
+    /// Results and starts are looked up by call id wherever they sit in the log, so a user
+    /// message appended between a reply and its results cannot split them apart.
+    results: HashMap<String, ToolResult>,
+    attempts: HashMap<String, u32>,
+    approvals: HashMap<String, Approval>,
+    turn: u64,
+    /// The log ends in a `run_error` or `interrupted` (with no user turn since).
+    ended: bool,
+    interrupt: Option<PendingInterrupt>,
+    /// A user turn arrived after the latest `interrupt`: it is a new turn, not part of the
+    /// interrupted one, and the session has work once the interrupt is answered.
+    user_since_interrupt: bool,
+    /// The seq of the latest `interrupt` applied.
+    last_interrupt_seq: u64,
+    /// `messages` are out in a conversation handed out by [`FoldState::take_folded`].
+    lent: bool,
 }
 
 /// Folds a session's events (in seq order) into the frontier.
 pub fn fold_log(events: &[Event]) -> Folded {
-    // Results and starts are looked up by call id wherever they sit in the log, so a user
-    // message appended between a reply and its results cannot split them apart.
-    let mut results: HashMap<&str, &ToolResult> = HashMap::new();
-    let mut attempts: HashMap<&str, u32> = HashMap::new();
+    let mut state = FoldState::default();
     for event in events {
-        match &event.kind {
-            Some(Kind::ToolResult(result)) => {
-                // The first logged result is the one the model sees; a duplicate changes nothing.
-                results.entry(result.tool_use_id.as_str()).or_insert(result);
-            }
-            Some(Kind::ToolStarted(started)) => {
-                let attempt = attempts.entry(started.tool_use_id.as_str()).or_insert(0);
-                *attempt = (*attempt).max(started.attempt);
-            }
-            _ => {}
-        }
+        state.apply(event);
     }
+    state.folded()
+}
 
-    let mut messages = Vec::new();
-    let mut open_calls: Vec<&ToolUseBlock> = Vec::new();
-    let mut user_texts: Vec<&str> = Vec::new();
-    let mut turn = 0;
-    let mut ends_in_run_error = false;
-    for event in events {
+impl FoldState {
+    /// Applies the next event of the log.
+    pub fn apply(&mut self, event: &Event) {
         match &event.kind {
             Some(Kind::UserMessage(user)) => {
-                user_texts.push(&user.text);
-                ends_in_run_error = false;
+                self.user_texts.push(user.text.clone());
+                self.ended = false;
+                self.user_since_interrupt = true;
             }
             Some(Kind::AssistantMessage(reply)) => {
-                if let Some(user) = user_message(&open_calls, &user_texts, &results) {
-                    messages.push(Message::User(user));
+                if let Some(user) = self.user_message() {
+                    self.messages.push(Message::User(user));
                 }
-                user_texts.clear();
-                open_calls = tool_uses(reply).collect();
-                messages.push(Message::Assistant(reply.clone()));
-                turn += 1;
-                ends_in_run_error = false;
+                self.user_texts.clear();
+                self.open_calls = tool_uses(reply).cloned().collect();
+                self.messages.push(Message::Assistant(reply.clone()));
+                self.turn += 1;
+                self.ended = false;
             }
             Some(Kind::RunError(_)) => {
-                turn += 1;
-                ends_in_run_error = true;
+                self.turn += 1;
+                self.ended = true;
             }
-            Some(Kind::ToolStarted(_)) | Some(Kind::ToolResult(_)) => ends_in_run_error = false,
-            // Interrupts and approvals are answered by the loop in `turn.rs`; the
-            // conversation the provider sees is made of turns, calls and results only.
-            Some(Kind::Interrupt(_))
-            | Some(Kind::Interrupted(_))
-            | Some(Kind::ApprovalRequested(_))
-            | Some(Kind::ApprovalDecision(_))
-            | Some(Kind::AssistantDelta(_))
-            | None => {}
+            Some(Kind::ToolStarted(started)) => {
+                let attempt = self
+                    .attempts
+                    .entry(started.tool_use_id.clone())
+                    .or_insert(0);
+                *attempt = (*attempt).max(started.attempt);
+                self.approvals.remove(&started.tool_use_id);
+                self.ended = false;
+            }
+            Some(Kind::ToolResult(result)) => {
+                // The first logged result is the one the model sees; a duplicate changes nothing.
+                self.results
+                    .entry(result.tool_use_id.clone())
+                    .or_insert_with(|| result.clone());
+                self.ended = false;
+            }
+            Some(Kind::Interrupt(interrupt)) => {
+                match &mut self.interrupt {
+                    Some(pending) => pending.reason.clone_from(&interrupt.reason),
+                    None => {
+                        self.interrupt = Some(PendingInterrupt {
+                            seq: event.seq,
+                            reason: interrupt.reason.clone(),
+                        })
+                    }
+                }
+                self.user_since_interrupt = false;
+                self.last_interrupt_seq = self.last_interrupt_seq.max(event.seq);
+            }
+            Some(Kind::Interrupted(_)) => {
+                self.interrupt = None;
+                self.turn += 1;
+                self.ended = !self.user_since_interrupt;
+            }
+            Some(Kind::ApprovalRequested(request)) => {
+                self.approvals
+                    .insert(request.tool_use_id.clone(), Approval::Pending);
+            }
+            Some(Kind::ApprovalDecision(decision)) => {
+                let approval = if decision.approved {
+                    Approval::Approved
+                } else {
+                    Approval::Denied {
+                        note: decision.note.clone(),
+                    }
+                };
+                self.approvals
+                    .insert(decision.tool_use_id.clone(), approval);
+            }
+            Some(Kind::AssistantDelta(_)) | None => {}
         }
     }
 
-    let frontier = if open_calls
-        .iter()
-        .any(|call| !results.contains_key(call.id.as_str()))
-    {
-        Frontier::RunTools(
-            open_calls
+    /// The seq of the latest `interrupt` this fold has seen (0: none).
+    pub fn last_interrupt_seq(&self) -> u64 {
+        self.last_interrupt_seq
+    }
+
+    /// What to do next, given everything applied so far.
+    pub fn folded(&self) -> Folded {
+        let calls = || -> Vec<PendingCall> {
+            self.open_calls
                 .iter()
                 .map(|call| PendingCall {
-                    tool_use: (*call).clone(),
-                    state: match (
-                        results.get(call.id.as_str()),
-                        attempts.get(call.id.as_str()),
-                    ) {
-                        (Some(result), _) => CallState::Finished((*result).clone()),
+                    tool_use: call.clone(),
+                    state: match (self.results.get(&call.id), self.attempts.get(&call.id)) {
+                        (Some(result), _) => CallState::Finished(result.clone()),
                         (None, Some(&attempt)) => CallState::Interrupted { attempt },
                         (None, None) => CallState::NotStarted,
                     },
+                    approval: self.approvals.get(&call.id).cloned().unwrap_or_default(),
                 })
-                .collect(),
-        )
-    } else if ends_in_run_error {
-        Frontier::Idle
-    } else if let Some(user) = user_message(&open_calls, &user_texts, &results) {
-        messages.push(Message::User(user));
-        Frontier::CallModel(Conversation { messages })
-    } else {
-        Frontier::Idle
-    };
-    Folded { frontier, turn }
+                .collect()
+        };
+        let unanswered = self
+            .open_calls
+            .iter()
+            .any(|call| !self.results.contains_key(&call.id));
+        let frontier = if let Some(interrupt) = &self.interrupt {
+            Frontier::AnswerInterrupt {
+                interrupt: interrupt.clone(),
+                open: calls()
+                    .into_iter()
+                    .filter(|call| !matches!(call.state, CallState::Finished(_)))
+                    .collect(),
+            }
+        } else if unanswered {
+            Frontier::RunTools(calls())
+        } else if self.ended {
+            Frontier::Idle
+        } else if let Some(user) = self.user_message() {
+            let mut messages = self.messages.clone();
+            messages.push(Message::User(user));
+            Frontier::CallModel(Conversation { messages })
+        } else {
+            Frontier::Idle
+        };
+        Folded {
+            frontier,
+            turn: self.turn,
+        }
+    }
+
+    /// [`FoldState::folded`], except that a conversation to send takes this state's
+    /// messages instead of a copy of them (a long session's history is not copied for each
+    /// model call). Until [`FoldState::give_back`] returns them, the state is lent: no event
+    /// may be applied and it must not be kept.
+    pub fn take_folded(&mut self) -> Folded {
+        let history = std::mem::take(&mut self.messages);
+        let mut folded = self.folded();
+        match &mut folded.frontier {
+            Frontier::CallModel(conversation) => {
+                // Folded over no history, the conversation is the trailing user message alone.
+                let mut messages = history;
+                messages.append(&mut conversation.messages);
+                conversation.messages = messages;
+                self.lent = true;
+            }
+            _ => self.messages = history,
+        }
+        folded
+    }
+
+    /// Takes back the messages of a conversation from [`FoldState::take_folded`].
+    pub fn give_back(&mut self, conversation: Conversation) {
+        let mut messages = conversation.messages;
+        // The trailing user message was made from this state, which still holds its parts.
+        messages.pop();
+        self.messages = messages;
+        self.lent = false;
+    }
+
+    /// Whether a conversation taken by [`FoldState::take_folded`] is still out.
+    pub fn is_lent(&self) -> bool {
+        self.lent
+    }
+
+    /// The user message that follows the last reply: its calls' results first, in call
+    /// order, then the text. `None` when there is nothing to say.
+    fn user_message(&self) -> Option<Vec<UserBlock>> {
+        let mut blocks: Vec<UserBlock> = self
+            .open_calls
+            .iter()
+            .map(|call| {
+                UserBlock::ToolResult(match self.results.get(&call.id) {
+                    Some(result) => result.clone(),
+                    None => ToolResult {
+                        tool_use_id: call.id.clone(),
+                        content: MISSING_RESULT.to_string(),
+                        is_error: true,
+                    },
+                })
+            })
+            .collect();
+        blocks.extend(self.user_texts.iter().cloned().map(UserBlock::Text));
+        (!blocks.is_empty()).then_some(blocks)
+    }
 }
 
 /// The `tool_use` blocks of a reply, in order.
@@ -177,36 +345,13 @@ pub fn tool_uses(reply: &AssistantMessage) -> impl Iterator<Item = &ToolUseBlock
     })
 }
 
-/// The user message that follows a reply: its calls' results first, in call order, then the
-/// text. `None` when there is nothing to say.
-fn user_message(
-    open_calls: &[&ToolUseBlock],
-    texts: &[&str],
-    results: &HashMap<&str, &ToolResult>,
-) -> Option<Vec<UserBlock>> {
-    let mut blocks: Vec<UserBlock> = open_calls
-        .iter()
-        .map(|call| {
-            UserBlock::ToolResult(match results.get(call.id.as_str()) {
-                Some(result) => (*result).clone(),
-                None => ToolResult {
-                    tool_use_id: call.id.clone(),
-                    content: MISSING_RESULT.to_string(),
-                    is_error: true,
-                },
-            })
-        })
-        .collect();
-    blocks.extend(texts.iter().map(|text| UserBlock::Text(text.to_string())));
-    (!blocks.is_empty()).then_some(blocks)
-}
-
 #[cfg(test)]
 mod tests {
     use std::collections::HashSet;
 
     use agentlog_proto::v1::{
-        AssistantDelta, ContentBlock, RunError, TextBlock, ThinkingBlock, ToolStarted, UserMessage,
+        ApprovalDecision, ApprovalRequested, AssistantDelta, ContentBlock, Interrupt, Interrupted,
+        RunError, TextBlock, ThinkingBlock, ToolStarted, UserMessage,
     };
     use proptest::prelude::*;
 
@@ -487,6 +632,117 @@ mod tests {
                 UserBlock::ToolResult(r) if r.is_error && r.content == MISSING_RESULT)))));
     }
 
+    fn interrupt(seq: u64, reason: &str) -> Event {
+        Event {
+            seq,
+            ..event(Kind::Interrupt(Interrupt {
+                reason: reason.into(),
+            }))
+        }
+    }
+
+    fn interrupted() -> Event {
+        event(Kind::Interrupted(Interrupted::default()))
+    }
+
+    #[test]
+    fn an_interrupt_closes_the_open_calls_and_ends_the_turn() {
+        let mut events = vec![
+            user("go"),
+            reply(&["a", "b", "c"], ""),
+            started("a", 1),
+            result("a"),
+            started("b", 1),
+            interrupt(6, "stop"),
+            interrupt(7, "really"),
+        ];
+        let Frontier::AnswerInterrupt { interrupt, open } = fold_log(&events).frontier else {
+            panic!("an interrupt is answered first");
+        };
+        assert_eq!(
+            interrupt.seq, 6,
+            "the first unanswered interrupt names the answer"
+        );
+        assert_eq!(interrupt.reason, "really");
+        let open: Vec<_> = open
+            .iter()
+            .map(|c| (c.tool_use.id.as_str(), c.state.clone()))
+            .collect();
+        assert_eq!(
+            open,
+            [
+                ("b", CallState::Interrupted { attempt: 1 }),
+                ("c", CallState::NotStarted)
+            ]
+        );
+        events.extend([result("b"), result("c"), interrupted()]);
+        let folded = fold_log(&events);
+        assert_eq!(folded.frontier, Frontier::Idle);
+        assert_eq!(folded.turn, 2, "the interrupted turn is settled");
+        events.push(user("next"));
+        let c = conversation(&events);
+        assert_paired(&c);
+    }
+
+    #[test]
+    fn interrupting_an_idle_session_only_asks_for_the_answer() {
+        let mut events = vec![user("hi"), reply(&[], "hello"), interrupt(3, "")];
+        assert!(matches!(
+            fold_log(&events).frontier,
+            Frontier::AnswerInterrupt { ref open, .. } if open.is_empty()
+        ));
+        events.push(interrupted());
+        assert_eq!(fold_log(&events).frontier, Frontier::Idle);
+    }
+
+    #[test]
+    fn a_user_turn_after_the_interrupt_is_worked_once_it_is_answered() {
+        let events = [user("a"), interrupt(2, ""), user("b"), interrupted()];
+        let c = conversation(&events);
+        assert_eq!(
+            c.messages,
+            vec![Message::User(vec![
+                UserBlock::Text("a".into()),
+                UserBlock::Text("b".into())
+            ])]
+        );
+        let before = [user("a"), user("b"), interrupt(3, ""), interrupted()];
+        assert_eq!(fold_log(&before).frontier, Frontier::Idle);
+    }
+
+    #[test]
+    fn an_approval_counts_only_for_the_attempt_after_it() {
+        let request = |id: &str| {
+            event(Kind::ApprovalRequested(ApprovalRequested {
+                tool_use_id: id.into(),
+                ..ApprovalRequested::default()
+            }))
+        };
+        let decide = |id: &str, approved: bool| {
+            event(Kind::ApprovalDecision(ApprovalDecision {
+                tool_use_id: id.into(),
+                approved,
+                note: "n".into(),
+            }))
+        };
+        let approval_of = |events: &[Event]| match fold_log(events).frontier {
+            Frontier::RunTools(calls) => calls[0].approval.clone(),
+            other => panic!("expected RunTools, got {other:?}"),
+        };
+        let mut events = vec![user("go"), reply(&["a"], ""), request("a")];
+        assert_eq!(approval_of(&events), Approval::Pending);
+        events.push(decide("a", true));
+        assert_eq!(approval_of(&events), Approval::Approved);
+        events.push(started("a", 1));
+        assert_eq!(
+            approval_of(&events),
+            Approval::NotAsked,
+            "a re-run asks again"
+        );
+        events.extend([request("a"), decide("a", false)]);
+        assert_eq!(approval_of(&events), Approval::Denied { note: "n".into() });
+    }
+
     /// A simulated log writer: the guarded loop (driven by the fold itself), clients
     /// appending user turns at any moment, and crashes that cut a step short.
     #[derive(Debug, Clone)]
@@ -498,6 +754,10 @@ mod tests {
         FinishTool,
         Delta,
         Unknown,
+        Interrupt,
+        AnswerInterrupt,
+        RequestApproval,
+        Decide { approved: bool },
     }
 
     fn step() -> impl Strategy<Value = Step> {
@@ -509,6 +769,10 @@ mod tests {
             3 => Just(Step::FinishTool),
             1 => Just(Step::Delta),
             1 => Just(Step::Unknown),
+            1 => Just(Step::Interrupt),
+            2 => Just(Step::AnswerInterrupt),
+            1 => Just(Step::RequestApproval),
+            1 => any::<bool>().prop_map(|approved| Step::Decide { approved }),
         ]
     }
 
@@ -542,7 +806,45 @@ mod tests {
             }
             (Step::Delta, _) => events.push(delta("d")),
             (Step::Unknown, _) => events.push(unknown()),
+            (Step::Interrupt, _) => events.push(event(Kind::Interrupt(Interrupt {
+                reason: format!("i{counter}"),
+            }))),
+            (Step::AnswerInterrupt, Frontier::AnswerInterrupt { interrupt, open }) => {
+                for call in open {
+                    events.push(result(&call.tool_use.id));
+                }
+                events.push(event(Kind::Interrupted(Interrupted {
+                    reason: interrupt.reason.clone(),
+                })));
+            }
+            (Step::RequestApproval | Step::Decide { .. }, Frontier::RunTools(calls)) => {
+                if let Some(call) = calls
+                    .iter()
+                    .find(|c| !matches!(c.state, CallState::Finished(_)))
+                {
+                    let id = call.tool_use.id.clone();
+                    match (step, &call.approval) {
+                        (Step::RequestApproval, Approval::NotAsked) => {
+                            events.push(event(Kind::ApprovalRequested(ApprovalRequested {
+                                tool_use_id: id,
+                                ..ApprovalRequested::default()
+                            })))
+                        }
+                        (Step::Decide { approved }, Approval::Pending) => {
+                            events.push(event(Kind::ApprovalDecision(ApprovalDecision {
+                                tool_use_id: id,
+                                approved: *approved,
+                                note: String::new(),
+                            })))
+                        }
+                        _ => {}
+                    }
+                }
+            }
             _ => {}
+        }
+        for (i, event) in events.iter_mut().enumerate() {
+            event.seq = i as u64 + 1;
         }
         *counter += 1;
     }
@@ -561,8 +863,30 @@ mod tests {
                     Frontier::RunTools(calls) => {
                         prop_assert!(calls.iter().any(|c| !matches!(c.state, CallState::Finished(_))));
                     }
+                    Frontier::AnswerInterrupt { open, .. } => {
+                        prop_assert!(open.iter().all(|c| !matches!(c.state, CallState::Finished(_))));
+                    }
                     Frontier::Idle => {}
                 }
+            }
+            // Resuming from any prefix (the state a runner kept) and applying the rest
+            // folds to the same thing as folding the whole log from seq 1.
+            let whole = fold_log(&events);
+            for split in 0..=events.len() {
+                let mut state = FoldState::default();
+                for event in &events[..split] {
+                    state.apply(event);
+                }
+                let taken = state.take_folded();
+                prop_assert_eq!(&taken, &fold_log(&events[..split]));
+                if let Frontier::CallModel(conversation) = taken.frontier {
+                    state.give_back(conversation);
+                }
+                prop_assert!(!state.is_lent());
+                for event in &events[split..] {
+                    state.apply(event);
+                }
+                prop_assert_eq!(&state.folded(), &whole);
             }
         }
 

@@ -21,13 +21,15 @@ use tokio_util::sync::CancellationToken;
 use tonic::Code;
 use tracing::Instrument;
 
-use crate::session_log::{Appender, SessionLog, StoreError};
+use crate::session_log::{Appender, FoldCache, SessionLog, StoreError};
 use crate::turn::{self, Outcome, TurnContext, TurnError};
 
 /// How long one `ClaimSession` long-poll waits for a runnable session.
 const CLAIM_WAIT: Duration = Duration::from_secs(2);
 /// The pause after the store could not be reached.
 const CLAIM_RETRY: Duration = Duration::from_secs(1);
+/// Sessions' folds kept for a quick re-claim, per session this runner may work at once.
+const KEPT_FOLDS_PER_SLOT: usize = 4;
 
 /// A held lease, renewed in the background until released or lost.
 #[derive(Debug)]
@@ -215,6 +217,9 @@ pub async fn claim_loop(
     shutdown: CancellationToken,
 ) {
     let permits = Arc::new(Semaphore::new(config.max_sessions.max(1)));
+    let folds = Arc::new(FoldCache::new(
+        config.max_sessions.max(1) * KEPT_FOLDS_PER_SLOT,
+    ));
     let mut sessions = JoinSet::new();
     loop {
         let permit = tokio::select! {
@@ -247,10 +252,11 @@ pub async fn claim_loop(
         let client = client.clone();
         let context = context.clone();
         let shutdown = shutdown.clone();
+        let folds = folds.clone();
         let ttl = config.lease_ttl;
         sessions.spawn(
             async move {
-                work_session(client, lease, ttl, &context, &shutdown).await;
+                work_session(client, lease, ttl, &context, &folds, &shutdown).await;
                 drop(permit);
             }
             .instrument(span),
@@ -269,6 +275,7 @@ async fn work_session(
     lease: Lease,
     ttl: Duration,
     context: &TurnContext,
+    folds: &FoldCache,
     shutdown: &CancellationToken,
 ) {
     let _held = crate::metrics::SessionHeld::enter();
@@ -281,9 +288,20 @@ async fn work_session(
         }
     };
     tracing::info!("claimed");
-    let mut log = SessionLog::new(Appender::new(client, lease.session_id.clone(), lease.epoch));
+    let appender = Appender::new(client, lease.session_id.clone(), lease.epoch);
+    let mut log = match SessionLog::open(appender, folds).await {
+        Ok(log) => log,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot read the session's log; leaving the session");
+            guard.release().await;
+            return;
+        }
+    };
     match turn::drive_session(context, &mut log, &guard).await {
         Ok(Outcome::Idle) => tracing::info!("session is idle; releasing it"),
+        Ok(Outcome::AwaitingApproval) => {
+            tracing::info!("a call waits for a person; releasing the session")
+        }
         Ok(Outcome::Stopped) => tracing::info!("stopped working on the session"),
         Err(TurnError::Store(StoreError::LeaseLost)) => {
             guard.mark_lost();
@@ -291,5 +309,6 @@ async fn work_session(
         }
         Err(e) => tracing::warn!(error = %e, "leaving the session"),
     }
+    log.keep_in(folds);
     guard.release().await;
 }

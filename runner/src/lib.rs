@@ -1,4 +1,4 @@
-//! The agentlog runner (SPEC §3): claims runnable sessions, folds each log into the next
+//! The agentlog runner: claims runnable sessions, folds each log into the next
 //! step, calls the model and runs tools under lease-fenced, deterministic appends so that
 //! a crash at any moment resumes exactly where the log stops.
 #![forbid(unsafe_code)]

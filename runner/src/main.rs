@@ -1,4 +1,4 @@
-//! `runner`: claims runnable agentlog sessions and works them (SPEC §3, §4).
+//! `runner`: claims runnable agentlog sessions and works them (flags: README.md).
 #![forbid(unsafe_code)]
 
 use std::path::PathBuf;
@@ -11,7 +11,7 @@ use runner::lease::{claim_loop, ClaimConfig};
 use runner::model::{Backoff, Model};
 use runner::store_client::StoreConnection;
 use runner::tools::sandbox::{self, Ids, Sandbox, SandboxMode, ToolNetwork, HELPER_ARG, SELF_EXE};
-use runner::tools::Toolbox;
+use runner::tools::{ToolPolicy, Toolbox};
 use runner::turn::TurnContext;
 use tokio::signal::unix::{signal, SignalKind};
 use tokio_util::sync::CancellationToken;
@@ -86,6 +86,15 @@ struct Args {
     /// the standard OTEL_EXPORTER_OTLP_ENDPOINT is set.
     #[arg(long, env = "AGENTLOG_METRICS_LISTEN")]
     metrics_listen: Option<String>,
+    /// Tools whose every call waits for a person's `agentlog approve` (comma-separated, e.g.
+    /// bash,edit_file). Default: none.
+    #[arg(long, env = "AGENTLOG_APPROVE", value_delimiter = ',')]
+    approve: Vec<String>,
+    /// What a call interrupted with its outcome unknown does, per tool: TOOL=POLICY,…
+    /// with POLICY one of rerun, rerun-same-key, report, ask (e.g. bash=report,edit_file=ask).
+    /// Defaults: bash and edit_file rerun-same-key, the others rerun.
+    #[arg(long, env = "AGENTLOG_ON_UNKNOWN_OUTCOME", value_delimiter = ',')]
+    on_unknown_outcome: Vec<String>,
 }
 
 fn main() -> Result<()> {
@@ -122,6 +131,7 @@ async fn run() -> Result<()> {
     );
     anyhow::ensure!(args.max_sessions >= 1, "--max-sessions must be at least 1");
     let model = Model::from_spec(&args.model)?;
+    let policy = ToolPolicy::new(&args.approve, &args.on_unknown_outcome)?;
     std::fs::create_dir_all(&args.workspace_root).with_context(|| {
         format!(
             "cannot create the workspace root {}",
@@ -206,6 +216,7 @@ async fn run() -> Result<()> {
         model,
         toolbox: Toolbox::new(args.workspace_root, sandbox),
         tools: Toolbox::specs(),
+        policy,
         max_tokens: args.max_tokens,
         backoff: Backoff::default(),
     });

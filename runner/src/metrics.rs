@@ -78,7 +78,9 @@ pub fn registry(model: &Model) -> Registry {
             .get_or_create(&[("tool", tool.name), ("outcome", "ok")]);
         let _ = m.tool_seconds.get_or_create(&[("tool", tool.name)]);
     }
-    let _ = m.interrupted_calls.get_or_create(&[("action", "rerun")]);
+    for action in ["rerun", "reported", "asked"] {
+        let _ = m.interrupted_calls.get_or_create(&[("action", action)]);
+    }
     let mut r = Registry::default();
     r.register(
         "agentlog_runner_sessions_held",
@@ -153,7 +155,8 @@ pub fn lease_lost() {
     METRICS.leases_lost.inc();
 }
 
-/// A call found with `tool_started` and no result; `action`: "rerun" or "reported".
+/// A call found with `tool_started` and no result; `action`: "rerun", "reported" (an error
+/// result, not run again) or "asked" (a person decides).
 pub fn interrupted_call(action: &'static str) {
     METRICS
         .interrupted_calls

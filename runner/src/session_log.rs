@@ -1,23 +1,50 @@
-//! A session's log as a runner sees it while it holds the lease: the history, read without
-//! follow and kept in memory, and appends fenced by the lease epoch.
+//! A session's log as a runner sees it while it holds the lease: one live subscription
+//! (history, then every new event) folded incrementally, and appends fenced by the lease
+//! epoch.
 //!
-//! Promise: an append carries the lease epoch and the caller's deterministic `event_id`, so
-//! retrying it after a lost acknowledgement writes nothing new (the store answers with the
-//! original seq). `FAILED_PRECONDITION` means the lease is gone and is reported as
-//! [`StoreError::LeaseLost`], never retried.
+//! Promises:
+//! - An append carries the lease epoch and the caller's deterministic `event_id`, so
+//!   retrying it after a lost acknowledgement writes nothing new (the store answers with
+//!   the original seq). `FAILED_PRECONDITION` means the lease is gone and is reported as
+//!   [`StoreError::LeaseLost`], never retried.
+//! - [`SessionLog::catch_up`] decides nothing on a stale log: the fold it returns has seen
+//!   the whole log as it was when the session was claimed, our own last SYNC append, and
+//!   every `interrupt` the subscription has shown. Events are applied once each, in seq
+//!   order, so a step costs the events since the previous one, not the log's length.
+//! - An `interrupt` is signalled ([`InterruptSignal`]) as soon as the subscription shows it,
+//!   even while the runner is busy in a model stream or a tool.
+//! - A session this runner worked before resumes from its kept fold ([`FoldCache`]) and
+//!   reads only the events after it. That is exact because the log is append-only and a seq
+//!   once seen always means the same event: the fold of seqs 1..n, then n+1.. applied, is
+//!   the fold of the whole log (checked by the property tests in `fold.rs`).
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::fold::FoldState;
 use crate::store_client::StoreClient;
-use agentlog_proto::v1::{event::Kind, AppendRequest, Durability, Event, SubscribeRequest};
+use agentlog_proto::v1::{
+    event::Kind, AppendRequest, Durability, Event, GetSessionRequest, SubscribeRequest,
+};
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
 use tokio_stream::StreamExt;
 use tonic::Code;
 
 /// Attempts for an append or read that fails because the store is unreachable.
 const STORE_ATTEMPTS: u32 = 6;
 const STORE_RETRY_BASE: Duration = Duration::from_millis(100);
+/// The longest pause between attempts to re-subscribe to a store that went away.
+const FOLLOW_RETRY_MAX: Duration = Duration::from_secs(2);
+/// How long [`SessionLog::catch_up`] waits for the subscription to show what it must see.
+/// Longer means the store is gone or lost an acknowledged event; the lease ends first in
+/// the common case.
+const CATCH_UP_LIMIT: Duration = Duration::from_secs(30);
+/// Non-delta events buffered between the subscription and the fold. Deltas are not
+/// buffered (the fold ignores them), so only client appends made during one step fill it.
+const EVENT_BUFFER: usize = 1024;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -117,74 +144,312 @@ impl Appender {
     }
 }
 
-/// The session's history so far, plus its appender.
+/// What the subscription has shown so far.
+#[derive(Debug, Clone, Copy, Default)]
+struct Seen {
+    /// Every event up to this seq is in the buffer (or was applied).
+    through_seq: u64,
+    /// The seq of the latest `interrupt` shown, published before the event is buffered.
+    latest_interrupt: u64,
+}
+
+/// Fires when an `interrupt` newer than the fold's appears in the session's log.
+#[derive(Debug, Clone)]
+pub struct InterruptSignal {
+    seen: watch::Receiver<Seen>,
+    known: u64,
+}
+
+impl InterruptSignal {
+    /// Resolves once the log shows an `interrupt` the fold had not seen. Never resolves if
+    /// the subscription is gone (the session's work is stopping anyway).
+    pub async fn arrived(&self) {
+        let known = self.known;
+        let mut seen = self.seen.clone();
+        if seen.wait_for(|s| s.latest_interrupt > known).await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+/// A session's fold as this runner last left it: every event up to `applied_through`.
+#[derive(Debug)]
+struct KeptFold {
+    fold: FoldState,
+    applied_through: u64,
+    last_used: u64,
+}
+
+/// The folds of the sessions this runner worked most recently, so that claiming one of
+/// them again costs the events since, not the log's length. Bounded: the least recently
+/// used fold is dropped first.
+#[derive(Debug)]
+pub struct FoldCache {
+    capacity: usize,
+    kept: Mutex<(u64, HashMap<String, KeptFold>)>,
+}
+
+impl FoldCache {
+    /// Keeps at most `capacity` sessions' folds (0 keeps none).
+    pub fn new(capacity: usize) -> FoldCache {
+        FoldCache {
+            capacity,
+            kept: Mutex::new((0, HashMap::new())),
+        }
+    }
+
+    fn take(&self, session_id: &str) -> Option<(FoldState, u64)> {
+        let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
+        kept.1
+            .remove(session_id)
+            .map(|k| (k.fold, k.applied_through))
+    }
+
+    fn keep(&self, session_id: String, fold: FoldState, applied_through: u64) {
+        if self.capacity == 0 || applied_through == 0 {
+            return;
+        }
+        let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
+        kept.0 += 1;
+        let last_used = kept.0;
+        kept.1.insert(
+            session_id,
+            KeptFold {
+                fold,
+                applied_through,
+                last_used,
+            },
+        );
+        while kept.1.len() > self.capacity {
+            let oldest = kept
+                .1
+                .iter()
+                .min_by_key(|(_, k)| k.last_used)
+                .map(|(id, _)| id.clone());
+            match oldest {
+                Some(id) => kept.1.remove(&id),
+                None => break,
+            };
+        }
+    }
+}
+
+/// The session's log, followed live and folded as it comes, plus its appender.
 #[derive(Debug)]
 pub struct SessionLog {
     appender: Appender,
-    events: Vec<Event>,
+    fold: FoldState,
+    /// The seq of the last event applied to `fold`.
+    applied_through: u64,
+    events: mpsc::Receiver<Event>,
+    seen: watch::Receiver<Seen>,
+    /// The last seq when the session was claimed: a fold short of it would act on a log
+    /// that lacks what the previous lease holder wrote.
+    claimed_tail: u64,
+    follower: JoinHandle<()>,
+}
+
+impl Drop for SessionLog {
+    fn drop(&mut self) {
+        self.follower.abort();
+    }
 }
 
 impl SessionLog {
-    pub fn new(appender: Appender) -> SessionLog {
-        SessionLog {
+    /// Starts following the session's log (call it after the lease is held): from the fold
+    /// `cache` kept for it, or from seq 1.
+    pub async fn open(appender: Appender, cache: &FoldCache) -> Result<SessionLog, StoreError> {
+        let claimed_tail = retry_transient("GetSession", || {
+            let mut client = appender.client.clone();
+            let session_id = appender.session_id.clone();
+            async move {
+                match client.get_session(GetSessionRequest { session_id }).await {
+                    Ok(info) => Ok(info.into_inner().last_seq),
+                    Err(status) if status.code() == Code::NotFound => Ok(0),
+                    Err(status) => Err(status),
+                }
+            }
+        })
+        .await?;
+        let (fold, applied_through) = cache
+            .take(&appender.session_id)
+            .filter(|(_, applied)| *applied <= claimed_tail)
+            .unwrap_or_default();
+        let (sender, events) = mpsc::channel(EVENT_BUFFER);
+        let (publish, seen) = watch::channel(Seen {
+            through_seq: applied_through,
+            latest_interrupt: fold.last_interrupt_seq(),
+        });
+        let follower = tokio::spawn(follow_log(
+            appender.client.clone(),
+            appender.session_id.clone(),
+            applied_through + 1,
+            sender,
+            publish,
+        ));
+        Ok(SessionLog {
             appender,
-            events: Vec::new(),
-        }
+            fold,
+            applied_through,
+            events,
+            seen,
+            claimed_tail,
+            follower,
+        })
     }
 
     pub fn appender(&self) -> &Appender {
         &self.appender
     }
 
-    /// Reads every event past the last one seen (our own appends included, and user turns
-    /// that clients added meanwhile) and returns the whole history. The history must reach
-    /// our own last SYNC append: deciding the next step on a log that lacks it would redo
-    /// that step, so a log that falls short is an error, never folded.
-    pub async fn catch_up(&mut self) -> Result<&[Event], StoreError> {
-        let mut attempt = 1;
-        loop {
-            match self.read_new().await {
-                Ok(()) => {
-                    let appended = self.appender.appended.load(Ordering::SeqCst);
-                    let seen = self.events.last().map_or(0, |event| event.seq);
-                    if seen >= appended {
-                        return Ok(&self.events);
-                    }
-                    return Err(StoreError::Failed(tonic::Status::data_loss(format!(
-                        "the log shows seq {seen} but our acknowledged append has seq {appended}"
-                    ))));
-                }
-                Err(status) if is_transient(&status) && attempt < STORE_ATTEMPTS => {
-                    tracing::warn!(%status, attempt, "reading the log failed; retrying");
-                    tokio::time::sleep(STORE_RETRY_BASE * 2u32.pow(attempt)).await;
-                    attempt += 1;
-                }
-                Err(status) => return Err(StoreError::Failed(status)),
-            }
+    /// Stops following and leaves the fold in `cache` for the next claim of this session.
+    pub fn keep_in(mut self, cache: &FoldCache) {
+        self.follower.abort();
+        if self.fold.is_lent() {
+            // A step ended without giving its conversation back: the fold is incomplete.
+            return;
+        }
+        let fold = std::mem::take(&mut self.fold);
+        cache.keep(self.appender.session_id.clone(), fold, self.applied_through);
+    }
+
+    /// Returns the messages of a conversation taken with [`FoldState::take_folded`].
+    pub fn give_back(&mut self, conversation: crate::fold::Conversation) {
+        self.fold.give_back(conversation);
+    }
+
+    /// A signal for `interrupt`s the current fold has not seen.
+    pub fn interrupt_signal(&self) -> InterruptSignal {
+        InterruptSignal {
+            seen: self.seen.clone(),
+            known: self.fold.last_interrupt_seq(),
         }
     }
 
-    async fn read_new(&mut self) -> Result<(), tonic::Status> {
-        let from_seq = self.events.last().map_or(1, |event| event.seq + 1);
-        let mut stream = self
-            .appender
-            .client
-            .clone()
-            .subscribe(SubscribeRequest {
-                session_id: self.appender.session_id.clone(),
-                from_seq,
-                follow: false,
-            })
-            .await?
-            .into_inner();
-        while let Some(event) = stream.next().await {
-            let event = event?;
-            // Seqs are gapless and ascending; anything else (a retried read overlapping the
-            // last one) is skipped rather than folded twice.
-            if event.seq == self.events.last().map_or(1, |e| e.seq + 1) {
-                self.events.push(event);
+    /// Applies every event the subscription has shown and returns the fold, once it has
+    /// seen the claimed tail, our own last SYNC append and every `interrupt` signalled.
+    /// Deciding the next step on a log that lacks our append would redo that step, so a log
+    /// that does not get there in time is an error, never folded.
+    pub async fn catch_up(&mut self) -> Result<&mut FoldState, StoreError> {
+        let deadline = tokio::time::Instant::now() + CATCH_UP_LIMIT;
+        loop {
+            let seen = *self.seen.borrow_and_update();
+            let target = self
+                .claimed_tail
+                .max(self.appender.appended.load(Ordering::SeqCst))
+                .max(seen.latest_interrupt);
+            // `through_seq` is published after the event is buffered: drain after reading it.
+            while let Ok(event) = self.events.try_recv() {
+                self.fold.apply(&event);
+                self.applied_through = event.seq;
+            }
+            if seen.through_seq >= target {
+                return Ok(&mut self.fold);
+            }
+            match tokio::time::timeout_at(deadline, self.seen.changed()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) | Err(_) => {
+                    return Err(StoreError::Failed(tonic::Status::data_loss(format!(
+                        "the log shows seq {} but must reach seq {target} (the claimed tail or \
+                         our acknowledged append)",
+                        seen.through_seq
+                    ))))
+                }
             }
         }
-        Ok(())
+    }
+}
+
+/// Follows the session's log from `next` for as long as the receiver lives, resubscribing
+/// from the next seq after any failure. Non-delta events go to `sender` in seq order, each
+/// once; `publish` says how far the log has been shown.
+async fn follow_log(
+    client: StoreClient,
+    session_id: String,
+    mut next: u64,
+    sender: mpsc::Sender<Event>,
+    publish: watch::Sender<Seen>,
+) {
+    let mut failures = 0u32;
+    loop {
+        let subscribed = client
+            .clone()
+            .subscribe(SubscribeRequest {
+                session_id: session_id.clone(),
+                from_seq: next,
+                follow: true,
+            })
+            .await;
+        match subscribed {
+            Ok(response) => {
+                let mut stream = response.into_inner();
+                while let Some(item) = stream.next().await {
+                    let event = match item {
+                        Ok(event) => event,
+                        Err(status) => {
+                            tracing::warn!(%status, next, "the log subscription failed; resubscribing");
+                            break;
+                        }
+                    };
+                    // Seqs are gapless and ascending; an overlap is skipped, a gap answered
+                    // with a fresh subscription from `next`.
+                    if event.seq < next {
+                        continue;
+                    }
+                    if event.seq > next {
+                        tracing::warn!(
+                            seq = event.seq,
+                            next,
+                            "a gap in the log subscription; resubscribing"
+                        );
+                        break;
+                    }
+                    failures = 0;
+                    let seq = event.seq;
+                    match &event.kind {
+                        Some(Kind::AssistantDelta(_)) => {}
+                        kind => {
+                            if matches!(kind, Some(Kind::Interrupt(_))) {
+                                publish.send_modify(|s| s.latest_interrupt = seq);
+                            }
+                            if sender.send(event).await.is_err() {
+                                return;
+                            }
+                        }
+                    }
+                    publish.send_modify(|s| s.through_seq = seq);
+                    next = seq + 1;
+                }
+            }
+            Err(status) => {
+                tracing::warn!(%status, "subscribing to the log failed; retrying");
+            }
+        }
+        if sender.is_closed() {
+            return;
+        }
+        failures += 1;
+        let wait = (STORE_RETRY_BASE * 2u32.pow(failures.min(5))).min(FOLLOW_RETRY_MAX);
+        tokio::time::sleep(wait).await;
+    }
+}
+
+/// Runs `call` until it succeeds or fails with a non-transient status.
+async fn retry_transient<T, F, Fut>(what: &str, mut call: F) -> Result<T, StoreError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, tonic::Status>>,
+{
+    let mut attempt = 1;
+    loop {
+        match call().await {
+            Ok(value) => return Ok(value),
+            Err(status) if is_transient(&status) && attempt < STORE_ATTEMPTS => {
+                tracing::warn!(%status, attempt, "{what} failed; retrying");
+                tokio::time::sleep(STORE_RETRY_BASE * 2u32.pow(attempt)).await;
+                attempt += 1;
+            }
+            Err(status) => return Err(StoreError::Failed(status)),
+        }
     }
 }

@@ -1,34 +1,35 @@
-//! The guarded loop: read the log, fold it, do the one thing the frontier asks, repeat.
+//! The guarded loop: catch up with the log, do the one thing the frontier asks, repeat.
 //!
-//! Promise (SPEC §3): the model is never asked for a turn whose reply is logged, and no
-//! tool runs again once its result is logged — both follow from deciding every step on the
-//! fold of the log as it is *now*. `tool_started` is durable before a tool runs and
-//! `tool_result` before the model sees it. Every append carries a deterministic
-//! `event_id`, so an append retried after a lost acknowledgement, or repeated by a runner
-//! that resumed the session, writes nothing twice:
+//! Promise: the model is never asked for a turn whose reply is logged, and no tool runs
+//! again once its result is logged — both follow from deciding every step on the fold of
+//! the log as it is *now*. `tool_started` is durable before a tool runs and `tool_result`
+//! before the model sees it (the guarded call lives in `tools/guard.rs`). An `interrupt`
+//! stops the step in hand within moments (the model stream or the tool is dropped) and is
+//! answered before anything else: every open call of the turn is closed and `interrupted`
+//! ends the turn. Every append carries a deterministic `event_id`, so an append retried
+//! after a lost acknowledgement, or repeated by a runner that resumed the session, writes
+//! nothing twice:
 //!
 //! | event | id |
 //! |---|---|
 //! | reply of turn `n` | `reply:<n>` |
 //! | `run_error` of turn `n` | `error:<n>` |
 //! | streamed text | `delta:<n>.<epoch>.<attempt>:<i>` (the turn id is `<n>.<epoch>.<attempt>`) |
-//! | `tool_started` | `started:<tool_use_id>:<attempt>` |
-//! | `tool_result` | `result:<tool_use_id>` |
+//! | `interrupted` answering the `interrupt` at seq `s` | `interrupted:<s>` |
+//! | calls' events | see `tools/guard.rs` |
 
 use std::time::Duration;
 
-use agentlog_proto::v1::{
-    event::Kind, AssistantDelta, Durability, RunError, ToolResult, ToolStarted,
-};
+use agentlog_proto::v1::{event::Kind, AssistantDelta, Durability, Interrupted, RunError};
 use tokio::sync::mpsc;
 use tracing::Instrument;
 
-use crate::fold::{fold_log, CallState, Conversation, Frontier, PendingCall};
-use crate::json::struct_to_object;
+use crate::fold::{Conversation, Frontier, PendingCall, PendingInterrupt};
 use crate::lease::LeaseGuard;
 use crate::model::{Backoff, Model, ModelError, ModelRequest, TextSink};
-use crate::session_log::{Appender, SessionLog, StoreError};
-use crate::tools::{ToolSpec, Toolbox};
+use crate::session_log::{Appender, InterruptSignal, SessionLog, StoreError};
+use crate::tools::guard::{self, CallsOutcome, GuardError};
+use crate::tools::{ToolPolicy, ToolSpec, Toolbox};
 
 /// Streamed text is gathered for this long before it is appended as one delta.
 const DELTA_WINDOW: Duration = Duration::from_millis(50);
@@ -44,6 +45,8 @@ pub struct TurnContext {
     pub model: Model,
     pub toolbox: Toolbox,
     pub tools: Vec<ToolSpec>,
+    /// Which calls wait for a person, and what an unknown outcome does, per tool.
+    pub policy: ToolPolicy,
     pub max_tokens: u32,
     pub backoff: Backoff,
 }
@@ -51,8 +54,10 @@ pub struct TurnContext {
 /// Why the loop ended without an error.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Outcome {
-    /// The log ends in a final reply or a `run_error`: nothing to do.
+    /// The log ends in a final reply, a `run_error` or an `interrupted`: nothing to do.
     Idle,
+    /// A call waits for a person's decision: nobody needs to hold the session.
+    AwaitingApproval,
     /// The runner is stopping or the lease was lost; the step in hand was abandoned.
     Stopped,
 }
@@ -60,8 +65,9 @@ pub enum Outcome {
 /// How one step ended.
 #[derive(Debug, PartialEq, Eq)]
 enum Step {
-    /// Its events are logged; fold again.
+    /// Its events are logged, or an interrupt cut it short: catch up and fold again.
     Done,
+    AwaitingApproval,
     /// The lease was lost or the runner is stopping.
     Stopped,
 }
@@ -72,6 +78,15 @@ pub enum TurnError {
     Store(#[from] StoreError),
     #[error("the lease has too little time left to start a tool safely")]
     LeaseAtRisk,
+}
+
+impl From<GuardError> for TurnError {
+    fn from(error: GuardError) -> TurnError {
+        match error {
+            GuardError::Store(e) => TurnError::Store(e),
+            GuardError::LeaseAtRisk => TurnError::LeaseAtRisk,
+        }
+    }
 }
 
 /// Runs the session until it is idle or must stop.
@@ -85,22 +100,76 @@ pub async fn drive_session(
         if cancel.is_cancelled() {
             return Ok(Outcome::Stopped);
         }
-        let events = tokio::select! {
+        let folded = tokio::select! {
             _ = cancel.cancelled() => return Ok(Outcome::Stopped),
-            events = log.catch_up() => events?,
+            fold = log.catch_up().instrument(tracing::info_span!("fold")) => fold?.take_folded(),
         };
-        let folded = tracing::info_span!("fold").in_scope(|| fold_log(events));
+        let interrupt = log.interrupt_signal();
+        let appender = log.appender().clone();
+        let appender = &appender;
         let step = match folded.frontier {
             Frontier::Idle => return Ok(Outcome::Idle),
+            Frontier::AnswerInterrupt {
+                interrupt: pending,
+                open,
+            } => answer_interrupt(appender, &pending, &open).await?,
             Frontier::CallModel(conversation) => {
-                call_model(context, log.appender(), lease, folded.turn, &conversation).await?
+                let step = call_model(
+                    context,
+                    appender,
+                    lease,
+                    &interrupt,
+                    folded.turn,
+                    &conversation,
+                )
+                .await;
+                log.give_back(conversation);
+                step?
             }
-            Frontier::RunTools(calls) => run_tools(context, log.appender(), lease, &calls).await?,
+            Frontier::RunTools(calls) => {
+                match guard::run_calls(
+                    &context.toolbox,
+                    &context.policy,
+                    appender,
+                    lease,
+                    &interrupt,
+                    &calls,
+                )
+                .await?
+                {
+                    CallsOutcome::Done | CallsOutcome::Interrupted => Step::Done,
+                    CallsOutcome::AwaitingApproval => Step::AwaitingApproval,
+                    CallsOutcome::Stopped => Step::Stopped,
+                }
+            }
         };
-        if step == Step::Stopped {
-            return Ok(Outcome::Stopped);
+        match step {
+            Step::Done => {}
+            Step::AwaitingApproval => return Ok(Outcome::AwaitingApproval),
+            Step::Stopped => return Ok(Outcome::Stopped),
         }
     }
+}
+
+/// Ends the interrupted turn: every open call gets an error result, then `interrupted`.
+/// Both are deterministic, so a runner that takes over half-way finishes the same answer.
+async fn answer_interrupt(
+    appender: &Appender,
+    interrupt: &PendingInterrupt,
+    open: &[PendingCall],
+) -> Result<Step, TurnError> {
+    tracing::info!(seq = interrupt.seq, open_calls = open.len(), reason = %interrupt.reason, "answering an interrupt");
+    guard::close_interrupted(appender, open, &interrupt.reason).await?;
+    appender
+        .append(
+            format!("interrupted:{}", interrupt.seq),
+            Kind::Interrupted(Interrupted {
+                reason: interrupt.reason.clone(),
+            }),
+            Durability::Sync,
+        )
+        .await?;
+    Ok(Step::Done)
 }
 
 /// Asks the model for turn `turn`, retrying transient failures, and logs the reply — or a
@@ -109,6 +178,7 @@ async fn call_model(
     context: &TurnContext,
     appender: &Appender,
     lease: &LeaseGuard,
+    interrupt: &InterruptSignal,
     turn: u64,
     conversation: &Conversation,
 ) -> Result<Step, TurnError> {
@@ -130,6 +200,11 @@ async fn call_model(
             _ = cancel.cancelled() => {
                 deltas.abort();
                 return Ok(Step::Stopped);
+            }
+            _ = interrupt.arrived() => {
+                deltas.abort();
+                tracing::info!(turn, "interrupt: the model stream was dropped");
+                return Ok(Step::Done);
             }
             reply = context.model.stream_reply(request, &sink) => reply,
         };
@@ -165,6 +240,7 @@ async fn call_model(
                 tracing::warn!(turn, attempt, %message, wait_ms = wait.as_millis() as u64, "model call failed; retrying");
                 tokio::select! {
                     _ = cancel.cancelled() => return Ok(Step::Stopped),
+                    _ = interrupt.arrived() => return Ok(Step::Done),
                     _ = tokio::time::sleep(wait) => {}
                 }
                 crate::metrics::model_retried(&context.model);
@@ -222,84 +298,4 @@ async fn write_deltas(
         }
     }
     Ok(())
-}
-
-/// Walks the last reply's calls in order: a logged result is left alone, anything else runs
-/// under its guard.
-async fn run_tools(
-    context: &TurnContext,
-    appender: &Appender,
-    lease: &LeaseGuard,
-    calls: &[PendingCall],
-) -> Result<Step, TurnError> {
-    for call in calls {
-        let attempt = match call.state {
-            CallState::Finished(_) => continue,
-            CallState::NotStarted => 1,
-            CallState::Interrupted { attempt } => {
-                crate::metrics::interrupted_call("rerun");
-                tracing::warn!(
-                    tool_use_id = %call.tool_use.id,
-                    tool = %call.tool_use.name,
-                    effect = ?Toolbox::effect_class(&call.tool_use.name),
-                    attempt,
-                    "the call was interrupted with its outcome unknown; running it again with the same idempotency key"
-                );
-                attempt + 1
-            }
-        };
-        if run_tool_guarded(context, appender, lease, call, attempt).await? == Step::Stopped {
-            return Ok(Step::Stopped);
-        }
-    }
-    Ok(Step::Done)
-}
-
-/// One call: `tool_started` (durable) → run once → `tool_result` (durable).
-async fn run_tool_guarded(
-    context: &TurnContext,
-    appender: &Appender,
-    lease: &LeaseGuard,
-    call: &PendingCall,
-    attempt: u32,
-) -> Result<Step, TurnError> {
-    let id = &call.tool_use.id;
-    let key = format!("{}/{id}", appender.session_id());
-    if !lease.has_margin() {
-        return Err(TurnError::LeaseAtRisk);
-    }
-    appender
-        .append(
-            format!("started:{id}:{attempt}"),
-            Kind::ToolStarted(ToolStarted {
-                tool_use_id: id.clone(),
-                idempotency_key: key.clone(),
-                attempt,
-            }),
-            Durability::Sync,
-        )
-        .await?;
-    // The append may have waited out a pause of this process: look again before acting.
-    if !lease.has_margin() {
-        return Err(TurnError::LeaseAtRisk);
-    }
-    tracing::info!(tool_use_id = %id, tool = %call.tool_use.name, attempt, "running tool");
-    let input = struct_to_object(call.tool_use.input.as_ref());
-    let output = tokio::select! {
-        // Dropping the run kills a bash command's process group.
-        _ = lease.cancelled().cancelled() => return Ok(Step::Stopped),
-        output = crate::metrics::tool_run(&call.tool_use.name, context.toolbox.run(appender.session_id(), &call.tool_use.name, input, &key)) => output,
-    };
-    appender
-        .append(
-            format!("result:{id}"),
-            Kind::ToolResult(ToolResult {
-                tool_use_id: id.clone(),
-                content: output.content,
-                is_error: output.is_error,
-            }),
-            Durability::Sync,
-        )
-        .await?;
-    Ok(Step::Done)
 }

@@ -31,6 +31,27 @@ pub fn start_runner(
     ttl_ms: u64,
     max_sessions: usize,
 ) -> RunnerProc {
+    start_runner_with(
+        store_url,
+        id,
+        workspace_root,
+        model_url,
+        ttl_ms,
+        max_sessions,
+        &[],
+    )
+}
+
+/// [`start_runner`] with more flags (e.g. `--approve bash`).
+pub fn start_runner_with(
+    store_url: &str,
+    id: &str,
+    workspace_root: &Path,
+    model_url: &str,
+    ttl_ms: u64,
+    max_sessions: usize,
+    extra: &[&str],
+) -> RunnerProc {
     let mut child = Command::new(bin_path("runner"))
         .args([
             "--event-store",
@@ -48,6 +69,7 @@ pub fn start_runner(
             "--max-sessions",
             &max_sessions.to_string(),
         ])
+        .args(extra)
         .env("ANTHROPIC_BASE_URL", model_url)
         .env("ANTHROPIC_API_KEY", "test-key")
         .env(
@@ -329,4 +351,82 @@ pub fn key_counts(workspace_root: &Path, session: &str) -> HashMap<String, usize
         *counts.entry(line.to_string()).or_default() += 1;
     }
     counts
+}
+
+/// What one `agentlog` command printed.
+#[derive(Debug)]
+pub struct CliOutput {
+    pub success: bool,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+/// Runs the `agentlog` CLI against the store at `store_url`, as a user would.
+pub fn agentlog(store_url: &str, args: &[&str]) -> CliOutput {
+    let out = Command::new(bin_path("agentlog"))
+        .args(["--addr", store_url])
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .expect("run agentlog");
+    CliOutput {
+        success: out.status.success(),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+/// Polls the session's log until `done` holds; panics with the log after `limit`.
+pub async fn wait_for_log(
+    client: &mut EventStoreClient<Channel>,
+    session: &str,
+    limit: Duration,
+    done: impl Fn(&[Event]) -> bool,
+) -> Vec<Event> {
+    let deadline = Instant::now() + limit;
+    loop {
+        let events = history(client, session).await;
+        if done(&events) {
+            return events;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "session {session}: condition not met within {limit:?}: {:#?}",
+            kinds(&events)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Whether the log has an event of this kind (by its [`kinds`] name prefix).
+pub fn has(events: &[Event], kind: &str) -> bool {
+    kinds(events).iter().any(|k| k.starts_with(kind))
+}
+
+/// The logged result of a call.
+pub fn result_of(events: &[Event], tool_use_id: &str) -> Option<(String, bool)> {
+    events.iter().find_map(|e| match &e.kind {
+        Some(Kind::ToolResult(r)) if r.tool_use_id == tool_use_id => {
+            Some((r.content.clone(), r.is_error))
+        }
+        _ => None,
+    })
+}
+
+/// Waits until the store reports `want` for the session.
+pub async fn wait_status(
+    client: &mut EventStoreClient<Channel>,
+    session: &str,
+    want: SessionStatus,
+    limit: Duration,
+) {
+    let deadline = Instant::now() + limit;
+    while status(client, session).await != want {
+        assert!(
+            Instant::now() < deadline,
+            "session {session} not {want:?} within {limit:?}: {:#?}",
+            kinds(&history(client, session).await)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }

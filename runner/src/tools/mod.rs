@@ -1,4 +1,4 @@
-//! The tools a model may call (SPEC §3; names and inputs are contract), run in the
+//! The tools a model may call (names and inputs are part of the protocol), run in the
 //! session's workspace `<workspace-root>/<session_id>/`.
 //!
 //! Promise: [`Toolbox::run`] never fails and never panics on model input. Whatever goes
@@ -8,10 +8,13 @@
 
 mod bash;
 mod files;
+pub mod guard;
 pub mod sandbox;
 mod workspace;
 
+use std::collections::{BTreeSet, HashMap};
 use std::path::PathBuf;
+use std::str::FromStr;
 use std::sync::Arc;
 
 use serde::de::DeserializeOwned;
@@ -39,7 +42,41 @@ pub enum EffectClass {
     SideEffect,
 }
 
-/// A tool as the model sees it, plus how it behaves when repeated.
+/// What happens to a call whose `tool_started` is logged and whose result is not: the
+/// runner that wrote it died (or lost its lease) mid-call, so nobody knows whether it took
+/// effect. Decided by [`guard::next_action`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UnknownOutcome {
+    /// Run it again (as attempt + 1): harmless for a read or an idempotent write.
+    Rerun,
+    /// Run it again as attempt + 1 with the same idempotency key, so a downstream that
+    /// honours the key collapses the duplicate.
+    RerunSameKey,
+    /// Never run it again: the model gets an error result saying it may or may not have
+    /// taken effect.
+    Report,
+    /// Ask a person (`approval_requested` naming the uncertainty) before running it again.
+    Ask,
+}
+
+impl FromStr for UnknownOutcome {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<UnknownOutcome, String> {
+        match s {
+            "rerun" => Ok(UnknownOutcome::Rerun),
+            "rerun-same-key" => Ok(UnknownOutcome::RerunSameKey),
+            "report" => Ok(UnknownOutcome::Report),
+            "ask" => Ok(UnknownOutcome::Ask),
+            other => Err(format!(
+                "{other:?} is not an unknown-outcome policy (rerun, rerun-same-key, report, ask)"
+            )),
+        }
+    }
+}
+
+/// A tool as the model sees it, plus how it behaves when repeated: the one registry of the
+/// tools' names, schemas, effect classes and unknown-outcome policies.
 #[derive(Debug, Clone)]
 pub struct ToolSpec {
     pub name: &'static str,
@@ -47,6 +84,79 @@ pub struct ToolSpec {
     /// JSON Schema of the input object.
     pub input_schema: Value,
     pub effect: EffectClass,
+    /// The default for a call interrupted with its outcome unknown (the runner's
+    /// `--on-unknown-outcome` overrides it).
+    pub on_unknown_outcome: UnknownOutcome,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PolicyError {
+    #[error("{flag}: there is no tool named {name:?}; the tools are bash, read_file, write_file, edit_file and list_files")]
+    UnknownTool { flag: &'static str, name: String },
+    #[error("--on-unknown-outcome {0:?}: expected TOOL=POLICY, e.g. bash=report")]
+    Setting(String),
+    #[error("--on-unknown-outcome: {0}")]
+    Policy(String),
+}
+
+/// How this runner treats calls, per tool: which need a person's yes before they run, and
+/// what happens to one interrupted with its outcome unknown.
+#[derive(Debug, Clone, Default)]
+pub struct ToolPolicy {
+    approve: BTreeSet<String>,
+    on_unknown_outcome: HashMap<String, UnknownOutcome>,
+}
+
+impl ToolPolicy {
+    /// `approve`: tool names (`runner --approve`); `on_unknown_outcome`: `TOOL=POLICY`
+    /// settings (`runner --on-unknown-outcome`). Names no tool has are refused.
+    pub fn new(
+        approve: &[String],
+        on_unknown_outcome: &[String],
+    ) -> Result<ToolPolicy, PolicyError> {
+        let known = |flag: &'static str, name: &str| {
+            if Toolbox::spec(name).is_some() {
+                Ok(name.to_string())
+            } else {
+                Err(PolicyError::UnknownTool {
+                    flag,
+                    name: name.to_string(),
+                })
+            }
+        };
+        let approve = approve
+            .iter()
+            .map(|name| known("--approve", name.trim()))
+            .collect::<Result<_, _>>()?;
+        let mut overrides = HashMap::new();
+        for setting in on_unknown_outcome {
+            let (name, policy) = setting
+                .split_once('=')
+                .ok_or_else(|| PolicyError::Setting(setting.clone()))?;
+            let name = known("--on-unknown-outcome", name.trim())?;
+            let policy = policy.trim().parse().map_err(PolicyError::Policy)?;
+            overrides.insert(name, policy);
+        }
+        Ok(ToolPolicy {
+            approve,
+            on_unknown_outcome: overrides,
+        })
+    }
+
+    /// Whether a call of `tool` waits for a person's yes before each attempt.
+    pub fn needs_approval(&self, tool: &str) -> bool {
+        self.approve.contains(tool)
+    }
+
+    /// The policy for a call of `tool` interrupted with its outcome unknown. A name no tool
+    /// has runs nothing (its result is an error), so running it again is harmless.
+    pub fn on_unknown_outcome(&self, tool: &str) -> UnknownOutcome {
+        self.on_unknown_outcome
+            .get(tool)
+            .copied()
+            .or_else(|| Toolbox::spec(tool).map(|spec| spec.on_unknown_outcome))
+            .unwrap_or(UnknownOutcome::Rerun)
+    }
 }
 
 /// The outcome of one call, as it goes into `tool_result`.
@@ -106,6 +216,7 @@ impl Toolbox {
                     "required": ["command"]
                 }),
                 effect: EffectClass::SideEffect,
+                on_unknown_outcome: UnknownOutcome::RerunSameKey,
             },
             ToolSpec {
                 name: "read_file",
@@ -116,6 +227,7 @@ impl Toolbox {
                     "required": ["path"]
                 }),
                 effect: EffectClass::Read,
+                on_unknown_outcome: UnknownOutcome::Rerun,
             },
             ToolSpec {
                 name: "write_file",
@@ -130,6 +242,7 @@ impl Toolbox {
                     "required": ["path", "content"]
                 }),
                 effect: EffectClass::Idempotent,
+                on_unknown_outcome: UnknownOutcome::Rerun,
             },
             ToolSpec {
                 name: "edit_file",
@@ -145,6 +258,7 @@ impl Toolbox {
                     "required": ["path", "old", "new"]
                 }),
                 effect: EffectClass::SideEffect,
+                on_unknown_outcome: UnknownOutcome::RerunSameKey,
             },
             ToolSpec {
                 name: "list_files",
@@ -155,16 +269,20 @@ impl Toolbox {
                     "properties": {"path": {"type": "string", "description": "Relative to the workspace; default: the workspace itself."}}
                 }),
                 effect: EffectClass::Read,
+                on_unknown_outcome: UnknownOutcome::Rerun,
             },
         ]
     }
 
-    /// The effect class of a tool; `None` for a name no tool has (such a call runs nothing).
+    /// The registry entry of a tool; `None` for a name no tool has (such a call runs
+    /// nothing).
+    pub fn spec(name: &str) -> Option<ToolSpec> {
+        Toolbox::specs().into_iter().find(|spec| spec.name == name)
+    }
+
+    /// The effect class of a tool; `None` for a name no tool has.
     pub fn effect_class(name: &str) -> Option<EffectClass> {
-        Toolbox::specs()
-            .into_iter()
-            .find(|spec| spec.name == name)
-            .map(|spec| spec.effect)
+        Toolbox::spec(name).map(|spec| spec.effect)
     }
 
     /// Runs one call in `<root>/<session_id>/`. `idempotency_key` is passed to the tool
@@ -258,6 +376,30 @@ mod tests {
             assert_eq!(Toolbox::effect_class(spec.name), Some(spec.effect));
         }
         assert_eq!(Toolbox::effect_class("rm_rf"), None);
+    }
+
+    #[test]
+    fn the_policy_takes_registry_defaults_and_command_line_overrides() {
+        let policy = ToolPolicy::new(
+            &["bash".into()],
+            &["bash=report".into(), "edit_file = ask".into()],
+        )
+        .expect("valid policy");
+        assert!(policy.needs_approval("bash") && !policy.needs_approval("read_file"));
+        assert_eq!(policy.on_unknown_outcome("bash"), UnknownOutcome::Report);
+        assert_eq!(policy.on_unknown_outcome("edit_file"), UnknownOutcome::Ask);
+        assert_eq!(
+            policy.on_unknown_outcome("read_file"),
+            UnknownOutcome::Rerun
+        );
+        let default = ToolPolicy::default();
+        assert_eq!(
+            default.on_unknown_outcome("bash"),
+            UnknownOutcome::RerunSameKey
+        );
+        assert!(ToolPolicy::new(&["rm_rf".into()], &[]).is_err());
+        assert!(ToolPolicy::new(&[], &["bash".into()]).is_err());
+        assert!(ToolPolicy::new(&[], &["bash=maybe".into()]).is_err());
     }
 
     #[tokio::test]
