@@ -246,7 +246,11 @@ impl Report {
         } else {
             *self.clients().last().unwrap_or(&1)
         };
-        let ours64 = self.rate(Target::Agentlog, c64).map(|r| r.median());
+        // The best path the store offers: unary Append or AppendStream.
+        let ours64 = [Target::Agentlog, Target::AgentlogStream]
+            .into_iter()
+            .filter_map(|t| self.rate(t, c64).map(|r| r.median()))
+            .reduce(f64::max);
         for (target, name) in [
             (Target::Postgres, "PostgreSQL"),
             (Target::Redis, "Redis (appendfsync always)"),
@@ -364,6 +368,7 @@ impl Report {
         let targets = [
             Target::Agentlog,
             Target::AgentlogOneSession,
+            Target::AgentlogStream,
             Target::Ceiling,
             Target::CeilingOneSession,
             Target::Naive,

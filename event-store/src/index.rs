@@ -8,6 +8,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
+use std::sync::Mutex;
 
 use prost::Message;
 
@@ -50,6 +51,7 @@ pub struct Index {
 pub struct IndexBatch {
     batch: sled::Batch,
     touched: HashSet<String>,
+    records: usize,
 }
 
 impl IndexBatch {
@@ -66,7 +68,10 @@ impl IndexBatch {
                 &event.seq.to_be_bytes()[..],
             );
         }
-        self.touched.insert(record.session_id().to_string());
+        self.records += 1;
+        if !self.touched.contains(record.session_id()) {
+            self.touched.insert(record.session_id().to_string());
+        }
     }
 
     /// The sessions whose metadata this batch must also store.
@@ -76,6 +81,54 @@ impl IndexBatch {
 
     pub fn is_empty(&self) -> bool {
         self.touched.is_empty()
+    }
+
+    /// Records added.
+    pub fn len(&self) -> usize {
+        self.records
+    }
+}
+
+/// Where the newest durable events are, by session, until the index has absorbed them.
+/// Readers look here before they look in the index, and the writer forgets these only
+/// after the index holds them, so a reader never misses a durable event.
+#[derive(Default)]
+pub struct Recent {
+    positions: Mutex<HashMap<String, Vec<(u64, Position)>>>,
+}
+
+impl Recent {
+    /// Durable records at `positions` (in log order).
+    pub fn add(&self, positions: &[Position], records: &[Record]) {
+        let mut map = self.positions.lock().unwrap_or_else(|p| p.into_inner());
+        for (pos, record) in positions.iter().zip(records) {
+            if let Record::Event(event) = record {
+                match map.get_mut(event.session_id.as_str()) {
+                    Some(seqs) => seqs.push((event.seq, *pos)),
+                    None => {
+                        map.insert(event.session_id.clone(), vec![(event.seq, *pos)]);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Forgets everything: the index holds it now.
+    pub fn clear(&self) {
+        self.positions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
+    }
+
+    /// Up to `limit` positions of the session's recent events from `from_seq` on, ascending.
+    pub fn positions(&self, session_id: &str, from_seq: u64, limit: usize) -> Vec<(u64, Position)> {
+        let map = self.positions.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(seqs) = map.get(session_id) else {
+            return Vec::new();
+        };
+        let start = seqs.partition_point(|(seq, _)| *seq < from_seq);
+        seqs[start..].iter().take(limit).copied().collect()
     }
 }
 
