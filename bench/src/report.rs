@@ -511,6 +511,9 @@ impl Report {
         }
         writeln!(md)?;
         let (events, interval, fan) = &self.fan_out;
+        if fan.is_empty() {
+            return Ok(());
+        }
         writeln!(
             md,
             "Live fan-out: N followers on one session; a writer appends {events} events, one every {} ms; \
@@ -539,6 +542,9 @@ impl Report {
     }
 
     fn render_resume(&self, md: &mut String) -> std::fmt::Result {
+        if self.resume.is_empty() {
+            return Ok(());
+        }
         writeln!(md, "## 5. Resume\n")?;
         writeln!(
             md,

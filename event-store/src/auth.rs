@@ -730,6 +730,49 @@ mod tests {
     }
 
     #[test]
+    fn each_request_of_an_append_stream_is_authorized_like_an_append() {
+        let set = set();
+        let acme = set.authenticate("tok-a").expect("known");
+        let pool = set.authenticate("tok-r").expect("known");
+        let request = |id: &str, kind: agentlog_proto::v1::event::Kind| AppendRequest {
+            session_id: id.into(),
+            events: vec![agentlog_proto::v1::Event {
+                kind: Some(kind),
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let user = || agentlog_proto::v1::event::Kind::UserMessage(Default::default());
+        let result = || agentlog_proto::v1::event::Kind::ToolResult(Default::default());
+        let code = |r: Result<(), Status>| r.err().map(|s| s.code());
+        use tonic::Code::*;
+        assert_eq!(
+            code(authorize(acme, Rpc::AppendStream, &Target::default())),
+            None
+        );
+        assert_eq!(
+            code(authorize_append(acme, &request("acme:1", user()))),
+            None
+        );
+        assert_eq!(
+            code(authorize_append(acme, &request("acme:1", result()))),
+            Some(PermissionDenied)
+        );
+        assert_eq!(
+            code(authorize_append(acme, &request("beta:1", user()))),
+            Some(PermissionDenied)
+        );
+        assert_eq!(
+            code(authorize_append(pool, &request("beta:1", result()))),
+            None
+        );
+        assert_eq!(
+            code(authorize_append(pool, &request("beta:1", user()))),
+            Some(PermissionDenied)
+        );
+    }
+
+    #[test]
     fn roles_and_scopes() {
         let set = set();
         let acme = set.authenticate("tok-a").expect("known");

@@ -47,8 +47,10 @@ use crate::Shared;
 const MAX_BATCH_OPS: usize = 4096;
 /// The index absorbs the durable records once this many wait for it, even under load.
 const INDEX_BATCH_RECORDS: usize = 8192;
-/// When the writer is idle, records that waited this long are absorbed into the index.
-const INDEX_LAG: Duration = Duration::from_millis(10);
+/// When the writer is idle, records that waited this long are absorbed into the index. The
+/// longer, the more appends share each session's metadata write in sled; what waits costs
+/// only memory and, after a crash, replay.
+const INDEX_LAG: Duration = Duration::from_millis(100);
 
 pub enum Op {
     Append(
