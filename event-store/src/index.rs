@@ -1,6 +1,11 @@
 //! The index, in sled: sessions (status, lease, title), `event_id → seq` for dedup,
 //! `(session, seq) → log position` for reads, and how far into the log it has absorbed.
 //!
+//! An event id that names its own event's seq (`auto-<seq>-<random>`, the form the store
+//! gives an event that came without an id; see [`self_named_seq`]) is not put in
+//! `event_id → seq`: dedup reads the event at that seq and compares instead, which saves
+//! an index write per such event.
+//!
 //! sled is never on the acknowledgement path and never needs its own flush to be correct:
 //! each batch of index updates carries the log offset it brings the index up to, in one
 //! atomic sled batch, and on start the store replays the log from that offset. Whatever
@@ -63,10 +68,12 @@ impl IndexBatch {
             value[8..].copy_from_slice(&pos.len.to_be_bytes());
             self.batch
                 .insert(position_key(&event.session_id, event.seq), &value[..]);
-            self.batch.insert(
-                event_id_key(&event.session_id, &event.event_id),
-                &event.seq.to_be_bytes()[..],
-            );
+            if self_named_seq(&event.event_id) != Some(event.seq) {
+                self.batch.insert(
+                    event_id_key(&event.session_id, &event.event_id),
+                    &event.seq.to_be_bytes()[..],
+                );
+            }
         }
         self.records += 1;
         if !self.touched.contains(record.session_id()) {
@@ -87,6 +94,21 @@ impl IndexBatch {
     pub fn len(&self) -> usize {
         self.records
     }
+}
+
+/// How the ids the store makes start.
+pub const GENERATED_ID_PREFIX: &str = "auto-";
+
+/// The seq an id of the form `auto-<seq>-<random>` names. Such an id is kept out of the
+/// `event_id → seq` index when it is its event's own seq (whoever chose it), so dedup of
+/// any id of this form also looks at the event at that seq.
+pub fn self_named_seq(event_id: &str) -> Option<u64> {
+    let rest = event_id.strip_prefix(GENERATED_ID_PREFIX)?;
+    let (seq, random) = rest.split_once('-')?;
+    if random.is_empty() {
+        return None;
+    }
+    seq.parse().ok()
 }
 
 /// Where the newest durable events are, by session, until the index has absorbed them.

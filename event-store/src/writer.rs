@@ -34,8 +34,8 @@ use tokio::sync::mpsc::error::TryRecvError;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::error::StoreError;
-use crate::index::{Index, IndexBatch};
-use crate::log::{record, LeaseRecord, LogError, LogWriter, Record};
+use crate::index::{self_named_seq, Index, IndexBatch, Recent, GENERATED_ID_PREFIX};
+use crate::log::{record, LeaseRecord, LogError, LogReader, LogWriter, Record};
 use crate::scope::Scope;
 use crate::session::{
     check_approval_decisions, is_runner_kind, kind_name, lease_of, now_unix_ms, SessionMeta,
@@ -375,13 +375,15 @@ impl Writer {
         let mut next = meta.last_seq + 1;
         for mut event in req.events {
             let known = if event.event_id.is_empty() {
-                // A fresh random id is new: nothing to look up.
-                event.event_id = uuid::Uuid::new_v4().to_string();
                 None
             } else if let Some(seq) = ids.get(&event.event_id) {
                 Some(*seq)
+            } else if let Some(seq) = self.index.event_seq(&req.session_id, &event.event_id)? {
+                Some(seq)
             } else {
-                self.index.event_seq(&req.session_id, &event.event_id)?
+                let log = self.log.reader();
+                let found = (&self.index, &*self.shared.recent, &*log);
+                self_named(found, &req.session_id, &event.event_id, meta.last_seq)?
             };
             if let Some(seq) = known {
                 seqs.push(seq);
@@ -390,7 +392,16 @@ impl Writer {
             event.seq = next;
             event.ts_unix_ms = now;
             event.schema_version = SCHEMA_VERSION;
-            ids.insert(event.event_id.clone(), next);
+            if event.event_id.is_empty() {
+                // Names its own seq, so it needs no index entry (see `index`); the random
+                // part keeps it from meeting an id a client chose.
+                event.event_id = format!(
+                    "{GENERATED_ID_PREFIX}{next}-{}",
+                    uuid::Uuid::new_v4().simple()
+                );
+            } else {
+                ids.insert(event.event_id.clone(), next);
+            }
             seqs.push(next);
             fresh.push(event);
             next += 1;
@@ -574,9 +585,9 @@ impl Op {
     /// The most bytes of log this operation can write (it is given its seqs, ids and
     /// timestamps only later, so this bounds what they add).
     fn max_log_bytes(&self) -> u64 {
-        // Frame and kind byte; session id, seq, event id (a generated one is 36 bytes),
+        // Frame and kind byte; session id, seq, event id (a generated one is at most 58),
         // timestamp and schema version with their tags and lengths.
-        const PER_EVENT: usize = record::HEADER_LEN + 1 + 3 + 11 + 3 + 36 + 11 + 6;
+        const PER_EVENT: usize = record::HEADER_LEN + 1 + 3 + 11 + 3 + 58 + 11 + 6;
         match self {
             Op::Append(op, _) => op
                 .events
@@ -601,6 +612,36 @@ impl Pending {
             }
         }
     }
+}
+
+/// Dedup of an id of the form `auto-<seq>-…` (see [`self_named_seq`]) that the index does
+/// not hold: the seq of the durable event at that seq, if it carries this very id. (An event
+/// of the batch in hand cannot be meant: its id was never told to anyone.)
+fn self_named(
+    (index, recent, log): (&Index, &Recent, &LogReader),
+    session_id: &str,
+    event_id: &str,
+    last_seq: u64,
+) -> Result<Option<u64>, StoreError> {
+    let Some(seq) = self_named_seq(event_id).filter(|s| (1..=last_seq).contains(s)) else {
+        return Ok(None);
+    };
+    let in_recent = recent.positions(session_id, seq, 1);
+    let found = match in_recent.first() {
+        Some(&(s, pos)) if s == seq => Some(pos),
+        _ => index
+            .positions(session_id, seq, 1)?
+            .first()
+            .filter(|(s, _)| *s == seq)
+            .map(|(_, pos)| *pos),
+    };
+    let Some(pos) = found else {
+        return Ok(None);
+    };
+    Ok(match log.read(pos)? {
+        Record::Event(event) if event.event_id == event_id => Some(seq),
+        _ => None,
+    })
 }
 
 fn grant(
