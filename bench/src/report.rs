@@ -631,8 +631,9 @@ impl Report {
         writeln!(
             md,
             "- **agentlog**: the real `event-store` release binary, `Append` of one event per \
-             request over tonic, one HTTP/2 connection per client. The ceiling is the same \
-             binary built with `--features unsafe-skip-fsync` into its own target dir \
+             request over tonic, one HTTP/2 connection per client; *AppendStream*: the same \
+             appends, each sent once the previous one is answered, on one `AppendStream` call \
+             per client. The ceiling is the same binary built with `--features unsafe-skip-fsync` into its own target dir \
              (`LogWriter::sync` does nothing), started beside it.\n\
              - **naive**: one process appends a JSON line to a file and calls `fsync` per event \
              (what most agent harnesses do).\n\
