@@ -224,9 +224,10 @@ impl Writer {
         Ok(())
     }
 
-    /// Makes room in the log for everything `ops` may write. While the volume is full,
-    /// every op that would write is answered `RESOURCE_EXHAUSTED` here, before anything of
-    /// the batch is written (nothing torn, no state changed), and only the rest goes on.
+    /// Makes room in the log for everything `ops` may write and hands them back. While the
+    /// volume is full, every op of the batch is answered `RESOURCE_EXHAUSTED` here instead,
+    /// before anything of it is written or any state changes (nothing torn), and none is
+    /// handed back.
     fn make_room(&mut self, ops: Vec<Op>) -> Result<Vec<Op>, StoreError> {
         let bound: u64 = ops.iter().map(Op::max_log_bytes).sum();
         let reason = match self.log.reserve(bound) {
