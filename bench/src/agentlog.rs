@@ -5,7 +5,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use agentlog_proto::v1::event_store_client::EventStoreClient;
-use agentlog_proto::v1::{event, AppendRequest, Event, SubscribeRequest, UserMessage};
+use agentlog_proto::v1::{
+    append_stream_response, event, AppendRequest, AppendStreamResponse, Event, SubscribeRequest,
+    UserMessage,
+};
 use anyhow::Context;
 use integration_tests::Store;
 use tonic::transport::Channel;
@@ -35,6 +38,56 @@ impl Appender for AgentlogAppender {
     async fn append(&mut self) -> anyhow::Result<()> {
         self.client.append(self.request.clone()).await?;
         Ok(())
+    }
+}
+
+/// The same appends as [`AgentlogAppender`] (one SYNC 300-byte event each, the next sent
+/// once the previous one is acknowledged) on one `AppendStream` per client, on its own
+/// HTTP/2 connection.
+pub struct AgentlogStreamAppender {
+    requests: tokio::sync::mpsc::Sender<AppendRequest>,
+    responses: tonic::Streaming<AppendStreamResponse>,
+    request: AppendRequest,
+}
+
+impl AgentlogStreamAppender {
+    pub async fn connect(url: &str, session_id: String) -> anyhow::Result<AgentlogStreamAppender> {
+        let mut client = EventStoreClient::connect(url.to_string()).await?;
+        let (requests, rx) = tokio::sync::mpsc::channel(16);
+        let responses = client
+            .append_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await?
+            .into_inner();
+        Ok(AgentlogStreamAppender {
+            requests,
+            responses,
+            request: AppendRequest {
+                session_id,
+                events: vec![user_event(crate::event_text())],
+                ..Default::default()
+            },
+        })
+    }
+}
+
+impl Appender for AgentlogStreamAppender {
+    async fn append(&mut self) -> anyhow::Result<()> {
+        self.requests
+            .send(self.request.clone())
+            .await
+            .context("the append stream closed")?;
+        let response = self
+            .responses
+            .message()
+            .await?
+            .context("the append stream ended")?;
+        match response.result {
+            Some(append_stream_response::Result::Response(_)) => Ok(()),
+            Some(append_stream_response::Result::Error(e)) => {
+                anyhow::bail!("append refused: code {}: {}", e.code, e.message)
+            }
+            None => anyhow::bail!("an empty AppendStream response"),
+        }
     }
 }
 

@@ -25,7 +25,7 @@ use anyhow::Context;
 use clap::Parser;
 use integration_tests::Store;
 
-use crate::agentlog::AgentlogAppender;
+use crate::agentlog::{AgentlogAppender, AgentlogStreamAppender};
 use crate::baselines::{etcd::Etcd, postgres::Postgres, redis::Redis};
 use crate::load::{closed_loop, Appender, LoadRun, Window};
 use crate::report::Report;
@@ -75,6 +75,10 @@ struct Args {
     /// Run only the resume figure (section 5), e.g. after a change to the runner.
     #[arg(long)]
     only_resume: bool,
+    /// Only the limits, appends, the profile and catch-up: skip the fan-out, resume and
+    /// footprint figures (to compare a change of the write path quickly).
+    #[arg(long)]
+    skip_slow: bool,
     /// The command that ran this, for the report.
     #[arg(long, default_value = "")]
     command: String,
@@ -152,6 +156,8 @@ pub enum Target {
     Agentlog,
     /// agentlog, every client on one session.
     AgentlogOneSession,
+    /// agentlog through `AppendStream`, one session per client.
+    AgentlogStream,
     /// agentlog with fsync skipped, one session per client.
     Ceiling,
     /// agentlog with fsync skipped, every client on one session.
@@ -167,6 +173,7 @@ impl Target {
         match self {
             Target::Agentlog => "agentlog, one session per client",
             Target::AgentlogOneSession => "agentlog, all clients on one session",
+            Target::AgentlogStream => "agentlog AppendStream, one session per client",
             Target::Ceiling => "agentlog, fsync skipped (ceiling), one session per client",
             Target::CeilingOneSession => "agentlog, fsync skipped (ceiling), one session",
             Target::Naive => "naive JSONL + fsync per event (one process)",
@@ -189,6 +196,7 @@ struct Systems {
 
 enum AnyAppender {
     Agentlog(AgentlogAppender),
+    AgentlogStream(AgentlogStreamAppender),
     Naive(disk::NaiveJsonl),
     Postgres(baselines::postgres::PgAppender),
     Redis(baselines::redis::RedisAppender),
@@ -199,6 +207,7 @@ impl Appender for AnyAppender {
     async fn append(&mut self) -> anyhow::Result<()> {
         match self {
             AnyAppender::Agentlog(a) => a.append().await,
+            AnyAppender::AgentlogStream(a) => a.append().await,
             AnyAppender::Naive(a) => a.append().await,
             AnyAppender::Postgres(a) => a.append().await,
             AnyAppender::Redis(a) => a.append().await,
@@ -226,6 +235,10 @@ impl Systems {
                 ),
                 Target::AgentlogOneSession => AnyAppender::Agentlog(
                     AgentlogAppender::connect(&self.store.url(), shared).await?,
+                ),
+                Target::AgentlogStream => AnyAppender::AgentlogStream(
+                    AgentlogStreamAppender::connect(&self.store.url(), format!("{session}-s"))
+                        .await?,
                 ),
                 Target::Ceiling | Target::CeilingOneSession => {
                     let Some(ceiling) = &self.ceiling else {
@@ -392,6 +405,7 @@ async fn run_suite(
     let targets = [
         Target::Agentlog,
         Target::AgentlogOneSession,
+        Target::AgentlogStream,
         Target::Ceiling,
         Target::CeilingOneSession,
         Target::Naive,
@@ -505,6 +519,10 @@ async fn run_suite(
         }
     }
     report.catch_up = (n, catch_up);
+    if args.skip_slow {
+        report.note("Fan-out, resume and footprint were skipped (`--skip-slow`).".into());
+        return Ok(());
+    }
 
     progress("fan-out");
     let mut fan_out: Vec<(&'static str, usize, Vec<Vec<f64>>)> = Vec::new();

@@ -317,6 +317,9 @@ fn read(path: &Path) -> Result<String, TokensError> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Rpc {
     Append,
+    /// Authorized per request, in the service, as [`Rpc::Append`] (see
+    /// [`authorize_append`]).
+    AppendStream,
     Subscribe,
     GetSession,
     ListSessions,
@@ -327,8 +330,9 @@ pub enum Rpc {
 }
 
 impl Rpc {
-    pub const ALL: [Rpc; 8] = [
+    pub const ALL: [Rpc; 9] = [
         Rpc::Append,
+        Rpc::AppendStream,
         Rpc::Subscribe,
         Rpc::GetSession,
         Rpc::ListSessions,
@@ -341,6 +345,7 @@ impl Rpc {
     fn from_method(method: &str) -> Option<Rpc> {
         Some(match method {
             "Append" => Rpc::Append,
+            "AppendStream" => Rpc::AppendStream,
             "Subscribe" => Rpc::Subscribe,
             "GetSession" => Rpc::GetSession,
             "ListSessions" => Rpc::ListSessions,
@@ -402,7 +407,10 @@ pub fn authorize(caller: &Caller, rpc: Rpc, target: &Target) -> Result<(), Statu
     }
     let who = &caller.name;
     let role_may = match (caller.role, rpc) {
-        (_, Rpc::Append | Rpc::Subscribe | Rpc::GetSession | Rpc::ListSessions) => true,
+        (
+            _,
+            Rpc::Append | Rpc::AppendStream | Rpc::Subscribe | Rpc::GetSession | Rpc::ListSessions,
+        ) => true,
         (Role::Runner, _) => true,
         (Role::Client, _) => false,
         (Role::Admin, _) => true,
@@ -412,7 +420,10 @@ pub fn authorize(caller: &Caller, rpc: Rpc, target: &Target) -> Result<(), Statu
             "token {who:?} (role client) may not call {rpc:?}; that needs a runner or admin token"
         )));
     }
-    if matches!(rpc, Rpc::ListSessions | Rpc::ClaimSession) {
+    if matches!(
+        rpc,
+        Rpc::ListSessions | Rpc::ClaimSession | Rpc::AppendStream
+    ) {
         return Ok(());
     }
     if !caller.scope.admits(&target.session_id) {
@@ -427,23 +438,51 @@ pub fn authorize(caller: &Caller, rpc: Rpc, target: &Target) -> Result<(), Statu
         });
     }
     if rpc == Rpc::Append {
-        let client = caller.role == Role::Client;
-        for (i, kind) in target.kinds.iter().enumerate() {
-            let Some(kind) = kind else { continue };
-            if is_runner_kind(kind) == client {
-                return Err(Status::permission_denied(format!(
-                    "events[{i}]: token {who:?} (role {}) may not append {}; {}",
-                    if client { "client" } else { "runner" },
-                    kind_name(kind),
-                    if client {
-                        "clients append user_message, interrupt and approval_decision only"
-                    } else {
-                        "runners append the runner-written kinds only (assistant_message, \
-                         tool_started, tool_result, assistant_delta, run_error, interrupted, \
-                         approval_requested)"
-                    }
-                )));
-            }
+        check_kinds(caller, target.kinds.iter().map(Option::as_ref))?;
+    }
+    Ok(())
+}
+
+/// Whether `caller` may make this append (one request of an `AppendStream`): the rule of
+/// [`authorize`] for [`Rpc::Append`], read from the message itself.
+pub fn authorize_append(caller: &Caller, request: &AppendRequest) -> Result<(), Status> {
+    if caller.role == Role::Admin {
+        return Ok(());
+    }
+    if !caller.scope.admits(&request.session_id) {
+        return Err(Status::permission_denied(format!(
+            "token {:?} may not write to session {:?}: it is outside the token's prefixes",
+            caller.name, request.session_id
+        )));
+    }
+    check_kinds(caller, request.events.iter().map(|e| e.kind.as_ref()))
+}
+
+/// Clients append a person's kinds only, runners the runner-written kinds only.
+fn check_kinds<'a>(
+    caller: &Caller,
+    kinds: impl Iterator<Item = Option<&'a agentlog_proto::v1::event::Kind>>,
+) -> Result<(), Status> {
+    if caller.role == Role::Admin {
+        return Ok(());
+    }
+    let who = &caller.name;
+    let client = caller.role == Role::Client;
+    for (i, kind) in kinds.enumerate() {
+        let Some(kind) = kind else { continue };
+        if is_runner_kind(kind) == client {
+            return Err(Status::permission_denied(format!(
+                "events[{i}]: token {who:?} (role {}) may not append {}; {}",
+                if client { "client" } else { "runner" },
+                kind_name(kind),
+                if client {
+                    "clients append user_message, interrupt and approval_decision only"
+                } else {
+                    "runners append the runner-written kinds only (assistant_message, \
+                     tool_started, tool_result, assistant_delta, run_error, interrupted, \
+                     approval_requested)"
+                }
+            )));
         }
     }
     Ok(())
@@ -515,12 +554,15 @@ where
     }
 }
 
+/// The caller of every request to an open store, made once.
+static ANONYMOUS: std::sync::LazyLock<Caller> = std::sync::LazyLock::new(Caller::anonymous);
+
 /// Authenticates and authorizes one request; returns it (with the [`Caller`] in its
 /// extensions) or the status to answer with.
 async fn admit(access: &Access, mut request: Request<Body>) -> Result<Request<Body>, Status> {
     let route = route(request.uri().path());
     let caller = match access {
-        Access::Open => Caller::anonymous(),
+        Access::Open => ANONYMOUS.clone(),
         Access::Tokens(_) if matches!(route, Route::Open) => return Ok(request),
         Access::Tokens(tokens) => {
             let token = bearer_token(request.headers()).ok_or_else(|| {
@@ -537,7 +579,10 @@ async fn admit(access: &Access, mut request: Request<Body>) -> Result<Request<Bo
     };
     if let (Route::Store(rpc), true) = (&route, caller.role != Role::Admin) {
         let rpc = *rpc;
-        let needs_message = !matches!(rpc, Rpc::ListSessions | Rpc::ClaimSession);
+        let needs_message = !matches!(
+            rpc,
+            Rpc::ListSessions | Rpc::ClaimSession | Rpc::AppendStream
+        );
         let target = if needs_message {
             let (parts, body) = request.into_parts();
             let message = read_single_message(body).await?;
@@ -681,6 +726,49 @@ mod tests {
         assert!(
             TokenSet::parse(&raw, "t.json").is_err(),
             "a client needs prefixes"
+        );
+    }
+
+    #[test]
+    fn each_request_of_an_append_stream_is_authorized_like_an_append() {
+        let set = set();
+        let acme = set.authenticate("tok-a").expect("known");
+        let pool = set.authenticate("tok-r").expect("known");
+        let request = |id: &str, kind: agentlog_proto::v1::event::Kind| AppendRequest {
+            session_id: id.into(),
+            events: vec![agentlog_proto::v1::Event {
+                kind: Some(kind),
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let user = || agentlog_proto::v1::event::Kind::UserMessage(Default::default());
+        let result = || agentlog_proto::v1::event::Kind::ToolResult(Default::default());
+        let code = |r: Result<(), Status>| r.err().map(|s| s.code());
+        use tonic::Code::*;
+        assert_eq!(
+            code(authorize(acme, Rpc::AppendStream, &Target::default())),
+            None
+        );
+        assert_eq!(
+            code(authorize_append(acme, &request("acme:1", user()))),
+            None
+        );
+        assert_eq!(
+            code(authorize_append(acme, &request("acme:1", result()))),
+            Some(PermissionDenied)
+        );
+        assert_eq!(
+            code(authorize_append(acme, &request("beta:1", user()))),
+            Some(PermissionDenied)
+        );
+        assert_eq!(
+            code(authorize_append(pool, &request("beta:1", result()))),
+            None
+        );
+        assert_eq!(
+            code(authorize_append(pool, &request("beta:1", user()))),
+            Some(PermissionDenied)
         );
     }
 

@@ -1,6 +1,11 @@
 //! The index, in sled: sessions (status, lease, title), `event_id → seq` for dedup,
 //! `(session, seq) → log position` for reads, and how far into the log it has absorbed.
 //!
+//! An event id that names its own event's seq (`auto-<seq>-<random>`, the form the store
+//! gives an event that came without an id; see [`self_named_seq`]) is not put in
+//! `event_id → seq`: dedup reads the event at that seq and compares instead, which saves
+//! an index write per such event.
+//!
 //! sled is never on the acknowledgement path and never needs its own flush to be correct:
 //! each batch of index updates carries the log offset it brings the index up to, in one
 //! atomic sled batch, and on start the store replays the log from that offset. Whatever
@@ -8,6 +13,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
+use std::sync::Mutex;
 
 use prost::Message;
 
@@ -50,6 +56,7 @@ pub struct Index {
 pub struct IndexBatch {
     batch: sled::Batch,
     touched: HashSet<String>,
+    records: usize,
 }
 
 impl IndexBatch {
@@ -61,12 +68,17 @@ impl IndexBatch {
             value[8..].copy_from_slice(&pos.len.to_be_bytes());
             self.batch
                 .insert(position_key(&event.session_id, event.seq), &value[..]);
-            self.batch.insert(
-                event_id_key(&event.session_id, &event.event_id),
-                &event.seq.to_be_bytes()[..],
-            );
+            if self_named_seq(&event.event_id) != Some(event.seq) {
+                self.batch.insert(
+                    event_id_key(&event.session_id, &event.event_id),
+                    &event.seq.to_be_bytes()[..],
+                );
+            }
         }
-        self.touched.insert(record.session_id().to_string());
+        self.records += 1;
+        if !self.touched.contains(record.session_id()) {
+            self.touched.insert(record.session_id().to_string());
+        }
     }
 
     /// The sessions whose metadata this batch must also store.
@@ -76,6 +88,69 @@ impl IndexBatch {
 
     pub fn is_empty(&self) -> bool {
         self.touched.is_empty()
+    }
+
+    /// Records added.
+    pub fn len(&self) -> usize {
+        self.records
+    }
+}
+
+/// How the ids the store makes start.
+pub const GENERATED_ID_PREFIX: &str = "auto-";
+
+/// The seq an id of the form `auto-<seq>-<random>` names. Such an id is kept out of the
+/// `event_id → seq` index when it is its event's own seq (whoever chose it), so dedup of
+/// any id of this form also looks at the event at that seq.
+pub fn self_named_seq(event_id: &str) -> Option<u64> {
+    let rest = event_id.strip_prefix(GENERATED_ID_PREFIX)?;
+    let (seq, random) = rest.split_once('-')?;
+    if random.is_empty() {
+        return None;
+    }
+    seq.parse().ok()
+}
+
+/// Where the newest durable events are, by session, until the index has absorbed them.
+/// Readers look here before they look in the index, and the writer forgets these only
+/// after the index holds them, so a reader never misses a durable event.
+#[derive(Default)]
+pub struct Recent {
+    positions: Mutex<HashMap<String, Vec<(u64, Position)>>>,
+}
+
+impl Recent {
+    /// Durable records at `positions` (in log order).
+    pub fn add(&self, positions: &[Position], records: &[Record]) {
+        let mut map = self.positions.lock().unwrap_or_else(|p| p.into_inner());
+        for (pos, record) in positions.iter().zip(records) {
+            if let Record::Event(event) = record {
+                match map.get_mut(event.session_id.as_str()) {
+                    Some(seqs) => seqs.push((event.seq, *pos)),
+                    None => {
+                        map.insert(event.session_id.clone(), vec![(event.seq, *pos)]);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Forgets everything: the index holds it now.
+    pub fn clear(&self) {
+        self.positions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
+    }
+
+    /// Up to `limit` positions of the session's recent events from `from_seq` on, ascending.
+    pub fn positions(&self, session_id: &str, from_seq: u64, limit: usize) -> Vec<(u64, Position)> {
+        let map = self.positions.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(seqs) = map.get(session_id) else {
+            return Vec::new();
+        };
+        let start = seqs.partition_point(|(seq, _)| *seq < from_seq);
+        seqs[start..].iter().take(limit).copied().collect()
     }
 }
 

@@ -2,7 +2,8 @@
 //! durable, with live subscriptions and leases with fencing epochs.
 //!
 //! - [`log`]: our CRC-framed segment files; the `fdatasync` that makes an ack true.
-//! - [`index`]: sled, rebuilt from the log past the offset it had absorbed.
+//! - [`index`]: sled, rebuilt from the log past the offset it had absorbed, and kept up to
+//!   date behind the acknowledgements.
 //! - [`writer`]: the single writer thread doing group commit.
 //! - [`subscriptions`]: history then live, with disk catch-up for slow readers.
 //! - [`service`]: the gRPC edge: validation, limits, status codes.
@@ -25,7 +26,7 @@ pub mod subscriptions;
 pub mod tls;
 pub mod writer;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::Path;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
@@ -39,7 +40,7 @@ use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 pub use error::StoreError;
-use index::{Index, IndexBatch, IndexError};
+use index::{Index, IndexBatch, IndexError, Recent};
 use log::storage::{FsStorage, Storage};
 use log::{LogError, LogWriter, Record};
 use session::{now_unix_ms, SessionMeta};
@@ -69,40 +70,55 @@ pub enum OpenError {
 pub struct Shared {
     sessions: RwLock<HashMap<String, SessionMeta>>,
     hub: Arc<Hub>,
+    /// Where the durable records the index has not absorbed yet are.
+    recent: Arc<Recent>,
     /// Bumped whenever a session may have become claimable.
     claimable: watch::Sender<u64>,
+    /// Why appends are refused, while the log's volume is full.
+    full: watch::Sender<Option<String>>,
 }
 
 impl Shared {
-    /// Called by the writer after the fsync and the index update of a batch.
-    fn publish(&self, records: &[Record], sessions: &HashMap<String, SessionMeta>, now: i64) {
-        let mut by_session: HashMap<&str, Vec<Event>> = HashMap::new();
-        let mut touched = Vec::new();
-        for record in records {
-            let id = record.session_id();
-            if !touched.contains(&id) {
-                touched.push(id);
-            }
-            if let Record::Event(event) = record {
-                by_session.entry(id).or_default().push(event.clone());
-            }
-        }
+    /// Called by the writer after the fsync of a batch, with the batch's records.
+    fn publish(&self, records: Vec<Record>, sessions: &HashMap<String, SessionMeta>, now: i64) {
         let mut newly_claimable = false;
         {
+            let touched: HashSet<&str> = records.iter().map(Record::session_id).collect();
             let mut shared = self.sessions.write().unwrap_or_else(|p| p.into_inner());
             for id in touched {
                 if let Some(meta) = sessions.get(id) {
                     newly_claimable |= meta.is_runnable() && meta.live_lease(now).is_none();
-                    shared.insert(id.to_string(), meta.clone());
+                    match shared.get_mut(id) {
+                        Some(published) => published.clone_from(meta),
+                        None => {
+                            shared.insert(id.to_string(), meta.clone());
+                        }
+                    }
                 }
             }
         }
-        for (id, events) in by_session {
-            self.hub.publish(id, events.into());
+        // Each run of one session's events goes to its followers as one slice, in order.
+        let mut run: Vec<Event> = Vec::new();
+        for record in records {
+            let Record::Event(event) = record else {
+                continue;
+            };
+            if run.last().is_some_and(|e| e.session_id != event.session_id) {
+                self.hub.publish(std::mem::take(&mut run));
+            }
+            run.push(event);
+        }
+        if !run.is_empty() {
+            self.hub.publish(run);
         }
         if newly_claimable {
             self.claimable.send_modify(|n| *n = n.wrapping_add(1));
         }
+    }
+
+    /// The log's volume is full (`Some(why)`) or has room again (`None`).
+    fn set_full(&self, reason: Option<String>) {
+        self.full.send_replace(reason);
     }
 
     fn get(&self, session_id: &str) -> Option<SessionMeta> {
@@ -137,7 +153,7 @@ impl StoreConfig {
 /// The store: owns the writer thread; every method is safe to call concurrently.
 pub struct Store {
     queue: mpsc::Sender<Op>,
-    queued_kib: Semaphore,
+    queued_kib: Arc<Semaphore>,
     shared: Arc<Shared>,
     source: Source,
     writer: Option<std::thread::JoinHandle<Result<(), StoreError>>>,
@@ -165,11 +181,14 @@ impl Store {
         let shared = Arc::new(Shared {
             sessions: RwLock::new(sessions.clone()),
             hub: Arc::new(Hub::default()),
+            recent: Arc::new(Recent::default()),
             claimable: watch::channel(0).0,
+            full: watch::channel(None).0,
         });
         let source = Source {
             hub: shared.hub.clone(),
             index: index.clone(),
+            recent: shared.recent.clone(),
             log: log.reader(),
         };
         let (queue, rx) = mpsc::channel(QUEUE_DEPTH);
@@ -188,7 +207,7 @@ impl Store {
             .map_err(|e| OpenError::DataDir("writer thread".into(), e))?;
         Ok(Store {
             queue,
-            queued_kib: Semaphore::new(QUEUED_KIB),
+            queued_kib: Arc::new(Semaphore::new(QUEUED_KIB)),
             shared,
             source,
             writer: Some(writer),
@@ -203,6 +222,12 @@ impl Store {
         async move {
             let _ = done.wait_for(|d| *d).await;
         }
+    }
+
+    /// Whether the log's volume is full, and why: while it is, appends are refused with
+    /// `RESOURCE_EXHAUSTED` (reads go on), until the writer finds room again by itself.
+    pub fn disk_full(&self) -> watch::Receiver<Option<String>> {
+        self.shared.full.subscribe()
     }
 
     /// Stops taking operations, lets the writer finish and fsync what it has queued, and
@@ -222,24 +247,41 @@ impl Store {
         make: impl FnOnce(oneshot::Sender<Result<T, StoreError>>) -> Op,
     ) -> Result<T, StoreError> {
         let (tx, rx) = oneshot::channel();
-        let gone = || {
-            StoreError::Unavailable("the store is shutting down (or its disk failed); retry".into())
-        };
         self.queue.send(make(tx)).await.map_err(|_| gone())?;
         rx.await.map_err(|_| gone())?
     }
 
     /// Appends (validated) events; see [`AppendOp`].
     pub async fn append(&self, op: AppendOp) -> Result<AppendResponse, StoreError> {
+        self.enqueue_append(op).await?.await
+    }
+
+    /// Queues an append for the writer and returns its answer to come: appends queued one
+    /// after another are applied in that order, so a caller may queue the next one before
+    /// the answer to the previous one arrives.
+    pub async fn enqueue_append(
+        &self,
+        op: AppendOp,
+    ) -> Result<impl std::future::Future<Output = Result<AppendResponse, StoreError>>, StoreError>
+    {
         let bytes: usize = op.events.iter().map(Message::encoded_len).sum();
         let kib = (bytes / 1024 + 1).min(QUEUED_KIB) as u32;
-        let _budget = self
+        let budget = self
             .queued_kib
-            .acquire_many(kib)
+            .clone()
+            .acquire_many_owned(kib)
             .await
             .map_err(|_| StoreError::Unavailable("the store is shutting down".into()))?;
-        self.submit(|tx| Op::Append(op, tx, tracing::Span::current()))
+        let (tx, rx) = oneshot::channel();
+        self.queue
+            .send(Op::Append(op, tx, tracing::Span::current()))
             .await
+            .map_err(|_| gone())?;
+        Ok(async move {
+            let answer = rx.await.map_err(|_| gone())?;
+            drop(budget);
+            answer
+        })
     }
 
     pub async fn acquire_lease(
@@ -433,6 +475,10 @@ impl Store {
         ));
         rx
     }
+}
+
+fn gone() -> StoreError {
+    StoreError::Unavailable("the store is shutting down (or its disk failed); retry".into())
 }
 
 fn granted(outcome: LeaseOutcome) -> Result<Lease, StoreError> {

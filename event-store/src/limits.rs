@@ -51,6 +51,11 @@ impl Limits {
         }
     }
 
+    /// Whether a call is counted at all: not when no limit applies to it.
+    fn counts(&self, subscribe: bool) -> bool {
+        self.config.requests_per_sec > 0 || (subscribe && self.config.max_subscriptions > 0)
+    }
+
     /// Takes one request from `caller`'s budget; for a subscription also a stream slot,
     /// held until the returned guard is dropped.
     fn admit(&self, caller: Arc<str>, subscribe: bool) -> Result<Option<SubscriptionSlot>, Status> {
@@ -101,6 +106,21 @@ impl Limits {
             )));
         }
         Ok(Some(slot))
+    }
+}
+
+/// A streaming call's caller and its request budget: the service takes one request from it
+/// per message, so a stream of appends is held to the same rate as single calls.
+#[derive(Clone)]
+pub struct MessageBudget {
+    limits: Arc<Limits>,
+    caller: Arc<str>,
+}
+
+impl MessageBudget {
+    /// One request from the budget, or `RESOURCE_EXHAUSTED` saying which limit.
+    pub fn take(&self) -> Result<(), Status> {
+        self.limits.admit(self.caller.clone(), false).map(|_| ())
     }
 }
 
@@ -158,7 +178,7 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, request: Request<Body>) -> Self::Future {
+    fn call(&mut self, mut request: Request<Body>) -> Self::Future {
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let path = request.uri().path();
@@ -169,6 +189,10 @@ where
         if let Some(reason) = peer.and_then(|p| p.over_limit.clone()) {
             return Box::pin(async move { Ok(Status::resource_exhausted(&*reason).into_http()) });
         }
+        let subscribe = path == "/agentlog.v1.EventStore/Subscribe";
+        if !self.limits.counts(subscribe) {
+            return Box::pin(inner.call(request));
+        }
         let key: Arc<str> = match request.extensions().get::<Caller>() {
             Some(caller) if caller.authenticated => caller.name.clone(),
             _ => match peer.and_then(|p| p.remote) {
@@ -176,11 +200,16 @@ where
                 None => "unknown peer".into(),
             },
         };
-        let subscribe = path == "/agentlog.v1.EventStore/Subscribe";
-        let slot = match self.limits.admit(key, subscribe) {
+        let slot = match self.limits.admit(key.clone(), subscribe) {
             Ok(slot) => slot,
             Err(status) => return Box::pin(async move { Ok(status.into_http()) }),
         };
+        if path == "/agentlog.v1.EventStore/AppendStream" {
+            request.extensions_mut().insert(MessageBudget {
+                limits: self.limits.clone(),
+                caller: key,
+            });
+        }
         Box::pin(async move {
             let response = inner.call(request).await?;
             Ok(match slot {

@@ -9,9 +9,10 @@ use std::time::Duration;
 
 use agentlog_proto::v1::event_store_server::{EventStore, EventStoreServer};
 use agentlog_proto::v1::{
-    AcquireLeaseRequest, AppendRequest, AppendResponse, ClaimSessionRequest, ClaimSessionResponse,
-    Durability, Event, GetSessionRequest, Lease, ListSessionsRequest, ListSessionsResponse,
-    ReleaseLeaseRequest, ReleaseLeaseResponse, RenewLeaseRequest, SessionInfo, SubscribeRequest,
+    append_stream_response, AcquireLeaseRequest, AppendError, AppendRequest, AppendResponse,
+    AppendStreamResponse, ClaimSessionRequest, ClaimSessionResponse, Durability, Event,
+    GetSessionRequest, Lease, ListSessionsRequest, ListSessionsResponse, ReleaseLeaseRequest,
+    ReleaseLeaseResponse, RenewLeaseRequest, SessionInfo, SubscribeRequest,
 };
 use prost::Message;
 use tokio_stream::wrappers::ReceiverStream;
@@ -19,10 +20,10 @@ use tokio_stream::{Stream, StreamExt};
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
-use crate::auth::{Access, AuthLayer, Caller};
+use crate::auth::{authorize_append, Access, AuthLayer, Caller};
 use crate::error::StoreError;
 use crate::incoming::ConnLimits;
-use crate::limits::{CallerLimits, LimitsLayer};
+use crate::limits::{CallerLimits, LimitsLayer, MessageBudget};
 use crate::tls::ReloadingTls;
 use crate::{AppendOp, Store};
 
@@ -122,6 +123,11 @@ pub async fn serve(
     } else {
         (None, None)
     };
+    tokio::spawn(report_disk_full(
+        store.disk_full(),
+        health_reporter.clone(),
+        shutdown.clone(),
+    ));
     let service =
         OversizedAsResourceExhausted(EventStoreService::new(store, shutdown.clone()).into_server());
     let incoming =
@@ -144,6 +150,32 @@ pub async fn serve(
         .add_service(service)
         .serve_with_incoming_shutdown(incoming, shutdown.cancelled_owned())
         .await
+}
+
+/// While the log's volume is full, health says `agentlog.v1.EventStore` is NOT_SERVING
+/// (appends are refused; reads go on, and the overall "" service stays SERVING, so a
+/// liveness probe does not restart a store that will resume by itself).
+async fn report_disk_full(
+    mut full: tokio::sync::watch::Receiver<Option<String>>,
+    health: tonic_health::server::HealthReporter,
+    shutdown: CancellationToken,
+) {
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            changed = full.changed() => if changed.is_err() { return },
+        }
+        let is_full = full.borrow_and_update().is_some();
+        if is_full {
+            health
+                .set_not_serving::<EventStoreServer<EventStoreService>>()
+                .await;
+        } else {
+            health
+                .set_serving::<EventStoreServer<EventStoreService>>()
+                .await;
+        }
+    }
 }
 
 /// Serves only `grpc.health.v1.Health`, in plaintext, for Kubernetes' native gRPC probes
@@ -233,6 +265,9 @@ where
 }
 
 type EventStream = Pin<Box<dyn Stream<Item = Result<Event, Status>> + Send>>;
+type AppendResponses = Pin<Box<dyn Stream<Item = Result<AppendStreamResponse, Status>> + Send>>;
+/// Requests of one AppendStream queued for the writer and not answered yet, at most.
+const APPEND_STREAM_IN_FLIGHT: usize = 1024;
 
 #[tonic::async_trait]
 impl EventStore for EventStoreService {
@@ -244,6 +279,64 @@ impl EventStore for EventStoreService {
         let op = validate_append(request.into_inner());
         let appended = observer.observe(async { self.store.append(op?).await });
         Ok(Response::new(appended.await?))
+    }
+
+    type AppendStreamStream = AppendResponses;
+
+    async fn append_stream(
+        &self,
+        request: Request<tonic::Streaming<AppendRequest>>,
+    ) -> Result<Response<AppendResponses>, Status> {
+        let caller = caller_of(&request)?;
+        let budget = request.extensions().get::<MessageBudget>().cloned();
+        let mut requests = request.into_inner();
+        let store = self.store.clone();
+        let shutdown = self.shutdown.clone();
+        // Each request is queued for the writer as it arrives (so in order), and its answer
+        // is awaited and sent in that same order while the next ones are already queued.
+        let (answers_tx, mut answers_rx) = tokio::sync::mpsc::channel(APPEND_STREAM_IN_FLIGHT);
+        let (out_tx, out_rx) = tokio::sync::mpsc::channel(APPEND_STREAM_IN_FLIGHT);
+        tokio::spawn(async move {
+            loop {
+                let next = tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    next = requests.message() => next,
+                };
+                let answer: AnswerToCome = match next {
+                    Ok(Some(req)) => match admit_streamed(&caller, budget.as_ref(), req) {
+                        Ok(op) => match store.enqueue_append(op).await {
+                            Ok(answer) => {
+                                Box::pin(async move { answer.await.map_err(Status::from) })
+                            }
+                            Err(e) => Box::pin(std::future::ready(Err(e.into()))),
+                        },
+                        Err(status) => Box::pin(std::future::ready(Err(status))),
+                    },
+                    Ok(None) => return,
+                    // The stream itself broke (e.g. a bad frame): end it with that status.
+                    Err(status) => {
+                        let _ = answers_tx.send(Err(status)).await;
+                        return;
+                    }
+                };
+                if answers_tx.send(Ok(answer)).await.is_err() {
+                    return;
+                }
+            }
+        });
+        tokio::spawn(async move {
+            while let Some(answer) = answers_rx.recv().await {
+                let item = match answer {
+                    Ok(answer) => Ok(streamed(answer.await)),
+                    Err(status) => Err(status),
+                };
+                let end = item.is_err();
+                if out_tx.send(item).await.is_err() || end {
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(out_rx))))
     }
 
     type SubscribeStream = EventStream;
@@ -358,6 +451,36 @@ impl EventStore for EventStoreService {
             .release_lease(req.session_id, req.owner, req.epoch)
             .await?;
         Ok(Response::new(ReleaseLeaseResponse {}))
+    }
+}
+
+type AnswerToCome =
+    Pin<Box<dyn std::future::Future<Output = Result<AppendResponse, Status>> + Send>>;
+
+/// One request of an AppendStream, checked as the auth and limits layers and
+/// [`validate_append`] check a single Append.
+fn admit_streamed(
+    caller: &Caller,
+    budget: Option<&MessageBudget>,
+    req: AppendRequest,
+) -> Result<AppendOp, Status> {
+    if let Some(budget) = budget {
+        budget.take()?;
+    }
+    authorize_append(caller, &req)?;
+    Ok(validate_append(req)?)
+}
+
+/// An answer of Append as one response of AppendStream.
+fn streamed(answer: Result<AppendResponse, Status>) -> AppendStreamResponse {
+    AppendStreamResponse {
+        result: Some(match answer {
+            Ok(response) => append_stream_response::Result::Response(response),
+            Err(status) => append_stream_response::Result::Error(AppendError {
+                code: status.code() as i32,
+                message: status.message().to_string(),
+            }),
+        }),
     }
 }
 

@@ -16,7 +16,7 @@ use tokio::sync::{broadcast, mpsc};
 use tokio_util::sync::CancellationToken;
 
 use crate::error::StoreError;
-use crate::index::Index;
+use crate::index::{Index, Recent};
 use crate::log::{LogReader, Record};
 
 /// Live batches buffered per session before a subscriber counts as lagging.
@@ -39,13 +39,16 @@ impl Hub {
             .subscribe()
     }
 
-    /// Hands durable events of one session to its followers; never blocks.
-    pub fn publish(&self, session_id: &str, events: Arc<[Event]>) {
+    /// Hands durable events of one session (at least one, ascending) to its followers;
+    /// never blocks.
+    pub fn publish(&self, events: Vec<Event>) {
+        let Some(first) = events.first() else { return };
         let mut channels = self.channels.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(tx) = channels.get(session_id) {
-            if tx.send(events).is_err() {
+        if let Some(tx) = channels.get(first.session_id.as_str()) {
+            let session_id = first.session_id.clone();
+            if tx.send(events.into()).is_err() {
                 // Nobody follows this session any more.
-                channels.remove(session_id);
+                channels.remove(&session_id);
             }
         }
     }
@@ -56,6 +59,7 @@ impl Hub {
 pub struct Source {
     pub hub: Arc<Hub>,
     pub index: Index,
+    pub recent: Arc<Recent>,
     pub log: Arc<LogReader>,
 }
 
@@ -159,15 +163,33 @@ async fn catch_up(
 
 /// Reads up to one chunk of consecutive events from `from` on.
 fn read_chunk(source: &Source, session_id: &str, from: u64) -> Result<Vec<Event>, StoreError> {
-    let positions = source.index.positions(session_id, from, HISTORY_CHUNK)?;
-    let mut events = Vec::with_capacity(positions.len());
-    for (expected, (seq, pos)) in (from..).zip(positions) {
-        if seq != expected {
+    // The recent ones first, then the index: the writer forgets a recent position only
+    // after the index holds it, so every durable event is in one or the other.
+    let recent = source.recent.positions(session_id, from, HISTORY_CHUNK);
+    let mut positions = source.index.positions(session_id, from, HISTORY_CHUNK)?;
+    for (expected, (seq, _)) in (from..).zip(&positions) {
+        if *seq != expected {
             return Err(StoreError::Internal(format!(
                 "index of session {session_id} jumps from seq {expected} to {seq}"
             )));
         }
-        match source.log.read(pos)? {
+    }
+    let mut next = from + positions.len() as u64;
+    for (seq, pos) in recent {
+        if positions.len() >= HISTORY_CHUNK || seq > next {
+            break;
+        }
+        if seq == next {
+            positions.push((seq, pos));
+            next += 1;
+        }
+    }
+    let records = source
+        .log
+        .read_many(positions.iter().map(|(_, pos)| *pos))?;
+    let mut events = Vec::with_capacity(positions.len());
+    for ((seq, _), record) in positions.into_iter().zip(records) {
+        match record {
             Record::Event(event) if event.seq == seq && event.session_id == session_id => {
                 events.push(event)
             }

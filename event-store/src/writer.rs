@@ -3,28 +3,39 @@
 //! One thread takes every pending operation from the queue, validates each against the
 //! in-memory state (expected seq, lease epoch, event-id dedup), assigns seqs and lease
 //! epochs, writes all resulting records in one write, calls `fdatasync` **once** for the
-//! whole batch, updates the index, and only then acknowledges and publishes. While one
-//! fsync runs, the next batch queues up, so concurrent appends share fsyncs without any
-//! artificial delay.
+//! whole batch, and only then acknowledges and publishes. While one fsync runs, the next
+//! batch queues up, so concurrent appends share fsyncs without any artificial delay.
+//!
+//! The index (sled) follows behind the acknowledgements: the writer absorbs many commits
+//! into one sled batch when it has nothing else to do (or when enough piled up). Until
+//! then the positions of those durable records are in [`crate::index::Recent`] for readers
+//! and their event ids in the writer's own map for dedup, so neither ever misses them; and
+//! recovery replays whatever the index had not absorbed from the log, as after any crash.
 //!
 //! Invariants kept here:
 //! - a `DURABILITY_SYNC` append and every lease grant are answered only after the fsync
 //!   that covers them;
-//! - subscribers and readers see a record only after that fsync (the index and the
-//!   published session state are updated after it);
-//! - an I/O error on the log stops the writer for good: after a failed fsync the kernel may
-//!   have dropped the dirty pages, so nothing more may be acknowledged (the process exits
-//!   and recovery re-reads what is really on disk).
+//! - subscribers and readers see a record only after that fsync;
+//! - dedup is permanent: an event id is looked up in the batch in hand, the window the
+//!   index has not absorbed yet, and the index;
+//! - a full volume refuses what would write (`RESOURCE_EXHAUSTED`, saying why) before
+//!   anything of the batch is written, and appends resume by themselves once there is room;
+//! - any other I/O error on the log stops the writer for good: after a failed fsync the
+//!   kernel may have dropped the dirty pages, so nothing more may be acknowledged (the
+//!   process exits and recovery re-reads what is really on disk).
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use agentlog_proto::v1::{AppendResponse, Durability, Event, Lease};
+use prost::Message;
+use tokio::sync::mpsc::error::TryRecvError;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::error::StoreError;
-use crate::index::{Index, IndexBatch};
-use crate::log::{LeaseRecord, LogWriter, Record};
+use crate::index::{self_named_seq, Index, IndexBatch, Recent, GENERATED_ID_PREFIX};
+use crate::log::{record, LeaseRecord, LogError, LogReader, LogWriter, Record};
 use crate::metrics;
 use crate::scope::Scope;
 use crate::session::{
@@ -35,6 +46,12 @@ use crate::Shared;
 
 /// At most this many operations share one fsync, so one batch's latency stays bounded.
 const MAX_BATCH_OPS: usize = 4096;
+/// The index absorbs the durable records once this many wait for it, even under load.
+const INDEX_BATCH_RECORDS: usize = 8192;
+/// When the writer is idle, records that waited this long are absorbed into the index. The
+/// longer, the more appends share each session's metadata write in sled; what waits costs
+/// only memory and, after a crash, replay.
+const INDEX_LAG: Duration = Duration::from_millis(100);
 
 pub enum Op {
     /// The span the append was submitted in (the request's, see
@@ -100,6 +117,15 @@ pub struct Writer {
     /// Runnable sessions, oldest update first: the order `ClaimSession` hands them out.
     runnable: BTreeSet<(i64, String)>,
     shared: Arc<Shared>,
+    /// Durable records the index has not absorbed yet.
+    unindexed: IndexBatch,
+    /// When the oldest record of `unindexed` became durable.
+    unindexed_since: Option<Instant>,
+    /// Event ids the index does not hold yet (the batch in hand and `unindexed`), by
+    /// session.
+    recent_ids: HashMap<String, HashMap<String, u64>>,
+    /// Why what writes is refused, while the log's volume is full.
+    full: Option<String>,
 }
 
 /// Replies that wait for the batch's fsync.
@@ -132,12 +158,31 @@ impl Writer {
             sessions,
             runnable,
             shared,
+            unindexed: IndexBatch::default(),
+            unindexed_since: None,
+            recent_ids: HashMap::new(),
+            full: None,
         }
     }
 
     /// Runs until every sender of the queue is gone (shutdown) or the log fails.
     pub fn run(mut self, mut queue: mpsc::Receiver<Op>) -> Result<(), StoreError> {
-        while let Some(first) = queue.blocking_recv() {
+        loop {
+            let first = match queue.try_recv() {
+                Ok(op) => op,
+                Err(TryRecvError::Disconnected) => break,
+                Err(TryRecvError::Empty) => {
+                    // Nothing to do: a good moment to bring the index up to date.
+                    if self.index_due(true) {
+                        self.absorb()?;
+                        continue;
+                    }
+                    match queue.blocking_recv() {
+                        Some(op) => op,
+                        None => break,
+                    }
+                }
+            };
             let mut ops = vec![first];
             while ops.len() < MAX_BATCH_OPS {
                 match queue.try_recv() {
@@ -146,13 +191,90 @@ impl Writer {
                 }
             }
             self.commit(ops)?;
+            if self.index_due(false) {
+                self.absorb()?;
+            }
         }
-        self.index.flush()?;
+        if self.full.is_none() {
+            self.absorb()?;
+            self.index.flush()?;
+        }
         Ok(())
+    }
+
+    /// Whether the records waiting for the index should be absorbed now. Not while the
+    /// volume is full: sled must not fail a write of its own (that would stop it for good);
+    /// the records wait in memory, and recovery replays them after a restart anyway.
+    fn index_due(&self, idle: bool) -> bool {
+        match self.unindexed_since {
+            Some(since) if self.full.is_none() => {
+                self.unindexed.len() >= INDEX_BATCH_RECORDS
+                    || (idle && since.elapsed() >= INDEX_LAG)
+            }
+            _ => false,
+        }
+    }
+
+    /// Writes the durable records that waited into the index, in one sled batch.
+    fn absorb(&mut self) -> Result<(), StoreError> {
+        if self.unindexed_since.take().is_none() {
+            return Ok(());
+        }
+        let batch = std::mem::take(&mut self.unindexed);
+        self.index.apply(batch, &self.sessions, self.log.end())?;
+        // Only now: a reader that missed them in `recent` finds them in the index.
+        self.shared.recent.clear();
+        self.recent_ids.clear();
+        Ok(())
+    }
+
+    /// Makes room in the log for everything `ops` may write and hands them back. While the
+    /// volume is full, every op of the batch is answered `RESOURCE_EXHAUSTED` here instead,
+    /// before anything of it is written or any state changes (nothing torn), and none is
+    /// handed back.
+    fn make_room(&mut self, ops: Vec<Op>) -> Result<Vec<Op>, StoreError> {
+        let bound: u64 = ops.iter().map(Op::max_log_bytes).sum();
+        let reason = match self.log.reserve(bound) {
+            Ok(()) => {
+                if self.full.take().is_some() {
+                    tracing::info!("the log's volume has room again: appends resume");
+                    self.shared.set_full(None);
+                }
+                return Ok(ops);
+            }
+            Err(LogError::NoSpace(reason)) => reason,
+            Err(e) => return Err(e.into()),
+        };
+        if self.full.is_none() {
+            tracing::warn!(
+                %reason,
+                "the log's volume is full: refusing appends until there is room (reads go on)"
+            );
+            self.shared.set_full(Some(reason.clone()));
+        }
+        let refusal = || {
+            StoreError::ResourceExhausted(format!(
+                "the store's disk is full ({reason}); nothing was written. Appends resume by \
+                 themselves once there is room; retry later"
+            ))
+        };
+        for op in ops {
+            match op {
+                Op::Append(_, reply, _) => {
+                    let _ = reply.send(Err(refusal()));
+                }
+                Op::Lease(_, reply) => {
+                    let _ = reply.send(Err(refusal()));
+                }
+            }
+        }
+        self.full = Some(reason);
+        Ok(Vec::new())
     }
 
     fn commit(&mut self, ops: Vec<Op>) -> Result<(), StoreError> {
         let now = now_unix_ms();
+        let ops = self.make_room(ops)?;
         let mut batch = Batch::default();
         let mut pending = Vec::new();
         let mut buffered = Vec::new();
@@ -208,13 +330,13 @@ impl Writer {
         self.log.sync()?;
         fsync.done();
 
-        let mut index_batch = IndexBatch::default();
+        // Durable: readers find these records in `recent` until the index absorbs them.
+        self.shared.recent.add(&positions, &batch.records);
         for (pos, record) in positions.into_iter().zip(&batch.records) {
-            index_batch.add(pos, record);
+            self.unindexed.add(pos, record);
         }
-        self.index
-            .apply(index_batch, &self.sessions, self.log.end())?;
-        self.shared.publish(&batch.records, &self.sessions, now);
+        self.unindexed_since.get_or_insert_with(Instant::now);
+        self.shared.publish(batch.records, &self.sessions, now);
         for p in pending {
             p.send();
         }
@@ -249,50 +371,70 @@ impl Writer {
             (None, None) => {}
         }
 
-        // Dedup, then seqs for what is new.
+        // Dedup, then seqs for what is new. New ids go into `recent_ids` at once, so a
+        // repeat later in this request (or batch) finds them; taken out again if the
+        // append is refused.
+        if !self.recent_ids.contains_key(&req.session_id) {
+            self.recent_ids
+                .insert(req.session_id.clone(), HashMap::new());
+        }
+        let ids = self
+            .recent_ids
+            .get_mut(&req.session_id)
+            .expect("inserted above");
         let mut seqs = Vec::with_capacity(req.events.len());
-        let mut fresh = Vec::new();
-        let mut in_request: HashMap<String, u64> = HashMap::new();
+        let mut fresh: Vec<Event> = Vec::with_capacity(req.events.len());
         let mut next = meta.last_seq + 1;
         for mut event in req.events {
-            if event.event_id.is_empty() {
-                event.event_id = uuid::Uuid::new_v4().to_string();
-            }
-            let known = match in_request.get(&event.event_id) {
-                Some(seq) => Some(*seq),
-                None => match batch
-                    .event_ids
-                    .get(&(req.session_id.clone(), event.event_id.clone()))
-                {
-                    Some(seq) => Some(*seq),
-                    None => self.index.event_seq(&req.session_id, &event.event_id)?,
-                },
+            let known = if event.event_id.is_empty() {
+                None
+            } else if let Some(seq) = ids.get(&event.event_id) {
+                Some(*seq)
+            } else if let Some(seq) = self.index.event_seq(&req.session_id, &event.event_id)? {
+                Some(seq)
+            } else {
+                let log = self.log.reader();
+                let found = (&self.index, &*self.shared.recent, &*log);
+                self_named(found, &req.session_id, &event.event_id, meta.last_seq)?
             };
             if let Some(seq) = known {
                 seqs.push(seq);
                 continue;
             }
             event.seq = next;
-            event.session_id = req.session_id.clone();
             event.ts_unix_ms = now;
             event.schema_version = SCHEMA_VERSION;
-            in_request.insert(event.event_id.clone(), next);
+            if event.event_id.is_empty() {
+                // Names its own seq, so it needs no index entry (see `index`); the random
+                // part keeps it from meeting an id a client chose.
+                event.event_id = format!(
+                    "{GENERATED_ID_PREFIX}{next}-{}",
+                    uuid::Uuid::new_v4().simple()
+                );
+            } else {
+                ids.insert(event.event_id.clone(), next);
+            }
             seqs.push(next);
             fresh.push(event);
             next += 1;
         }
         if !fresh.is_empty() {
-            if let Some(expected) = req.expected_last_seq {
-                if expected != meta.last_seq {
-                    return Err(StoreError::Aborted {
-                        session_id: req.session_id,
-                        expected,
-                        actual: meta.last_seq,
-                    });
+            let refused = match req.expected_last_seq {
+                Some(expected) if expected != meta.last_seq => Some(StoreError::Aborted {
+                    session_id: req.session_id.clone(),
+                    expected,
+                    actual: meta.last_seq,
+                }),
+                _ => check_approval_decisions(&req.session_id, &meta.pending_approvals, &fresh)
+                    .err()
+                    .map(|e| StoreError::FailedPrecondition(e.to_string())),
+            };
+            if let Some(e) = refused {
+                for event in &fresh {
+                    ids.remove(&event.event_id);
                 }
+                return Err(e);
             }
-            check_approval_decisions(&req.session_id, &meta.pending_approvals, &fresh)
-                .map_err(|e| StoreError::FailedPrecondition(e.to_string()))?;
         }
 
         let session_id = req.session_id;
@@ -303,10 +445,8 @@ impl Writer {
             meta.last_seq
         });
         let count = fresh.len();
-        for (i, event) in fresh.into_iter().enumerate() {
-            batch
-                .event_ids
-                .insert((session_id.clone(), event.event_id.clone()), event.seq);
+        for (i, mut event) in fresh.into_iter().enumerate() {
+            event.session_id.clone_from(&session_id);
             batch.push(Record::Event(event), i + 1 < count);
         }
         Ok(AppendResponse { seqs, last_seq })
@@ -421,7 +561,10 @@ impl Writer {
 
     /// Changes one session's state, keeping the runnable order in step.
     fn update_session<T>(&mut self, session_id: &str, f: impl FnOnce(&mut SessionMeta) -> T) -> T {
-        let meta = self.sessions.entry(session_id.to_string()).or_default();
+        let meta = match self.sessions.get_mut(session_id) {
+            Some(meta) => meta,
+            None => self.sessions.entry(session_id.to_string()).or_default(),
+        };
         let before = (meta.is_runnable(), meta.updated_unix_ms);
         let out = f(meta);
         let after = (meta.is_runnable(), meta.updated_unix_ms);
@@ -442,14 +585,32 @@ struct Batch {
     records: Vec<Record>,
     /// Per record: whether the next record belongs to the same atomic append.
     continued: Vec<bool>,
-    /// Event ids assigned in this batch, which the index does not hold yet.
-    event_ids: HashMap<(String, String), u64>,
 }
 
 impl Batch {
     fn push(&mut self, record: Record, continued: bool) {
         self.records.push(record);
         self.continued.push(continued);
+    }
+}
+
+impl Op {
+    /// The most bytes of log this operation can write (it is given its seqs, ids and
+    /// timestamps only later, so this bounds what they add).
+    fn max_log_bytes(&self) -> u64 {
+        // Frame and kind byte; session id, seq, event id (a generated one is at most 58),
+        // timestamp and schema version with their tags and lengths.
+        const PER_EVENT: usize = record::HEADER_LEN + 1 + 3 + 11 + 3 + 58 + 11 + 6;
+        match self {
+            Op::Append(op, _, _) => op
+                .events
+                .iter()
+                .map(|e| e.encoded_len() + op.session_id.len() + PER_EVENT)
+                .sum::<usize>() as u64,
+            // Session id and owner (each at most 128 bytes, with tags and lengths), epoch,
+            // expiry and the released flag.
+            Op::Lease(..) => (record::HEADER_LEN + 1 + 2 * 131 + 11 + 11 + 2) as u64,
+        }
     }
 }
 
@@ -464,6 +625,36 @@ impl Pending {
             }
         }
     }
+}
+
+/// Dedup of an id of the form `auto-<seq>-…` (see [`self_named_seq`]) that the index does
+/// not hold: the seq of the durable event at that seq, if it carries this very id. (An event
+/// of the batch in hand cannot be meant: its id was never told to anyone.)
+fn self_named(
+    (index, recent, log): (&Index, &Recent, &LogReader),
+    session_id: &str,
+    event_id: &str,
+    last_seq: u64,
+) -> Result<Option<u64>, StoreError> {
+    let Some(seq) = self_named_seq(event_id).filter(|s| (1..=last_seq).contains(s)) else {
+        return Ok(None);
+    };
+    let in_recent = recent.positions(session_id, seq, 1);
+    let found = match in_recent.first() {
+        Some(&(s, pos)) if s == seq => Some(pos),
+        _ => index
+            .positions(session_id, seq, 1)?
+            .first()
+            .filter(|(s, _)| *s == seq)
+            .map(|(_, pos)| *pos),
+    };
+    let Some(pos) = found else {
+        return Ok(None);
+    };
+    Ok(match log.read(pos)? {
+        Record::Event(event) if event.event_id == event_id => Some(seq),
+        _ => None,
+    })
 }
 
 fn grant(

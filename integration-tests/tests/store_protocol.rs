@@ -19,8 +19,9 @@ use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
 use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
 use tonic_reflection::pb::v1::ServerReflectionRequest;
 
-const RPCS: [&str; 8] = [
+const RPCS: [&str; 9] = [
     "Append",
+    "AppendStream",
     "Subscribe",
     "GetSession",
     "ListSessions",

@@ -65,6 +65,9 @@ pub enum LogError {
     IndexAhead { absorbed: u64, end: u64 },
     #[error("no record at log offset {0}")]
     NoRecord(u64),
+    /// The volume has no room for the next records; nothing they depend on was written.
+    #[error("no room on the log's volume: {0}")]
+    NoSpace(String),
     #[error("record at log offset {offset} is unreadable: {reason}")]
     BadRecord {
         offset: u64,
@@ -105,6 +108,65 @@ impl LogReader {
                 offset: pos.offset,
                 reason,
             })
+    }
+
+    /// Reads and verifies the records at `positions` (ascending, as an index lists them),
+    /// each run of nearby records of one segment with a single read.
+    pub fn read_many(
+        &self,
+        positions: impl IntoIterator<Item = Position>,
+    ) -> Result<Vec<Record>, LogError> {
+        /// A run is read whole if it is at most this long...
+        const MAX_RUN: u64 = 1 << 20;
+        /// ...and no two of its records are further apart than this.
+        const MAX_GAP: u64 = 64 << 10;
+        let positions: Vec<Position> = positions.into_iter().collect();
+        let mut records = Vec::with_capacity(positions.len());
+        let mut buf = Vec::new();
+        let mut i = 0;
+        while i < positions.len() {
+            let start = positions[i].offset;
+            let (base, limit, file) = {
+                let segments = self.segments.read().unwrap_or_else(|p| p.into_inner());
+                let (base, file) = segments
+                    .range(..=start)
+                    .next_back()
+                    .ok_or(LogError::NoRecord(start))?;
+                let limit = segments
+                    .range(start + 1..)
+                    .next()
+                    .map_or(u64::MAX, |(next, _)| *next);
+                (*base, limit, file.clone())
+            };
+            let mut end = start + u64::from(positions[i].len);
+            let mut j = i + 1;
+            while let Some(p) = positions.get(j) {
+                let p_end = p.offset + u64::from(p.len);
+                if p.offset < end
+                    || p.offset - end > MAX_GAP
+                    || p_end - start > MAX_RUN
+                    || p_end > limit
+                {
+                    break;
+                }
+                end = p_end;
+                j += 1;
+            }
+            buf.resize((end - start) as usize, 0);
+            file.read_exact_at(&mut buf, start - base)?;
+            for p in &positions[i..j] {
+                let at = (p.offset - start) as usize;
+                let frame = &buf[at..at + p.len as usize];
+                records.push(record::decode(frame).map(|f| f.record).map_err(|reason| {
+                    LogError::BadRecord {
+                        offset: p.offset,
+                        reason,
+                    }
+                })?);
+            }
+            i = j;
+        }
+        Ok(records)
     }
 
     fn insert(&self, base: u64, file: Arc<dyn SegmentFile>) {
@@ -242,6 +304,23 @@ impl LogWriter {
         self.end
     }
 
+    /// Makes sure records of up to `bytes` bytes in all can be written next: rolls to a new
+    /// segment first if they would not fit the active one, and allocates (and zero-fills,
+    /// see [`LogConfig`]) the room ahead. A full volume is [`LogError::NoSpace`]; nothing a
+    /// record depends on was written then (a partly zero-filled tail is still just the end
+    /// of the log), so the writer may refuse this batch and try again later. Any other error
+    /// is fatal as ever.
+    pub fn reserve(&mut self, bytes: u64) -> Result<(), LogError> {
+        if let Some(reason) = self.storage.low_space()? {
+            return Err(LogError::NoSpace(reason));
+        }
+        let active_len = self.end - self.active_base;
+        if active_len > 0 && active_len + bytes > self.config.segment_bytes {
+            self.roll()?;
+        }
+        self.preallocate(self.end + bytes)
+    }
+
     /// Writes `records` as one contiguous write (not yet durable: see [`LogWriter::sync`])
     /// and returns their positions. Each item says whether the next record belongs to the
     /// same atomic append (recovery keeps an append only if its last record survived).
@@ -261,7 +340,10 @@ impl LogWriter {
         if active_len > 0 && active_len + self.buf.len() as u64 > self.config.segment_bytes {
             self.roll()?;
         }
-        self.preallocate(self.end + self.buf.len() as u64)?;
+        if self.config.preallocate_bytes > 0 {
+            // Already done by `reserve` unless the batch outgrew what was reserved.
+            self.preallocate(self.end + self.buf.len() as u64)?;
+        }
         self.active
             .write_all_at(&self.buf, self.end - self.active_base)?;
         let mut offset = self.end;
@@ -288,21 +370,43 @@ impl LogWriter {
         Ok(self.active.sync_data()?)
     }
 
-    /// Makes sure the active segment is zero-filled up to `needed` (and a chunk beyond it),
-    /// so the coming writes overwrite existing blocks. The zeros become durable with the
-    /// next sync; until then a crash merely leaves a shorter file.
+    /// Makes sure the active segment has blocks up to `needed`: with preallocation on,
+    /// zero-filled up to it and a step beyond (or just up to it, when the volume has no
+    /// room for the step), so the coming writes overwrite existing blocks. The zeros become
+    /// durable with the next sync; until then a crash merely leaves a shorter file.
     fn preallocate(&mut self, needed: u64) -> Result<(), LogError> {
-        if self.config.preallocate_bytes == 0 || needed <= self.allocated {
+        if needed <= self.allocated {
             return Ok(());
         }
+        if self.config.preallocate_bytes == 0 {
+            // Blocks only (the file's size stays the log's length); reserved again for
+            // each batch, which costs little next to its fsync.
+            let from = self.end - self.active_base;
+            return self
+                .active
+                .allocate(from, needed - self.end)
+                .map_err(no_space);
+        }
         let segment_end = self.active_base + self.config.segment_bytes;
-        let target = needed.max((self.allocated + self.config.preallocate_bytes).min(segment_end));
+        let step = needed.max((self.allocated + self.config.preallocate_bytes).min(segment_end));
+        match self.zero_fill(step) {
+            Err(LogError::NoSpace(_)) if step > needed => self.zero_fill(needed),
+            other => other,
+        }
+    }
+
+    fn zero_fill(&mut self, target: u64) -> Result<(), LogError> {
         static ZEROS: [u8; 64 << 10] = [0; 64 << 10];
+        let from = self.allocated - self.active_base;
+        self.active
+            .allocate(from, target - self.allocated)
+            .map_err(no_space)?;
         let mut at = self.allocated;
         while at < target {
             let n = ZEROS.len().min((target - at) as usize);
             self.active
-                .write_all_at(&ZEROS[..n], at - self.active_base)?;
+                .write_all_at(&ZEROS[..n], at - self.active_base)
+                .map_err(no_space)?;
             at += n as u64;
         }
         self.allocated = target;
@@ -314,12 +418,24 @@ impl LogWriter {
         // off), so the next segment's base is where this one ends, durably.
         self.active.sync_data()?;
         self.active.truncate(self.end - self.active_base)?;
-        let file = self.storage.create(self.end)?;
+        self.allocated = self.end;
+        // No room for a new file: nothing changed but the cut, which a retry repeats.
+        let file = self.storage.create(self.end).map_err(no_space)?;
         self.reader.insert(self.end, file.clone());
         self.active_base = self.end;
         self.allocated = self.end;
         self.active = file;
         Ok(())
+    }
+}
+
+/// A full volume as [`LogError::NoSpace`]; every other error as it is.
+fn no_space(e: impl Into<LogError>) -> LogError {
+    match e.into() {
+        LogError::Io(e) if e.kind() == io::ErrorKind::StorageFull => {
+            LogError::NoSpace(e.to_string())
+        }
+        other => other,
     }
 }
 

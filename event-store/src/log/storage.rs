@@ -1,5 +1,5 @@
-//! Where segment bytes live. The log only needs five things from a disk: list, create,
-//! append, read and `fdatasync`. Behind this trait sit the real filesystem and a
+//! Where segment bytes live. The log only needs a few things from a disk: list, create,
+//! allocate, append, read, `fdatasync`, and whether the volume is running out of room. Behind this trait sit the real filesystem and a
 //! power-loss simulator that forgets every byte not covered by the last `sync_data`, so the
 //! same durability tests run against both (the way redb tests crash consistency).
 
@@ -8,7 +8,7 @@ use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// One segment file. Every method takes `&self`: the writer appends while subscribers read.
@@ -19,6 +19,10 @@ pub trait SegmentFile: Send + Sync {
     fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()>;
     /// Writes `data` at `offset` (the writer always writes at the end).
     fn write_all_at(&self, data: &[u8], offset: u64) -> io::Result<()>;
+    /// Reserves disk blocks for `len` bytes at `offset` without changing the file's size,
+    /// so that a full volume shows up here, as an error of kind `StorageFull`, rather than
+    /// as a failed write or `fdatasync` later.
+    fn allocate(&self, offset: u64, len: u64) -> io::Result<()>;
     /// `fdatasync`: when it returns, every byte written before it survives power loss.
     fn sync_data(&self) -> io::Result<()>;
     /// Cuts the file to `len` bytes and makes the cut durable (drops a torn tail).
@@ -32,6 +36,15 @@ pub trait Storage: Send + Sync {
     fn open(&self, base: u64) -> io::Result<Arc<dyn SegmentFile>>;
     /// Creates an empty segment; the file and its directory entry are durable on return.
     fn create(&self, base: u64) -> io::Result<Arc<dyn SegmentFile>>;
+    /// Why the log should not grow now, if the volume is (nearly) full: the last of its
+    /// room is kept for the index, which must never fail a write of its own.
+    fn low_space(&self) -> io::Result<Option<String>>;
+}
+
+/// Bytes kept free on the log's volume for the index: 1/32 of the volume, between 1 MiB
+/// and 256 MiB.
+pub fn headroom(volume_bytes: u64) -> u64 {
+    (volume_bytes / 32).clamp(1 << 20, 256 << 20)
 }
 
 /// Segment files in a directory on the real filesystem.
@@ -85,6 +98,19 @@ impl Storage for FsStorage {
         File::open(&self.dir)?.sync_all()?;
         Ok(Arc::new(FsSegment { file }))
     }
+
+    fn low_space(&self) -> io::Result<Option<String>> {
+        let stat = nix::sys::statvfs::statvfs(&self.dir).map_err(io::Error::from)?;
+        let unit = stat.fragment_size() as u64;
+        let free = stat.blocks_available() as u64 * unit;
+        let keep = headroom(stat.blocks() as u64 * unit);
+        Ok((free < keep).then(|| {
+            format!(
+                "{} has {free} bytes free, less than the {keep} kept free for the index",
+                self.dir.display()
+            )
+        }))
+    }
 }
 
 struct FsSegment {
@@ -100,6 +126,18 @@ impl SegmentFile for FsSegment {
     }
     fn write_all_at(&self, data: &[u8], offset: u64) -> io::Result<()> {
         FileExt::write_all_at(&self.file, data, offset)
+    }
+    fn allocate(&self, offset: u64, len: u64) -> io::Result<()> {
+        let as_off = |n: u64| {
+            i64::try_from(n).map_err(|_| io::Error::other(format!("offset {n} is out of range")))
+        };
+        let flags = nix::fcntl::FallocateFlags::FALLOC_FL_KEEP_SIZE;
+        match nix::fcntl::fallocate(&self.file, flags, as_off(offset)?, as_off(len)?) {
+            Ok(()) => Ok(()),
+            // A filesystem without fallocate: the writes themselves will tell.
+            Err(nix::errno::Errno::EOPNOTSUPP) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
     }
     fn sync_data(&self) -> io::Result<()> {
         self.file.sync_data()
@@ -119,10 +157,14 @@ impl SegmentFile for FsSegment {
 /// it can therefore acknowledge nothing more, and cannot scribble over the state that the
 /// next store recovers from. [`SimStorage::fail_syncs`] is a gentler fault: writes land,
 /// but every `fdatasync` fails (EIO), which leaves an unsynced tail behind the writer.
+///
+/// [`SimStorage::set_full`] simulates a full volume: allocations (and new files) fail with
+/// `StorageFull` until it is called again with `false`.
 #[derive(Clone, Default)]
 pub struct SimStorage {
     files: Arc<Mutex<BTreeMap<u64, Arc<SimSegment>>>>,
     health: Arc<AtomicU8>,
+    full: Arc<AtomicBool>,
 }
 
 const HEALTHY: u8 = 0;
@@ -132,6 +174,7 @@ const POWERED_OFF: u8 = 2;
 struct SimSegment {
     state: Mutex<SimBytes>,
     health: Arc<AtomicU8>,
+    full: Arc<AtomicBool>,
 }
 
 #[derive(Default)]
@@ -177,6 +220,11 @@ impl SimStorage {
     pub fn power_on(&self) {
         let _files = lock(&self.files);
         self.health.store(HEALTHY, Ordering::SeqCst);
+    }
+
+    /// The volume is full (`true`: allocations fail) or has room again (`false`).
+    pub fn set_full(&self, full: bool) {
+        self.full.store(full, Ordering::SeqCst);
     }
 
     /// Total bytes across all files (for tests that corrupt a chosen byte).
@@ -241,12 +289,22 @@ impl Storage for SimStorage {
         let mut files = lock(&self.files);
         // Creating a segment syncs the file and its directory.
         check_health(&self.health, true)?;
+        if self.full.load(Ordering::SeqCst) {
+            return Err(io::ErrorKind::StorageFull.into());
+        }
         let segment = Arc::new(SimSegment {
             state: Mutex::default(),
             health: self.health.clone(),
+            full: self.full.clone(),
         });
         files.insert(base, segment.clone());
         Ok(segment)
+    }
+    /// A simulated volume has no size: it is full only when allocations fail.
+    fn low_space(&self) -> io::Result<Option<String>> {
+        let _files = lock(&self.files);
+        check_health(&self.health, false)?;
+        Ok(None)
     }
 }
 
@@ -275,6 +333,14 @@ impl SegmentFile for SimSegment {
             bytes.data.resize(start + data.len(), 0);
         }
         bytes.data[start..start + data.len()].copy_from_slice(data);
+        Ok(())
+    }
+    fn allocate(&self, _offset: u64, _len: u64) -> io::Result<()> {
+        let _bytes = lock(&self.state);
+        check_health(&self.health, false)?;
+        if self.full.load(Ordering::SeqCst) {
+            return Err(io::ErrorKind::StorageFull.into());
+        }
         Ok(())
     }
     fn sync_data(&self) -> io::Result<()> {

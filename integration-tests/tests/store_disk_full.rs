@@ -1,0 +1,176 @@
+//! The store's volume fills up (a small tmpfs, which needs root to mount; CI runs as root,
+//! elsewhere the test says it is skipped): appends are refused with RESOURCE_EXHAUSTED
+//! naming the cause, reads and followers go on, health says the EventStore service is
+//! NOT_SERVING; once space is freed appends resume by themselves, and a store killed and
+//! restarted on the same volume holds every acknowledged event, with no gap.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use agentlog_proto::v1::{AppendRequest, GetSessionRequest, SubscribeRequest};
+use anyhow::{bail, ensure, Context, Result};
+use integration_tests::{read_log, user_event, Store};
+use tonic::Code;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+use tonic_health::pb::HealthCheckRequest;
+
+const SESSION: &str = "disk-full";
+
+/// A tmpfs mounted for the test, unmounted when dropped.
+struct Tmpfs(PathBuf);
+
+impl Tmpfs {
+    fn mount(dir: &Path, size: &str) -> Result<Tmpfs> {
+        std::fs::create_dir_all(dir)?;
+        let status = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(dir)
+            .status()
+            .context("running mount")?;
+        ensure!(status.success(), "mount -t tmpfs failed: {status}");
+        Ok(Tmpfs(dir.to_path_buf()))
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|out| String::from_utf8_lossy(&out.stdout).trim() == "0")
+}
+
+fn append(id: &str) -> AppendRequest {
+    AppendRequest {
+        session_id: SESSION.into(),
+        events: vec![user_event(id, &"x".repeat(300))],
+        ..Default::default()
+    }
+}
+
+async fn store_health(store: &Store) -> Result<ServingStatus> {
+    let channel = tonic::transport::Endpoint::from_shared(store.url())?
+        .connect()
+        .await?;
+    let mut health = HealthClient::new(channel);
+    let status = health
+        .check(HealthCheckRequest {
+            service: "agentlog.v1.EventStore".into(),
+        })
+        .await?
+        .into_inner()
+        .status;
+    Ok(ServingStatus::try_from(status)?)
+}
+
+/// Writes `path` until the volume has no room left.
+fn fill(path: &Path) -> Result<()> {
+    use std::io::Write;
+    let mut file = std::fs::File::create(path)?;
+    let chunk = vec![7u8; 64 << 10];
+    loop {
+        if let Err(e) = file.write_all(&chunk).and_then(|()| file.sync_data()) {
+            ensure!(
+                e.kind() == std::io::ErrorKind::StorageFull,
+                "filling the volume failed otherwise: {e}"
+            );
+            return Ok(());
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_volume_refuses_appends_keeps_reads_and_resumes_when_space_is_freed() -> Result<()> {
+    if !is_root() {
+        eprintln!("SKIPPED: mounting a small tmpfs needs root (CI runs as root)");
+        return Ok(());
+    }
+    let tmp = tempfile::tempdir()?;
+    let volume = tmp.path().join("volume");
+    let _tmpfs = Tmpfs::mount(&volume, "32m")?;
+    let data = volume.join("data");
+    let mut store = Store::start_in(&data)?;
+    let mut client = store.client().await?;
+    for i in 0..10 {
+        client.append(append(&format!("before-{i}"))).await?;
+    }
+    let mut follower = client
+        .subscribe(SubscribeRequest {
+            session_id: SESSION.into(),
+            from_seq: 1,
+            follow: true,
+        })
+        .await?
+        .into_inner();
+    for seq in 1..=10 {
+        let event = follower
+            .message()
+            .await?
+            .context("the follower's stream ended")?;
+        ensure!(event.seq == seq, "follower got seq {} for {seq}", event.seq);
+    }
+    assert_eq!(store_health(&store).await?, ServingStatus::Serving);
+
+    let filler = volume.join("filler");
+    fill(&filler)?;
+    let refused = client
+        .append(append("during"))
+        .await
+        .expect_err("an append on a full volume must be refused");
+    assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
+    assert!(
+        refused.message().contains("disk is full"),
+        "the refusal names the cause: {}",
+        refused.message()
+    );
+    // Reads go on; health says appends cannot be served.
+    assert_eq!(read_log(&mut client, SESSION).await.len(), 10);
+    let info = client
+        .get_session(GetSessionRequest {
+            session_id: SESSION.into(),
+        })
+        .await?
+        .into_inner();
+    assert_eq!(info.last_seq, 10);
+    assert_eq!(store_health(&store).await?, ServingStatus::NotServing);
+    assert!(store.is_running(), "a full volume must not stop the store");
+
+    std::fs::remove_file(&filler)?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let resumed = loop {
+        match client.append(append("after")).await {
+            Ok(response) => break response.into_inner(),
+            Err(s) if s.code() == Code::ResourceExhausted && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(50)).await
+            }
+            Err(s) => bail!("appends did not resume once space was freed: {s:?}"),
+        }
+    };
+    assert_eq!(resumed.seqs, vec![11]);
+    let event = follower
+        .message()
+        .await?
+        .context("the follower's stream ended")?;
+    assert_eq!(event.seq, 11, "the follower carries on");
+    assert_eq!(store_health(&store).await?, ServingStatus::Serving);
+
+    // Nothing acknowledged lost, nothing torn: a store killed and restarted on the volume
+    // serves seqs 1..=11.
+    store.kill9();
+    let store = Store::start_in(&data)?;
+    let mut client = store.client().await?;
+    let seqs: Vec<u64> = read_log(&mut client, SESSION)
+        .await
+        .iter()
+        .map(|e| e.seq)
+        .collect();
+    assert_eq!(seqs, (1..=11).collect::<Vec<_>>());
+    Ok(())
+}
