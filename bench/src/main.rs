@@ -1,6 +1,6 @@
 //! `agentlog-bench`: what a durable append, a catch-up, a live follower and a resume cost
 //! through the real `event-store` binary, next to what the disk allows and to the stores
-//! users would otherwise pick, all measured in one run on one disk (issue 6).
+//! users would otherwise pick, all measured in one run on one disk (`bench/RESULTS.md`).
 //!
 //! `bash bench/run` builds the release binaries, installs and starts the baselines and
 //! writes `bench/RESULTS.md`; `--quick` only checks that every path still runs (CI). Every

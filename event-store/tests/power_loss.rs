@@ -3,7 +3,7 @@
 //! the unsynced tail), cut at a random moment, many times over, with the store reopened on
 //! what is left. After every cut:
 //! - every acknowledged `DURABILITY_SYNC` append is there, at the seq it was acknowledged
-//!   with (SPEC §2 rule 1); buffered ones may be lost, but never move;
+//!   with (the acknowledgement follows the fdatasync); buffered ones may be lost, but never move;
 //! - every session's seqs are gapless from 1 (rule 4) and the index agrees with the log;
 //! - re-sending every unacknowledged append with its event_ids never duplicates an event;
 //! - a lease epoch that was handed out is never handed out again.
@@ -396,7 +396,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// SIGKILL (or a crash of the store alone) keeps what was written in the page cache, so a
 /// restarted store can find records that were never fsync'd. It must make them durable
 /// before it serves them: a re-sent append deduplicated against them is acknowledged as
-/// durable, and subscribers see them (SPEC §2 rules 1 and 3).
+/// durable, and subscribers see them (acknowledged and seen events are never taken back).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn records_found_by_recovery_are_durable_before_they_are_served() {
     let disk = SimStorage::new();

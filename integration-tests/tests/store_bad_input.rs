@@ -1,4 +1,4 @@
-//! Every bad input of SPEC §2 "Bad input", sent with grpcurl as a user would send it: the
+//! Every bad input the protocol names (`proto/agentlog/v1/event_store.proto`), sent with grpcurl as a user would send it: the
 //! exact status code, a message that names the field, and afterwards nothing changed (the
 //! sessions and their logs, read back over gRPC, are exactly as before). Also GetSession of
 //! an unknown session, and ListSessions paging, query and status filter.

@@ -145,7 +145,7 @@ fn acquire_renew_and_release_a_lease() {
     );
 }
 
-/// The fencing scenario of SPEC §2: A's lease runs out (a GC pause, SIGSTOP, a partition),
+/// The fencing scenario (ARCHITECTURE.md, invariants): A's lease runs out (a GC pause, SIGSTOP, a partition),
 /// B acquires; A wakes up and can neither write nor renew nor release B's lease.
 #[test]
 fn an_expired_holder_is_fenced_off_once_someone_else_acquires() {

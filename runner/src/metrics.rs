@@ -33,6 +33,7 @@ struct RunnerMetrics {
     tool_runs: Family<Labels2, Counter>,
     tool_seconds: Family<Labels1, Histogram>,
     interrupted_calls: Family<Labels1, Counter>,
+    approval_requests: Counter,
     leases_lost: Counter,
 }
 
@@ -51,6 +52,7 @@ static METRICS: LazyLock<RunnerMetrics> = LazyLock::new(|| RunnerMetrics {
     tool_runs: Family::default(),
     tool_seconds: Family::new_with_constructor(seconds_histogram),
     interrupted_calls: Family::default(),
+    approval_requests: Counter::default(),
     leases_lost: Counter::default(),
 });
 
@@ -124,8 +126,14 @@ pub fn registry(model: &Model) -> Registry {
     );
     r.register(
         "agentlog_runner_interrupted_calls",
-        "Tool calls found started without a result, by what was done (rerun or reported)",
+        "Tool calls found started without a result, by what was done (rerun, reported, asked)",
         m.interrupted_calls.clone(),
+    );
+    r.register(
+        "agentlog_runner_approval_requests",
+        "Calls handed to a person (approval_requested appended; the session then waits, \
+         holding no runner)",
+        m.approval_requests.clone(),
     );
     r.register(
         "agentlog_runner_leases_lost",
@@ -162,6 +170,11 @@ pub fn interrupted_call(action: &'static str) {
         .interrupted_calls
         .get_or_create(&[("action", action)])
         .inc();
+}
+
+/// An `approval_requested` was appended: the call waits for a person.
+pub fn approval_requested() {
+    METRICS.approval_requests.inc();
 }
 
 pub fn model_retried(model: &Model) {

@@ -32,6 +32,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio_stream::StreamExt;
 use tonic::Code;
+use tracing::Instrument;
 
 /// Attempts for an append or read that fails because the store is unreachable.
 const STORE_ATTEMPTS: u32 = 6;
@@ -280,13 +281,17 @@ impl SessionLog {
             through_seq: applied_through,
             latest_interrupt: fold.last_interrupt_seq(),
         });
-        let follower = tokio::spawn(follow_log(
-            appender.client.clone(),
-            appender.session_id.clone(),
-            applied_through + 1,
-            sender,
-            publish,
-        ));
+        // In the claim's span, so the store's side of the subscription joins its trace.
+        let follower = tokio::spawn(
+            follow_log(
+                appender.client.clone(),
+                appender.session_id.clone(),
+                applied_through + 1,
+                sender,
+                publish,
+            )
+            .instrument(tracing::Span::current()),
+        );
         Ok(SessionLog {
             appender,
             fold,

@@ -1,6 +1,6 @@
 //! The model providers behind one interface: stream a reply to a folded conversation,
 //! passing text to a [`TextSink`] as it arrives, and return the complete
-//! `AssistantMessage` exactly as the provider gave it (SPEC §3, "Models").
+//! `AssistantMessage` exactly as the provider gave it (the proto's `AssistantMessage` is stored verbatim).
 //!
 //! Promise: [`Model::stream_reply`] makes one attempt and classifies its failure:
 //! [`ModelError::Transient`] (429, 5xx, 529, timeouts, a cut stream, an `error` event after

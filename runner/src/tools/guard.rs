@@ -177,6 +177,7 @@ pub async fn run_calls(
                         Durability::Sync,
                     )
                     .await?;
+                crate::metrics::approval_requested();
                 return Ok(CallsOutcome::AwaitingApproval);
             }
             CallAction::Refuse { message } => {
