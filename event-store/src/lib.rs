@@ -5,17 +5,20 @@
 //! - [`index`]: sled, rebuilt from the log past the offset it had absorbed.
 //! - [`writer`]: the single writer thread doing group commit.
 //! - [`subscriptions`]: history then live, with disk catch-up for slow readers.
-//! - [`service`]: the gRPC edge: validation, limits, status codes.
+//! - [`service`]: the gRPC edge: validation, limits, status codes, over any [`backend`]:
+//!   this local log ([`Store`]) or [`postgres`].
 //! - [`auth`], [`limits`], [`tls`]: who may call, how much, and over what; [`scope`]: the
 //!   one rule for which sessions a caller may see.
 #![forbid(unsafe_code)]
 
 pub mod auth;
+pub mod backend;
 pub mod error;
 pub mod incoming;
 pub mod index;
 pub mod limits;
 pub mod log;
+pub mod postgres;
 pub mod scope;
 pub mod service;
 pub mod session;
@@ -441,7 +444,9 @@ fn granted(outcome: LeaseOutcome) -> Result<Lease, StoreError> {
     }
 }
 
-fn parse_page_token(token: &str) -> Result<Option<(i64, String)>, StoreError> {
+/// `updated_unix_ms/session_id` of the last session of the previous page (every backend
+/// pages the same way).
+pub(crate) fn parse_page_token(token: &str) -> Result<Option<(i64, String)>, StoreError> {
     if token.is_empty() {
         return Ok(None);
     }

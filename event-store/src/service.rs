@@ -14,17 +14,19 @@ use agentlog_proto::v1::{
     ReleaseLeaseRequest, ReleaseLeaseResponse, RenewLeaseRequest, SessionInfo, SubscribeRequest,
 };
 use prost::Message;
+use tokio::sync::watch;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::{Stream, StreamExt};
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
 use crate::auth::{Access, AuthLayer, Caller};
+use crate::backend::Backend;
 use crate::error::StoreError;
 use crate::incoming::ConnLimits;
 use crate::limits::{CallerLimits, LimitsLayer};
 use crate::tls::ReloadingTls;
-use crate::{AppendOp, Store};
+use crate::AppendOp;
 
 pub const MAX_EVENTS_PER_APPEND: usize = 1000;
 pub const MAX_EVENT_BYTES: usize = 1 << 20;
@@ -38,12 +40,12 @@ const MAX_TTL_MS: u64 = 10 * 60 * 1000;
 const MAX_WAIT_MS: u64 = 5 * 60 * 1000;
 
 pub struct EventStoreService {
-    store: Arc<Store>,
+    store: Arc<dyn Backend>,
     shutdown: CancellationToken,
 }
 
 impl EventStoreService {
-    pub fn new(store: Arc<Store>, shutdown: CancellationToken) -> EventStoreService {
+    pub fn new(store: Arc<dyn Backend>, shutdown: CancellationToken) -> EventStoreService {
         EventStoreService { store, shutdown }
     }
 
@@ -93,15 +95,16 @@ impl ServeOptions {
 /// fires; then stops accepting, ends streams and long-polls, and waits for in-flight
 /// requests. Every call but health passes the auth layer, then the limits layer.
 pub async fn serve(
-    store: Arc<Store>,
+    store: Arc<dyn Backend>,
     listener: tokio::net::TcpListener,
     options: ServeOptions,
     shutdown: CancellationToken,
 ) -> Result<(), tonic::transport::Error> {
     let (health_reporter, health) = tonic_health::server::health_reporter();
-    health_reporter
-        .set_serving::<EventStoreServer<EventStoreService>>()
-        .await;
+    let serving = store.serving();
+    let up = *serving.borrow();
+    set_health(&health_reporter, up).await;
+    tokio::spawn(report_health(health_reporter, serving, shutdown.clone()));
     let (reflection_v1, reflection_v1alpha) = if options.reflection {
         (
             Some(
@@ -147,12 +150,13 @@ pub async fn serve(
 /// (which cannot speak TLS). It reveals nothing but "SERVING".
 pub async fn serve_health(
     listener: tokio::net::TcpListener,
+    serving: watch::Receiver<bool>,
     shutdown: CancellationToken,
 ) -> Result<(), tonic::transport::Error> {
     let (health_reporter, health) = tonic_health::server::health_reporter();
-    health_reporter
-        .set_serving::<EventStoreServer<EventStoreService>>()
-        .await;
+    let up = *serving.borrow();
+    set_health(&health_reporter, up).await;
+    tokio::spawn(report_health(health_reporter, serving, shutdown.clone()));
     tonic::transport::Server::builder()
         .add_service(health)
         .serve_with_incoming_shutdown(
@@ -160,6 +164,39 @@ pub async fn serve_health(
             shutdown.cancelled_owned(),
         )
         .await
+}
+
+/// Keeps the health status (the overall one and `agentlog.v1.EventStore`'s) in step with
+/// whether the backend can acknowledge appends: NOT_SERVING while its storage is out of
+/// reach, SERVING again once it is back.
+async fn report_health(
+    reporter: tonic_health::server::HealthReporter,
+    mut serving: watch::Receiver<bool>,
+    shutdown: CancellationToken,
+) {
+    loop {
+        tokio::select! {
+            changed = serving.changed() => if changed.is_err() { return },
+            _ = shutdown.cancelled() => return,
+        }
+        let up = *serving.borrow_and_update();
+        set_health(&reporter, up).await;
+    }
+}
+
+async fn set_health(reporter: &tonic_health::server::HealthReporter, up: bool) {
+    let status = if up {
+        tonic_health::ServingStatus::Serving
+    } else {
+        tonic_health::ServingStatus::NotServing
+    };
+    reporter.set_service_status("", status).await;
+    reporter
+        .set_service_status(
+            <EventStoreServer<EventStoreService> as tonic::server::NamedService>::NAME,
+            status,
+        )
+        .await;
 }
 
 /// The address the listener is bound to (for logs: `--listen 127.0.0.1:0` picks a port).
@@ -265,7 +302,9 @@ impl EventStore for EventStoreService {
     ) -> Result<Response<SessionInfo>, Status> {
         let req = request.into_inner();
         validate_session_id(&req.session_id)?;
-        Ok(Response::new(self.store.get_session(&req.session_id)?))
+        Ok(Response::new(
+            self.store.get_session(&req.session_id).await?,
+        ))
     }
 
     async fn list_sessions(
@@ -274,7 +313,9 @@ impl EventStore for EventStoreService {
     ) -> Result<Response<ListSessionsResponse>, Status> {
         let caller = caller_of(&request)?;
         Ok(Response::new(
-            self.store.list_sessions(request.get_ref(), &caller.scope)?,
+            self.store
+                .list_sessions(request.get_ref(), &caller.scope)
+                .await?,
         ))
     }
 
