@@ -83,25 +83,36 @@ impl Postgres {
             "initdb failed: {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        Postgres::start_on(dir, data, user, settings)
+        Postgres::start_on(dir, data, user, None, settings)
     }
 
     /// Starts a server on an existing data dir `<dir>/data` (e.g. a standby made by
     /// `pg_basebackup`) on a free port.
     pub fn start_existing(dir: &Path, settings: &[&str]) -> Result<Postgres> {
         let user = run_as()?;
-        Postgres::start_on(dir, dir.join("data"), user, settings)
+        Postgres::start_on(dir, dir.join("data"), user, None, settings)
+    }
+
+    /// Starts a server on an existing data dir `<dir>/data` on `port` (e.g. the one a killed
+    /// server had, so that its clients find it again).
+    pub fn start_existing_on(dir: &Path, port: u16, settings: &[&str]) -> Result<Postgres> {
+        let user = run_as()?;
+        Postgres::start_on(dir, dir.join("data"), user, Some(port), settings)
     }
 
     fn start_on(
         dir: &Path,
         data: PathBuf,
         user: Option<(u32, u32)>,
+        port: Option<u16>,
         settings: &[&str],
     ) -> Result<Postgres> {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")?
-            .local_addr()?
-            .port();
+        let port = match port {
+            Some(port) => port,
+            None => std::net::TcpListener::bind("127.0.0.1:0")?
+                .local_addr()?
+                .port(),
+        };
         let log = std::fs::File::create(dir.join("postgres.log"))?;
         if let Some((uid, gid)) = user {
             std::os::unix::fs::chown(dir.join("postgres.log"), Some(uid), Some(gid))?;
