@@ -305,7 +305,7 @@ async fn a_failover_loses_no_acknowledged_event_and_answers_only_unavailable() {
         task.await.unwrap();
     }
 
-    let acked = acked.lock().unwrap();
+    let acked = std::mem::take(&mut *acked.lock().unwrap());
     let mut reader = client(&replicas[1]).await;
     for session in &sessions {
         let log = read_log(&mut reader, session).await;
