@@ -166,9 +166,10 @@ pub async fn serve_health(
         .await
 }
 
-/// Keeps the health status (the overall one and `agentlog.v1.EventStore`'s) in step with
-/// whether the backend can acknowledge appends: NOT_SERVING while its storage is out of
-/// reach, SERVING again once it is back.
+/// Keeps `agentlog.v1.EventStore`'s health in step with whether the backend can acknowledge
+/// appends: NOT_SERVING while its storage is out of reach, SERVING again once it is back
+/// (readiness). The overall status (`""`) stays SERVING while the process runs (liveness:
+/// restarting the store does not bring a database back).
 async fn report_health(
     reporter: tonic_health::server::HealthReporter,
     mut serving: watch::Receiver<bool>,
@@ -190,7 +191,6 @@ async fn set_health(reporter: &tonic_health::server::HealthReporter, up: bool) {
     } else {
         tonic_health::ServingStatus::NotServing
     };
-    reporter.set_service_status("", status).await;
     reporter
         .set_service_status(
             <EventStoreServer<EventStoreService> as tonic::server::NamedService>::NAME,
