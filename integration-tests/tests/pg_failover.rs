@@ -1,12 +1,16 @@
 //! The PostgreSQL backend riding out the loss of its database, with real processes: a
 //! primary and one synchronous standby (`pg_basebackup -R`, `synchronous_standby_names`),
 //! two store replicas on a multi-host URL with `target_session_attrs=read-write`, appenders
-//! and followers on both. `kill -9` the primary, promote the standby: every acknowledged
-//! event is there at its seq, gapless; no epoch is granted twice; the followers on both
-//! replicas see every event once, in order; and the only error anyone saw was UNAVAILABLE.
+//! and followers on both, and a runner working sessions whose bash tool records its
+//! idempotency key. `kill -9` the primary, promote the standby: every acknowledged event is
+//! there at its seq, gapless; no epoch is granted twice; the followers on both replicas see
+//! every event once, in order; every tool ran once; and the only error anyone saw was
+//! UNAVAILABLE.
 //!
 //! Also: with the one database down, appends answer UNAVAILABLE, health NOT_SERVING, and
 //! the store serves again by itself when the database is back.
+
+mod runner_support;
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -14,12 +18,18 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use agentlog_proto::v1::event::Kind;
 use agentlog_proto::v1::event_store_client::EventStoreClient;
 use agentlog_proto::v1::{
     AcquireLeaseRequest, AppendRequest, ReleaseLeaseRequest, SubscribeRequest,
 };
+use integration_tests::anthropic_standin::{AnthropicStandin, StandinReply};
 use integration_tests::pg::{pg_bin, Postgres};
 use integration_tests::{bin_path, poll_until, read_log, user_event, Backing, Store};
+use runner_support::{
+    assert_exactly_once, history, key_counts, start_runner, tool_use_ids, user_says, wait_idle,
+};
+use serde_json::json;
 use tonic::transport::Channel;
 use tonic::Code;
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -282,12 +292,52 @@ async fn a_failover_loses_no_acknowledged_event_and_answers_only_unavailable() {
         )));
     }
 
+    // A runner works two sessions of three side-effecting steps across the switch.
+    let steps: Vec<StandinReply> = (0..3)
+        .map(|i| {
+            StandinReply::text(&format!("Step {i}: recording the key.")).tool(
+                "bash",
+                json!({"command": "sleep 1; echo \"$IDEMPOTENCY_KEY\" >> keys.txt"}),
+            )
+        })
+        .chain([StandinReply::text("All steps are done.")])
+        .collect();
+    let standin = AnthropicStandin::start(steps).await.unwrap();
+    let workspaces = tempfile::tempdir().unwrap();
+    let _runner = start_runner(
+        &replicas[0].url(),
+        "runner-0",
+        workspaces.path(),
+        &standin.url(),
+        10_000,
+        4,
+    );
+    let runs = ["run0", "run1"];
+    for run in runs {
+        user_says(&mut c, run, run).await;
+    }
+
     let before = |n: usize| {
         let count = count.clone();
         move || (count.load(Ordering::Relaxed) >= n).then_some(())
     };
     tokio::task::block_in_place(|| poll_until("acks before the failover", BOUND, before(100)));
     let epochs_before = acked.lock().unwrap().epochs.len();
+    // Kill while the runner is inside the sessions: each has started its first tool.
+    for run in runs {
+        let deadline = tokio::time::Instant::now() + BOUND;
+        while !history(&mut c, run)
+            .await
+            .iter()
+            .any(|e| matches!(e.kind, Some(Kind::ToolStarted(_))))
+        {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{run} never started a tool"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
 
     primary.kill9();
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -335,6 +385,20 @@ async fn a_failover_loses_no_acknowledged_event_and_answers_only_unavailable() {
                 *seen.lock().unwrap(),
                 seqs,
                 "{followed}: a follower saw every event once"
+            );
+        }
+    }
+    for run in runs {
+        let events = wait_idle(&mut reader, run, 0, BOUND).await;
+        assert_exactly_once(&events);
+        let keys = key_counts(workspaces.path(), run);
+        let ids = tool_use_ids(&events);
+        assert_eq!(ids.len(), 3, "{run}: three tool calls");
+        for id in ids {
+            assert_eq!(
+                keys.get(&format!("{run}/{id}")),
+                Some(&1),
+                "{run}/{id} ran once: {keys:?}"
             );
         }
     }
