@@ -5,7 +5,8 @@
 //! idempotency key. `kill -9` the primary, promote the standby: every acknowledged event is
 //! there at its seq, gapless; no epoch is granted twice; the followers on both replicas see
 //! every event once, in order; every tool ran once; and the only error anyone saw was
-//! UNAVAILABLE.
+//! UNAVAILABLE. (The appenders' sessions are runnable too, so the runner works them as
+//! well: more traffic through the switch.)
 //!
 //! Also: with the one database down, appends answer UNAVAILABLE, health NOT_SERVING, and
 //! the store serves again by itself when the database is back.

@@ -39,16 +39,33 @@ pub enum NotifyMode {
 /// may have become claimable"; a bump wakes whoever waits on it.
 #[derive(Default)]
 pub struct Board {
-    sessions: Mutex<HashMap<String, watch::Sender<u64>>>,
+    sessions: Mutex<Followed>,
     claimable: watch::Sender<u64>,
 }
 
+#[derive(Default)]
+struct Followed {
+    by_session: HashMap<String, watch::Sender<u64>>,
+    /// Sessions nobody follows any more are dropped when the map reaches this size.
+    prune_at: usize,
+}
+
+impl Followed {
+    fn prune(&mut self) {
+        self.by_session.retain(|_, tx| tx.receiver_count() > 0);
+        self.prune_at = (self.by_session.len() * 2).max(1024);
+    }
+}
+
 impl Board {
-    /// A receiver that changes whenever `session_id` may have new events. Dropped receivers
-    /// are pruned on the next [`Board::wake_all`].
+    /// A receiver that changes whenever `session_id` may have new events.
     pub fn follow(&self, session_id: &str) -> watch::Receiver<u64> {
         let mut sessions = self.sessions.lock().unwrap_or_else(|p| p.into_inner());
+        if sessions.by_session.len() >= sessions.prune_at {
+            sessions.prune();
+        }
         sessions
+            .by_session
             .entry(session_id.to_string())
             .or_insert_with(|| watch::channel(0).0)
             .subscribe()
@@ -62,7 +79,7 @@ impl Board {
     pub fn wake(&self, session_id: &str, claimable: bool) {
         {
             let sessions = self.sessions.lock().unwrap_or_else(|p| p.into_inner());
-            if let Some(tx) = sessions.get(session_id) {
+            if let Some(tx) = sessions.by_session.get(session_id) {
                 tx.send_modify(|n| *n = n.wrapping_add(1));
             }
         }
@@ -74,8 +91,8 @@ impl Board {
     /// Everyone re-reads (after notifications may have been missed).
     pub fn wake_all(&self) {
         let mut sessions = self.sessions.lock().unwrap_or_else(|p| p.into_inner());
-        sessions.retain(|_, tx| tx.receiver_count() > 0);
-        for tx in sessions.values() {
+        sessions.prune();
+        for tx in sessions.by_session.values() {
             tx.send_modify(|n| *n = n.wrapping_add(1));
         }
         self.claimable.send_modify(|n| *n = n.wrapping_add(1));
