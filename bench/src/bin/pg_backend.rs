@@ -45,6 +45,9 @@ struct Args {
     /// Seconds measured per run (after one second of warm-up).
     #[arg(long, default_value_t = 5)]
     secs: u64,
+    /// The store's `--notify` mode (`listen` or `poll`).
+    #[arg(long, default_value = "listen")]
+    notify: String,
     /// The event-store binary (default: the one next to this program).
     #[arg(long)]
     store_binary: Option<std::path::PathBuf>,
@@ -131,7 +134,7 @@ async fn main() -> anyhow::Result<()> {
             &binary,
             Backing::Database(store_url.clone(), None),
             "127.0.0.1:0",
-            &["--database-pool-size", "64"],
+            &["--database-pool-size", "64", "--notify", &args.notify],
         )
     };
     let replicas = [start()?, start()?];

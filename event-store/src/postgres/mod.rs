@@ -776,8 +776,8 @@ fn plan(
 
 #[tonic::async_trait]
 impl Backend for PgBackend {
-    async fn append(&self, op: AppendOp) -> Result<AppendResponse, StoreError> {
-        let mut events = op.events.clone();
+    async fn append(&self, mut op: AppendOp) -> Result<AppendResponse, StoreError> {
+        let mut events = std::mem::take(&mut op.events);
         for event in &mut events {
             if event.event_id.is_empty() {
                 event.event_id = uuid::Uuid::new_v4().to_string();
