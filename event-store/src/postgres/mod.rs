@@ -66,6 +66,9 @@ const MAX_ATTEMPTS: usize = 64;
 /// A database call that takes longer is answered UNAVAILABLE (it may still commit: a
 /// retry with the same event ids is answered with the original seqs).
 const CALL_TIMEOUT: Duration = Duration::from_secs(10);
+/// `SessionStatus::Runnable`, written into the claim queries as a literal so that they use
+/// the partial index over runnable sessions (see [`schema`]).
+const RUNNABLE: i32 = SessionStatus::Runnable as i32;
 /// Sessions a replica keeps in its cache; beyond this it starts over.
 const MAX_CACHED: usize = 100_000;
 
@@ -554,27 +557,30 @@ impl PgBackend {
             .prefix_list()
             .map(<[String]>::to_vec)
             .unwrap_or_default();
-        let runnable = SessionStatus::Runnable as i32;
         let result = timed(async {
             let tx = client.transaction().await?;
             let picked = tx
                 .query_opt(
-                    "SELECT session_id, version, meta FROM agentlog_sessions \
-                     WHERE status = $1 AND lease_expires_unix_ms <= $2 \
-                     AND ($3 OR EXISTS (SELECT 1 FROM unnest($4::text[]) p \
-                     WHERE starts_with(session_id, p))) \
-                     ORDER BY updated_unix_ms, session_id LIMIT 1 FOR UPDATE SKIP LOCKED",
-                    &[&runnable, &now, &all, &prefixes],
+                    &format!(
+                        "SELECT session_id, version, meta FROM agentlog_sessions \
+                         WHERE status = {RUNNABLE} AND lease_expires_unix_ms <= $1 \
+                         AND ($2 OR EXISTS (SELECT 1 FROM unnest($3::text[]) p \
+                         WHERE starts_with(session_id, p))) \
+                         ORDER BY updated_unix_ms, session_id LIMIT 1 FOR UPDATE SKIP LOCKED"
+                    ),
+                    &[&now, &all, &prefixes],
                 )
                 .await?;
             let Some(row) = picked else {
                 let next: Option<i64> = tx
                     .query_one(
-                        "SELECT min(lease_expires_unix_ms) FROM agentlog_sessions \
-                         WHERE status = $1 AND lease_expires_unix_ms > $2 \
-                         AND ($3 OR EXISTS (SELECT 1 FROM unnest($4::text[]) p \
-                         WHERE starts_with(session_id, p)))",
-                        &[&runnable, &now, &all, &prefixes],
+                        &format!(
+                            "SELECT min(lease_expires_unix_ms) FROM agentlog_sessions \
+                             WHERE status = {RUNNABLE} AND lease_expires_unix_ms > $1 \
+                             AND ($2 OR EXISTS (SELECT 1 FROM unnest($3::text[]) p \
+                             WHERE starts_with(session_id, p)))"
+                        ),
+                        &[&now, &all, &prefixes],
                     )
                     .await?
                     .get(0);

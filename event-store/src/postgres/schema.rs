@@ -4,7 +4,12 @@
 //!
 //! - `agentlog_sessions`: one row per session. `meta` is the session's [`SessionMeta`]
 //!   (prost-encoded, lease included), the single source of its state; the other columns are
-//!   copies of it for the queries that filter and order sessions. `version` grows with
+//!   copies of it for the queries that filter and order sessions. Every append updates the
+//!   row, so it is kept cheap: no index on the columns an append changes (`updated_unix_ms`,
+//!   `version`), and a fill factor that leaves room on the page, so that the update is HOT
+//!   (no new index entries). The one secondary index, over runnable sessions, serves
+//!   `ClaimSession`; `ListSessions` scans and sorts the sessions instead, a cost that grows
+//!   with their number. `version` grows with
 //!   every write to the session: a write names the version it was computed from and lands
 //!   only if that is still the current one.
 //! - `agentlog_events`: the events, prost-encoded, keyed by `(session_id, seq)`; the unique
@@ -29,9 +34,9 @@ CREATE TABLE agentlog_sessions (
     status integer NOT NULL,
     lease_expires_unix_ms bigint NOT NULL,
     first_user_text text NOT NULL
-);
-CREATE INDEX agentlog_sessions_recent ON agentlog_sessions (updated_unix_ms DESC, session_id);
-CREATE INDEX agentlog_sessions_claimable ON agentlog_sessions (status, updated_unix_ms);
+) WITH (fillfactor = 50);
+-- status 1: SESSION_STATUS_RUNNABLE (postgres::RUNNABLE).
+CREATE INDEX agentlog_sessions_runnable ON agentlog_sessions (session_id) WHERE status = 1;
 CREATE TABLE agentlog_events (
     session_id text COLLATE "C" NOT NULL,
     seq bigint NOT NULL,
@@ -81,4 +86,15 @@ pub async fn migrate(client: &mut Client) -> Result<(), SchemaError> {
     }
     tx.commit().await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_runnable_index_is_over_the_status_the_claim_queries_name() {
+        let predicate = format!("WHERE status = {};", super::super::RUNNABLE);
+        assert!(MIGRATIONS.iter().any(|m| m.contains(&predicate)));
+    }
 }
