@@ -32,6 +32,26 @@ def fail(msg):
     problems.append(msg)
 
 
+def check_cnpg_cluster(cluster):
+    """What the store's promises need of a CloudNativePG Cluster (kubernetes-validate has
+    no schema for the CRD): several instances, a synchronous quorum that is required, and
+    the generated Secrets the store reads named after it."""
+    name = cluster["metadata"]["name"]
+    spec = cluster.get("spec", {})
+    if spec.get("instances", 1) < 3:
+        fail(f"Cluster/{name}: fewer than 3 instances")
+    sync = spec.get("postgresql", {}).get("synchronous", {})
+    if sync.get("method") not in ("any", "first") or sync.get("number", 0) < 1:
+        fail(f"Cluster/{name}: no synchronous quorum (postgresql.synchronous method/number)")
+    if sync.get("dataDurability") != "required":
+        fail(f"Cluster/{name}: postgresql.synchronous.dataDurability is not 'required'")
+    allowed = {"instances", "imageName", "primaryUpdateStrategy", "postgresql", "bootstrap",
+               "storage", "affinity", "resources", "walStorage", "monitoring", "backup"}
+    for key in spec:
+        if key not in allowed:
+            fail(f"Cluster/{name}: spec.{key} is not a field this check knows")
+
+
 def main(rendered, bin_dir):
     docs = [d for d in yaml.safe_load_all(open(rendered)) if d]
     configmaps = {d["metadata"]["name"]: d.get("data", {}) for d in docs if d["kind"] == "ConfigMap"}
@@ -56,6 +76,9 @@ def main(rendered, bin_dir):
                 if a.startswith("--") and not re.search(rf"(^|\s){re.escape(a)}(\s|$|=)", help_text, re.M):
                     fail(f"{where}: flag {a} is not in `{binary} --help`")
             env = {e["name"]: e.get("value") for e in c.get("env", [])}
+            if "--database-url" in args or "AGENTLOG_DATABASE_URL" in env:
+                if "--data-dir" in args or doc["kind"] != "Deployment":
+                    fail(f"{where}: over PostgreSQL the store is a Deployment without --data-dir")
             for ref in c.get("envFrom", []):
                 name = ref.get("configMapRef", {}).get("name")
                 if name not in configmaps:
@@ -65,7 +88,8 @@ def main(rendered, bin_dir):
             for name in env:
                 if name in OTHER_ENV:
                     continue
-                if f"[env: {name}=" not in help_text:
+                # clap prints `[env: NAME=value]`, or `[env: NAME]` for a secret's variable.
+                if f"[env: {name}=" not in help_text and f"[env: {name}]" not in help_text:
                     fail(f"{where}: env {name} is not read by {binary} (not in --help)")
             if "AGENTLOG_EVENT_STORE" in env:
                 store_urls.append((where, env["AGENTLOG_EVENT_STORE"]))
@@ -123,6 +147,9 @@ def main(rendered, bin_dir):
             fail(f"{where}: AGENTLOG_EVENT_STORE {url} names no ClusterIP Service")
         elif u.port != store_services[host]:
             fail(f"{where}: AGENTLOG_EVENT_STORE port {u.port} != Service port {store_services[host]}")
+    for d in docs:
+        if d["kind"] == "Cluster" and d["apiVersion"].startswith("postgresql.cnpg.io/"):
+            check_cnpg_cluster(d)
     if grpc_port is None:
         fail("no event-store workload found")
     # No Kubernetes schema covers the Prometheus operator's ServiceMonitor: check that it

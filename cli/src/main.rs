@@ -48,6 +48,10 @@ enum Command {
         /// Where the store's log and the sessions' workspaces live.
         #[arg(long, env = "AGENTLOG_DATA_DIR", default_value = ".agentlog")]
         data_dir: PathBuf,
+        /// Keep the sessions in this PostgreSQL database (`postgres://…`) instead of the
+        /// local log under --data-dir (which then holds only the workspaces).
+        #[arg(long, env = "AGENTLOG_DATABASE_URL", hide_env_values = true)]
+        database_url: Option<String>,
         /// HOST:PORT for the store (default: the host and port of --addr).
         #[arg(long)]
         listen: Option<String>,
@@ -159,6 +163,7 @@ async fn main() -> ExitCode {
     let result = match cli.command {
         Command::Up {
             data_dir,
+            database_url,
             listen,
             model,
             runner_id,
@@ -174,6 +179,7 @@ async fn main() -> ExitCode {
             });
             stack::up(stack::UpConfig {
                 data_dir,
+                database_url,
                 listen,
                 model,
                 runner_id,

@@ -41,6 +41,8 @@ pub const DEFAULT_OPENAI_MODEL: &str = "gpt-4o-mini";
 #[derive(Debug)]
 pub struct UpConfig {
     pub data_dir: PathBuf,
+    /// Keep the sessions in this PostgreSQL database instead of under `data_dir`.
+    pub database_url: Option<String>,
     pub listen: String,
     pub model: Option<String>,
     pub runner_id: String,
@@ -217,13 +219,24 @@ pub async fn start_store(
     listen: &str,
     view: LogView,
 ) -> Result<(Proc, SocketAddr)> {
+    start_store_backed(
+        &["--data-dir".to_string(), data_dir.display().to_string()],
+        listen,
+        view,
+    )
+    .await
+}
+
+/// Like [`start_store`], with the backend's arguments (`--data-dir DIR` or
+/// `--database-url URL`).
+pub async fn start_store_backed(
+    backend: &[String],
+    listen: &str,
+    view: LogView,
+) -> Result<(Proc, SocketAddr)> {
     let program = find_binary("event-store")?;
-    let args = vec![
-        "--listen".to_string(),
-        listen.to_string(),
-        "--data-dir".to_string(),
-        data_dir.display().to_string(),
-    ];
+    let mut args = vec!["--listen".to_string(), listen.to_string()];
+    args.extend_from_slice(backend);
     let known = listen
         .to_socket_addrs()
         .ok()
@@ -400,7 +413,11 @@ pub async fn up(config: UpConfig) -> Result<()> {
     };
     eprintln!("agentlog: model {model} ({why})");
 
-    let (mut store, addr) = start_store(&store_dir, &config.listen, LogView::All).await?;
+    let backend = match &config.database_url {
+        Some(url) => vec!["--database-url".to_string(), url.clone()],
+        None => vec!["--data-dir".to_string(), store_dir.display().to_string()],
+    };
+    let (mut store, addr) = start_store_backed(&backend, &config.listen, LogView::All).await?;
     let url = format!("http://{addr}");
     let mut extra = Vec::new();
     if let Some(ttl) = config.lease_ttl_ms {

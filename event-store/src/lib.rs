@@ -6,19 +6,22 @@
 //!   date behind the acknowledgements.
 //! - [`writer`]: the single writer thread doing group commit.
 //! - [`subscriptions`]: history then live, with disk catch-up for slow readers.
-//! - [`service`]: the gRPC edge: validation, limits, status codes.
+//! - [`service`]: the gRPC edge: validation, limits, status codes, over any [`backend`]:
+//!   this local log ([`Store`]) or [`postgres`].
 //! - [`auth`], [`limits`], [`tls`]: who may call, how much, and over what; [`scope`]: the
 //!   one rule for which sessions a caller may see.
 //! - [`metrics`]: what the store reports to Prometheus.
 #![forbid(unsafe_code)]
 
 pub mod auth;
+pub mod backend;
 pub mod error;
 pub mod incoming;
 pub mod index;
 pub mod limits;
 pub mod log;
 pub mod metrics;
+pub mod postgres;
 pub mod scope;
 pub mod service;
 pub mod session;
@@ -76,6 +79,9 @@ pub struct Shared {
     claimable: watch::Sender<u64>,
     /// Why appends are refused, while the log's volume is full.
     full: watch::Sender<Option<String>>,
+    /// Whether appends can be acknowledged now (false while the volume is full): what
+    /// health reports for `agentlog.v1.EventStore`.
+    serving: watch::Sender<bool>,
 }
 
 impl Shared {
@@ -118,6 +124,7 @@ impl Shared {
 
     /// The log's volume is full (`Some(why)`) or has room again (`None`).
     fn set_full(&self, reason: Option<String>) {
+        self.serving.send_replace(reason.is_none());
         self.full.send_replace(reason);
     }
 
@@ -184,6 +191,7 @@ impl Store {
             recent: Arc::new(Recent::default()),
             claimable: watch::channel(0).0,
             full: watch::channel(None).0,
+            serving: watch::channel(true).0,
         });
         let source = Source {
             hub: shared.hub.clone(),
@@ -228,6 +236,11 @@ impl Store {
     /// `RESOURCE_EXHAUSTED` (reads go on), until the writer finds room again by itself.
     pub fn disk_full(&self) -> watch::Receiver<Option<String>> {
         self.shared.full.subscribe()
+    }
+
+    /// Whether appends can be acknowledged now: false while the volume is full.
+    pub fn serving(&self) -> watch::Receiver<bool> {
+        self.shared.serving.subscribe()
     }
 
     /// Stops taking operations, lets the writer finish and fsync what it has queued, and
@@ -490,7 +503,9 @@ fn granted(outcome: LeaseOutcome) -> Result<Lease, StoreError> {
     }
 }
 
-fn parse_page_token(token: &str) -> Result<Option<(i64, String)>, StoreError> {
+/// `updated_unix_ms/session_id` of the last session of the previous page (every backend
+/// pages the same way).
+pub(crate) fn parse_page_token(token: &str) -> Result<Option<(i64, String)>, StoreError> {
     if token.is_empty() {
         return Ok(None);
     }

@@ -1,8 +1,11 @@
-//! `event-store --listen HOST:PORT --data-dir DIR`: serves agentlog.v1.EventStore.
+//! `event-store --listen HOST:PORT (--data-dir DIR | --database-url URL)`: serves
+//! agentlog.v1.EventStore over the local log or over PostgreSQL.
 //!
 //! SIGTERM (or Ctrl-C): stop accepting, end streams and long-polls, let in-flight appends
-//! finish and be fsync'd, then exit 0. A failure of the log's disk exits 1: nothing more can
-//! be acknowledged safely, and a restart recovers from what is really on disk.
+//! finish and be fsync'd (or committed), then exit 0. A failure of the log's disk exits 1:
+//! nothing more can be acknowledged safely, and a restart recovers from what is really on
+//! disk. The database being unreachable is not fatal: the store answers UNAVAILABLE and
+//! reports NOT_SERVING until it is back.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -11,8 +14,10 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Parser;
 use event_store::auth::{Access, TokensFileWatch};
+use event_store::backend::Backend;
 use event_store::incoming::ConnLimits;
 use event_store::limits::CallerLimits;
+use event_store::postgres::{NotifyMode, PgBackend, PgConfig};
 use event_store::service::ServeOptions;
 use event_store::tls::{self, Reload, ReloadingTls, TlsFiles};
 use event_store::{service, Store, StoreConfig};
@@ -24,13 +29,39 @@ use tokio_util::sync::CancellationToken;
     version,
     about = "agentlog event store: durable per-session logs over gRPC"
 )]
+#[command(group(
+    clap::ArgGroup::new("backend")
+        .required(true)
+        .multiple(false)
+        .args(["data_dir", "database_url"])
+))]
 struct Args {
     /// Address to serve gRPC on (port 0 picks a free port; the chosen one is logged).
     #[arg(long, env = "AGENTLOG_LISTEN", default_value = "127.0.0.1:50051")]
     listen: String,
-    /// Directory for the log segments and the index (created if missing).
+    /// The local backend: directory for the log segments and the index (created if
+    /// missing). One replica. Give exactly one of --data-dir and --database-url.
     #[arg(long, env = "AGENTLOG_DATA_DIR")]
-    data_dir: PathBuf,
+    data_dir: Option<PathBuf>,
+    /// The PostgreSQL backend: `postgres://user:pass@host:port/db` (several hosts and
+    /// `target_session_attrs=read-write` ride out a failover). Any number of replicas may
+    /// serve one database. Give exactly one of --data-dir and --database-url.
+    #[arg(long, env = "AGENTLOG_DATABASE_URL", hide_env_values = true)]
+    database_url: Option<String>,
+    /// PEM CA certificates to trust for TLS to the database (besides the public roots).
+    #[arg(long, env = "AGENTLOG_DATABASE_CA", requires = "database_url")]
+    database_ca: Option<PathBuf>,
+    /// Database connections in the pool: appends in flight at once.
+    #[arg(long, env = "AGENTLOG_DATABASE_POOL_SIZE", default_value_t = 32)]
+    database_pool_size: usize,
+    /// How replicas wake each other's followers and claimants: `listen` (LISTEN/NOTIFY,
+    /// sent after commit, plus a safety poll) or `poll` (for engines without LISTEN).
+    #[arg(long, env = "AGENTLOG_NOTIFY", value_enum, default_value_t = NotifyMode::Listen)]
+    notify: NotifyMode,
+    /// How often followers and claimants re-read without a wake-up (default 1000 with
+    /// `--notify listen`, 100 with `--notify poll`).
+    #[arg(long, env = "AGENTLOG_POLL_INTERVAL_MS")]
+    poll_interval_ms: Option<u64>,
     /// Close each client connection gracefully after this many seconds (0: never), so that
     /// long-lived HTTP/2 clients reconnect and rebalance.
     #[arg(long, env = "AGENTLOG_MAX_CONNECTION_AGE_SECS", default_value_t = 0)]
@@ -117,12 +148,47 @@ fn main() -> anyhow::Result<()> {
     result
 }
 
+/// The backend chosen on the command line; the local one is kept by its type so that it can
+/// be closed (and its writer joined) at the end.
+enum Opened {
+    Local(Arc<Store>),
+    Postgres(Arc<PgBackend>),
+}
+
+async fn open_backend(args: &Args) -> anyhow::Result<Opened> {
+    if let Some(url) = &args.database_url {
+        let poll_ms = args.poll_interval_ms.unwrap_or(match args.notify {
+            NotifyMode::Listen => 1000,
+            NotifyMode::Poll => 100,
+        });
+        let backend = PgBackend::open(PgConfig {
+            url: url.clone(),
+            ca_file: args.database_ca.clone(),
+            pool_size: args.database_pool_size,
+            notify: args.notify,
+            poll_interval: Duration::from_millis(poll_ms.max(10)),
+        })
+        .await
+        .context("opening the PostgreSQL backend")?;
+        return Ok(Opened::Postgres(Arc::new(backend)));
+    }
+    let data_dir = args
+        .data_dir
+        .as_ref()
+        .context("give --data-dir DIR or --database-url URL")?;
+    std::fs::create_dir_all(data_dir)
+        .with_context(|| format!("creating --data-dir {}", data_dir.display()))?;
+    let store = Store::open(StoreConfig::in_dir(data_dir)?)
+        .with_context(|| format!("opening the store in {}", data_dir.display()))?;
+    Ok(Opened::Local(Arc::new(store)))
+}
+
 async fn run(args: Args) -> anyhow::Result<()> {
-    std::fs::create_dir_all(&args.data_dir)
-        .with_context(|| format!("creating --data-dir {}", args.data_dir.display()))?;
-    let store = Store::open(StoreConfig::in_dir(&args.data_dir)?)
-        .with_context(|| format!("opening the store in {}", args.data_dir.display()))?;
-    let store = Arc::new(store);
+    let opened = open_backend(&args).await?;
+    let (backend, backend_name): (Arc<dyn Backend>, &str) = match &opened {
+        Opened::Local(store) => (store.clone(), "local"),
+        Opened::Postgres(pg) => (pg.clone(), "postgres"),
+    };
     let listener = tokio::net::TcpListener::bind(&args.listen)
         .await
         .with_context(|| format!("binding --listen {}", args.listen))?;
@@ -130,7 +196,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let security = Security::from_args(&args, listen_addr)?;
     tracing::info!(
         %listen_addr,
-        data_dir = %args.data_dir.display(),
+        backend = backend_name,
+        data_dir = %args.data_dir.as_deref().map(|d| d.display().to_string()).unwrap_or_default(),
         tls = security.tls.is_some(),
         mtls = security.tls.as_ref().is_some_and(|t| t.requires_client_cert()),
         tokens = security.tokens.as_ref().map_or(0, |t| t.len()),
@@ -138,7 +205,11 @@ async fn run(args: Args) -> anyhow::Result<()> {
     );
 
     let shutdown = CancellationToken::new();
-    let writer_stopped = store.writer_stopped();
+    let writer_stopped: std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> =
+        match &opened {
+            Opened::Local(store) => Box::pin(store.writer_stopped()),
+            Opened::Postgres(_) => Box::pin(std::future::pending()),
+        };
     let mut sigterm = signal(SignalKind::terminate())?;
     let mut sigint = signal(SignalKind::interrupt())?;
     let trigger = shutdown.clone();
@@ -170,7 +241,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
             .with_context(|| format!("binding --metrics-listen {addr}"))?;
         let metrics_addr = service::local_addr(&metrics).context("reading the bound address")?;
         tracing::info!(%metrics_addr, "serving Prometheus metrics at /metrics");
-        let registry = event_store::metrics::registry(Some(args.data_dir.join("log")));
+        let registry =
+            event_store::metrics::registry(args.data_dir.as_ref().map(|dir| dir.join("log")));
         let stop = shutdown.clone();
         tokio::spawn(async move {
             if let Err(e) = telemetry::serve_metrics(metrics, registry, stop).await {
@@ -184,8 +256,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
             .with_context(|| format!("binding --health-listen {addr}"))?;
         tracing::info!(health_addr = %addr, "serving plaintext health checks");
         let stop = shutdown.clone();
+        let serving = backend.serving();
         tokio::spawn(async move {
-            if let Err(e) = service::serve_health(health, stop).await {
+            if let Err(e) = service::serve_health(health, serving, stop).await {
                 tracing::error!(error = %e, "the health listener failed");
             }
         });
@@ -206,14 +279,22 @@ async fn run(args: Args) -> anyhow::Result<()> {
             max_per_peer: args.max_connections_per_peer.max(1),
         },
     };
-    service::serve(store.clone(), listener, options, shutdown).await?;
+    service::serve(backend, listener, options, shutdown).await?;
     let disk_failed = disk_failed.await.unwrap_or(true);
-    let store = Arc::into_inner(store).context("requests still hold the store after shutdown")?;
-    store.close().context("the log writer failed")?;
-    if disk_failed {
-        anyhow::bail!("the log writer stopped; exiting so that a restart recovers from disk");
+    match opened {
+        Opened::Local(store) => {
+            let store =
+                Arc::into_inner(store).context("requests still hold the store after shutdown")?;
+            store.close().context("the log writer failed")?;
+            if disk_failed {
+                anyhow::bail!(
+                    "the log writer stopped; exiting so that a restart recovers from disk"
+                );
+            }
+            tracing::info!("every acknowledged append is fsync'd; exiting");
+        }
+        Opened::Postgres(_) => tracing::info!("every acknowledged append is committed; exiting"),
     }
-    tracing::info!("every acknowledged append is fsync'd; exiting");
     Ok(())
 }
 

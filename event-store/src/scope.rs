@@ -30,6 +30,11 @@ impl Scope {
         self.prefixes.is_none()
     }
 
+    /// The prefixes, or `None` for every session (for backends that filter in a query).
+    pub fn prefix_list(&self) -> Option<&[String]> {
+        self.prefixes.as_deref()
+    }
+
     /// Whether `session_id` is in this scope.
     pub fn admits(&self, session_id: &str) -> bool {
         match &self.prefixes {

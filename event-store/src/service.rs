@@ -15,17 +15,19 @@ use agentlog_proto::v1::{
     ReleaseLeaseResponse, RenewLeaseRequest, SessionInfo, SubscribeRequest,
 };
 use prost::Message;
+use tokio::sync::watch;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::{Stream, StreamExt};
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
 use crate::auth::{authorize_append, Access, AuthLayer, Caller};
+use crate::backend::Backend;
 use crate::error::StoreError;
 use crate::incoming::ConnLimits;
 use crate::limits::{CallerLimits, LimitsLayer, MessageBudget};
 use crate::tls::ReloadingTls;
-use crate::{AppendOp, Store};
+use crate::AppendOp;
 
 pub const MAX_EVENTS_PER_APPEND: usize = 1000;
 pub const MAX_EVENT_BYTES: usize = 1 << 20;
@@ -39,12 +41,12 @@ const MAX_TTL_MS: u64 = 10 * 60 * 1000;
 const MAX_WAIT_MS: u64 = 5 * 60 * 1000;
 
 pub struct EventStoreService {
-    store: Arc<Store>,
+    store: Arc<dyn Backend>,
     shutdown: CancellationToken,
 }
 
 impl EventStoreService {
-    pub fn new(store: Arc<Store>, shutdown: CancellationToken) -> EventStoreService {
+    pub fn new(store: Arc<dyn Backend>, shutdown: CancellationToken) -> EventStoreService {
         EventStoreService { store, shutdown }
     }
 
@@ -94,15 +96,16 @@ impl ServeOptions {
 /// fires; then stops accepting, ends streams and long-polls, and waits for in-flight
 /// requests. Every call but health passes the auth layer, then the limits layer.
 pub async fn serve(
-    store: Arc<Store>,
+    store: Arc<dyn Backend>,
     listener: tokio::net::TcpListener,
     options: ServeOptions,
     shutdown: CancellationToken,
 ) -> Result<(), tonic::transport::Error> {
     let (health_reporter, health) = tonic_health::server::health_reporter();
-    health_reporter
-        .set_serving::<EventStoreServer<EventStoreService>>()
-        .await;
+    let serving = store.serving();
+    let up = *serving.borrow();
+    set_health(&health_reporter, up).await;
+    tokio::spawn(report_health(health_reporter, serving, shutdown.clone()));
     let (reflection_v1, reflection_v1alpha) = if options.reflection {
         (
             Some(
@@ -123,11 +126,6 @@ pub async fn serve(
     } else {
         (None, None)
     };
-    tokio::spawn(report_disk_full(
-        store.disk_full(),
-        health_reporter.clone(),
-        shutdown.clone(),
-    ));
     let service =
         OversizedAsResourceExhausted(EventStoreService::new(store, shutdown.clone()).into_server());
     let incoming =
@@ -152,42 +150,17 @@ pub async fn serve(
         .await
 }
 
-/// While the log's volume is full, health says `agentlog.v1.EventStore` is NOT_SERVING
-/// (appends are refused; reads go on, and the overall "" service stays SERVING, so a
-/// liveness probe does not restart a store that will resume by itself).
-async fn report_disk_full(
-    mut full: tokio::sync::watch::Receiver<Option<String>>,
-    health: tonic_health::server::HealthReporter,
-    shutdown: CancellationToken,
-) {
-    loop {
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            changed = full.changed() => if changed.is_err() { return },
-        }
-        let is_full = full.borrow_and_update().is_some();
-        if is_full {
-            health
-                .set_not_serving::<EventStoreServer<EventStoreService>>()
-                .await;
-        } else {
-            health
-                .set_serving::<EventStoreServer<EventStoreService>>()
-                .await;
-        }
-    }
-}
-
 /// Serves only `grpc.health.v1.Health`, in plaintext, for Kubernetes' native gRPC probes
 /// (which cannot speak TLS). It reveals nothing but "SERVING".
 pub async fn serve_health(
     listener: tokio::net::TcpListener,
+    serving: watch::Receiver<bool>,
     shutdown: CancellationToken,
 ) -> Result<(), tonic::transport::Error> {
     let (health_reporter, health) = tonic_health::server::health_reporter();
-    health_reporter
-        .set_serving::<EventStoreServer<EventStoreService>>()
-        .await;
+    let up = *serving.borrow();
+    set_health(&health_reporter, up).await;
+    tokio::spawn(report_health(health_reporter, serving, shutdown.clone()));
     tonic::transport::Server::builder()
         .add_service(health)
         .serve_with_incoming_shutdown(
@@ -197,12 +170,45 @@ pub async fn serve_health(
         .await
 }
 
+/// Keeps `agentlog.v1.EventStore`'s health in step with whether the backend can acknowledge
+/// appends: NOT_SERVING while its storage is out of reach, SERVING again once it is back
+/// (readiness). The overall status (`""`) stays SERVING while the process runs (liveness:
+/// restarting the store does not bring a database back).
+async fn report_health(
+    reporter: tonic_health::server::HealthReporter,
+    mut serving: watch::Receiver<bool>,
+    shutdown: CancellationToken,
+) {
+    loop {
+        tokio::select! {
+            changed = serving.changed() => if changed.is_err() { return },
+            _ = shutdown.cancelled() => return,
+        }
+        let up = *serving.borrow_and_update();
+        set_health(&reporter, up).await;
+    }
+}
+
+async fn set_health(reporter: &tonic_health::server::HealthReporter, up: bool) {
+    let status = if up {
+        tonic_health::ServingStatus::Serving
+    } else {
+        tonic_health::ServingStatus::NotServing
+    };
+    reporter
+        .set_service_status(
+            <EventStoreServer<EventStoreService> as tonic::server::NamedService>::NAME,
+            status,
+        )
+        .await;
+}
+
 /// The address the listener is bound to (for logs: `--listen 127.0.0.1:0` picks a port).
 pub fn local_addr(listener: &tokio::net::TcpListener) -> Option<SocketAddr> {
     listener.local_addr().ok()
 }
 
-/// SPEC §2: a request over 4 MiB is RESOURCE_EXHAUSTED. Requests up to
+/// The protocol promises RESOURCE_EXHAUSTED for a request over 4 MiB. Requests up to
 /// [`MAX_DECODED_FRAME_BYTES`] reach `validate_append`, which says so; a bigger frame is
 /// refused by tonic's decoder before any handler runs, as OUT_OF_RANGE. This wrapper turns
 /// that one status into the RESOURCE_EXHAUSTED the contract promises (found by the
@@ -363,7 +369,9 @@ impl EventStore for EventStoreService {
     ) -> Result<Response<SessionInfo>, Status> {
         let req = request.into_inner();
         validate_session_id(&req.session_id)?;
-        Ok(Response::new(self.store.get_session(&req.session_id)?))
+        Ok(Response::new(
+            self.store.get_session(&req.session_id).await?,
+        ))
     }
 
     async fn list_sessions(
@@ -372,7 +380,9 @@ impl EventStore for EventStoreService {
     ) -> Result<Response<ListSessionsResponse>, Status> {
         let caller = caller_of(&request)?;
         Ok(Response::new(
-            self.store.list_sessions(request.get_ref(), &caller.scope)?,
+            self.store
+                .list_sessions(request.get_ref(), &caller.scope)
+                .await?,
         ))
     }
 

@@ -657,7 +657,7 @@ fn self_named(
     })
 }
 
-fn grant(
+pub(crate) fn grant(
     meta: &SessionMeta,
     session_id: &str,
     owner: String,
@@ -674,7 +674,7 @@ fn grant(
 }
 
 /// The session's newest lease, if it is `epoch` and held by `owner`.
-fn current_lease<'a>(
+pub(crate) fn current_lease<'a>(
     meta: &'a SessionMeta,
     session_id: &str,
     owner: &str,
@@ -698,7 +698,7 @@ fn current_lease<'a>(
 }
 
 /// An append carrying `epoch` is accepted only under the session's current, unexpired lease.
-fn check_lease(
+pub(crate) fn check_lease(
     meta: &SessionMeta,
     session_id: &str,
     epoch: u64,

@@ -7,13 +7,14 @@
 
 pub mod anthropic_standin;
 pub mod openai_standin;
+pub mod pg;
 pub mod secure;
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
 use agentlog_proto::v1::event_store_client::EventStoreClient;
@@ -40,20 +41,70 @@ pub fn bin_path(name: &str) -> PathBuf {
     path
 }
 
-/// A running `event-store` process on its own port and data dir.
+/// Which backend [`Store::start`] runs the store on: `AGENTLOG_TEST_BACKEND=postgres` runs
+/// every store suite over PostgreSQL (a private server the harness starts, a fresh database
+/// per store); anything else, or unset, over the local log.
+pub fn test_backend_is_postgres() -> bool {
+    std::env::var("AGENTLOG_TEST_BACKEND").is_ok_and(|b| b == "postgres")
+}
+
+/// Where a store keeps its data.
+#[derive(Clone)]
+pub enum Backing {
+    Dir(PathBuf),
+    /// A database URL, and the server it is on (kept running while a store uses it).
+    Database(String, Option<Arc<pg::Postgres>>),
+}
+
+impl Backing {
+    fn args(&self) -> Vec<std::ffi::OsString> {
+        match self {
+            Backing::Dir(dir) => vec!["--data-dir".into(), dir.into()],
+            Backing::Database(url, _) => vec!["--database-url".into(), url.into()],
+        }
+    }
+}
+
+/// A running `event-store` process on its own port and data dir (or database).
 pub struct Store {
     child: Child,
     pub addr: SocketAddr,
+    /// The data dir (a PostgreSQL-backed store has none: an empty path).
     pub data_dir: PathBuf,
-    _tmp: Option<tempfile::TempDir>,
+    pub backing: Backing,
+    _tmp: Option<Arc<tempfile::TempDir>>,
 }
 
 impl Store {
-    /// Starts a store on a fresh temp data dir.
+    /// Starts a store on a fresh temp data dir, or on a fresh database when
+    /// [`test_backend_is_postgres`].
     pub fn start() -> Result<Store> {
+        if test_backend_is_postgres() {
+            let pg = pg::shared()?;
+            let url = pg.create_database()?;
+            return Store::start_backed(
+                &bin_path("event-store"),
+                Backing::Database(url, Some(pg)),
+                "127.0.0.1:0",
+                &[],
+            );
+        }
         let tmp = tempfile::tempdir()?;
         let mut store = Store::start_in(tmp.path())?;
-        store._tmp = Some(tmp);
+        store._tmp = Some(Arc::new(tmp));
+        Ok(store)
+    }
+
+    /// Starts another store process on the same data (after this one stopped, or beside it
+    /// on a shared database), on a free port.
+    pub fn restart(&self) -> Result<Store> {
+        let mut store = Store::start_backed(
+            &bin_path("event-store"),
+            self.backing.clone(),
+            "127.0.0.1:0",
+            &[],
+        )?;
+        store._tmp = self._tmp.clone();
         Ok(store)
     }
 
@@ -75,9 +126,20 @@ impl Store {
     }
 
     fn start_binary_on(binary: &Path, data_dir: &Path, listen: &str) -> Result<Store> {
+        Store::start_backed(binary, Backing::Dir(data_dir.to_path_buf()), listen, &[])
+    }
+
+    /// Starts `binary` on `backing` with `extra` arguments (e.g. `--notify poll`).
+    pub fn start_backed(
+        binary: &Path,
+        backing: Backing,
+        listen: &str,
+        extra: &[&str],
+    ) -> Result<Store> {
         let mut child = Command::new(binary)
-            .args(["--listen", listen, "--data-dir"])
-            .arg(data_dir)
+            .args(["--listen", listen])
+            .args(backing.args())
+            .args(extra)
             .env(
                 "RUST_LOG",
                 std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
@@ -88,10 +150,15 @@ impl Store {
             .spawn()
             .with_context(|| format!("spawn {}", binary.display()))?;
         let addr = wait_for_listen_line(child.stderr.take().expect("piped stderr"), "event-store")?;
+        let data_dir = match &backing {
+            Backing::Dir(dir) => dir.clone(),
+            Backing::Database(..) => PathBuf::new(),
+        };
         Ok(Store {
             child,
             addr,
-            data_dir: data_dir.to_path_buf(),
+            data_dir,
+            backing,
             _tmp: None,
         })
     }
@@ -251,7 +318,7 @@ impl GrpcurlOutput {
 
 use agentlog_proto::v1::{event, Event, SubscribeRequest, UserMessage};
 use std::io::{Read, Write};
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::Instant;
 
 /// A uint64/int64 field as grpcurl prints it (a JSON string, per the proto3 JSON mapping),

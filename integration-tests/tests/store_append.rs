@@ -150,7 +150,7 @@ fn appending_an_event_id_again_writes_nothing_and_returns_the_original_seq() {
     // Dedup survives a restart: the retry after a lost ack may come to a restarted store.
     let mut store = store;
     assert!(store.terminate().unwrap().success());
-    let restarted = Store::start_in(&store.data_dir).unwrap();
+    let restarted = store.restart().unwrap();
     let retry = append(
         &restarted,
         json!({ "session_id": "d", "events": [user_with_id("e3", "three, after restart")] }),
@@ -354,7 +354,7 @@ fn buffered_appends_are_readable_and_survive_a_clean_restart() {
     }
     assert_eq!(texts(&log_of(&store, "buf")), vec!["a", "b", "c"]);
     assert!(store.terminate().unwrap().success());
-    let restarted = Store::start_in(&store.data_dir).unwrap();
+    let restarted = store.restart().unwrap();
     let log = log_of(&restarted, "buf");
     assert_eq!(json_seqs(&log), vec![1, 2, 3]);
     assert_eq!(texts(&log), vec!["a", "b", "c"]);

@@ -336,7 +336,7 @@ async fn sigterm_exits_zero_and_every_acknowledged_append_survives_a_restart() {
         follower.stderr
     );
 
-    let restarted = Store::start_in(&store.data_dir).unwrap();
+    let restarted = store.restart().unwrap();
     let mut client = restarted.client().await.unwrap();
     for (w, acked) in acked_by_session.iter().enumerate() {
         assert!(acked.len() >= 20);

@@ -1,0 +1,196 @@
+//! The storage contract the gRPC service runs over, session by session. Two backends keep
+//! it: the local log ([`crate::Store`], one replica on one volume) and PostgreSQL
+//! ([`crate::postgres::PgBackend`], any number of replicas over one database).
+//!
+//! What every backend keeps, whichever replica a call reaches:
+//! - **Appends are atomic.** Every event of an append is written, or none is.
+//! - **Seqs are gapless from 1** per session, assigned by the backend, never reused.
+//! - **`event_id` dedup is permanent.** An event whose id the session already holds writes
+//!   nothing and is answered with the seq it got the first time, however long ago.
+//! - **`expected_last_seq` and the lease epoch are checked atomically with the write**: no
+//!   other write to the session can land between the check and the append.
+//! - **Epochs never repeat**, across crashes and restarts of the backend too: a grant is
+//!   durable before it is returned, and the next grant is always one higher.
+//! - **`DURABILITY_SYNC` means durable on return**; `DURABILITY_BUFFERED` may be
+//!   acknowledged before that, and is durable within milliseconds.
+//! - **A subscription has no gap and no duplicate** across the switch from history to live,
+//!   and only ever shows durable events.
+//! - **A claim goes to exactly one claimant**: a runnable session is granted to one caller.
+//! - The derived session state (status, title, pending approvals) follows the rules in
+//!   [`crate::session`], the same functions in every backend.
+//!
+//! The integration suites `store_append`, `store_leases`, `store_subscribe`,
+//! `store_bad_input` and `store_protocol` run against each backend through the real binary,
+//! and `event-store/tests/backend_props.rs` checks the concurrent parts of the contract
+//! in-process against both.
+
+use std::time::Duration;
+
+use agentlog_proto::v1::{
+    AppendResponse, Event, Lease, ListSessionsRequest, ListSessionsResponse, SessionInfo,
+};
+use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
+
+use crate::scope::Scope;
+use crate::{AppendOp, StoreError};
+
+/// A session-level store. Requests reach it already validated by [`crate::service`] (ids,
+/// sizes, counts); the rules that need state (seqs, leases, dedup, approvals) are the
+/// backend's.
+#[tonic::async_trait]
+pub trait Backend: Send + Sync + 'static {
+    /// Appends the events of `op` atomically; see the module head for what is promised.
+    async fn append(&self, op: AppendOp) -> Result<AppendResponse, StoreError>;
+
+    /// Streams the session from `from_seq` (history, then live with `follow`) into a bounded
+    /// channel; a slow reader only ever delays itself. Ends when `cancel` fires.
+    fn subscribe(
+        &self,
+        session_id: String,
+        from_seq: u64,
+        follow: bool,
+        cancel: CancellationToken,
+    ) -> mpsc::Receiver<Result<Event, StoreError>>;
+
+    /// `NOT_FOUND` if no event was ever appended to the session.
+    async fn get_session(&self, session_id: &str) -> Result<SessionInfo, StoreError>;
+
+    /// Sessions in `scope`, most recently updated first, paged by `page_token`.
+    async fn list_sessions(
+        &self,
+        req: &ListSessionsRequest,
+        scope: &Scope,
+    ) -> Result<ListSessionsResponse, StoreError>;
+
+    /// A lease on a named session; refused while someone else's lease is live.
+    async fn acquire_lease(
+        &self,
+        session_id: String,
+        owner: String,
+        ttl_ms: u64,
+    ) -> Result<Lease, StoreError>;
+
+    /// Extends `owner`'s lease of `epoch`; refused once a newer epoch exists.
+    async fn renew_lease(
+        &self,
+        session_id: String,
+        owner: String,
+        epoch: u64,
+        ttl_ms: u64,
+    ) -> Result<Lease, StoreError>;
+
+    /// Gives the lease up at once (releasing twice is not an error).
+    async fn release_lease(
+        &self,
+        session_id: String,
+        owner: String,
+        epoch: u64,
+    ) -> Result<(), StoreError>;
+
+    /// Waits up to `wait` for a runnable session in `scope` without a live lease and leases
+    /// it to `owner`; `None` if none came (or `cancel` fired).
+    async fn claim(
+        &self,
+        owner: String,
+        ttl_ms: u64,
+        wait: Duration,
+        cancel: &CancellationToken,
+        scope: &Scope,
+    ) -> Result<Option<Lease>, StoreError>;
+
+    /// Whether the backend can acknowledge appends now (health reports NOT_SERVING while
+    /// it cannot); changes as it loses and regains its storage.
+    fn serving(&self) -> watch::Receiver<bool>;
+
+    /// Queues an append and returns its answer to come, for `AppendStream`: appends queued
+    /// one after another are applied in that order, so the next may be queued before the
+    /// previous one is answered. A backend that cannot pipeline answers here, in order.
+    async fn enqueue_append(&self, op: AppendOp) -> Result<AppendAnswer, StoreError> {
+        let answer = self.append(op).await;
+        Ok(Box::pin(std::future::ready(answer)))
+    }
+}
+
+/// The answer to a queued append.
+pub type AppendAnswer =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<AppendResponse, StoreError>> + Send>>;
+
+/// The local log: one replica, its segment files and sled index on a volume.
+#[tonic::async_trait]
+impl Backend for crate::Store {
+    async fn append(&self, op: AppendOp) -> Result<AppendResponse, StoreError> {
+        crate::Store::append(self, op).await
+    }
+
+    fn subscribe(
+        &self,
+        session_id: String,
+        from_seq: u64,
+        follow: bool,
+        cancel: CancellationToken,
+    ) -> mpsc::Receiver<Result<Event, StoreError>> {
+        crate::Store::subscribe(self, session_id, from_seq, follow, cancel)
+    }
+
+    async fn get_session(&self, session_id: &str) -> Result<SessionInfo, StoreError> {
+        crate::Store::get_session(self, session_id)
+    }
+
+    async fn list_sessions(
+        &self,
+        req: &ListSessionsRequest,
+        scope: &Scope,
+    ) -> Result<ListSessionsResponse, StoreError> {
+        crate::Store::list_sessions(self, req, scope)
+    }
+
+    async fn acquire_lease(
+        &self,
+        session_id: String,
+        owner: String,
+        ttl_ms: u64,
+    ) -> Result<Lease, StoreError> {
+        crate::Store::acquire_lease(self, session_id, owner, ttl_ms).await
+    }
+
+    async fn renew_lease(
+        &self,
+        session_id: String,
+        owner: String,
+        epoch: u64,
+        ttl_ms: u64,
+    ) -> Result<Lease, StoreError> {
+        crate::Store::renew_lease(self, session_id, owner, epoch, ttl_ms).await
+    }
+
+    async fn release_lease(
+        &self,
+        session_id: String,
+        owner: String,
+        epoch: u64,
+    ) -> Result<(), StoreError> {
+        crate::Store::release_lease(self, session_id, owner, epoch).await
+    }
+
+    async fn claim(
+        &self,
+        owner: String,
+        ttl_ms: u64,
+        wait: Duration,
+        cancel: &CancellationToken,
+        scope: &Scope,
+    ) -> Result<Option<Lease>, StoreError> {
+        crate::Store::claim(self, owner, ttl_ms, wait, cancel, scope).await
+    }
+
+    /// Not serving while the log's volume is full (appends resume by themselves once there
+    /// is room); a writer that stopped ends the process, and a restart recovers.
+    fn serving(&self) -> watch::Receiver<bool> {
+        crate::Store::serving(self)
+    }
+
+    async fn enqueue_append(&self, op: AppendOp) -> Result<AppendAnswer, StoreError> {
+        Ok(Box::pin(crate::Store::enqueue_append(self, op).await?))
+    }
+}

@@ -1,0 +1,1213 @@
+//! The PostgreSQL backend: every session, event, lease and dedup entry lives in the
+//! database, and any number of store replicas serve it at once.
+//!
+//! How it keeps the contract of [`crate::backend`]:
+//! - **One round trip per append.** Each replica caches the sessions it has seen (their
+//!   [`SessionMeta`] and row `version`). An append runs the same rules as the local log
+//!   ([`crate::session`] and the lease checks of [`crate::writer`]) against that state,
+//!   then sends one statement that lands only if the session row is still at that version
+//!   and none of the event ids exists: it bumps the version, stores the new state and
+//!   inserts the events. Seqs are gapless because each write names the version (and so the
+//!   last seq) it extends; dedup and the lease epoch are checked atomically with the write
+//!   for the same reason. If the state was stale, the replica re-reads the row (and which
+//!   event ids are known, with their seqs) and tries again.
+//! - **Group commit** is PostgreSQL's own: appends run on a pool of connections, so
+//!   concurrent commits share WAL flushes. An acknowledgement means committed with
+//!   `synchronous_commit` on (on a standby too, with synchronous replication);
+//!   `DURABILITY_BUFFERED` appends are committed the same way.
+//! - **Live tail across replicas** without NOTIFY in the append transaction: see [`wake`].
+//! - **ClaimSession** picks with `FOR UPDATE SKIP LOCKED`: one claimant per session across
+//!   replicas, and claimants never queue behind each other.
+//! - **The database unreachable** (or read-only, during a failover): appends answer
+//!   `UNAVAILABLE`, never an acknowledgement that did not commit; health turns
+//!   NOT_SERVING; the pool reconnects with backoff (a multi-host URL with
+//!   `target_session_attrs=read-write` finds the new primary) and the store serves again
+//!   by itself.
+
+pub mod schema;
+pub mod wake;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use agentlog_proto::v1::{
+    AppendResponse, Event, Lease, ListSessionsRequest, ListSessionsResponse, SessionInfo,
+    SessionStatus,
+};
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use prost::Message;
+use tokio::sync::{mpsc, watch, Notify};
+use tokio_postgres::error::SqlState;
+use tokio_postgres_rustls::MakeRustlsConnect;
+use tokio_rustls::rustls;
+use tokio_rustls::rustls::pki_types::pem::PemObject;
+use tokio_rustls::rustls::pki_types::CertificateDer;
+use tokio_util::sync::CancellationToken;
+
+use crate::backend::Backend;
+use crate::log::LeaseRecord;
+use crate::scope::Scope;
+use crate::session::{
+    check_approval_decisions, is_runner_kind, kind_name, lease_of, now_unix_ms, SessionMeta,
+    SCHEMA_VERSION,
+};
+use crate::writer::{check_lease, current_lease, grant};
+use crate::{AppendOp, StoreError};
+use wake::Board;
+pub use wake::NotifyMode;
+
+/// Events read per query by a subscription.
+const READ_BATCH: i64 = 500;
+/// Attempts of an optimistic write before answering UNAVAILABLE (only reached when one
+/// session is written by very many callers at once).
+const MAX_ATTEMPTS: usize = 64;
+/// A database call that takes longer is answered UNAVAILABLE (it may still commit: a
+/// retry with the same event ids is answered with the original seqs).
+const CALL_TIMEOUT: Duration = Duration::from_secs(10);
+/// `SessionStatus::Runnable`, written into the claim queries as a literal so that they use
+/// the partial index over runnable sessions (see [`schema`]).
+const RUNNABLE: i32 = SessionStatus::Runnable as i32;
+/// Sessions a replica keeps in its cache; beyond this it starts over.
+const MAX_CACHED: usize = 100_000;
+
+/// How to reach the database.
+#[derive(Debug, Clone)]
+pub struct PgConfig {
+    /// `postgres://…` or `host=… user=…`; several hosts with
+    /// `target_session_attrs=read-write` ride out a failover.
+    pub url: String,
+    /// PEM CA certificates trusted for TLS to the database (besides the public roots).
+    pub ca_file: Option<PathBuf>,
+    /// Connections in the pool (appends in flight at once).
+    pub pool_size: usize,
+    pub notify: NotifyMode,
+    /// How often followers and claimants re-read without a wake-up.
+    pub poll_interval: Duration,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PgOpenError {
+    #[error("--database-url: {0}")]
+    Url(tokio_postgres::Error),
+    #[error("--database-ca {0}: {1}")]
+    Ca(String, String),
+    #[error("TLS for the database: {0}")]
+    Tls(#[from] rustls::Error),
+    #[error("the connection pool: {0}")]
+    Pool(String),
+    #[error(transparent)]
+    Schema(#[from] schema::SchemaError),
+}
+
+/// The pool and how to make connections outside it (the LISTEN connection).
+pub struct Connector {
+    pool: Pool,
+    pg_config: tokio_postgres::Config,
+    tls: MakeRustlsConnect,
+}
+
+#[derive(Clone)]
+struct Cached {
+    version: i64,
+    meta: SessionMeta,
+}
+
+pub struct PgBackend {
+    connector: Arc<Connector>,
+    board: Arc<Board>,
+    /// Wake-ups for the other replicas (absent in poll mode).
+    notify: Option<mpsc::UnboundedSender<(String, bool)>>,
+    cache: Mutex<HashMap<String, Cached>>,
+    serving: watch::Sender<bool>,
+    check_health: Arc<Notify>,
+    poll_interval: Duration,
+    /// Stops the background tasks when the backend is dropped.
+    tasks: CancellationToken,
+}
+
+impl Drop for PgBackend {
+    fn drop(&mut self) {
+        self.tasks.cancel();
+    }
+}
+
+fn tls_config(ca_file: Option<&PathBuf>) -> Result<MakeRustlsConnect, PgOpenError> {
+    let mut roots = rustls::RootCertStore::empty();
+    roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
+    if let Some(path) = ca_file {
+        let shown = path.display().to_string();
+        let pem = std::fs::read(path).map_err(|e| PgOpenError::Ca(shown.clone(), e.to_string()))?;
+        let mut added = 0;
+        for cert in CertificateDer::pem_slice_iter(&pem) {
+            let cert = cert.map_err(|e| PgOpenError::Ca(shown.clone(), e.to_string()))?;
+            roots
+                .add(cert)
+                .map_err(|e| PgOpenError::Ca(shown.clone(), e.to_string()))?;
+            added += 1;
+        }
+        if added == 0 {
+            return Err(PgOpenError::Ca(shown, "no PEM certificate in it".into()));
+        }
+    }
+    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()?
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    Ok(MakeRustlsConnect::new(config))
+}
+
+impl PgBackend {
+    /// Connects, creates or migrates the schema (retrying with backoff while the database
+    /// is unreachable), and starts the background tasks.
+    pub async fn open(config: PgConfig) -> Result<PgBackend, PgOpenError> {
+        let mut pg_config: tokio_postgres::Config = config.url.parse().map_err(PgOpenError::Url)?;
+        if pg_config.get_connect_timeout().is_none() {
+            pg_config.connect_timeout(Duration::from_secs(5));
+        }
+        if pg_config.get_application_name().is_none() {
+            pg_config.application_name("agentlog-event-store");
+        }
+        pg_config
+            .keepalives(true)
+            .keepalives_idle(Duration::from_secs(10));
+        let tls = tls_config(config.ca_file.as_ref())?;
+        let manager = Manager::from_config(
+            pg_config.clone(),
+            tls.clone(),
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let pool = Pool::builder(manager)
+            .max_size(config.pool_size.max(1))
+            .runtime(Runtime::Tokio1)
+            .wait_timeout(Some(CALL_TIMEOUT))
+            .create_timeout(Some(Duration::from_secs(5)))
+            .recycle_timeout(Some(Duration::from_secs(5)))
+            .build()
+            .map_err(|e| PgOpenError::Pool(e.to_string()))?;
+        let connector = Arc::new(Connector {
+            pool,
+            pg_config,
+            tls,
+        });
+        migrate_with_retry(&connector).await?;
+
+        let tasks = CancellationToken::new();
+        let board = Arc::new(Board::default());
+        let notify = match config.notify {
+            NotifyMode::Listen => {
+                let (tx, rx) = mpsc::unbounded_channel();
+                tokio::spawn(wake::send_batches(connector.clone(), rx, tasks.clone()));
+                tokio::spawn(wake::listen(
+                    connector.clone(),
+                    board.clone(),
+                    tasks.clone(),
+                ));
+                Some(tx)
+            }
+            NotifyMode::Poll => None,
+        };
+        let (serving, _) = watch::channel(true);
+        let check_health = Arc::new(Notify::new());
+        tokio::spawn(watch_health(
+            connector.clone(),
+            serving.clone(),
+            check_health.clone(),
+            tasks.clone(),
+        ));
+        tracing::info!(
+            pool_size = config.pool_size,
+            notify = ?config.notify,
+            schema_version = schema::VERSION,
+            "connected to PostgreSQL"
+        );
+        Ok(PgBackend {
+            connector,
+            board,
+            notify,
+            cache: Mutex::new(HashMap::new()),
+            serving,
+            check_health,
+            poll_interval: config.poll_interval,
+            tasks,
+        })
+    }
+
+    async fn client(&self) -> Result<deadpool_postgres::Object, StoreError> {
+        match self.connector.pool.get().await {
+            Ok(client) => Ok(client),
+            Err(e) => {
+                self.lost();
+                Err(StoreError::Unavailable(format!(
+                    "the database is unreachable ({e}); retry"
+                )))
+            }
+        }
+    }
+
+    /// The database failed us: report NOT_SERVING until the health check passes again.
+    fn lost(&self) {
+        self.serving
+            .send_if_modified(|up| std::mem::replace(up, false));
+        self.check_health.notify_one();
+    }
+
+    fn db_error(&self, e: &tokio_postgres::Error) -> StoreError {
+        let unavailable = match e.code() {
+            None => true,
+            Some(code) => {
+                let c = code.code();
+                c.starts_with("08")
+                    || c.starts_with("57P")
+                    || c.starts_with("53")
+                    || *code == SqlState::READ_ONLY_SQL_TRANSACTION
+                    || *code == SqlState::T_R_SERIALIZATION_FAILURE
+                    || *code == SqlState::T_R_DEADLOCK_DETECTED
+            }
+        };
+        if unavailable {
+            self.lost();
+            StoreError::Unavailable(format!("the database failed the call ({e}); retry"))
+        } else {
+            StoreError::Internal(format!("database: {e}"))
+        }
+    }
+
+    fn cached(&self, session_id: &str) -> Option<Cached> {
+        let cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
+        cache.get(session_id).cloned()
+    }
+
+    fn remember(&self, session_id: &str, state: &Cached) {
+        let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
+        if cache.len() >= MAX_CACHED && !cache.contains_key(session_id) {
+            cache.clear();
+        }
+        cache.insert(session_id.to_string(), state.clone());
+    }
+
+    /// Tells followers and claimants here and on the other replicas that the session
+    /// changed.
+    fn changed(&self, session_id: &str, meta: &SessionMeta, now: i64) {
+        let claimable = meta.is_runnable() && meta.live_lease(now).is_none();
+        self.board.wake(session_id, claimable);
+        if let Some(notify) = &self.notify {
+            let _ = notify.send((session_id.to_string(), claimable));
+        }
+    }
+
+    /// The session's row as the database has it now (version 0: no row), and the seqs of
+    /// those of `event_ids` it already holds, in one round trip.
+    async fn refresh(
+        &self,
+        client: &deadpool_postgres::Object,
+        session_id: &str,
+        event_ids: &[&str],
+    ) -> Result<(Cached, HashMap<String, u64>), StoreError> {
+        let row = client
+            .prepare_cached("SELECT version, meta FROM agentlog_sessions WHERE session_id = $1");
+        let known = client.prepare_cached(
+            "SELECT event_id, seq FROM agentlog_events WHERE session_id = $1 \
+             AND event_id = ANY($2::text[])",
+        );
+        let (row, known) = timed(async { tokio::try_join!(row, known) })
+            .await
+            .map_err(|e| self.timed_error(e))?;
+        let ids: Vec<&str> = event_ids.to_vec();
+        let row_params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&session_id];
+        let known_params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] = [&session_id, &ids];
+        let (row, known) = timed(async {
+            tokio::try_join!(client.query_opt(&row, &row_params), async {
+                if ids.is_empty() {
+                    Ok(Vec::new())
+                } else {
+                    client.query(&known, &known_params).await
+                }
+            })
+        })
+        .await
+        .map_err(|e| self.timed_error(e))?;
+        let state = match row {
+            None => Cached {
+                version: 0,
+                meta: SessionMeta::default(),
+            },
+            Some(row) => Cached {
+                version: row.get(0),
+                meta: decode_meta(row.get(1))?,
+            },
+        };
+        if state.version > 0 {
+            self.remember(session_id, &state);
+        }
+        let known = known
+            .iter()
+            .map(|r| (r.get::<_, String>(0), r.get::<_, i64>(1) as u64))
+            .collect();
+        Ok((state, known))
+    }
+
+    fn timed_error(&self, e: Timed) -> StoreError {
+        match e {
+            Timed::Db(e) => self.db_error(&e),
+            Timed::Elapsed => {
+                self.lost();
+                StoreError::Unavailable(format!(
+                    "the database did not answer within {} s; retry",
+                    CALL_TIMEOUT.as_secs()
+                ))
+            }
+        }
+    }
+
+    /// Writes `meta` over the session's row if it is still at `version`; the new version,
+    /// or `None` if someone wrote in between.
+    async fn write_meta(
+        &self,
+        client: &deadpool_postgres::Object,
+        session_id: &str,
+        version: i64,
+        meta: &SessionMeta,
+    ) -> Result<Option<i64>, StoreError> {
+        let columns = Columns::of(meta);
+        let result = timed(async {
+            let stmt = client
+                .prepare_cached(
+                    "UPDATE agentlog_sessions SET version = version + 1, meta = $3, \
+                     last_seq = $4, updated_unix_ms = $5, status = $6, \
+                     lease_expires_unix_ms = $7, first_user_text = $8 \
+                     WHERE session_id = $1 AND version = $2 RETURNING version",
+                )
+                .await?;
+            client
+                .query_opt(
+                    &stmt,
+                    &[
+                        &session_id,
+                        &version,
+                        &columns.meta,
+                        &columns.last_seq,
+                        &columns.updated,
+                        &columns.status,
+                        &columns.lease_expires,
+                        &columns.first_user_text,
+                    ],
+                )
+                .await
+        })
+        .await;
+        match result {
+            Ok(row) => Ok(row.map(|r| r.get(0))),
+            Err(e) => Err(self.timed_error(e)),
+        }
+    }
+
+    /// Appends `fresh` (already numbered) with the session's new state, if the row is still
+    /// at `version` and none of their ids exists; the new version, or `None`.
+    async fn write_events(
+        &self,
+        client: &deadpool_postgres::Object,
+        session_id: &str,
+        version: i64,
+        meta: &SessionMeta,
+        fresh: &[Event],
+    ) -> Result<Option<i64>, StoreError> {
+        const INSERT_EVENTS: &str =
+            "INSERT INTO agentlog_events (session_id, seq, event_id, body) \
+             SELECT $1, u.seq, u.event_id, u.body FROM s, \
+             unnest($8::bigint[], $9::text[], $10::bytea[]) AS u(seq, event_id, body)";
+        let columns = Columns::of(meta);
+        let seqs: Vec<i64> = fresh.iter().map(|e| e.seq as i64).collect();
+        let ids: Vec<&str> = fresh.iter().map(|e| e.event_id.as_str()).collect();
+        let bodies: Vec<Vec<u8>> = fresh.iter().map(Message::encode_to_vec).collect();
+        let result = timed(async {
+            if version == 0 {
+                let stmt = client
+                    .prepare_cached(&format!(
+                        "WITH s AS (INSERT INTO agentlog_sessions (session_id, version, meta, \
+                         last_seq, updated_unix_ms, status, lease_expires_unix_ms, \
+                         first_user_text) VALUES ($1, 1, $2, $3, $4, $5, $6, $7) \
+                         ON CONFLICT (session_id) DO NOTHING RETURNING version), \
+                         e AS ({INSERT_EVENTS}) SELECT version FROM s"
+                    ))
+                    .await?;
+                client
+                    .query_opt(
+                        &stmt,
+                        &[
+                            &session_id,
+                            &columns.meta,
+                            &columns.last_seq,
+                            &columns.updated,
+                            &columns.status,
+                            &columns.lease_expires,
+                            &columns.first_user_text,
+                            &seqs,
+                            &ids,
+                            &bodies,
+                        ],
+                    )
+                    .await
+            } else {
+                let stmt = client
+                    .prepare_cached(&format!(
+                        "WITH s AS (UPDATE agentlog_sessions SET version = version + 1, \
+                         meta = $2, last_seq = $3, updated_unix_ms = $4, status = $5, \
+                         lease_expires_unix_ms = $6, first_user_text = $7 \
+                         WHERE session_id = $1 AND version = $11 AND NOT EXISTS \
+                         (SELECT 1 FROM agentlog_events WHERE session_id = $1 \
+                         AND event_id = ANY($9::text[])) RETURNING version), \
+                         e AS ({INSERT_EVENTS}) SELECT version FROM s"
+                    ))
+                    .await?;
+                client
+                    .query_opt(
+                        &stmt,
+                        &[
+                            &session_id,
+                            &columns.meta,
+                            &columns.last_seq,
+                            &columns.updated,
+                            &columns.status,
+                            &columns.lease_expires,
+                            &columns.first_user_text,
+                            &seqs,
+                            &ids,
+                            &bodies,
+                            &version,
+                        ],
+                    )
+                    .await
+            }
+        })
+        .await;
+        match result {
+            Ok(row) => Ok(row.map(|r| r.get(0))),
+            // Someone inserted one of these ids in between: re-read and dedup.
+            Err(Timed::Db(e)) if e.code() == Some(&SqlState::UNIQUE_VIOLATION) => Ok(None),
+            Err(e) => Err(self.timed_error(e)),
+        }
+    }
+
+    /// Runs a lease rule against the session's state and writes the outcome, re-reading
+    /// and re-running while the state it used was stale. `rule` returns the new state to
+    /// write (or `None`: nothing to write) and the answer.
+    async fn change_session<T>(
+        &self,
+        session_id: &str,
+        rule: impl Fn(&SessionMeta, i64) -> Result<(Option<SessionMeta>, T), StoreError>,
+    ) -> Result<T, StoreError> {
+        let client = self.client().await?;
+        let mut state = self.cached(session_id);
+        let mut fresh = false;
+        for _ in 0..MAX_ATTEMPTS {
+            let Some(current) = state.take().filter(|s| s.meta.last_seq > 0) else {
+                if fresh {
+                    return Err(no_session(session_id));
+                }
+                state = Some(self.refresh(&client, session_id, &[]).await?.0);
+                fresh = true;
+                continue;
+            };
+            let now = now_unix_ms();
+            match rule(&current.meta, now) {
+                Ok((Some(meta), answer)) => {
+                    if let Some(version) = self
+                        .write_meta(&client, session_id, current.version, &meta)
+                        .await?
+                    {
+                        self.remember(
+                            session_id,
+                            &Cached {
+                                version,
+                                meta: meta.clone(),
+                            },
+                        );
+                        self.changed(session_id, &meta, now);
+                        return Ok(answer);
+                    }
+                }
+                Ok((None, answer)) if fresh => return Ok(answer),
+                Err(e) if fresh => return Err(e),
+                Ok(_) | Err(_) => {}
+            }
+            state = Some(self.refresh(&client, session_id, &[]).await?.0);
+            fresh = true;
+        }
+        Err(contended(session_id))
+    }
+
+    /// One attempt at a claim: the oldest runnable, unleased session in `scope`, locked
+    /// with SKIP LOCKED so that concurrent claimants on any replica take different ones.
+    async fn try_claim(
+        &self,
+        owner: &str,
+        ttl_ms: u64,
+        scope: &Scope,
+    ) -> Result<Claim, StoreError> {
+        let mut client = self.client().await?;
+        let now = now_unix_ms();
+        let all = scope.is_everything();
+        let prefixes: Vec<String> = scope
+            .prefix_list()
+            .map(<[String]>::to_vec)
+            .unwrap_or_default();
+        let result = timed(async {
+            let tx = client.transaction().await?;
+            let picked = tx
+                .query_opt(
+                    &format!(
+                        "SELECT session_id, version, meta FROM agentlog_sessions \
+                         WHERE status = {RUNNABLE} AND lease_expires_unix_ms <= $1 \
+                         AND ($2 OR EXISTS (SELECT 1 FROM unnest($3::text[]) p \
+                         WHERE starts_with(session_id, p))) \
+                         ORDER BY updated_unix_ms, session_id LIMIT 1 FOR UPDATE SKIP LOCKED"
+                    ),
+                    &[&now, &all, &prefixes],
+                )
+                .await?;
+            let Some(row) = picked else {
+                let next: Option<i64> = tx
+                    .query_one(
+                        &format!(
+                            "SELECT min(lease_expires_unix_ms) FROM agentlog_sessions \
+                             WHERE status = {RUNNABLE} AND lease_expires_unix_ms > $1 \
+                             AND ($2 OR EXISTS (SELECT 1 FROM unnest($3::text[]) p \
+                             WHERE starts_with(session_id, p)))"
+                        ),
+                        &[&now, &all, &prefixes],
+                    )
+                    .await?
+                    .get(0);
+                tx.commit().await?;
+                return Ok(Err(next));
+            };
+            let session_id: String = row.get(0);
+            let version: i64 = row.get(1);
+            let bytes: Vec<u8> = row.get(2);
+            Ok(Ok((tx, session_id, version, bytes)))
+        })
+        .await;
+        let (tx, session_id, version, bytes) = match result {
+            Ok(Ok(picked)) => picked,
+            Ok(Err(next_expiry)) => return Ok(Claim::Nothing(next_expiry)),
+            Err(e) => return Err(self.timed_error(e)),
+        };
+        let mut meta = decode_meta(bytes)?;
+        if !(meta.is_runnable() && meta.live_lease(now).is_none()) {
+            return Ok(Claim::Nothing(Some(now)));
+        }
+        let record = grant(&meta, &session_id, owner.to_string(), ttl_ms, now);
+        meta.apply_lease(&record);
+        let columns = Columns::of(&meta);
+        let written = timed(async {
+            let row = tx
+                .query_one(
+                    "UPDATE agentlog_sessions SET version = version + 1, meta = $3, \
+                     lease_expires_unix_ms = $4 WHERE session_id = $1 AND version = $2 \
+                     RETURNING version",
+                    &[&session_id, &version, &columns.meta, &columns.lease_expires],
+                )
+                .await?;
+            tx.commit().await?;
+            Ok(row.get::<_, i64>(0))
+        })
+        .await;
+        let version = written.map_err(|e| self.timed_error(e))?;
+        self.remember(
+            &session_id,
+            &Cached {
+                version,
+                meta: meta.clone(),
+            },
+        );
+        self.changed(&session_id, &meta, now);
+        Ok(Claim::Granted(lease_of(&record)))
+    }
+}
+
+enum Claim {
+    Granted(Lease),
+    /// Nothing to claim; when the earliest live lease on a runnable session expires.
+    Nothing(Option<i64>),
+}
+
+/// The session state's columns, derived from its [`SessionMeta`].
+struct Columns {
+    meta: Vec<u8>,
+    last_seq: i64,
+    updated: i64,
+    status: i32,
+    /// When the lease stops being live (0: released or never granted).
+    lease_expires: i64,
+    first_user_text: String,
+}
+
+impl Columns {
+    fn of(meta: &SessionMeta) -> Columns {
+        Columns {
+            meta: meta.encode_to_vec(),
+            last_seq: meta.last_seq as i64,
+            updated: meta.updated_unix_ms,
+            status: meta.status,
+            lease_expires: meta
+                .lease
+                .as_ref()
+                .filter(|l| !l.released)
+                .map_or(0, |l| l.expires_unix_ms),
+            first_user_text: meta.first_user_text.clone(),
+        }
+    }
+}
+
+fn decode_meta(bytes: Vec<u8>) -> Result<SessionMeta, StoreError> {
+    SessionMeta::decode(bytes.as_slice())
+        .map_err(|e| StoreError::Internal(format!("a session row does not decode: {e}")))
+}
+
+fn no_session(session_id: &str) -> StoreError {
+    StoreError::NotFound(format!(
+        "session {session_id} does not exist (no event was ever appended to it)"
+    ))
+}
+
+fn contended(session_id: &str) -> StoreError {
+    StoreError::Unavailable(format!(
+        "session {session_id} is being written by many callers at once; retry"
+    ))
+}
+
+enum Timed {
+    Db(tokio_postgres::Error),
+    Elapsed,
+}
+
+impl From<tokio_postgres::Error> for Timed {
+    fn from(e: tokio_postgres::Error) -> Timed {
+        Timed::Db(e)
+    }
+}
+
+async fn timed<T>(
+    call: impl std::future::Future<Output = Result<T, tokio_postgres::Error>>,
+) -> Result<T, Timed> {
+    match tokio::time::timeout(CALL_TIMEOUT, call).await {
+        Ok(result) => result.map_err(Timed::Db),
+        Err(_) => Err(Timed::Elapsed),
+    }
+}
+
+/// What an append does against one state of the session: the rules of the local writer,
+/// through the same functions.
+struct Plan {
+    fresh: Vec<Event>,
+    meta: SessionMeta,
+    response: AppendResponse,
+}
+
+fn plan(
+    op: &AppendOp,
+    events: &[Event],
+    meta: &SessionMeta,
+    known: &HashMap<String, u64>,
+    now: i64,
+) -> Result<Plan, StoreError> {
+    let session_id = &op.session_id;
+    let runner_kind = events
+        .iter()
+        .filter_map(|e| e.kind.as_ref())
+        .find(|k| is_runner_kind(k));
+    match (op.lease_epoch, runner_kind) {
+        (Some(epoch), _) => check_lease(meta, session_id, epoch, now)?,
+        (None, Some(kind)) => {
+            return Err(StoreError::FailedPrecondition(format!(
+                "lease_epoch: required to append {} (a runner-written kind); acquire a lease \
+                 on session {session_id} and pass its epoch",
+                kind_name(kind),
+            )))
+        }
+        (None, None) => {}
+    }
+    let mut seqs = Vec::with_capacity(events.len());
+    let mut fresh = Vec::new();
+    let mut in_request: HashMap<&str, u64> = HashMap::new();
+    let mut next = meta.last_seq + 1;
+    for event in events {
+        let id = event.event_id.as_str();
+        if let Some(seq) = in_request.get(id).or_else(|| known.get(id)) {
+            seqs.push(*seq);
+            continue;
+        }
+        let mut event = event.clone();
+        event.seq = next;
+        event.session_id = session_id.clone();
+        event.ts_unix_ms = now;
+        event.schema_version = SCHEMA_VERSION;
+        in_request.insert(id, next);
+        seqs.push(next);
+        fresh.push(event);
+        next += 1;
+    }
+    if !fresh.is_empty() {
+        if let Some(expected) = op.expected_last_seq {
+            if expected != meta.last_seq {
+                return Err(StoreError::Aborted {
+                    session_id: session_id.clone(),
+                    expected,
+                    actual: meta.last_seq,
+                });
+            }
+        }
+        check_approval_decisions(session_id, &meta.pending_approvals, &fresh)
+            .map_err(|e| StoreError::FailedPrecondition(e.to_string()))?;
+    }
+    let mut meta = meta.clone();
+    for event in &fresh {
+        meta.apply_event(event);
+    }
+    Ok(Plan {
+        fresh,
+        response: AppendResponse {
+            seqs,
+            last_seq: meta.last_seq,
+        },
+        meta,
+    })
+}
+
+#[tonic::async_trait]
+impl Backend for PgBackend {
+    async fn append(&self, mut op: AppendOp) -> Result<AppendResponse, StoreError> {
+        let mut events = std::mem::take(&mut op.events);
+        for event in &mut events {
+            if event.event_id.is_empty() {
+                event.event_id = uuid::Uuid::new_v4().to_string();
+            }
+        }
+        let client = self.client().await?;
+        let mut state = self.cached(&op.session_id);
+        let mut known = HashMap::new();
+        let mut fresh_state = false;
+        for _ in 0..MAX_ATTEMPTS {
+            let now = now_unix_ms();
+            let current = state.take().unwrap_or(Cached {
+                version: 0,
+                meta: SessionMeta::default(),
+            });
+            match plan(&op, &events, &current.meta, &known, now) {
+                Ok(plan) if plan.fresh.is_empty() && fresh_state => return Ok(plan.response),
+                Ok(plan) if !plan.fresh.is_empty() => {
+                    let written = self
+                        .write_events(
+                            &client,
+                            &op.session_id,
+                            current.version,
+                            &plan.meta,
+                            &plan.fresh,
+                        )
+                        .await?;
+                    if let Some(version) = written {
+                        self.remember(
+                            &op.session_id,
+                            &Cached {
+                                version,
+                                meta: plan.meta.clone(),
+                            },
+                        );
+                        self.changed(&op.session_id, &plan.meta, now);
+                        return Ok(plan.response);
+                    }
+                }
+                Err(e) if fresh_state => return Err(e),
+                Ok(_) | Err(_) => {}
+            }
+            let ids: Vec<&str> = events.iter().map(|e| e.event_id.as_str()).collect();
+            let (refreshed, ids_known) = self.refresh(&client, &op.session_id, &ids).await?;
+            state = Some(refreshed);
+            known = ids_known;
+            fresh_state = true;
+        }
+        Err(contended(&op.session_id))
+    }
+
+    fn subscribe(
+        &self,
+        session_id: String,
+        from_seq: u64,
+        follow: bool,
+        cancel: CancellationToken,
+    ) -> mpsc::Receiver<Result<Event, StoreError>> {
+        let (tx, rx) = mpsc::channel(256);
+        let follower = Follower {
+            connector: self.connector.clone(),
+            wake: self.board.follow(&session_id),
+            session_id,
+            next: from_seq.max(1),
+            poll_interval: self.poll_interval,
+        };
+        let cancel = cancel.clone();
+        let stop = self.tasks.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = follower.run(follow, tx) => {}
+                _ = cancel.cancelled() => {}
+                _ = stop.cancelled() => {}
+            }
+        });
+        rx
+    }
+
+    async fn get_session(&self, session_id: &str) -> Result<SessionInfo, StoreError> {
+        let client = self.client().await?;
+        let (state, _) = self.refresh(&client, session_id, &[]).await?;
+        if state.meta.last_seq == 0 {
+            return Err(StoreError::NotFound(format!(
+                "session {session_id} does not exist"
+            )));
+        }
+        Ok(state.meta.info(session_id, now_unix_ms()))
+    }
+
+    async fn list_sessions(
+        &self,
+        req: &ListSessionsRequest,
+        scope: &Scope,
+    ) -> Result<ListSessionsResponse, StoreError> {
+        const MAX_PAGE: i64 = 1000;
+        let page_size = match req.page_size as i64 {
+            0 => 100,
+            n => n.min(MAX_PAGE),
+        };
+        let after = crate::parse_page_token(&req.page_token)?;
+        let status = SessionStatus::try_from(req.status).map_err(|_| {
+            StoreError::InvalidArgument(format!("status: {} is not a SessionStatus", req.status))
+        })?;
+        let query = req.query.to_lowercase();
+        let all = scope.is_everything();
+        let prefixes: Vec<String> = scope
+            .prefix_list()
+            .map(<[String]>::to_vec)
+            .unwrap_or_default();
+        let (after_t, after_id) = match &after {
+            Some((t, id)) => (Some(*t), id.clone()),
+            None => (None, String::new()),
+        };
+        let limit = page_size + 1;
+        let client = self.client().await?;
+        let rows = timed(async {
+            let stmt = client
+                .prepare_cached(
+                    "SELECT session_id, meta FROM agentlog_sessions WHERE last_seq > 0 \
+                     AND ($1 OR EXISTS (SELECT 1 FROM unnest($2::text[]) p \
+                     WHERE starts_with(session_id, p))) \
+                     AND ($3 = 0 OR status = $3) \
+                     AND ($4 = '' OR strpos(lower(session_id), $4) > 0 \
+                     OR strpos(lower(first_user_text), $4) > 0) \
+                     AND ($5::bigint IS NULL OR updated_unix_ms < $5 \
+                     OR (updated_unix_ms = $5 AND session_id > $6)) \
+                     ORDER BY updated_unix_ms DESC, session_id LIMIT $7",
+                )
+                .await?;
+            client
+                .query(
+                    &stmt,
+                    &[
+                        &all,
+                        &prefixes,
+                        &(status as i32),
+                        &query,
+                        &after_t,
+                        &after_id,
+                        &limit,
+                    ],
+                )
+                .await
+        })
+        .await
+        .map_err(|e| self.timed_error(e))?;
+        let now = now_unix_ms();
+        let mut sessions = Vec::with_capacity(rows.len());
+        for row in &rows {
+            let id: String = row.get(0);
+            let meta = decode_meta(row.get(1))?;
+            sessions.push((meta.updated_unix_ms, id.clone(), meta.info(&id, now)));
+        }
+        let more = sessions.len() as i64 > page_size;
+        sessions.truncate(page_size as usize);
+        let next_page_token = match (more, sessions.last()) {
+            (true, Some((t, id, _))) => format!("{t}/{id}"),
+            _ => String::new(),
+        };
+        Ok(ListSessionsResponse {
+            sessions: sessions.into_iter().map(|(_, _, info)| info).collect(),
+            next_page_token,
+        })
+    }
+
+    async fn acquire_lease(
+        &self,
+        session_id: String,
+        owner: String,
+        ttl_ms: u64,
+    ) -> Result<Lease, StoreError> {
+        self.change_session(&session_id, |meta, now| {
+            if let Some(live) = meta.live_lease(now) {
+                if live.owner != owner {
+                    return Err(StoreError::FailedPrecondition(format!(
+                        "session {session_id} is leased by {} (epoch {}) until {} ms",
+                        live.owner, live.epoch, live.expires_unix_ms
+                    )));
+                }
+            }
+            let record = grant(meta, &session_id, owner.clone(), ttl_ms, now);
+            Ok((Some(with_lease(meta, &record)), lease_of(&record)))
+        })
+        .await
+    }
+
+    async fn renew_lease(
+        &self,
+        session_id: String,
+        owner: String,
+        epoch: u64,
+        ttl_ms: u64,
+    ) -> Result<Lease, StoreError> {
+        self.change_session(&session_id, |meta, now| {
+            let current = current_lease(meta, &session_id, &owner, epoch)?;
+            if current.released {
+                return Err(StoreError::FailedPrecondition(format!(
+                    "the lease of epoch {epoch} on session {session_id} was released"
+                )));
+            }
+            let mut record = current.clone();
+            record.expires_unix_ms = now.saturating_add(ttl_ms as i64);
+            Ok((Some(with_lease(meta, &record)), lease_of(&record)))
+        })
+        .await
+    }
+
+    async fn release_lease(
+        &self,
+        session_id: String,
+        owner: String,
+        epoch: u64,
+    ) -> Result<(), StoreError> {
+        self.change_session(&session_id, |meta, now| {
+            let current = current_lease(meta, &session_id, &owner, epoch)?;
+            if current.released {
+                return Ok((None, ()));
+            }
+            let mut record = current.clone();
+            record.released = true;
+            record.expires_unix_ms = now;
+            Ok((Some(with_lease(meta, &record)), ()))
+        })
+        .await
+    }
+
+    async fn claim(
+        &self,
+        owner: String,
+        ttl_ms: u64,
+        wait: Duration,
+        cancel: &CancellationToken,
+        scope: &Scope,
+    ) -> Result<Option<Lease>, StoreError> {
+        let deadline = tokio::time::Instant::now() + wait;
+        let mut changes = self.board.claimable();
+        loop {
+            changes.borrow_and_update();
+            let retry_at = match self.try_claim(&owner, ttl_ms, scope).await? {
+                Claim::Granted(lease) => return Ok(Some(lease)),
+                Claim::Nothing(next_expiry) => next_expiry,
+            };
+            let mut wake = deadline.min(tokio::time::Instant::now() + self.poll_interval);
+            if let Some(at) = retry_at {
+                let in_ms = (at - now_unix_ms()).max(0) as u64 + 1;
+                wake = wake.min(tokio::time::Instant::now() + Duration::from_millis(in_ms));
+            }
+            tokio::select! {
+                _ = cancel.cancelled() => return Ok(None),
+                _ = changes.changed() => {}
+                _ = tokio::time::sleep_until(wake) => {}
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Ok(None);
+            }
+        }
+    }
+
+    fn serving(&self) -> watch::Receiver<bool> {
+        self.serving.subscribe()
+    }
+}
+
+fn with_lease(meta: &SessionMeta, record: &LeaseRecord) -> SessionMeta {
+    let mut meta = meta.clone();
+    meta.apply_lease(record);
+    meta
+}
+
+/// One subscription: reads the session's events from `next` on, in seq order with no gap,
+/// and with `follow` keeps reading whenever it is woken or the safety poll comes round.
+struct Follower {
+    connector: Arc<Connector>,
+    wake: watch::Receiver<u64>,
+    session_id: String,
+    next: u64,
+    poll_interval: Duration,
+}
+
+impl Follower {
+    async fn run(mut self, follow: bool, tx: mpsc::Sender<Result<Event, StoreError>>) {
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            self.wake.borrow_and_update();
+            let read = self.read().await;
+            let full = match read {
+                Ok(events) => {
+                    backoff = Duration::from_millis(100);
+                    let full = events.len() as i64 == READ_BATCH;
+                    for event in events {
+                        // Seqs commit in order per session; a hole would be a bug, and is
+                        // never skipped over.
+                        if event.seq != self.next {
+                            break;
+                        }
+                        if tx.send(Ok(event)).await.is_err() {
+                            return;
+                        }
+                        self.next += 1;
+                    }
+                    full
+                }
+                // A follower rides out an outage; a one-off read reports it.
+                Err(e) if !follow => {
+                    let _ = tx.send(Err(e)).await;
+                    return;
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, session_id = %self.session_id, "a follower's read failed; retrying");
+                    tokio::select! {
+                        _ = tokio::time::sleep(backoff) => {}
+                        _ = tx.closed() => return,
+                    }
+                    backoff = (backoff * 2).min(Duration::from_secs(2));
+                    continue;
+                }
+            };
+            if full {
+                continue;
+            }
+            if !follow {
+                return;
+            }
+            tokio::select! {
+                _ = self.wake.changed() => {}
+                _ = tokio::time::sleep(self.poll_interval) => {}
+                _ = tx.closed() => return,
+            }
+        }
+    }
+
+    async fn read(&self) -> Result<Vec<Event>, StoreError> {
+        let unavailable = |e: String| StoreError::Unavailable(format!("reading events: {e}"));
+        let client = self
+            .connector
+            .pool
+            .get()
+            .await
+            .map_err(|e| unavailable(e.to_string()))?;
+        let rows = timed(async {
+            let stmt = client
+                .prepare_cached(
+                    "SELECT body FROM agentlog_events WHERE session_id = $1 AND seq >= $2 \
+                     ORDER BY seq LIMIT $3",
+                )
+                .await?;
+            client
+                .query(&stmt, &[&self.session_id, &(self.next as i64), &READ_BATCH])
+                .await
+        })
+        .await
+        .map_err(|e| match e {
+            Timed::Db(e) => unavailable(e.to_string()),
+            Timed::Elapsed => unavailable("the database did not answer".into()),
+        })?;
+        rows.iter()
+            .map(|row| {
+                Event::decode(row.get::<_, &[u8]>(0))
+                    .map_err(|e| StoreError::Internal(format!("an event does not decode: {e}")))
+            })
+            .collect()
+    }
+}
+
+/// Creates or migrates the schema, waiting with backoff while the database is unreachable
+/// (replicas may start before it); a schema newer than this build is an error at once.
+async fn migrate_with_retry(connector: &Connector) -> Result<(), PgOpenError> {
+    let mut backoff = Duration::from_millis(200);
+    loop {
+        let attempt = async {
+            let mut client = connector.pool.get().await.map_err(|e| e.to_string())?;
+            let client: &mut tokio_postgres::Client = &mut client;
+            match schema::migrate(client).await {
+                Ok(()) => Ok(Ok(())),
+                Err(e @ schema::SchemaError::TooNew { .. }) => Ok(Err(e)),
+                Err(e) => Err(e.to_string()),
+            }
+        };
+        match attempt.await {
+            Ok(result) => return result.map_err(PgOpenError::from),
+            Err(e) => {
+                tracing::warn!(error = %e, retry_in_ms = backoff.as_millis() as u64, "the database is not reachable yet");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+            }
+        }
+    }
+}
+
+/// Keeps `serving` true while the database answers: checks every few seconds, and at once
+/// (then every half second until it answers) when a call found it gone.
+async fn watch_health(
+    connector: Arc<Connector>,
+    serving: watch::Sender<bool>,
+    check_now: Arc<Notify>,
+    shutdown: CancellationToken,
+) {
+    loop {
+        let up = tokio::time::timeout(Duration::from_secs(3), async {
+            let client = connector.pool.get().await.ok()?;
+            client.simple_query("SELECT 1").await.ok()
+        })
+        .await
+        .ok()
+        .flatten()
+        .is_some();
+        if serving.send_if_modified(|now| std::mem::replace(now, up) != up) {
+            if up {
+                tracing::info!("the database answers again: serving");
+            } else {
+                tracing::warn!(
+                    "the database is unreachable: NOT_SERVING, appends answer UNAVAILABLE"
+                );
+            }
+        }
+        let wait = if up {
+            Duration::from_secs(2)
+        } else {
+            Duration::from_millis(500)
+        };
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => {}
+            _ = check_now.notified() => {}
+            _ = shutdown.cancelled() => return,
+        }
+    }
+}

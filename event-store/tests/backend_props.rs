@@ -1,0 +1,342 @@
+//! The concurrent parts of the storage contract (`event_store::backend`), checked in-process
+//! against both backends with random interleavings: the local log, and PostgreSQL served by
+//! two backend instances on one database (two replicas).
+//!
+//! - Appenders on both replicas, with random batches and retried event ids: every
+//!   acknowledgement matches the log, seqs are gapless, every id is in the log once and a
+//!   retry gets its original seq.
+//! - A follower on one replica, appends through both: it sees every event once, in order.
+//! - Claimants on both replicas: each runnable session goes to exactly one of them.
+//! - Fencing: whatever the interleaving of acquires and appends, an append is accepted only
+//!   under the current epoch, and epochs only grow.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::Duration;
+
+use agentlog_proto::v1::{event, Durability, Event, RunError, UserMessage};
+use event_store::backend::Backend;
+use event_store::postgres::{NotifyMode, PgBackend, PgConfig};
+use event_store::scope::Scope;
+use event_store::{AppendOp, Store, StoreConfig, StoreError};
+use integration_tests::pg::Postgres;
+use tokio_util::sync::CancellationToken;
+
+const SEEDS: [u64; 3] = [1, 2, 3];
+
+/// Two handles on the same data: for the local log the same store twice (it has one
+/// replica), for PostgreSQL two backends on one database.
+struct Replicas {
+    a: Arc<dyn Backend>,
+    b: Arc<dyn Backend>,
+    _keep: Option<(Postgres, tempfile::TempDir)>,
+    _dir: Option<tempfile::TempDir>,
+}
+
+fn local() -> Replicas {
+    let dir = tempfile::tempdir().unwrap();
+    let store: Arc<dyn Backend> =
+        Arc::new(Store::open(StoreConfig::in_dir(dir.path()).unwrap()).unwrap());
+    Replicas {
+        a: store.clone(),
+        b: store,
+        _keep: None,
+        _dir: Some(dir),
+    }
+}
+
+async fn postgres() -> Replicas {
+    let dir = tempfile::tempdir().unwrap();
+    let pg = tokio::task::block_in_place(|| Postgres::init(dir.path(), &[])).unwrap();
+    let url = tokio::task::block_in_place(|| pg.create_database()).unwrap();
+    let open = || {
+        PgBackend::open(PgConfig {
+            url: url.clone(),
+            ca_file: None,
+            pool_size: 8,
+            notify: NotifyMode::Listen,
+            poll_interval: Duration::from_millis(500),
+        })
+    };
+    let a: Arc<dyn Backend> = Arc::new(open().await.unwrap());
+    let b: Arc<dyn Backend> = Arc::new(open().await.unwrap());
+    Replicas {
+        a,
+        b,
+        _keep: Some((pg, dir)),
+        _dir: None,
+    }
+}
+
+fn user(event_id: &str) -> Event {
+    Event {
+        event_id: event_id.into(),
+        kind: Some(event::Kind::UserMessage(UserMessage {
+            text: event_id.into(),
+        })),
+        ..Event::default()
+    }
+}
+
+fn op(session_id: &str, events: Vec<Event>) -> AppendOp {
+    AppendOp {
+        session_id: session_id.into(),
+        events,
+        expected_last_seq: None,
+        lease_epoch: None,
+        durability: Durability::Sync,
+    }
+}
+
+async fn read_all(backend: &dyn Backend, session_id: &str) -> Vec<Event> {
+    let mut rx = backend.subscribe(session_id.into(), 1, false, CancellationToken::new());
+    let mut events = Vec::new();
+    while let Some(event) = rx.recv().await {
+        events.push(event.unwrap());
+    }
+    events
+}
+
+async fn appenders(replicas: &Replicas, seed: u64) {
+    let session = format!("s{seed}");
+    let mut tasks = Vec::new();
+    for w in 0..6u64 {
+        let backend = if w % 2 == 0 {
+            replicas.a.clone()
+        } else {
+            replicas.b.clone()
+        };
+        let session = session.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut rng = fastrand::Rng::with_seed(seed * 100 + w);
+            let mut acked: Vec<(String, u64)> = Vec::new();
+            for i in 0..15 {
+                let mut events = Vec::new();
+                for j in 0..rng.usize(1..4) {
+                    // Now and then retry an id this writer was already acknowledged for.
+                    let id = match acked.get(rng.usize(..acked.len().max(1))) {
+                        Some((id, _)) if rng.u8(..4) == 0 => id.clone(),
+                        _ => format!("w{w}-{i}-{j}"),
+                    };
+                    events.push(user(&id));
+                }
+                let ids: Vec<String> = events.iter().map(|e| e.event_id.clone()).collect();
+                let resp = backend.append(op(&session, events)).await.unwrap();
+                assert_eq!(resp.seqs.len(), ids.len());
+                for (id, seq) in ids.into_iter().zip(resp.seqs) {
+                    if let Some((_, first)) = acked.iter().find(|(known, _)| *known == id) {
+                        assert_eq!(*first, seq, "a retried id gets its original seq");
+                    }
+                    acked.push((id, seq));
+                }
+            }
+            acked
+        }));
+    }
+    let mut acked: HashMap<String, u64> = HashMap::new();
+    for task in tasks {
+        for (id, seq) in task.await.unwrap() {
+            assert_eq!(*acked.entry(id).or_insert(seq), seq);
+        }
+    }
+    let log = read_all(replicas.a.as_ref(), &session).await;
+    let seqs: Vec<u64> = log.iter().map(|e| e.seq).collect();
+    assert_eq!(seqs, (1..=log.len() as u64).collect::<Vec<_>>(), "gapless");
+    let by_id: HashMap<&str, u64> = log.iter().map(|e| (e.event_id.as_str(), e.seq)).collect();
+    assert_eq!(by_id.len(), log.len(), "every id is in the log once");
+    assert_eq!(
+        by_id.len(),
+        acked.len(),
+        "every acknowledged id, nothing else"
+    );
+    for (id, seq) in &acked {
+        assert_eq!(
+            by_id.get(id.as_str()),
+            Some(seq),
+            "{id} is where it was acknowledged"
+        );
+    }
+}
+
+async fn follower_sees_everything(replicas: &Replicas, seed: u64) {
+    let session = format!("f{seed}");
+    let (tx, mut rx) = tokio::sync::mpsc::channel(1024);
+    let cancel = CancellationToken::new();
+    let mut stream = replicas
+        .b
+        .subscribe(session.clone(), 0, true, cancel.clone());
+    tokio::spawn(async move {
+        while let Some(item) = stream.recv().await {
+            if tx.send(item.unwrap().seq).await.is_err() {
+                return;
+            }
+        }
+    });
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let mut total = 0u64;
+    for i in 0..40 {
+        let n = rng.usize(1..5);
+        let events = (0..n).map(|j| user(&format!("e{i}-{j}"))).collect();
+        let replica = if rng.bool() { &replicas.a } else { &replicas.b };
+        replica.append(op(&session, events)).await.unwrap();
+        total += n as u64;
+    }
+    let mut seen = Vec::new();
+    while (seen.len() as u64) < total {
+        let seq = tokio::time::timeout(Duration::from_secs(20), rx.recv())
+            .await
+            .expect("the follower sees every event within 20 s")
+            .expect("the stream stays open");
+        seen.push(seq);
+    }
+    cancel.cancel();
+    assert_eq!(seen, (1..=total).collect::<Vec<_>>(), "once each, in order");
+}
+
+async fn claimants(replicas: &Replicas, seed: u64) {
+    let sessions: Vec<String> = (0..12).map(|i| format!("c{seed}-{i}")).collect();
+    for id in &sessions {
+        replicas.a.append(op(id, vec![user("go")])).await.unwrap();
+    }
+    let mut tasks = Vec::new();
+    for c in 0..6 {
+        let backend = if c % 2 == 0 {
+            replicas.a.clone()
+        } else {
+            replicas.b.clone()
+        };
+        tasks.push(tokio::spawn(async move {
+            let mut got = Vec::new();
+            let cancel = CancellationToken::new();
+            while let Some(lease) = backend
+                .claim(
+                    format!("runner-{c}"),
+                    60_000,
+                    Duration::from_millis(200),
+                    &cancel,
+                    &Scope::prefixes(vec![format!("c{seed}-")]),
+                )
+                .await
+                .unwrap()
+            {
+                got.push(lease);
+            }
+            got
+        }));
+    }
+    let mut claimed: BTreeMap<String, String> = BTreeMap::new();
+    for task in tasks {
+        for lease in task.await.unwrap() {
+            assert_eq!(lease.epoch, 1);
+            let previous = claimed.insert(lease.session_id.clone(), lease.owner.clone());
+            assert!(
+                previous.is_none(),
+                "{} went to two claimants",
+                lease.session_id
+            );
+        }
+    }
+    let want: BTreeMap<String, String> = sessions
+        .iter()
+        .map(|s| (s.clone(), String::new()))
+        .collect();
+    assert_eq!(
+        claimed.keys().collect::<Vec<_>>(),
+        want.keys().collect::<Vec<_>>(),
+        "every runnable session was claimed"
+    );
+}
+
+/// Two runners race for one session through random acquire/append/release steps on either
+/// replica: an append lands only under the live, current epoch; epochs only grow.
+async fn fencing(replicas: &Replicas, seed: u64) {
+    let session = format!("l{seed}");
+    replicas
+        .a
+        .append(op(&session, vec![user("go")]))
+        .await
+        .unwrap();
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let mut held: HashMap<&str, u64> = HashMap::new();
+    // The newest epoch, its holder, and whether it is still live (not released).
+    let (mut newest, mut owner, mut live) = (0u64, "", false);
+    for step in 0..80 {
+        let who = if rng.bool() { "r1" } else { "r2" };
+        let replica = if rng.bool() { &replicas.a } else { &replicas.b };
+        match rng.u8(..3) {
+            0 => {
+                let allowed = !live || owner == who;
+                match replica
+                    .acquire_lease(session.clone(), who.into(), 60_000)
+                    .await
+                {
+                    Ok(lease) => {
+                        assert!(allowed, "acquired while someone else's lease was live");
+                        assert_eq!(lease.epoch, newest + 1, "epochs grow by one");
+                        (newest, owner, live) = (lease.epoch, who, true);
+                        held.insert(who, lease.epoch);
+                    }
+                    Err(StoreError::FailedPrecondition(_)) => assert!(!allowed),
+                    Err(e) => panic!("acquire: {e}"),
+                }
+            }
+            1 => {
+                let Some(&epoch) = held.get(who) else {
+                    continue;
+                };
+                let mut append = op(
+                    &session,
+                    vec![Event {
+                        event_id: format!("x{step}"),
+                        kind: Some(event::Kind::RunError(RunError::default())),
+                        ..Event::default()
+                    }],
+                );
+                append.lease_epoch = Some(epoch);
+                let current = epoch == newest && live;
+                match replica.append(append).await {
+                    Ok(_) => assert!(current, "an append under epoch {epoch} was accepted"),
+                    Err(StoreError::FailedPrecondition(_)) => {
+                        assert!(!current, "the live, current epoch {epoch} was refused")
+                    }
+                    Err(e) => panic!("append: {e}"),
+                }
+            }
+            _ => {
+                let Some(&epoch) = held.get(who) else {
+                    continue;
+                };
+                let released = replica
+                    .release_lease(session.clone(), who.into(), epoch)
+                    .await;
+                assert_eq!(
+                    released.is_ok(),
+                    epoch == newest,
+                    "release of epoch {epoch}"
+                );
+                if epoch == newest {
+                    live = false;
+                }
+            }
+        }
+    }
+}
+
+async fn contract(replicas: Replicas) {
+    for seed in SEEDS {
+        appenders(&replicas, seed).await;
+        follower_sees_everything(&replicas, seed).await;
+        claimants(&replicas, seed).await;
+        fencing(&replicas, seed).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_local_log_keeps_the_contract() {
+    contract(local()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgresql_keeps_the_contract_across_two_replicas() {
+    contract(postgres().await).await;
+}
