@@ -241,8 +241,11 @@ async fn run(args: Args) -> anyhow::Result<()> {
             .with_context(|| format!("binding --metrics-listen {addr}"))?;
         let metrics_addr = service::local_addr(&metrics).context("reading the bound address")?;
         tracing::info!(%metrics_addr, "serving Prometheus metrics at /metrics");
-        let registry =
+        let mut registry =
             event_store::metrics::registry(args.data_dir.as_ref().map(|dir| dir.join("log")));
+        if let Opened::Postgres(pg) = &opened {
+            registry.register_collector(Box::new(pg.pool_metrics()));
+        }
         let stop = shutdown.clone();
         tokio::spawn(async move {
             if let Err(e) = telemetry::serve_metrics(metrics, registry, stop).await {

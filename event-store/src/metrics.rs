@@ -39,6 +39,7 @@ struct StoreMetrics {
     lease_renewals: Counter,
     fencing_refusals: Family<Labels1, Counter>,
     claims_waiting: Gauge,
+    pg_statement_seconds: Family<Labels1, Histogram>,
 }
 
 static METRICS: LazyLock<StoreMetrics> = LazyLock::new(|| StoreMetrics {
@@ -55,6 +56,9 @@ static METRICS: LazyLock<StoreMetrics> = LazyLock::new(|| StoreMetrics {
     lease_renewals: Counter::default(),
     fencing_refusals: Family::default(),
     claims_waiting: Gauge::default(),
+    pg_statement_seconds: Family::new_with_constructor(|| {
+        Histogram::new(exponential_buckets(0.000_1, 2.0, 16))
+    }),
 });
 
 /// Every store metric, plus the log's size on disk read from `log_dir` at each scrape.
@@ -133,6 +137,11 @@ pub fn registry(log_dir: Option<PathBuf>) -> Registry {
         "agentlog_store_claims_waiting",
         "ClaimSession long-polls waiting for a runnable session",
         m.claims_waiting.clone(),
+    );
+    r.register(
+        "agentlog_store_pg_statement_duration_seconds",
+        "PostgreSQL backend: time of one database round trip, by what it does",
+        m.pg_statement_seconds.clone(),
     );
     if let Some(dir) = log_dir {
         r.register_collector(Box::new(LogOnDisk { dir }));
@@ -330,6 +339,52 @@ pub fn lease_renewed() {
 /// "renew").
 pub fn fencing_refused(op: &'static str) {
     METRICS.fencing_refusals.get_or_create(&[("op", op)]).inc();
+}
+
+/// One database round trip of the PostgreSQL backend (`statement`: what it does, from a
+/// fixed set), failed ones included.
+pub fn pg_statement(statement: &'static str, seconds: f64) {
+    METRICS
+        .pg_statement_seconds
+        .get_or_create(&[("statement", statement)])
+        .observe(seconds);
+}
+
+/// The PostgreSQL backend's connection pool, read at each scrape.
+#[derive(Debug)]
+pub struct PgPool(pub deadpool_postgres::Pool);
+
+impl Collector for PgPool {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let status = self.0.status();
+        let gauges = [
+            (
+                "agentlog_store_pg_pool_connections_in_use",
+                "PostgreSQL backend: pool connections running a statement",
+                status.size.saturating_sub(status.available),
+            ),
+            (
+                "agentlog_store_pg_pool_connections_idle",
+                "PostgreSQL backend: open pool connections waiting for work",
+                status.available,
+            ),
+            (
+                "agentlog_store_pg_pool_connections_max",
+                "PostgreSQL backend: the pool's size limit (--database-pool-size)",
+                status.max_size,
+            ),
+            (
+                "agentlog_store_pg_pool_waiting",
+                "PostgreSQL backend: calls waiting for a free pool connection",
+                status.waiting,
+            ),
+        ];
+        for (name, help, value) in gauges {
+            let gauge = ConstGauge::new(value as i64);
+            gauge.encode(encoder.encode_descriptor(name, help, None, gauge.metric_type())?)?;
+        }
+        Ok(())
+    }
 }
 
 /// The segment files under the log directory, counted and sized at each scrape.

@@ -236,3 +236,33 @@ async fn counters_follow_a_scripted_session_and_a_fencing_refusal() {
         assert_eq!(metrics.get(series), value, "{series} in\n{}", metrics.text);
     }
 }
+
+/// Over PostgreSQL the store also shows its connection pool and the time of its database
+/// round trips, and an append moves the `append` statement's count.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_postgres_backend_shows_its_pool_and_statement_latency() {
+    let pg = integration_tests::pg::shared().expect("a PostgreSQL server");
+    let url = pg.create_database().expect("a database");
+    let store = telemetry_support::start_store_on_database(&url, &["--database-pool-size", "4"]);
+    let mut client = agentlog_proto::v1::event_store_client::EventStoreClient::connect(store.url())
+        .await
+        .expect("client");
+    let before = store.scrape();
+    let appends = "agentlog_store_pg_statement_duration_seconds_count{statement=\"append\"}";
+    user_says(&mut client, "pg1", "hello").await;
+    user_says(&mut client, "pg1", "again").await;
+
+    let after = store.scrape();
+    assert_eq!(after.get(appends) - before.get(appends), 2.0, "{}", after.text);
+    assert_eq!(after.get("agentlog_store_pg_pool_connections_max"), 4.0);
+    let open = after.get("agentlog_store_pg_pool_connections_idle")
+        + after.get("agentlog_store_pg_pool_connections_in_use");
+    assert!((1.0..=4.0).contains(&open), "{}", after.text);
+    assert_eq!(after.get("agentlog_store_pg_pool_waiting"), 0.0);
+    // The appends themselves are counted at the service edge, whatever the backend.
+    assert_eq!(
+        after.get("agentlog_store_appends_total{durability=\"sync\",outcome=\"ok\"}")
+            - before.get("agentlog_store_appends_total{durability=\"sync\",outcome=\"ok\"}"),
+        2.0
+    );
+}

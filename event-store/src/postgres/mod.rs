@@ -238,6 +238,11 @@ impl PgBackend {
         })
     }
 
+    /// The connection pool, for its metrics.
+    pub fn pool_metrics(&self) -> crate::metrics::PgPool {
+        crate::metrics::PgPool(self.connector.pool.clone())
+    }
+
     async fn client(&self) -> Result<deadpool_postgres::Object, StoreError> {
         match self.connector.pool.get().await {
             Ok(client) => Ok(client),
@@ -315,13 +320,13 @@ impl PgBackend {
             "SELECT event_id, seq FROM agentlog_events WHERE session_id = $1 \
              AND event_id = ANY($2::text[])",
         );
-        let (row, known) = timed(async { tokio::try_join!(row, known) })
+        let (row, known) = timed("read_session", async { tokio::try_join!(row, known) })
             .await
             .map_err(|e| self.timed_error(e))?;
         let ids: Vec<&str> = event_ids.to_vec();
         let row_params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&session_id];
         let known_params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] = [&session_id, &ids];
-        let (row, known) = timed(async {
+        let (row, known) = timed("read_session", async {
             tokio::try_join!(client.query_opt(&row, &row_params), async {
                 if ids.is_empty() {
                     Ok(Vec::new())
@@ -375,7 +380,7 @@ impl PgBackend {
         meta: &SessionMeta,
     ) -> Result<Option<i64>, StoreError> {
         let columns = Columns::of(meta);
-        let result = timed(async {
+        let result = timed("write_session", async {
             let stmt = client
                 .prepare_cached(
                     "UPDATE agentlog_sessions SET version = version + 1, meta = $3, \
@@ -425,7 +430,7 @@ impl PgBackend {
         let seqs: Vec<i64> = fresh.iter().map(|e| e.seq as i64).collect();
         let ids: Vec<&str> = fresh.iter().map(|e| e.event_id.as_str()).collect();
         let bodies: Vec<Vec<u8>> = fresh.iter().map(Message::encode_to_vec).collect();
-        let result = timed(async {
+        let result = timed("append", async {
             if version == 0 {
                 let stmt = client
                     .prepare_cached(&format!(
@@ -557,7 +562,7 @@ impl PgBackend {
             .prefix_list()
             .map(<[String]>::to_vec)
             .unwrap_or_default();
-        let result = timed(async {
+        let result = timed("claim", async {
             let tx = client.transaction().await?;
             let picked = tx
                 .query_opt(
@@ -605,7 +610,7 @@ impl PgBackend {
         let record = grant(&meta, &session_id, owner.to_string(), ttl_ms, now);
         meta.apply_lease(&record);
         let columns = Columns::of(&meta);
-        let written = timed(async {
+        let written = timed("claim", async {
             let row = tx
                 .query_one(
                     "UPDATE agentlog_sessions SET version = version + 1, meta = $3, \
@@ -693,10 +698,16 @@ impl From<tokio_postgres::Error> for Timed {
     }
 }
 
+/// One database round trip, bounded by `CALL_TIMEOUT` and timed for the metrics under
+/// `statement`.
 async fn timed<T>(
+    statement: &'static str,
     call: impl std::future::Future<Output = Result<T, tokio_postgres::Error>>,
 ) -> Result<T, Timed> {
-    match tokio::time::timeout(CALL_TIMEOUT, call).await {
+    let started = std::time::Instant::now();
+    let result = tokio::time::timeout(CALL_TIMEOUT, call).await;
+    crate::metrics::pg_statement(statement, started.elapsed().as_secs_f64());
+    match result {
         Ok(result) => result.map_err(Timed::Db),
         Err(_) => Err(Timed::Elapsed),
     }
@@ -899,7 +910,7 @@ impl Backend for PgBackend {
         };
         let limit = page_size + 1;
         let client = self.client().await?;
-        let rows = timed(async {
+        let rows = timed("list_sessions", async {
             let stmt = client
                 .prepare_cached(
                     "SELECT session_id, meta FROM agentlog_sessions WHERE last_seq > 0 \
@@ -1123,7 +1134,7 @@ impl Follower {
             .get()
             .await
             .map_err(|e| unavailable(e.to_string()))?;
-        let rows = timed(async {
+        let rows = timed("read_events", async {
             let stmt = client
                 .prepare_cached(
                     "SELECT body FROM agentlog_events WHERE session_id = $1 AND seq >= $2 \

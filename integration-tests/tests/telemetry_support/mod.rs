@@ -63,6 +63,16 @@ pub fn start_store(data_dir: &Path, env: &[(&str, &str)]) -> Observed {
     start(command, "event-store", env, true)
 }
 
+/// `event-store` over the PostgreSQL database at `database_url`, metrics on a free port.
+pub fn start_store_on_database(database_url: &str, extra: &[&str]) -> Observed {
+    let mut command = Command::new(bin_path("event-store"));
+    command
+        .args(["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"])
+        .args(["--database-url", database_url])
+        .args(extra);
+    start(command, "event-store", &[], true)
+}
+
 /// `runner` against `store_url` with the Anthropic stand-in at `model_url`.
 pub fn start_runner(
     store_url: &str,
