@@ -253,7 +253,12 @@ async fn the_postgres_backend_shows_its_pool_and_statement_latency() {
     user_says(&mut client, "pg1", "again").await;
 
     let after = store.scrape();
-    assert_eq!(after.get(appends) - before.get(appends), 2.0, "{}", after.text);
+    assert_eq!(
+        after.get(appends) - before.get(appends),
+        2.0,
+        "{}",
+        after.text
+    );
     assert_eq!(after.get("agentlog_store_pg_pool_connections_max"), 4.0);
     let open = after.get("agentlog_store_pg_pool_connections_idle")
         + after.get("agentlog_store_pg_pool_connections_in_use");
