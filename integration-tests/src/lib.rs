@@ -65,6 +65,39 @@ impl Backing {
     }
 }
 
+/// A workspace binary that any user may execute, for tests that start it as `nobody`: the
+/// binary where it is when every directory above it lets others pass, else a copy in
+/// `/tmp/agentlog-test-bin/` (a checkout in a private directory, as `mktemp -d` makes one).
+pub fn bin_path_for_any_user(name: &str) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let path = bin_path(name);
+    let passable = |dir: &Path| {
+        dir.metadata()
+            .is_ok_and(|m| m.permissions().mode() & 0o001 != 0)
+    };
+    if path.ancestors().skip(1).all(passable) {
+        return path;
+    }
+    let meta = std::fs::metadata(&path).expect("the binary's metadata");
+    let stamp = meta
+        .modified()
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_nanos());
+    let dir = Path::new("/tmp/agentlog-test-bin");
+    std::fs::create_dir_all(dir).expect("create /tmp/agentlog-test-bin");
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    // Named by the build it copies, so a rebuilt binary gets a copy of its own.
+    let copy = dir.join(format!("{name}-{}-{stamp}", meta.len()));
+    if !copy.exists() {
+        let partial = dir.join(format!(".{name}-{}", std::process::id()));
+        std::fs::copy(&path, &partial).expect("copy the binary");
+        std::fs::set_permissions(&partial, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        std::fs::rename(&partial, &copy).expect("move the copy in place");
+    }
+    copy
+}
+
 /// A running `event-store` process on its own port and data dir (or database).
 pub struct Store {
     child: Child,

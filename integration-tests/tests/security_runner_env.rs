@@ -18,7 +18,7 @@ use agentlog_proto::v1::{
     event, AppendRequest, GetSessionRequest, SessionStatus, SubscribeRequest,
 };
 use integration_tests::secure::{tls_client, tokens_json, LoggedStore, SecureFiles, TokenSpec};
-use integration_tests::{bin_path, user_event};
+use integration_tests::{bin_path, bin_path_for_any_user, user_event};
 
 const API_KEY: &str = "sk-ant-api03-SECRET-model-key-xyz";
 const OPENAI_KEY: &str = "sk-openai-SECRET-key-abc";
@@ -67,7 +67,13 @@ async fn the_bash_tool_sees_no_secret_of_the_runner() {
         let path = entry.expect("entry").path();
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).expect("chmod");
     }
-    let mut cmd = Command::new(bin_path("runner"));
+    // /proc/self belongs to this process's effective user.
+    let root = std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0);
+    let mut cmd = Command::new(if root {
+        bin_path_for_any_user("runner")
+    } else {
+        bin_path("runner")
+    });
     cmd.args(["--event-store", &store.https_url(), "--runner-id", "r1"])
         .arg("--tls-ca")
         .arg(files.path("ca.pem"))
@@ -85,8 +91,6 @@ async fn the_bash_tool_sees_no_secret_of_the_runner() {
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::piped());
-    // /proc/self belongs to this process's effective user.
-    let root = std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0);
     if root {
         cmd.uid(65534).gid(65534);
     }

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use agentlog_proto::v1::event::Kind;
 use agentlog_proto::v1::event_store_client::EventStoreClient;
-use integration_tests::bin_path;
+use integration_tests::{bin_path, bin_path_for_any_user};
 use serde_json::Value;
 use tonic::transport::Channel;
 
@@ -70,7 +70,12 @@ pub fn start(store_url: &str, replies: &[Value], run_as: RunAs, options: Options
     if run_as == RunAs::Unprivileged && is_root() {
         std::os::unix::fs::chown(&workspaces, Some(NOBODY), Some(NOBODY)).expect("chown");
     }
-    let mut cmd = Command::new(bin_path("runner"));
+    let binary = if run_as == RunAs::Unprivileged && is_root() {
+        bin_path_for_any_user("runner")
+    } else {
+        bin_path("runner")
+    };
+    let mut cmd = Command::new(binary);
     cmd.args(["--event-store", store_url, "--runner-id", "sandbox-runner"])
         .arg("--workspace-root")
         .arg(&workspaces)
