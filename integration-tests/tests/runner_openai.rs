@@ -10,13 +10,10 @@
 mod runner_support;
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use agentlog_proto::v1::{event::Kind, Event, SessionStatus};
-use integration_tests::bin_path;
 use integration_tests::openai_standin::{Dialect, Fault, OpenAiStandin, StandinReply};
 use integration_tests::Store;
 use runner_support::*;
@@ -24,71 +21,29 @@ use serde_json::json;
 
 /// A `runner --model openai:standin-1` process pointed at the stand-in; SIGKILLed when
 /// dropped.
-struct OpenAiRunner(Child);
-
-impl OpenAiRunner {
-    fn start(
-        store: &Store,
-        id: &str,
-        workspace_root: &Path,
-        standin: &OpenAiStandin,
-        ttl_ms: u64,
-    ) -> OpenAiRunner {
-        let mut child = Command::new(bin_path("runner"))
-            .args(["--event-store", &store.url(), "--runner-id", id])
-            .args(["--model", "openai:standin-1"])
-            .arg("--workspace-root")
-            .arg(workspace_root)
-            .args(["--lease-ttl-ms", &ttl_ms.to_string(), "--max-sessions", "2"])
-            .env("OPENAI_BASE_URL", standin.url())
-            .env("OPENAI_API_KEY", "test-key")
-            .env(
-                "RUST_LOG",
-                std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
-            )
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn runner");
-        if let Some(stderr) = child.stderr.take() {
-            let name = id.to_string();
-            std::thread::spawn(move || {
-                for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                    eprintln!("[{name}] {line}");
-                }
-            });
-        }
-        OpenAiRunner(child)
-    }
-
-    fn pid(&self) -> u32 {
-        self.0.id()
-    }
-
-    fn kill9(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-
-    /// SIGTERM; whether it exited 0 within 30 s.
-    fn terminate(&mut self) -> bool {
-        integration_tests::signal(self.0.id(), integration_tests::Signal::SIGTERM);
-        poll_exit(&mut self.0)
-    }
-}
-
-fn poll_exit(child: &mut Child) -> bool {
-    integration_tests::poll_until("the runner to exit", Duration::from_secs(30), || {
-        child.try_wait().ok().flatten()
-    })
-    .success()
-}
-
-impl Drop for OpenAiRunner {
-    fn drop(&mut self) {
-        self.kill9();
-    }
+fn start_openai_runner(
+    store: &Store,
+    id: &str,
+    workspace_root: &Path,
+    standin: &OpenAiStandin,
+    ttl_ms: u64,
+) -> RunnerProc {
+    let url = standin.url();
+    start_runner_on_model(
+        &store.url(),
+        id,
+        workspace_root,
+        (
+            "openai:standin-1",
+            &[
+                ("OPENAI_BASE_URL", url.as_str()),
+                ("OPENAI_API_KEY", "test-key"),
+            ],
+        ),
+        ttl_ms,
+        2,
+        &[],
+    )
 }
 
 /// Whether the log ends in a final chat completions reply.
@@ -141,7 +96,7 @@ async fn a_session_with_parallel_calls_runs_to_the_end_through_transient_failure
     standin.inject(1, Fault::StreamEnds);
     standin.inject(2, Fault::NoDone);
     let workspaces = tempfile::tempdir().expect("temp dir");
-    let mut runner = OpenAiRunner::start(&store, "r1", workspaces.path(), &standin, 3000);
+    let mut runner = start_openai_runner(&store, "r1", workspaces.path(), &standin, 3000);
 
     user_says(&mut client, "s1", "please record the key").await;
     let events = wait_idle(&mut client, "s1", 0, Duration::from_secs(60)).await;
@@ -242,7 +197,7 @@ async fn a_session_with_parallel_calls_runs_to_the_end_through_transient_failure
     );
     // The runner's default --max-tokens, under the name current servers honour.
     assert_eq!(requests[0].body["max_completion_tokens"], 8192);
-    assert!(runner.terminate(), "runner exits 0 on SIGTERM");
+    assert!(runner.terminate().success(), "runner exits 0 on SIGTERM");
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -254,7 +209,7 @@ async fn a_refused_request_ends_the_turn_with_run_error() {
         .expect("stand-in");
     standin.inject(0, Fault::BadRequest);
     let workspaces = tempfile::tempdir().expect("temp dir");
-    let _runner = OpenAiRunner::start(&store, "r1", workspaces.path(), &standin, 3000);
+    let _runner = start_openai_runner(&store, "r1", workspaces.path(), &standin, 3000);
 
     user_says(&mut client, "s2", "hi").await;
     let events = wait_idle(&mut client, "s2", 0, Duration::from_secs(30)).await;
@@ -297,7 +252,7 @@ async fn a_reply_that_says_nothing_goes_back_as_a_valid_turn() {
     .await
     .expect("stand-in");
     let workspaces = tempfile::tempdir().expect("temp dir");
-    let _runner = OpenAiRunner::start(&store, "r1", workspaces.path(), &standin, 3000);
+    let _runner = start_openai_runner(&store, "r1", workspaces.path(), &standin, 3000);
 
     user_says(&mut client, "s3", "say nothing").await;
     wait_idle(&mut client, "s3", 0, Duration::from_secs(30)).await;
@@ -336,7 +291,7 @@ async fn every_call_runs_once_whatever_the_servers_ids_and_indexes() {
         )
         .await
         .expect("stand-in");
-        let _runner = OpenAiRunner::start(&store, session, workspaces.path(), &standin, 3000);
+        let _runner = start_openai_runner(&store, session, workspaces.path(), &standin, 3000);
         user_says(&mut client, session, session).await;
         let events = wait_idle(&mut client, session, 0, Duration::from_secs(30)).await;
         assert_eq!(standin.violations(), Vec::<String>::new(), "{session}");
@@ -592,7 +547,7 @@ async fn kill_at(point: &str, matches: fn(&Event) -> bool, delay: Duration) {
             break;
         }
         let from = log.last().map_or(0, |e| e.seq) + 1;
-        let mut runner = OpenAiRunner::start(
+        let mut runner = start_openai_runner(
             &store,
             &format!("{point}-{generation}"),
             workspaces.path(),
@@ -614,7 +569,7 @@ async fn kill_at(point: &str, matches: fn(&Event) -> bool, delay: Duration) {
         }
     }
     assert!(kills >= 1, "the runner was never killed at {point}");
-    let _survivor = OpenAiRunner::start(
+    let _survivor = start_openai_runner(
         &store,
         &format!("{point}-final"),
         workspaces.path(),
@@ -687,7 +642,7 @@ async fn killed_at_random_moments() {
         if status(&mut client, &session).await == SessionStatus::Idle {
             break;
         }
-        let mut runner = OpenAiRunner::start(
+        let mut runner = start_openai_runner(
             &store,
             &format!("random-{generation}"),
             workspaces.path(),
@@ -701,7 +656,7 @@ async fn killed_at_random_moments() {
         runner.kill9();
     }
     let _survivor =
-        OpenAiRunner::start(&store, "random-final", workspaces.path(), &standin, TTL_MS);
+        start_openai_runner(&store, "random-final", workspaces.path(), &standin, TTL_MS);
     let events = wait_idle(&mut client, &session, 0, Duration::from_secs(60)).await;
     assert_resumed_exactly_once(&events, workspaces.path(), &session, &standin);
 }

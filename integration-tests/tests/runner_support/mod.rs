@@ -52,6 +52,33 @@ pub fn start_runner_with(
     max_sessions: usize,
     extra: &[&str],
 ) -> RunnerProc {
+    start_runner_on_model(
+        store_url,
+        id,
+        workspace_root,
+        (
+            "anthropic:standin-1",
+            &[
+                ("ANTHROPIC_BASE_URL", model_url),
+                ("ANTHROPIC_API_KEY", "test-key"),
+            ],
+        ),
+        ttl_ms,
+        max_sessions,
+        extra,
+    )
+}
+
+/// A runner on any `--model`, with the environment that model reads (its URL and key).
+pub fn start_runner_on_model(
+    store_url: &str,
+    id: &str,
+    workspace_root: &Path,
+    (model, model_env): (&str, &[(&str, &str)]),
+    ttl_ms: u64,
+    max_sessions: usize,
+    extra: &[&str],
+) -> RunnerProc {
     let mut child = Command::new(bin_path("runner"))
         .args([
             "--event-store",
@@ -59,7 +86,7 @@ pub fn start_runner_with(
             "--runner-id",
             id,
             "--model",
-            "anthropic:standin-1",
+            model,
         ])
         .arg("--workspace-root")
         .arg(workspace_root)
@@ -70,8 +97,7 @@ pub fn start_runner_with(
             &max_sessions.to_string(),
         ])
         .args(extra)
-        .env("ANTHROPIC_BASE_URL", model_url)
-        .env("ANTHROPIC_API_KEY", "test-key")
+        .envs(model_env.iter().copied())
         .env(
             "RUST_LOG",
             std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
