@@ -2,6 +2,8 @@
 //! encoded descriptor set that the store serves through gRPC reflection.
 #![forbid(unsafe_code)]
 
+pub mod reason;
+
 pub mod v1 {
     #![allow(clippy::all)]
     tonic::include_proto!("agentlog.v1");
