@@ -429,7 +429,8 @@ pub fn authorize(caller: &Caller, rpc: Rpc, target: &Target) -> Result<(), Statu
     if !caller.scope.admits(&target.session_id) {
         return Err(if rpc.is_read() {
             // Word for word what the store says of a session that does not exist.
-            Status::not_found(format!("session {} does not exist", target.session_id))
+            agentlog_proto::reason::Reason::SessionNotFound
+                .status(format!("session {} does not exist", target.session_id))
         } else {
             Status::permission_denied(format!(
                 "token {who:?} may not write to session {:?}: it is outside the token's prefixes",

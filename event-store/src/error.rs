@@ -1,5 +1,6 @@
 //! Errors a caller can cause or meet, each mapped to its gRPC status in one place.
 
+use agentlog_proto::reason::Reason;
 use tonic::{Code, Status};
 
 #[derive(Debug, thiserror::Error, Clone, PartialEq)]
@@ -7,18 +8,11 @@ pub enum StoreError {
     /// A malformed request; the message names the field and what to fix.
     #[error("{0}")]
     InvalidArgument(String),
-    /// `expected_last_seq` did not match.
-    #[error("expected_last_seq is {expected} but session {session_id} is at seq {actual}")]
-    Aborted {
-        session_id: String,
-        expected: u64,
-        actual: u64,
-    },
-    /// A lease rule refused the request (no lease, a stale epoch, someone else's lease).
-    #[error("{0}")]
-    FailedPrecondition(String),
-    #[error("{0}")]
-    NotFound(String),
+    /// A rule of the session refused the request (a lease, `expected_last_seq`, an
+    /// approval, a missing session, a full disk): sent with the reason's code and its
+    /// `google.rpc.ErrorInfo`, so that clients decide on the reason, not on the text.
+    #[error("{1}")]
+    Refused(Reason, String),
     /// A size limit.
     #[error("{0}")]
     ResourceExhausted(String),
@@ -29,18 +23,33 @@ pub enum StoreError {
     Internal(String),
 }
 
-impl From<StoreError> for Status {
-    fn from(err: StoreError) -> Status {
-        let code = match &err {
+impl StoreError {
+    /// The status code this error is sent with.
+    pub fn code(&self) -> Code {
+        match self {
             StoreError::InvalidArgument(_) => Code::InvalidArgument,
-            StoreError::Aborted { .. } => Code::Aborted,
-            StoreError::FailedPrecondition(_) => Code::FailedPrecondition,
-            StoreError::NotFound(_) => Code::NotFound,
+            StoreError::Refused(reason, _) => reason.code(),
             StoreError::ResourceExhausted(_) => Code::ResourceExhausted,
             StoreError::Unavailable(_) => Code::Unavailable,
             StoreError::Internal(_) => Code::Internal,
-        };
-        Status::new(code, err.to_string())
+        }
+    }
+
+    /// The refusal's reason, if a rule refused.
+    pub fn reason(&self) -> Option<Reason> {
+        match self {
+            StoreError::Refused(reason, _) => Some(*reason),
+            _ => None,
+        }
+    }
+}
+
+impl From<StoreError> for Status {
+    fn from(err: StoreError) -> Status {
+        match err {
+            StoreError::Refused(reason, message) => reason.status(message),
+            other => Status::new(other.code(), other.to_string()),
+        }
     }
 }
 

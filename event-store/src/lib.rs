@@ -409,7 +409,12 @@ impl Store {
         self.shared
             .get(session_id)
             .map(|m| m.info(session_id, now_unix_ms()))
-            .ok_or_else(|| StoreError::NotFound(format!("session {session_id} does not exist")))
+            .ok_or_else(|| {
+                StoreError::Refused(
+                    agentlog_proto::reason::Reason::SessionNotFound,
+                    format!("session {session_id} does not exist"),
+                )
+            })
     }
 
     /// Sessions in `scope`, most recently updated first; `page_token` is where the

@@ -21,6 +21,8 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 use tracing::Instrument;
 
+use tonic::Code;
+
 use crate::error::StoreError;
 use crate::log::Position;
 
@@ -159,13 +161,15 @@ fn durability_label(durability: Durability) -> &'static str {
 fn outcome_label<T>(result: &Result<T, StoreError>) -> &'static str {
     match result {
         Ok(_) => "ok",
-        Err(StoreError::InvalidArgument(_)) => "invalid_argument",
-        Err(StoreError::Aborted { .. }) => "aborted",
-        Err(StoreError::FailedPrecondition(_)) => "failed_precondition",
-        Err(StoreError::NotFound(_)) => "not_found",
-        Err(StoreError::ResourceExhausted(_)) => "resource_exhausted",
-        Err(StoreError::Unavailable(_)) => "unavailable",
-        Err(StoreError::Internal(_)) => "internal",
+        Err(e) => match e.code() {
+            Code::InvalidArgument => "invalid_argument",
+            Code::Aborted => "aborted",
+            Code::FailedPrecondition => "failed_precondition",
+            Code::NotFound => "not_found",
+            Code::ResourceExhausted => "resource_exhausted",
+            Code::Unavailable => "unavailable",
+            _ => "internal",
+        },
     }
 }
 

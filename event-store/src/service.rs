@@ -21,6 +21,8 @@ use tokio_stream::{Stream, StreamExt};
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
+use agentlog_proto::reason::Reason;
+
 use crate::auth::{authorize_append, Access, AuthLayer, Caller};
 use crate::backend::Backend;
 use crate::error::StoreError;
@@ -489,6 +491,7 @@ fn streamed(answer: Result<AppendResponse, Status>) -> AppendStreamResponse {
             Err(status) => append_stream_response::Result::Error(AppendError {
                 code: status.code() as i32,
                 message: status.message().to_string(),
+                reason: Reason::of(&status).map_or_else(String::new, |r| r.name().to_string()),
             }),
         }),
     }

@@ -33,6 +33,8 @@ use prost::Message;
 use tokio::sync::mpsc::error::TryRecvError;
 use tokio::sync::{mpsc, oneshot};
 
+use agentlog_proto::reason::Reason;
+
 use crate::error::StoreError;
 use crate::index::{self_named_seq, Index, IndexBatch, Recent, GENERATED_ID_PREFIX};
 use crate::log::{record, LeaseRecord, LogError, LogReader, LogWriter, Record};
@@ -253,10 +255,13 @@ impl Writer {
             self.shared.set_full(Some(reason.clone()));
         }
         let refusal = || {
-            StoreError::ResourceExhausted(format!(
-                "the store's disk is full ({reason}); nothing was written. Appends resume by \
+            StoreError::Refused(
+                Reason::DiskFull,
+                format!(
+                    "the store's disk is full ({reason}); nothing was written. Appends resume by \
                  themselves once there is room; retry later"
-            ))
+                ),
+            )
         };
         for op in ops {
             match op {
@@ -361,12 +366,15 @@ impl Writer {
             (Some(epoch), _) => check_lease(meta, &req.session_id, epoch, now)
                 .inspect_err(|_| metrics::fencing_refused("append"))?,
             (None, Some(kind)) => {
-                return Err(StoreError::FailedPrecondition(format!(
-                    "lease_epoch: required to append {} (a runner-written kind); acquire a \
+                return Err(StoreError::Refused(
+                    Reason::LeaseRequired,
+                    format!(
+                        "lease_epoch: required to append {} (a runner-written kind); acquire a \
                      lease on session {} and pass its epoch",
-                    kind_name(kind),
-                    req.session_id
-                )))
+                        kind_name(kind),
+                        req.session_id
+                    ),
+                ))
             }
             (None, None) => {}
         }
@@ -420,14 +428,12 @@ impl Writer {
         }
         if !fresh.is_empty() {
             let refused = match req.expected_last_seq {
-                Some(expected) if expected != meta.last_seq => Some(StoreError::Aborted {
-                    session_id: req.session_id.clone(),
-                    expected,
-                    actual: meta.last_seq,
-                }),
+                Some(expected) if expected != meta.last_seq => {
+                    Some(seq_conflict(&req.session_id, expected, meta.last_seq))
+                }
                 _ => check_approval_decisions(&req.session_id, &meta.pending_approvals, &fresh)
                     .err()
-                    .map(|e| StoreError::FailedPrecondition(e.to_string())),
+                    .map(|e| StoreError::Refused(Reason::ApprovalNotPending, e.to_string())),
             };
             if let Some(e) = refused {
                 for event in &fresh {
@@ -467,10 +473,13 @@ impl Writer {
                 let meta = self.existing(&session_id)?;
                 if let Some(live) = meta.live_lease(now) {
                     if live.owner != owner {
-                        return Err(StoreError::FailedPrecondition(format!(
-                            "session {session_id} is leased by {} (epoch {}) until {} ms",
-                            live.owner, live.epoch, live.expires_unix_ms
-                        )));
+                        return Err(StoreError::Refused(
+                            Reason::LeaseHeld,
+                            format!(
+                                "session {session_id} is leased by {} (epoch {}) until {} ms",
+                                live.owner, live.epoch, live.expires_unix_ms
+                            ),
+                        ));
                     }
                 }
                 let record = grant(meta, &session_id, owner, ttl_ms, now);
@@ -486,9 +495,10 @@ impl Writer {
                 let current = current_lease(meta, &session_id, &owner, epoch)
                     .inspect_err(|_| metrics::fencing_refused("renew"))?;
                 if current.released {
-                    return Err(StoreError::FailedPrecondition(format!(
-                        "the lease of epoch {epoch} on session {session_id} was released"
-                    )));
+                    return Err(StoreError::Refused(
+                        Reason::LeaseFenced,
+                        format!("the lease of epoch {epoch} on session {session_id} was released"),
+                    ));
                 }
                 let mut record = current.clone();
                 record.expires_unix_ms = now.saturating_add(ttl_ms as i64);
@@ -553,9 +563,12 @@ impl Writer {
             .get(session_id)
             .filter(|m| m.last_seq > 0)
             .ok_or_else(|| {
-                StoreError::NotFound(format!(
-                    "session {session_id} does not exist (no event was ever appended to it)"
-                ))
+                StoreError::Refused(
+                    Reason::SessionNotFound,
+                    format!(
+                        "session {session_id} does not exist (no event was ever appended to it)"
+                    ),
+                )
             })
     }
 
@@ -682,18 +695,25 @@ pub(crate) fn current_lease<'a>(
 ) -> Result<&'a LeaseRecord, StoreError> {
     match &meta.lease {
         Some(l) if l.epoch == epoch && l.owner == owner => Ok(l),
-        Some(l) if l.epoch == epoch => Err(StoreError::FailedPrecondition(format!(
-            "the lease of epoch {epoch} on session {session_id} belongs to {}, not {owner}",
-            l.owner
-        ))),
-        Some(l) => Err(StoreError::FailedPrecondition(format!(
-            "epoch {epoch} is not the current lease of session {session_id} (current epoch is \
+        Some(l) if l.epoch == epoch => Err(StoreError::Refused(
+            Reason::LeaseHeld,
+            format!(
+                "the lease of epoch {epoch} on session {session_id} belongs to {}, not {owner}",
+                l.owner
+            ),
+        )),
+        Some(l) => Err(StoreError::Refused(
+            Reason::LeaseFenced,
+            format!(
+                "epoch {epoch} is not the current lease of session {session_id} (current epoch is \
              {}): this holder has been fenced off",
-            l.epoch
-        ))),
-        None => Err(StoreError::FailedPrecondition(format!(
-            "session {session_id} has no lease"
-        ))),
+                l.epoch
+            ),
+        )),
+        None => Err(StoreError::Refused(
+            Reason::LeaseFenced,
+            format!("session {session_id} has no lease"),
+        )),
     }
 }
 
@@ -706,14 +726,28 @@ pub(crate) fn check_lease(
 ) -> Result<(), StoreError> {
     match meta.live_lease(now) {
         Some(l) if l.epoch == epoch => Ok(()),
-        Some(l) => Err(StoreError::FailedPrecondition(format!(
-            "lease_epoch {epoch} is not the current lease of session {session_id} (epoch {} \
+        Some(l) => Err(StoreError::Refused(
+            Reason::LeaseFenced,
+            format!(
+                "lease_epoch {epoch} is not the current lease of session {session_id} (epoch {} \
              held by {}): this writer has been fenced off",
-            l.epoch, l.owner
-        ))),
-        None => Err(StoreError::FailedPrecondition(format!(
-            "lease_epoch {epoch}: session {session_id} has no live lease (it expired or was \
+                l.epoch, l.owner
+            ),
+        )),
+        None => Err(StoreError::Refused(
+            Reason::LeaseFenced,
+            format!(
+                "lease_epoch {epoch}: session {session_id} has no live lease (it expired or was \
              released); acquire a new one"
-        ))),
+            ),
+        )),
     }
+}
+
+/// `expected_last_seq` did not match the session's last seq.
+pub(crate) fn seq_conflict(session_id: &str, expected: u64, actual: u64) -> StoreError {
+    StoreError::Refused(
+        Reason::SeqConflict,
+        format!("expected_last_seq is {expected} but session {session_id} is at seq {actual}"),
+    )
 }

@@ -14,6 +14,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
+use agentlog_proto::reason::Reason;
 use agentlog_proto::v1::{event, Durability, Event, RunError, UserMessage};
 use event_store::backend::Backend;
 use event_store::postgres::{NotifyMode, PgBackend, PgConfig};
@@ -276,7 +277,7 @@ async fn fencing(replicas: &Replicas, seed: u64) {
                         (newest, owner, live) = (lease.epoch, who, true);
                         held.insert(who, lease.epoch);
                     }
-                    Err(StoreError::FailedPrecondition(_)) => assert!(!allowed),
+                    Err(StoreError::Refused(Reason::LeaseHeld, _)) => assert!(!allowed),
                     Err(e) => panic!("acquire: {e}"),
                 }
             }
@@ -296,7 +297,7 @@ async fn fencing(replicas: &Replicas, seed: u64) {
                 let current = epoch == newest && live;
                 match replica.append(append).await {
                     Ok(_) => assert!(current, "an append under epoch {epoch} was accepted"),
-                    Err(StoreError::FailedPrecondition(_)) => {
+                    Err(StoreError::Refused(Reason::LeaseFenced, _)) => {
                         assert!(!current, "the live, current epoch {epoch} was refused")
                     }
                     Err(e) => panic!("append: {e}"),

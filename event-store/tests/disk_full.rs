@@ -6,6 +6,7 @@ mod common;
 
 use std::time::Duration;
 
+use agentlog_proto::reason::Reason;
 use agentlog_proto::v1::Durability;
 use common::{append_op, history, open_store_with, read_log};
 use event_store::log::storage::SimStorage;
@@ -59,7 +60,7 @@ async fn a_full_volume_refuses_appends_and_they_resume_once_there_is_room() {
             assert!(accepted < 10_000, "a full volume never refused an append");
         };
         match &refusal {
-            StoreError::ResourceExhausted(why) => assert!(
+            StoreError::Refused(Reason::DiskFull, why) => assert!(
                 why.contains("disk is full") && why.contains("resume"),
                 "the refusal says why and what to do: {why}"
             ),

@@ -20,6 +20,7 @@ mod common;
 
 use std::collections::HashMap;
 
+use agentlog_proto::reason::Reason;
 use agentlog_proto::v1::{event, AssistantDelta, Durability, Event};
 use common::{
     append_ends, append_op, history, open_store, open_store_with, read_appends, read_log,
@@ -217,7 +218,7 @@ async fn run_step(store: &Store, model: &mut Model, step: Step) {
                 (Ok(resp), (_, _, false)) => {
                     model.appended(session, &[id], &resp.seqs, resp.last_seq)
                 }
-                (Err(StoreError::FailedPrecondition(_)), (_, _, true)) => {}
+                (Err(StoreError::Refused(Reason::LeaseFenced, _)), (_, _, true)) => {}
                 (other, lease) => panic!("runner append under {lease:?}: {other:?}"),
             }
         }
@@ -233,8 +234,10 @@ async fn run_step(store: &Store, model: &mut Model, step: Step) {
                     model.leased(session, owner, lease.epoch, false);
                 }
                 // No event yet, or someone else holds it.
-                Err(StoreError::NotFound(_)) => assert!(!model.ids.contains_key(session)),
-                Err(StoreError::FailedPrecondition(_)) => {
+                Err(StoreError::Refused(Reason::SessionNotFound, _)) => {
+                    assert!(!model.ids.contains_key(session))
+                }
+                Err(StoreError::Refused(Reason::LeaseHeld, _)) => {
                     let (holder, _, released) = model.lease[session];
                     assert!(holder != owner && !released);
                 }
@@ -254,7 +257,7 @@ async fn run_step(store: &Store, model: &mut Model, step: Step) {
                     assert_eq!(lease.epoch, epoch);
                     model.leased(session, owner, epoch, false);
                 }
-                Err(StoreError::FailedPrecondition(_)) if released => {}
+                Err(StoreError::Refused(Reason::LeaseFenced, _)) if released => {}
                 other => panic!("RenewLease (released: {released}): {other:?}"),
             }
         }
@@ -297,7 +300,10 @@ fn recovers_a_prefix(steps: Vec<Step>, tail: usize, damage: Damage, rebuild_inde
             .acquire_lease("rp-none".into(), OWNERS[0].into(), TTL_MS)
             .await;
         assert!(
-            matches!(barrier, Err(StoreError::NotFound(_))),
+            matches!(
+                barrier,
+                Err(StoreError::Refused(Reason::SessionNotFound, _))
+            ),
             "{barrier:?}"
         );
         let synced_end = disk.total_len();
@@ -426,7 +432,9 @@ async fn check_index(store: &Store, log: &[Record]) {
         let last_seq = read.len() as u64;
         match store.get_session(session) {
             Ok(info) => assert_eq!(info.last_seq, last_seq, "GetSession({session})"),
-            Err(StoreError::NotFound(_)) => assert_eq!(last_seq, 0, "GetSession({session})"),
+            Err(StoreError::Refused(Reason::SessionNotFound, _)) => {
+                assert_eq!(last_seq, 0, "GetSession({session})")
+            }
             Err(e) => panic!("GetSession({session}): {e}"),
         }
         if read.is_empty() {

@@ -4,7 +4,8 @@
 
 use std::collections::{BTreeMap, HashSet};
 
-use agentlog_proto::v1::{AppendRequest, GetSessionRequest};
+use agentlog_proto::reason::Reason;
+use agentlog_proto::v1::{event, AppendRequest, ApprovalDecision, Event, GetSessionRequest};
 use integration_tests::{grpcurl, json_seqs, json_u64, read_log, user_event, Store};
 use serde_json::{json, Value};
 
@@ -358,4 +359,44 @@ fn buffered_appends_are_readable_and_survive_a_clean_restart() {
     let log = log_of(&restarted, "buf");
     assert_eq!(json_seqs(&log), vec![1, 2, 3]);
     assert_eq!(texts(&log), vec!["a", "b", "c"]);
+}
+
+/// The append refusals that are not about leases carry their reason over the wire too:
+/// a stale `expected_last_seq`, and an approval decision that answers no pending request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn append_refusals_carry_their_reason() {
+    let store = Store::start().expect("store starts");
+    let mut client = store.client().await.expect("connect");
+    let append = |event: Event, expected_last_seq: Option<u64>| AppendRequest {
+        session_id: "why".into(),
+        events: vec![event],
+        expected_last_seq,
+        ..AppendRequest::default()
+    };
+    client
+        .append(append(user_event("u1", "first"), Some(0)))
+        .await
+        .expect("first append");
+    let stale = client
+        .append(append(user_event("u2", "lost race"), Some(0)))
+        .await
+        .expect_err("a stale expected_last_seq is refused");
+    assert_eq!(stale.code(), tonic::Code::Aborted);
+    assert!(stale.message().contains("expected_last_seq"), "{stale:?}");
+    assert_eq!(Reason::of(&stale), Some(Reason::SeqConflict));
+
+    let decision = Event {
+        kind: Some(event::Kind::ApprovalDecision(ApprovalDecision {
+            tool_use_id: "never-requested".into(),
+            approved: true,
+            note: String::new(),
+        })),
+        ..Event::default()
+    };
+    let unasked = client
+        .append(append(decision, None))
+        .await
+        .expect_err("a decision without a request is refused");
+    assert_eq!(unasked.code(), tonic::Code::FailedPrecondition);
+    assert_eq!(Reason::of(&unasked), Some(Reason::ApprovalNotPending));
 }

@@ -30,6 +30,13 @@ fn code(response: &AppendStreamResponse) -> Option<Code> {
     }
 }
 
+fn reason(response: &AppendStreamResponse) -> Option<&str> {
+    match &response.result {
+        Some(append_stream_response::Result::Error(e)) => Some(&e.reason),
+        _ => None,
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn answers_come_in_order_and_a_refused_request_does_not_end_the_stream() {
     let store = Store::start().expect("store starts");
@@ -68,6 +75,16 @@ async fn answers_come_in_order_and_a_refused_request_does_not_end_the_stream() {
         code(&answers[3]),
         Some(Code::Aborted),
         "expected_last_seq 1 is stale"
+    );
+    assert_eq!(
+        reason(&answers[3]),
+        Some("SEQ_CONFLICT"),
+        "the refusal's reason, as Append sends it in ErrorInfo"
+    );
+    assert_eq!(
+        reason(&answers[2]),
+        Some(""),
+        "a malformed request has none"
     );
     assert_eq!(
         seqs(&answers[4]),

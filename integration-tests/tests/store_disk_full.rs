@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use agentlog_proto::reason::Reason;
 use agentlog_proto::v1::{AppendRequest, GetSessionRequest, SubscribeRequest};
 use anyhow::{bail, ensure, Context, Result};
 use integration_tests::{read_log, user_event, Store};
@@ -125,6 +126,7 @@ async fn a_full_volume_refuses_appends_keeps_reads_and_resumes_when_space_is_fre
         .await
         .expect_err("an append on a full volume must be refused");
     assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
+    assert_eq!(Reason::of(&refused), Some(Reason::DiskFull), "{refused:?}");
     assert!(
         refused.message().contains("disk is full"),
         "the refusal names the cause: {}",

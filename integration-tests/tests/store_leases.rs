@@ -7,8 +7,14 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use agentlog_proto::v1::ClaimSessionRequest;
-use integration_tests::{grpcurl, json_u64, poll_until, GrpcurlChild, GrpcurlOutput, Store};
+use agentlog_proto::reason::Reason;
+use agentlog_proto::v1::{
+    event, AcquireLeaseRequest, AppendRequest, ClaimSessionRequest, Event, GetSessionRequest,
+    ReleaseLeaseRequest, RenewLeaseRequest, ToolResult,
+};
+use integration_tests::{
+    grpcurl, json_u64, poll_until, user_event, GrpcurlChild, GrpcurlOutput, Store,
+};
 use serde_json::{json, Value};
 
 const BOUND: Duration = Duration::from_secs(60);
@@ -463,4 +469,92 @@ fn an_idle_session_is_not_claimable() {
     assert!(claim(&store, "runner-3", 60_000, 300)
         .get("lease")
         .is_none());
+}
+
+/// The reason a refused call carries (its message is never empty).
+fn reason<T: std::fmt::Debug>(result: Result<tonic::Response<T>, tonic::Status>) -> Option<Reason> {
+    let status = result.expect_err("refused");
+    assert!(!status.message().is_empty(), "{status:?}");
+    Reason::of(&status)
+}
+
+/// Every lease refusal carries its reason (`google.rpc.ErrorInfo`) over the wire, beside
+/// the code and the human message of the tests above: what clients decide on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_lease_refusal_carries_its_reason() {
+    let store = Store::start().expect("store starts");
+    let mut client = store.client().await.expect("connect");
+    let acquire = |session_id: &str, owner: &str| AcquireLeaseRequest {
+        session_id: session_id.into(),
+        owner: owner.into(),
+        ttl_ms: 60_000,
+    };
+    let renew = |owner: &str, epoch: u64| RenewLeaseRequest {
+        session_id: "why".into(),
+        owner: owner.into(),
+        epoch,
+        ttl_ms: 60_000,
+    };
+    let runner_append = |lease_epoch: Option<u64>| AppendRequest {
+        session_id: "why".into(),
+        events: vec![Event {
+            kind: Some(event::Kind::ToolResult(ToolResult {
+                tool_use_id: "t1".into(),
+                ..ToolResult::default()
+            })),
+            ..Event::default()
+        }],
+        lease_epoch,
+        ..AppendRequest::default()
+    };
+
+    let nowhere = client.acquire_lease(acquire("nowhere", "runner-a")).await;
+    assert_eq!(reason(nowhere), Some(Reason::SessionNotFound));
+    let info = client
+        .get_session(GetSessionRequest {
+            session_id: "nowhere".into(),
+        })
+        .await;
+    assert_eq!(reason(info), Some(Reason::SessionNotFound));
+
+    client
+        .append(AppendRequest {
+            session_id: "why".into(),
+            events: vec![user_event("u1", "work")],
+            ..AppendRequest::default()
+        })
+        .await
+        .expect("a user message needs no lease");
+    let lease = client
+        .acquire_lease(acquire("why", "runner-a"))
+        .await
+        .expect("acquire")
+        .into_inner();
+    let taken = client.acquire_lease(acquire("why", "runner-b")).await;
+    assert_eq!(reason(taken), Some(Reason::LeaseHeld));
+    let not_theirs = client.renew_lease(renew("runner-b", lease.epoch)).await;
+    assert_eq!(reason(not_theirs), Some(Reason::LeaseHeld));
+    let without = client.append(runner_append(None)).await;
+    assert_eq!(reason(without), Some(Reason::LeaseRequired));
+    let wrong_epoch = client.append(runner_append(Some(lease.epoch + 1))).await;
+    assert_eq!(reason(wrong_epoch), Some(Reason::LeaseFenced));
+
+    client
+        .release_lease(ReleaseLeaseRequest {
+            session_id: "why".into(),
+            owner: "runner-a".into(),
+            epoch: lease.epoch,
+        })
+        .await
+        .expect("release");
+    let released = client.append(runner_append(Some(lease.epoch))).await;
+    assert_eq!(reason(released), Some(Reason::LeaseFenced));
+    let renew_released = client.renew_lease(renew("runner-a", lease.epoch)).await;
+    assert_eq!(reason(renew_released), Some(Reason::LeaseFenced));
+    client
+        .acquire_lease(acquire("why", "runner-b"))
+        .await
+        .expect("acquire after release");
+    let superseded = client.renew_lease(renew("runner-a", lease.epoch)).await;
+    assert_eq!(reason(superseded), Some(Reason::LeaseFenced));
 }

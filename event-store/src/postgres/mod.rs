@@ -46,6 +46,8 @@ use tokio_rustls::rustls::pki_types::pem::PemObject;
 use tokio_rustls::rustls::pki_types::CertificateDer;
 use tokio_util::sync::CancellationToken;
 
+use agentlog_proto::reason::Reason;
+
 use crate::backend::Backend;
 use crate::log::LeaseRecord;
 use crate::scope::Scope;
@@ -53,7 +55,7 @@ use crate::session::{
     check_approval_decisions, is_runner_kind, kind_name, lease_of, now_unix_ms, SessionMeta,
     SCHEMA_VERSION,
 };
-use crate::writer::{check_lease, current_lease, grant};
+use crate::writer::{check_lease, current_lease, grant, seq_conflict};
 use crate::{AppendOp, StoreError};
 use wake::Board;
 pub use wake::NotifyMode;
@@ -676,9 +678,10 @@ fn decode_meta(bytes: Vec<u8>) -> Result<SessionMeta, StoreError> {
 }
 
 fn no_session(session_id: &str) -> StoreError {
-    StoreError::NotFound(format!(
-        "session {session_id} does not exist (no event was ever appended to it)"
-    ))
+    StoreError::Refused(
+        Reason::SessionNotFound,
+        format!("session {session_id} does not exist (no event was ever appended to it)"),
+    )
 }
 
 fn contended(session_id: &str) -> StoreError {
@@ -736,11 +739,14 @@ fn plan(
     match (op.lease_epoch, runner_kind) {
         (Some(epoch), _) => check_lease(meta, session_id, epoch, now)?,
         (None, Some(kind)) => {
-            return Err(StoreError::FailedPrecondition(format!(
-                "lease_epoch: required to append {} (a runner-written kind); acquire a lease \
+            return Err(StoreError::Refused(
+                Reason::LeaseRequired,
+                format!(
+                    "lease_epoch: required to append {} (a runner-written kind); acquire a lease \
                  on session {session_id} and pass its epoch",
-                kind_name(kind),
-            )))
+                    kind_name(kind),
+                ),
+            ))
         }
         (None, None) => {}
     }
@@ -767,15 +773,11 @@ fn plan(
     if !fresh.is_empty() {
         if let Some(expected) = op.expected_last_seq {
             if expected != meta.last_seq {
-                return Err(StoreError::Aborted {
-                    session_id: session_id.clone(),
-                    expected,
-                    actual: meta.last_seq,
-                });
+                return Err(seq_conflict(session_id, expected, meta.last_seq));
             }
         }
         check_approval_decisions(session_id, &meta.pending_approvals, &fresh)
-            .map_err(|e| StoreError::FailedPrecondition(e.to_string()))?;
+            .map_err(|e| StoreError::Refused(Reason::ApprovalNotPending, e.to_string()))?;
     }
     let mut meta = meta.clone();
     for event in &fresh {
@@ -877,9 +879,10 @@ impl Backend for PgBackend {
         let client = self.client().await?;
         let (state, _) = self.refresh(&client, session_id, &[]).await?;
         if state.meta.last_seq == 0 {
-            return Err(StoreError::NotFound(format!(
-                "session {session_id} does not exist"
-            )));
+            return Err(StoreError::Refused(
+                Reason::SessionNotFound,
+                format!("session {session_id} does not exist"),
+            ));
         }
         Ok(state.meta.info(session_id, now_unix_ms()))
     }
@@ -969,10 +972,13 @@ impl Backend for PgBackend {
         self.change_session(&session_id, |meta, now| {
             if let Some(live) = meta.live_lease(now) {
                 if live.owner != owner {
-                    return Err(StoreError::FailedPrecondition(format!(
-                        "session {session_id} is leased by {} (epoch {}) until {} ms",
-                        live.owner, live.epoch, live.expires_unix_ms
-                    )));
+                    return Err(StoreError::Refused(
+                        Reason::LeaseHeld,
+                        format!(
+                            "session {session_id} is leased by {} (epoch {}) until {} ms",
+                            live.owner, live.epoch, live.expires_unix_ms
+                        ),
+                    ));
                 }
             }
             let record = grant(meta, &session_id, owner.clone(), ttl_ms, now);
@@ -991,9 +997,10 @@ impl Backend for PgBackend {
         self.change_session(&session_id, |meta, now| {
             let current = current_lease(meta, &session_id, &owner, epoch)?;
             if current.released {
-                return Err(StoreError::FailedPrecondition(format!(
-                    "the lease of epoch {epoch} on session {session_id} was released"
-                )));
+                return Err(StoreError::Refused(
+                    Reason::LeaseFenced,
+                    format!("the lease of epoch {epoch} on session {session_id} was released"),
+                ));
             }
             let mut record = current.clone();
             record.expires_unix_ms = now.saturating_add(ttl_ms as i64);
