@@ -4,17 +4,15 @@
 //! is as strict as the real one about what it is sent: every `tool_use` answered by
 //! `tool_result` blocks leading the very next user message, thinking blocks sent back
 //! unmodified, no empty text. A request that breaks a rule gets the API's 400
-//! `invalid_request_error` and is recorded in [`AnthropicStandin::violations`].
+//! `invalid_request_error` and is recorded in [`Standin::violations`].
 //!
 //! Replies come from a script, picked (like `scripted:FILE`) by the number of assistant
 //! turns in the request, so any number of sessions can share one stand-in. Faults can be
 //! queued per turn: 529 overloaded, a stream cut mid-reply, an `error` event after the 200,
 //! and a 400 refusal.
 
-use std::collections::{HashMap, VecDeque};
-use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use anyhow::Result;
 use axum::body::{Body, Bytes};
@@ -24,8 +22,10 @@ use axum::response::Response;
 use axum::routing::post;
 use axum::Router;
 use serde_json::{json, Value};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
+
+use crate::standin::{self, lock, now_ms, Journal, RecordedRequest, Standin};
 
 /// One scripted reply: optional text, then tool calls. Every reply also carries a thinking
 /// block with a signature, which must come back verbatim.
@@ -70,97 +70,25 @@ pub enum Fault {
     BadRequest,
 }
 
-/// A request the stand-in received.
-#[derive(Debug, Clone)]
-pub struct RecordedRequest {
-    /// The number of assistant turns in the request: the turn being asked for.
-    pub turn: usize,
-    /// The text of the first user message (tells sessions apart).
-    pub first_user_text: String,
-    pub received_unix_ms: i64,
-    /// What was served: `"reply"`, a fault's name, or `"rejected"`.
-    pub served: String,
-}
-
-#[derive(Debug, Default)]
-struct Inner {
-    replies: Vec<StandinReply>,
-    faults: HashMap<usize, VecDeque<Fault>>,
-    requests: Vec<RecordedRequest>,
-    violations: Vec<String>,
-}
-
-type Shared = Arc<Mutex<Inner>>;
+type Shared = standin::Shared<StandinReply, Fault>;
 
 /// The running server; stops when dropped.
-pub struct AnthropicStandin {
-    pub addr: SocketAddr,
-    inner: Shared,
-    _stop: oneshot::Sender<()>,
-}
+pub type AnthropicStandin = Standin<StandinReply, Fault>;
 
-impl AnthropicStandin {
+impl Standin<StandinReply, Fault> {
     /// Starts the server on a free port (needs a running tokio runtime).
     pub async fn start(replies: Vec<StandinReply>) -> Result<AnthropicStandin> {
-        let inner: Shared = Arc::new(Mutex::new(Inner {
-            replies,
-            ..Inner::default()
-        }));
+        let journal: Shared = Arc::new(Mutex::new(Journal::new(replies)));
         let app = Router::new()
             .route("/v1/messages", post(messages))
-            .with_state(inner.clone());
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let addr = listener.local_addr()?;
-        let (stop, stopped) = oneshot::channel::<()>();
-        tokio::spawn(async move {
-            let _ = axum::serve(listener, app)
-                .with_graceful_shutdown(async {
-                    let _ = stopped.await;
-                })
-                .await;
-        });
-        Ok(AnthropicStandin {
-            addr,
-            inner,
-            _stop: stop,
-        })
+            .with_state(journal.clone());
+        Standin::serve(journal, app).await
     }
 
     /// For `ANTHROPIC_BASE_URL`.
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
     }
-
-    /// Serves `fault` to the next request for `turn` (faults for a turn are used in order).
-    pub fn inject(&self, turn: usize, fault: Fault) {
-        lock(&self.inner)
-            .faults
-            .entry(turn)
-            .or_default()
-            .push_back(fault);
-    }
-
-    pub fn requests(&self) -> Vec<RecordedRequest> {
-        lock(&self.inner).requests.clone()
-    }
-
-    /// Every rule a request broke, in the words of the 400 it got.
-    pub fn violations(&self) -> Vec<String> {
-        lock(&self.inner).violations.clone()
-    }
-}
-
-fn lock(inner: &Shared) -> std::sync::MutexGuard<'_, Inner> {
-    inner
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
-fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
 }
 
 async fn messages(State(inner): State<Shared>, headers: HeaderMap, body: Bytes) -> Response {
@@ -182,12 +110,13 @@ async fn messages(State(inner): State<Shared>, headers: HeaderMap, body: Bytes) 
         Err(_) => count_assistant_turns(&request),
     };
     let first_user_text = first_user_text(&request);
-    let record = |state: &mut Inner, served: &str| {
+    let record = |state: &mut Journal<StandinReply, Fault>, served: &str| {
         state.requests.push(RecordedRequest {
             turn,
             first_user_text: first_user_text.clone(),
             received_unix_ms,
             served: served.into(),
+            body: request.clone(),
         })
     };
     if let Err(message) =
@@ -197,7 +126,7 @@ async fn messages(State(inner): State<Shared>, headers: HeaderMap, body: Bytes) 
         record(&mut state, "rejected");
         return error(StatusCode::BAD_REQUEST, "invalid_request_error", &message);
     }
-    let fault = state.faults.get_mut(&turn).and_then(VecDeque::pop_front);
+    let fault = state.next_fault(turn);
     let Some(reply) = state.replies.get(turn).cloned() else {
         record(&mut state, "rejected");
         return error(

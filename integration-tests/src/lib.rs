@@ -9,6 +9,7 @@ pub mod anthropic_standin;
 pub mod openai_standin;
 pub mod pg;
 pub mod secure;
+pub mod standin;
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;

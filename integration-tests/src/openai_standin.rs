@@ -6,7 +6,7 @@
 //! answered by a `tool` message before anything else is said, no `tool` message that answers
 //! nothing, arguments as a JSON string, and every assistant turn sent back as it was
 //! streamed. A request that breaks a rule gets the API's 400 `invalid_request_error` and is
-//! recorded in [`OpenAiStandin::violations`].
+//! recorded in [`Standin::violations`].
 //!
 //! The stream is deliberately awkward, within what servers do: tool-call arguments are cut
 //! into pieces in the middle of their JSON, and several calls are interleaved by `index`
@@ -15,10 +15,9 @@
 //! Faults can be queued per turn: 429 with `retry-after`, a 5xx, a stream cut mid-reply, an
 //! `error` chunk after the 200 (as vLLM sends), and a 400 refusal.
 
-use std::collections::{HashMap, HashSet, VecDeque};
-use std::net::SocketAddr;
+use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use anyhow::Result;
 use axum::body::{Body, Bytes};
@@ -28,8 +27,10 @@ use axum::response::Response;
 use axum::routing::post;
 use axum::Router;
 use serde_json::{json, Map, Value};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
+
+use crate::standin::{self, lock, now_ms, Journal, RecordedRequest, Standin};
 
 /// One scripted reply: optional text, then tool calls.
 #[derive(Debug, Clone, Default)]
@@ -98,39 +99,12 @@ pub enum Fault {
     BadRequest,
 }
 
-/// A request the stand-in received.
-#[derive(Debug, Clone)]
-pub struct RecordedRequest {
-    /// The number of assistant turns in the request: the turn being asked for.
-    pub turn: usize,
-    /// The text of the first user message (tells sessions apart).
-    pub first_user_text: String,
-    pub received_unix_ms: i64,
-    /// What was served: `"reply"`, a fault's name, or `"rejected"`.
-    pub served: String,
-    /// The request body as sent.
-    pub body: Value,
-}
-
-#[derive(Debug, Default)]
-struct Inner {
-    replies: Vec<StandinReply>,
-    dialect: Dialect,
-    faults: HashMap<usize, VecDeque<Fault>>,
-    requests: Vec<RecordedRequest>,
-    violations: Vec<String>,
-}
-
-type Shared = Arc<Mutex<Inner>>;
+type Shared = standin::Shared<StandinReply, Fault>;
 
 /// The running server; stops when dropped.
-pub struct OpenAiStandin {
-    pub addr: SocketAddr,
-    inner: Shared,
-    _stop: oneshot::Sender<()>,
-}
+pub type OpenAiStandin = Standin<StandinReply, Fault>;
 
-impl OpenAiStandin {
+impl Standin<StandinReply, Fault> {
     /// Starts the server on a free port (needs a running tokio runtime).
     pub async fn start(replies: Vec<StandinReply>) -> Result<OpenAiStandin> {
         OpenAiStandin::start_with(replies, Dialect::OpenAi).await
@@ -138,70 +112,21 @@ impl OpenAiStandin {
 
     /// Starts a server that streams tool calls in `dialect`.
     pub async fn start_with(replies: Vec<StandinReply>, dialect: Dialect) -> Result<OpenAiStandin> {
-        let inner: Shared = Arc::new(Mutex::new(Inner {
-            replies,
-            dialect,
-            ..Inner::default()
-        }));
+        let journal: Shared = Arc::new(Mutex::new(Journal::new(replies)));
         let app = Router::new()
             .route("/v1/chat/completions", post(chat_completions))
-            .with_state(inner.clone());
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let addr = listener.local_addr()?;
-        let (stop, stopped) = oneshot::channel::<()>();
-        tokio::spawn(async move {
-            let _ = axum::serve(listener, app)
-                .with_graceful_shutdown(async {
-                    let _ = stopped.await;
-                })
-                .await;
-        });
-        Ok(OpenAiStandin {
-            addr,
-            inner,
-            _stop: stop,
-        })
+            .with_state((journal.clone(), dialect));
+        Standin::serve(journal, app).await
     }
 
     /// For `OPENAI_BASE_URL` (ends in `/v1`, as real base URLs do).
     pub fn url(&self) -> String {
         format!("http://{}/v1", self.addr)
     }
-
-    /// Serves `fault` to the next request for `turn` (faults for a turn are used in order).
-    pub fn inject(&self, turn: usize, fault: Fault) {
-        lock(&self.inner)
-            .faults
-            .entry(turn)
-            .or_default()
-            .push_back(fault);
-    }
-
-    pub fn requests(&self) -> Vec<RecordedRequest> {
-        lock(&self.inner).requests.clone()
-    }
-
-    /// Every rule a request broke, in the words of the 400 it got.
-    pub fn violations(&self) -> Vec<String> {
-        lock(&self.inner).violations.clone()
-    }
-}
-
-fn lock(inner: &Shared) -> std::sync::MutexGuard<'_, Inner> {
-    inner
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
-fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
 }
 
 async fn chat_completions(
-    State(inner): State<Shared>,
+    State((inner, dialect)): State<(Shared, Dialect)>,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
@@ -230,7 +155,7 @@ async fn chat_completions(
     };
     let turn = count_assistant_turns(&request);
     let mut state = lock(&inner);
-    let record = |state: &mut Inner, served: &str| {
+    let record = |state: &mut Journal<StandinReply, Fault>, served: &str| {
         state.requests.push(RecordedRequest {
             turn,
             first_user_text: first_user_text(&request),
@@ -241,7 +166,7 @@ async fn chat_completions(
     };
     let checked = check_content_type(&headers)
         .and_then(|()| check_request(&request))
-        .and_then(|()| check_verbatim(&state.replies, state.dialect, &request));
+        .and_then(|()| check_verbatim(&state.replies, dialect, &request));
     if let Err(message) = checked {
         state.violations.push(message.clone());
         record(&mut state, "rejected");
@@ -261,10 +186,9 @@ async fn chat_completions(
             &format!("the stand-in has no reply for turn {turn}"),
         );
     };
-    let fault = state.faults.get_mut(&turn).and_then(VecDeque::pop_front);
+    let fault = state.next_fault(turn);
     let model = request["model"].as_str().unwrap_or_default().to_string();
     let usage = request["stream_options"]["include_usage"] == true;
-    let dialect = state.dialect;
     let ending = match fault {
         Some(Fault::RateLimited { retry_after_s }) => {
             record(&mut state, "rate_limited");

@@ -9,13 +9,14 @@
 
 mod runner_support;
 
-use std::collections::HashMap;
 use std::path::Path;
 use std::time::Duration;
 
-use agentlog_proto::v1::{event::Kind, Event, SessionStatus};
+use agentlog_proto::v1::{event::Kind, Event};
 use integration_tests::openai_standin::{Dialect, Fault, OpenAiStandin, StandinReply};
+use integration_tests::standin::RecordedRequest;
 use integration_tests::Store;
+use runner_support::sigkill::{sigkill_suite, KillModel, TTL_MS};
 use runner_support::*;
 use serde_json::json;
 
@@ -449,8 +450,6 @@ async fn the_standin_refuses_what_the_api_refuses() {
 // Exactly-once under SIGKILL
 // ---------------------------------------------------------------------------------------
 
-const TTL_MS: u64 = 1000;
-
 /// Three steps, each recording its key from bash; the middle one with two calls at once.
 fn kill_script() -> Vec<StandinReply> {
     let record = json!({"command": "sleep 0.3; echo \"$IDEMPOTENCY_KEY\" >> keys.txt"});
@@ -472,191 +471,30 @@ fn kill_script() -> Vec<StandinReply> {
     replies
 }
 
-/// The finished session against the log, the workspace and the stand-in: every call has
-/// exactly one result and no start after it, each run had its own `tool_started`, the model
-/// was never asked for a turn after its reply was logged, and no request broke a rule.
-fn assert_resumed_exactly_once(
-    events: &[Event],
-    workspace_root: &Path,
-    session: &str,
-    standin: &OpenAiStandin,
-) {
-    let mut results: HashMap<String, usize> = HashMap::new();
-    let mut starts: HashMap<String, usize> = HashMap::new();
-    for event in events {
-        match &event.kind {
-            Some(Kind::ToolResult(r)) => *results.entry(r.tool_use_id.clone()).or_default() += 1,
-            Some(Kind::ToolStarted(s)) => {
-                assert!(
-                    !results.contains_key(&s.tool_use_id),
-                    "{} started after its result: {:?}",
-                    s.tool_use_id,
-                    kinds(events)
-                );
-                *starts.entry(s.tool_use_id.clone()).or_default() += 1;
-            }
-            _ => {}
-        }
+impl KillModel for OpenAiStandin {
+    fn start_runner(&self, store: &Store, id: &str, workspace_root: &Path) -> RunnerProc {
+        start_openai_runner(store, id, workspace_root, self, TTL_MS)
     }
-    let ids = tool_use_ids(events);
-    assert_eq!(ids.len(), 4, "{:?}", kinds(events));
-    assert_eq!(results.len(), ids.len(), "{:?}", kinds(events));
-    let keys = key_counts(workspace_root, session);
-    for id in &ids {
-        assert_eq!(results.get(id), Some(&1), "{id}: {:?}", kinds(events));
-        let key = format!("{session}/{id}");
-        let ran = keys.get(&key).copied().unwrap_or(0);
-        let started = starts.get(id).copied().unwrap_or(0);
-        assert!(
-            ran <= started,
-            "{key} ran {ran} times but was started {started} times"
-        );
-        assert!(ran >= 1 || started > 1, "{key} never completed a run");
+
+    fn final_stop_reason(&self) -> &'static str {
+        "stop"
     }
-    assert!(ends_in_final_reply(events), "{:?}", kinds(events));
-    let replies = reply_times(events);
-    for request in standin
-        .requests()
-        .iter()
-        .filter(|r| r.first_user_text == session)
-    {
-        if let Some(&logged) = replies.get(request.turn) {
-            assert!(
-                request.received_unix_ms <= logged,
-                "turn {} was asked for at {} after its reply was logged at {logged}",
-                request.turn,
-                request.received_unix_ms
-            );
-        }
+
+    fn scripted_calls(&self) -> usize {
+        4
     }
-    assert_eq!(standin.violations(), Vec::<String>::new());
-}
 
-async fn kill_at(point: &str, matches: fn(&Event) -> bool, delay: Duration) {
-    let store = Store::start().expect("store");
-    let mut client = store.client().await.expect("client");
-    let standin = OpenAiStandin::start(kill_script()).await.expect("stand-in");
-    let workspaces = tempfile::tempdir().expect("temp dir");
-    let session = format!("kill-{point}");
-    user_says(&mut client, &session, &session).await;
-
-    let mut kills = 0;
-    for generation in 0..3 {
-        let log = history(&mut client, &session).await;
-        if status(&mut client, &session).await == SessionStatus::Idle {
-            break;
-        }
-        let from = log.last().map_or(0, |e| e.seq) + 1;
-        let mut runner = start_openai_runner(
-            &store,
-            &format!("{point}-{generation}"),
-            workspaces.path(),
-            &standin,
-            TTL_MS,
-        );
-        let watcher = tokio::spawn(kill_when(
-            client.clone(),
-            session.clone(),
-            from,
-            runner.pid(),
-            matches,
-            delay,
-        ));
-        let fired = tokio::time::timeout(Duration::from_secs(30), watcher).await;
-        runner.kill9();
-        if matches!(fired, Ok(Ok(true))) {
-            kills += 1;
-        }
+    fn requests(&self) -> Vec<RecordedRequest> {
+        OpenAiStandin::requests(self)
     }
-    assert!(kills >= 1, "the runner was never killed at {point}");
-    let _survivor = start_openai_runner(
-        &store,
-        &format!("{point}-final"),
-        workspaces.path(),
-        &standin,
-        TTL_MS,
-    );
-    let events = wait_idle(&mut client, &session, 0, Duration::from_secs(60)).await;
-    assert_resumed_exactly_once(&events, workspaces.path(), &session, &standin);
-}
 
-#[tokio::test(flavor = "multi_thread")]
-async fn killed_after_tool_started() {
-    kill_at(
-        "started",
-        |e| matches!(e.kind, Some(Kind::ToolStarted(_))),
-        Duration::ZERO,
-    )
-    .await;
-}
-
-#[tokio::test(flavor = "multi_thread")]
-async fn killed_during_the_tool() {
-    kill_at(
-        "during",
-        |e| matches!(e.kind, Some(Kind::ToolStarted(_))),
-        Duration::from_millis(120),
-    )
-    .await;
-}
-
-#[tokio::test(flavor = "multi_thread")]
-async fn killed_after_tool_result() {
-    kill_at(
-        "result",
-        |e| matches!(e.kind, Some(Kind::ToolResult(_))),
-        Duration::ZERO,
-    )
-    .await;
-}
-
-#[tokio::test(flavor = "multi_thread")]
-async fn killed_mid_stream() {
-    kill_at(
-        "stream",
-        |e| matches!(e.kind, Some(Kind::AssistantDelta(_))),
-        Duration::ZERO,
-    )
-    .await;
-}
-
-#[tokio::test(flavor = "multi_thread")]
-async fn killed_after_the_reply() {
-    kill_at(
-        "reply",
-        |e| matches!(e.kind, Some(Kind::AssistantMessage(_))),
-        Duration::ZERO,
-    )
-    .await;
-}
-
-#[tokio::test(flavor = "multi_thread")]
-async fn killed_at_random_moments() {
-    let store = Store::start().expect("store");
-    let mut client = store.client().await.expect("client");
-    let standin = OpenAiStandin::start(kill_script()).await.expect("stand-in");
-    let workspaces = tempfile::tempdir().expect("temp dir");
-    let session = "kill-random".to_string();
-    user_says(&mut client, &session, &session).await;
-    for generation in 0..10 {
-        if status(&mut client, &session).await == SessionStatus::Idle {
-            break;
-        }
-        let mut runner = start_openai_runner(
-            &store,
-            &format!("random-{generation}"),
-            workspaces.path(),
-            &standin,
-            TTL_MS,
-        );
-        // Long enough to claim (after the previous lease expires) and get some way in.
-        let pause = 300 + fastrand::u64(0..1500);
-        eprintln!("generation {generation}: SIGKILL after {pause} ms");
-        tokio::time::sleep(Duration::from_millis(pause)).await;
-        runner.kill9();
+    fn violations(&self) -> Vec<String> {
+        OpenAiStandin::violations(self)
     }
-    let _survivor =
-        start_openai_runner(&store, "random-final", workspaces.path(), &standin, TTL_MS);
-    let events = wait_idle(&mut client, &session, 0, Duration::from_secs(60)).await;
-    assert_resumed_exactly_once(&events, workspaces.path(), &session, &standin);
 }
+
+async fn kill_standin() -> OpenAiStandin {
+    OpenAiStandin::start(kill_script()).await.expect("stand-in")
+}
+
+sigkill_suite!(kill_standin);

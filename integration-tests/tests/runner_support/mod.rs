@@ -2,6 +2,8 @@
 //! session over gRPC, and the log invariants every test checks.
 #![allow(dead_code)] // each test file uses its own subset
 
+pub mod sigkill;
+
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -284,6 +286,14 @@ pub fn tool_use_ids(events: &[Event]) -> Vec<String> {
 /// result, no tool_started follows its result, results come after their reply, and the
 /// session ends in a final reply. Returns the number of tool_started per call.
 pub fn assert_exactly_once(events: &[Event]) -> HashMap<String, usize> {
+    assert_exactly_once_ending(events, "end_turn")
+}
+
+/// [`assert_exactly_once`] for a provider whose final reply has `final_stop_reason`.
+pub fn assert_exactly_once_ending(
+    events: &[Event],
+    final_stop_reason: &str,
+) -> HashMap<String, usize> {
     let ids = tool_use_ids(events);
     let mut results: HashMap<String, usize> = HashMap::new();
     let mut starts: HashMap<String, usize> = HashMap::new();
@@ -321,7 +331,7 @@ pub fn assert_exactly_once(events: &[Event]) -> HashMap<String, usize> {
         .rev()
         .find(|e| !matches!(e.kind, Some(Kind::AssistantDelta(_))));
     assert!(
-        matches!(&last.and_then(|e| e.kind.as_ref()), Some(Kind::AssistantMessage(m)) if m.stop_reason == "end_turn"),
+        matches!(&last.and_then(|e| e.kind.as_ref()), Some(Kind::AssistantMessage(m)) if m.stop_reason == final_stop_reason),
         "the session finished with a final reply: {:?}",
         kinds(events)
     );

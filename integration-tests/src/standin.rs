@@ -1,0 +1,116 @@
+//! What the model stand-ins (`anthropic_standin`, `openai_standin`) share: a real HTTP
+//! server on `127.0.0.1:0`, and the journal behind it — the scripted replies, the faults
+//! queued per turn, every request received and every rule a request broke.
+
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use anyhow::Result;
+use axum::Router;
+use serde_json::Value;
+use tokio::sync::oneshot;
+
+/// A request a stand-in received.
+#[derive(Debug, Clone)]
+pub struct RecordedRequest {
+    /// The number of assistant turns in the request: the turn being asked for.
+    pub turn: usize,
+    /// The text of the first user message (tells sessions apart).
+    pub first_user_text: String,
+    pub received_unix_ms: i64,
+    /// What was served: `"reply"`, a fault's name, or `"rejected"`.
+    pub served: String,
+    /// The request body as sent.
+    pub body: Value,
+}
+
+/// A stand-in's script (replies of type `R`, faults of type `F`) and what it has seen.
+#[derive(Debug)]
+pub struct Journal<R, F> {
+    pub replies: Vec<R>,
+    pub faults: HashMap<usize, VecDeque<F>>,
+    pub requests: Vec<RecordedRequest>,
+    pub violations: Vec<String>,
+}
+
+impl<R, F> Journal<R, F> {
+    pub fn new(replies: Vec<R>) -> Journal<R, F> {
+        Journal {
+            replies,
+            faults: HashMap::new(),
+            requests: Vec::new(),
+            violations: Vec::new(),
+        }
+    }
+
+    /// The next fault queued for `turn` (faults for a turn are served in order).
+    pub fn next_fault(&mut self, turn: usize) -> Option<F> {
+        self.faults.get_mut(&turn).and_then(VecDeque::pop_front)
+    }
+}
+
+/// The journal as the server's handlers and the test share it.
+pub type Shared<R, F> = Arc<Mutex<Journal<R, F>>>;
+
+/// The journal, whether or not a handler panicked while holding it.
+pub fn lock<R, F>(shared: &Shared<R, F>) -> MutexGuard<'_, Journal<R, F>> {
+    shared
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+pub fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+/// A running stand-in; the server stops when it is dropped.
+pub struct Standin<R, F> {
+    pub addr: SocketAddr,
+    journal: Shared<R, F>,
+    _stop: oneshot::Sender<()>,
+}
+
+impl<R, F> Standin<R, F> {
+    /// Serves `app` (whose handlers share `journal`) on a free port; needs a running tokio
+    /// runtime.
+    pub async fn serve(journal: Shared<R, F>, app: Router) -> Result<Standin<R, F>> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let (stop, stopped) = oneshot::channel::<()>();
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, app)
+                .with_graceful_shutdown(async {
+                    let _ = stopped.await;
+                })
+                .await;
+        });
+        Ok(Standin {
+            addr,
+            journal,
+            _stop: stop,
+        })
+    }
+
+    /// Serves `fault` to the next request for `turn` (faults for a turn are used in order).
+    pub fn inject(&self, turn: usize, fault: F) {
+        lock(&self.journal)
+            .faults
+            .entry(turn)
+            .or_default()
+            .push_back(fault);
+    }
+
+    pub fn requests(&self) -> Vec<RecordedRequest> {
+        lock(&self.journal).requests.clone()
+    }
+
+    /// Every rule a request broke, in the words of the error it got.
+    pub fn violations(&self) -> Vec<String> {
+        lock(&self.journal).violations.clone()
+    }
+}
