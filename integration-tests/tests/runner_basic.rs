@@ -7,16 +7,13 @@ mod runner_support;
 use std::time::Duration;
 
 use agentlog_proto::v1::event::Kind;
-use integration_tests::anthropic_standin::{AnthropicStandin, Fault, StandinReply};
-use integration_tests::Store;
+use integration_tests::anthropic_standin::{Fault, StandinReply};
 use runner_support::*;
 use serde_json::json;
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_session_runs_to_the_end_through_transient_failures() {
-    let store = Store::start().expect("store");
-    let mut client = store.client().await.expect("client");
-    let standin = AnthropicStandin::start(vec![
+    let mut rig = Rig::start(vec![
         StandinReply::text("I will record the key.")
             .tool(
                 "bash",
@@ -30,30 +27,28 @@ async fn a_session_runs_to_the_end_through_transient_failures() {
             .tool("read_file", json!({"path": "notes/a.txt"})),
         StandinReply::text("All finished."),
     ])
-    .await
-    .expect("stand-in");
-    standin.inject(
+    .await;
+    rig.standin.inject(
         0,
         Fault::Overloaded {
             retry_after_s: Some(0),
         },
     );
-    standin.inject(0, Fault::CutStream);
-    standin.inject(1, Fault::ErrorEvent);
-    let workspaces = tempfile::tempdir().expect("temp dir");
+    rig.standin.inject(0, Fault::CutStream);
+    rig.standin.inject(1, Fault::ErrorEvent);
     let mut runner = start_runner(
-        &store.url(),
+        &rig.store.url(),
         "r1",
-        workspaces.path(),
-        &standin.url(),
+        rig.workspaces.path(),
+        &rig.standin.url(),
         3000,
         4,
     );
 
-    user_says(&mut client, "s1", "please record the key").await;
-    let events = wait_idle(&mut client, "s1", 0, Duration::from_secs(60)).await;
+    user_says(&mut rig.client, "s1", "please record the key").await;
+    let events = wait_idle(&mut rig.client, "s1", 0, Duration::from_secs(60)).await;
 
-    assert_eq!(standin.violations(), Vec::<String>::new());
+    assert_eq!(rig.standin.violations(), Vec::<String>::new());
     assert_exactly_once(&events);
     assert_eq!(
         kinds(&events),
@@ -76,7 +71,7 @@ async fn a_session_runs_to_the_end_through_transient_failures() {
     });
     assert_eq!(read_back.as_deref(), Some("hello"));
     assert_eq!(
-        std::fs::read_to_string(workspaces.path().join("s1/keys.txt"))
+        std::fs::read_to_string(rig.workspaces.path().join("s1/keys.txt"))
             .ok()
             .as_deref(),
         Some("s1/toolu_0_0\n")
@@ -87,7 +82,8 @@ async fn a_session_runs_to_the_end_through_transient_failures() {
             .any(|e| matches!(e.kind, Some(Kind::AssistantDelta(_)))),
         "text was streamed as deltas"
     );
-    let served: Vec<(usize, String)> = standin
+    let served: Vec<(usize, String)> = rig
+        .standin
         .requests()
         .into_iter()
         .map(|r| (r.turn, r.served))
@@ -108,27 +104,23 @@ async fn a_session_runs_to_the_end_through_transient_failures() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_refused_request_ends_the_turn_with_run_error() {
-    let store = Store::start().expect("store");
-    let mut client = store.client().await.expect("client");
-    let standin = AnthropicStandin::start(vec![
+    let mut rig = Rig::start(vec![
         StandinReply::text("never sent"),
         StandinReply::text("second try"),
     ])
-    .await
-    .expect("stand-in");
-    standin.inject(0, Fault::BadRequest);
-    let workspaces = tempfile::tempdir().expect("temp dir");
+    .await;
+    rig.standin.inject(0, Fault::BadRequest);
     let _runner = start_runner(
-        &store.url(),
+        &rig.store.url(),
         "r1",
-        workspaces.path(),
-        &standin.url(),
+        rig.workspaces.path(),
+        &rig.standin.url(),
         3000,
         4,
     );
 
-    user_says(&mut client, "s2", "hi").await;
-    let events = wait_idle(&mut client, "s2", 0, Duration::from_secs(30)).await;
+    user_says(&mut rig.client, "s2", "hi").await;
+    let events = wait_idle(&mut rig.client, "s2", 0, Duration::from_secs(30)).await;
     let kinds = kinds(&events);
     assert_eq!(kinds.len(), 2, "{kinds:?}");
     assert!(kinds[1].starts_with("run_error(HTTP 400"), "{kinds:?}");
@@ -136,17 +128,17 @@ async fn a_refused_request_ends_the_turn_with_run_error() {
         kinds[1].contains("the stand-in refuses this request"),
         "{kinds:?}"
     );
-    assert_eq!(standin.requests().len(), 1, "a refusal is not retried");
+    assert_eq!(rig.standin.requests().len(), 1, "a refusal is not retried");
 
     // The user speaks again: the next turn is asked for, with both user turns merged.
-    let again = user_says(&mut client, "s2", "again").await;
-    let events = wait_idle(&mut client, "s2", again, Duration::from_secs(30)).await;
+    let again = user_says(&mut rig.client, "s2", "again").await;
+    let events = wait_idle(&mut rig.client, "s2", again, Duration::from_secs(30)).await;
     assert!(
         super_last_is_reply(&events),
         "{:?}",
         runner_support::kinds(&events)
     );
-    assert_eq!(standin.violations(), Vec::<String>::new());
+    assert_eq!(rig.standin.violations(), Vec::<String>::new());
 }
 
 fn super_last_is_reply(events: &[agentlog_proto::v1::Event]) -> bool {

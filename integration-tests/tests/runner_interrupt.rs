@@ -13,7 +13,7 @@ use agentlog_proto::v1::{
     content_block::Block, event::Kind, AcquireLeaseRequest, AppendRequest, AssistantMessage,
     ContentBlock, Event, Interrupt, ReleaseLeaseRequest, SessionStatus, ToolResult, ToolUseBlock,
 };
-use integration_tests::anthropic_standin::{AnthropicStandin, StandinReply};
+use integration_tests::anthropic_standin::StandinReply;
 use integration_tests::Store;
 use runner_support::*;
 use serde_json::json;
@@ -62,68 +62,48 @@ async fn wait_for_file(path: &Path, limit: Duration) -> String {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn cancel_drops_a_model_stream() {
-    let store = Store::start().expect("store");
-    let mut client = store.client().await.expect("client");
     // About 60 s of streaming: an answer to the interrupt can only come from dropping it.
-    let standin = AnthropicStandin::start(vec![StandinReply::text(&"word ".repeat(300)).slow(200)])
-        .await
-        .expect("stand-in");
-    let workspaces = tempfile::tempdir().expect("temp dir");
-    let _runner = start_runner(
-        &store.url(),
-        "r1",
-        workspaces.path(),
-        &standin.url(),
-        TTL_MS,
-        2,
-    );
+    let mut rig = Rig::start(vec![StandinReply::text(&"word ".repeat(300)).slow(200)]).await;
+    let _runner = rig.runner("r1", TTL_MS, &[]);
 
-    user_says(&mut client, "s1", "talk for a long time").await;
-    wait_for_log(&mut client, "s1", Duration::from_secs(20), |events| {
+    user_says(&mut rig.client, "s1", "talk for a long time").await;
+    wait_for_log(&mut rig.client, "s1", Duration::from_secs(20), |events| {
         events
             .iter()
             .any(|e| matches!(e.kind, Some(Kind::AssistantDelta(_))))
     })
     .await;
-    cancel(&store, "s1", "enough");
-    let events = wait_for_log(&mut client, "s1", Duration::from_secs(10), |events| {
+    cancel(&rig.store, "s1", "enough");
+    let events = wait_for_log(&mut rig.client, "s1", Duration::from_secs(10), |events| {
         has(events, "interrupted")
     })
     .await;
     assert_eq!(kinds(&events), ["user", "interrupt", "interrupted"]);
     assert_eq!(interrupted_reason(&events).as_deref(), Some("enough"));
-    assert_eq!(status(&mut client, "s1").await, SessionStatus::Idle);
+    assert_eq!(status(&mut rig.client, "s1").await, SessionStatus::Idle);
     // The stream is gone: nothing more is written for that turn.
     let last = events.last().map(|e| e.seq);
     tokio::time::sleep(Duration::from_millis(800)).await;
-    assert_eq!(history(&mut client, "s1").await.last().map(|e| e.seq), last);
+    assert_eq!(
+        history(&mut rig.client, "s1").await.last().map(|e| e.seq),
+        last
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn cancel_kills_a_running_tool_and_its_children_and_the_session_continues() {
-    let store = Store::start().expect("store");
-    let mut client = store.client().await.expect("client");
-    let standin = AnthropicStandin::start(vec![
+    let mut rig = Rig::start(vec![
         StandinReply::text("Starting a long job.").tool(
             "bash",
             json!({"command": "sleep 300 & echo $! > child.pid; echo x >> runs.txt; sleep 300"}),
         ),
         StandinReply::text("Understood, I stopped."),
     ])
-    .await
-    .expect("stand-in");
-    let workspaces = tempfile::tempdir().expect("temp dir");
-    let _runner = start_runner(
-        &store.url(),
-        "r1",
-        workspaces.path(),
-        &standin.url(),
-        TTL_MS,
-        2,
-    );
+    .await;
+    let _runner = rig.runner("r1", TTL_MS, &[]);
 
-    user_says(&mut client, "s1", "run the long job").await;
-    let workspace = workspaces.path().join("s1");
+    user_says(&mut rig.client, "s1", "run the long job").await;
+    let workspace = rig.workspaces.path().join("s1");
     wait_for_file(&workspace.join("runs.txt"), Duration::from_secs(20)).await;
     let child: u32 = std::fs::read_to_string(workspace.join("child.pid"))
         .expect("child.pid")
@@ -135,8 +115,8 @@ async fn cancel_kills_a_running_tool_and_its_children_and_the_session_continues(
         "the tool's child runs before the cancel"
     );
 
-    cancel(&store, "s1", "wrong job");
-    let events = wait_for_log(&mut client, "s1", Duration::from_secs(10), |events| {
+    cancel(&rig.store, "s1", "wrong job");
+    let events = wait_for_log(&mut rig.client, "s1", Duration::from_secs(10), |events| {
         has(events, "interrupted")
     })
     .await;
@@ -166,9 +146,9 @@ async fn cancel_kills_a_running_tool_and_its_children_and_the_session_continues(
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 
-    let seq = user_says(&mut client, "s1", "fine, stop there").await;
-    let events = wait_idle(&mut client, "s1", seq, Duration::from_secs(20)).await;
-    assert_eq!(standin.violations(), Vec::<String>::new());
+    let seq = user_says(&mut rig.client, "s1", "fine, stop there").await;
+    let events = wait_idle(&mut rig.client, "s1", seq, Duration::from_secs(20)).await;
+    assert_eq!(rig.standin.violations(), Vec::<String>::new());
     assert_exactly_once(&events);
     assert_eq!(
         std::fs::read_to_string(workspace.join("runs.txt")).expect("runs.txt"),
@@ -179,40 +159,22 @@ async fn cancel_kills_a_running_tool_and_its_children_and_the_session_continues(
 
 #[tokio::test(flavor = "multi_thread")]
 async fn an_interrupt_with_no_runner_is_answered_by_the_next_without_running_anything() {
-    let store = Store::start().expect("store");
-    let mut client = store.client().await.expect("client");
-    let standin = AnthropicStandin::start(vec![
+    let mut rig = Rig::start(vec![
         StandinReply::text("Working.")
             .tool("bash", json!({"command": "echo x >> runs.txt; sleep 300"})),
         StandinReply::text("Stopped."),
     ])
-    .await
-    .expect("stand-in");
-    let workspaces = tempfile::tempdir().expect("temp dir");
-    let mut first = start_runner(
-        &store.url(),
-        "r1",
-        workspaces.path(),
-        &standin.url(),
-        TTL_MS,
-        2,
-    );
-    user_says(&mut client, "s1", "work").await;
-    let runs = workspaces.path().join("s1/runs.txt");
+    .await;
+    let mut first = rig.runner("r1", TTL_MS, &[]);
+    user_says(&mut rig.client, "s1", "work").await;
+    let runs = rig.workspaces.path().join("s1/runs.txt");
     wait_for_file(&runs, Duration::from_secs(20)).await;
     first.kill9();
 
-    cancel(&store, "s1", "stop");
-    assert_eq!(status(&mut client, "s1").await, SessionStatus::Runnable);
-    let _second = start_runner(
-        &store.url(),
-        "r2",
-        workspaces.path(),
-        &standin.url(),
-        TTL_MS,
-        2,
-    );
-    let events = wait_for_log(&mut client, "s1", Duration::from_secs(20), |events| {
+    cancel(&rig.store, "s1", "stop");
+    assert_eq!(status(&mut rig.client, "s1").await, SessionStatus::Runnable);
+    let _second = rig.runner("r2", TTL_MS, &[]);
+    let events = wait_for_log(&mut rig.client, "s1", Duration::from_secs(20), |events| {
         has(events, "interrupted")
     })
     .await;
@@ -233,7 +195,7 @@ async fn an_interrupt_with_no_runner_is_answered_by_the_next_without_running_any
         "{content}"
     );
     wait_status(
-        &mut client,
+        &mut rig.client,
         "s1",
         SessionStatus::Idle,
         Duration::from_secs(5),
@@ -244,41 +206,30 @@ async fn an_interrupt_with_no_runner_is_answered_by_the_next_without_running_any
 
 #[tokio::test(flavor = "multi_thread")]
 async fn interrupting_an_idle_session_is_harmless() {
-    let store = Store::start().expect("store");
-    let mut client = store.client().await.expect("client");
-    let standin = AnthropicStandin::start(vec![
+    let mut rig = Rig::start(vec![
         StandinReply::text("Hello."),
         StandinReply::text("Hello again."),
     ])
-    .await
-    .expect("stand-in");
-    let workspaces = tempfile::tempdir().expect("temp dir");
-    let _runner = start_runner(
-        &store.url(),
-        "r1",
-        workspaces.path(),
-        &standin.url(),
-        TTL_MS,
-        2,
-    );
-    let seq = user_says(&mut client, "s1", "hi").await;
-    wait_idle(&mut client, "s1", seq, Duration::from_secs(20)).await;
+    .await;
+    let _runner = rig.runner("r1", TTL_MS, &[]);
+    let seq = user_says(&mut rig.client, "s1", "hi").await;
+    wait_idle(&mut rig.client, "s1", seq, Duration::from_secs(20)).await;
 
-    cancel(&store, "s1", "");
-    wait_for_log(&mut client, "s1", Duration::from_secs(10), |events| {
+    cancel(&rig.store, "s1", "");
+    wait_for_log(&mut rig.client, "s1", Duration::from_secs(10), |events| {
         has(events, "interrupted")
     })
     .await;
     wait_status(
-        &mut client,
+        &mut rig.client,
         "s1",
         SessionStatus::Idle,
         Duration::from_secs(5),
     )
     .await;
 
-    let seq = user_says(&mut client, "s1", "still there?").await;
-    let events = wait_idle(&mut client, "s1", seq, Duration::from_secs(20)).await;
+    let seq = user_says(&mut rig.client, "s1", "still there?").await;
+    let events = wait_idle(&mut rig.client, "s1", seq, Duration::from_secs(20)).await;
     assert_eq!(
         kinds(&events),
         [
@@ -290,51 +241,39 @@ async fn interrupting_an_idle_session_is_harmless() {
             "reply(end_turn)"
         ]
     );
-    assert_eq!(standin.violations(), Vec::<String>::new());
+    assert_eq!(rig.standin.violations(), Vec::<String>::new());
 
     // A session that does not exist is not started by a cancel.
-    let nothing = agentlog(&store.url(), &["cancel", "nope"]);
+    let nothing = agentlog(&rig.store.url(), &["cancel", "nope"]);
     assert!(
         !nothing.success && nothing.stderr.contains("there is no session"),
         "{nothing:?}"
     );
     assert_eq!(
-        status(&mut client, "nope").await,
+        status(&mut rig.client, "nope").await,
         SessionStatus::Unspecified
     );
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn cancel_while_waiting_for_approval_closes_the_call_unrun() {
-    let store = Store::start().expect("store");
-    let mut client = store.client().await.expect("client");
-    let standin = AnthropicStandin::start(vec![
+    let mut rig = Rig::start(vec![
         StandinReply::text("Deleting.").tool("bash", json!({"command": "echo ran > ran.txt"})),
         StandinReply::text("OK, I did not."),
     ])
-    .await
-    .expect("stand-in");
-    let workspaces = tempfile::tempdir().expect("temp dir");
-    let _runner = start_runner_with(
-        &store.url(),
-        "r1",
-        workspaces.path(),
-        &standin.url(),
-        TTL_MS,
-        2,
-        &["--approve", "bash"],
-    );
-    user_says(&mut client, "s1", "clean up").await;
+    .await;
+    let _runner = rig.runner("r1", TTL_MS, &["--approve", "bash"]);
+    user_says(&mut rig.client, "s1", "clean up").await;
     wait_status(
-        &mut client,
+        &mut rig.client,
         "s1",
         SessionStatus::Waiting,
         Duration::from_secs(20),
     )
     .await;
 
-    cancel(&store, "s1", "never mind");
-    let events = wait_for_log(&mut client, "s1", Duration::from_secs(10), |events| {
+    cancel(&rig.store, "s1", "never mind");
+    let events = wait_for_log(&mut rig.client, "s1", Duration::from_secs(10), |events| {
         has(events, "interrupted")
     })
     .await;
@@ -355,34 +294,31 @@ async fn cancel_while_waiting_for_approval_closes_the_call_unrun() {
         "{content}"
     );
     wait_status(
-        &mut client,
+        &mut rig.client,
         "s1",
         SessionStatus::Idle,
         Duration::from_secs(5),
     )
     .await;
     // The request is closed: a late approval is refused and nothing runs.
-    let late = agentlog(&store.url(), &["approve", "s1", "toolu_0_0"]);
+    let late = agentlog(&rig.store.url(), &["approve", "s1", "toolu_0_0"]);
     assert!(!late.success, "a late approval is refused");
     assert!(
         late.stderr.contains("not waiting for approval"),
         "{}",
         late.stderr
     );
-    assert!(!workspaces.path().join("s1/ran.txt").exists());
+    assert!(!rig.workspaces.path().join("s1/ran.txt").exists());
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_half_written_answer_is_finished_by_the_next_runner_without_running_anything() {
-    let store = Store::start().expect("store");
-    let mut client = store.client().await.expect("client");
-    let standin = AnthropicStandin::start(vec![StandinReply::text("Never asked.")])
-        .await
-        .expect("stand-in");
-    user_says(&mut client, "s1", "two jobs").await;
+    let mut rig = Rig::start(vec![StandinReply::text("Never asked.")]).await;
+    user_says(&mut rig.client, "s1", "two jobs").await;
     // The log a runner leaves when it dies answering an interrupt: a reply with two calls,
     // the interrupt, and the first call closed under that runner's lease.
-    let lease = client
+    let lease = rig
+        .client
         .acquire_lease(AcquireLeaseRequest {
             session_id: "s1".into(),
             owner: "dead-runner".into(),
@@ -409,7 +345,7 @@ async fn a_half_written_answer_is_finished_by_the_next_runner_without_running_an
         lease_epoch,
         ..AppendRequest::default()
     };
-    client
+    rig.client
         .append(append(
             vec![runner_event(
                 "reply:0",
@@ -423,7 +359,7 @@ async fn a_half_written_answer_is_finished_by_the_next_runner_without_running_an
         ))
         .await
         .expect("reply");
-    client
+    rig.client
         .append(append(
             vec![runner_event(
                 "interrupt:1",
@@ -435,7 +371,7 @@ async fn a_half_written_answer_is_finished_by_the_next_runner_without_running_an
         ))
         .await
         .expect("interrupt");
-    client
+    rig.client
         .append(append(
             vec![runner_event(
                 "result:toolu_0_0",
@@ -450,7 +386,7 @@ async fn a_half_written_answer_is_finished_by_the_next_runner_without_running_an
         ))
         .await
         .expect("first closing result");
-    client
+    rig.client
         .release_lease(ReleaseLeaseRequest {
             session_id: "s1".into(),
             owner: "dead-runner".into(),
@@ -459,16 +395,8 @@ async fn a_half_written_answer_is_finished_by_the_next_runner_without_running_an
         .await
         .expect("release");
 
-    let workspaces = tempfile::tempdir().expect("temp dir");
-    let _runner = start_runner(
-        &store.url(),
-        "r1",
-        workspaces.path(),
-        &standin.url(),
-        TTL_MS,
-        2,
-    );
-    let events = wait_for_log(&mut client, "s1", Duration::from_secs(20), |events| {
+    let _runner = rig.runner("r1", TTL_MS, &[]);
+    let events = wait_for_log(&mut rig.client, "s1", Duration::from_secs(20), |events| {
         has(events, "interrupted")
     })
     .await;
@@ -484,11 +412,11 @@ async fn a_half_written_answer_is_finished_by_the_next_runner_without_running_an
         ]
     );
     wait_status(
-        &mut client,
+        &mut rig.client,
         "s1",
         SessionStatus::Idle,
         Duration::from_secs(5),
     )
     .await;
-    assert!(standin.requests().is_empty(), "the model was not asked");
+    assert!(rig.standin.requests().is_empty(), "the model was not asked");
 }

@@ -14,9 +14,46 @@ use agentlog_proto::v1::{
     content_block::Block, event::Kind, event_store_client::EventStoreClient, AppendRequest, Event,
     GetSessionRequest, SessionStatus, SubscribeRequest, UserMessage,
 };
-use integration_tests::{bin_path, signal, Signal};
+use integration_tests::anthropic_standin::{AnthropicStandin, StandinReply};
+use integration_tests::{bin_path, signal, Signal, Store};
 use tokio_stream::StreamExt;
 use tonic::transport::Channel;
+
+/// What most runner tests start from: a store, a client on it, the Anthropic stand-in
+/// playing a script, and a root for the sessions' workspaces.
+pub struct Rig {
+    pub store: Store,
+    pub client: EventStoreClient<Channel>,
+    pub standin: AnthropicStandin,
+    pub workspaces: tempfile::TempDir,
+}
+
+impl Rig {
+    pub async fn start(script: Vec<StandinReply>) -> Rig {
+        let store = Store::start().expect("store");
+        let client = store.client().await.expect("client");
+        let standin = AnthropicStandin::start(script).await.expect("stand-in");
+        Rig {
+            store,
+            client,
+            standin,
+            workspaces: tempfile::tempdir().expect("temp dir"),
+        }
+    }
+
+    /// A runner on this rig: lease TTL `ttl_ms`, two sessions at once, and `flags`.
+    pub fn runner(&self, id: &str, ttl_ms: u64, flags: &[&str]) -> RunnerProc {
+        start_runner_with(
+            &self.store.url(),
+            id,
+            self.workspaces.path(),
+            &self.standin.url(),
+            ttl_ms,
+            2,
+            flags,
+        )
+    }
+}
 
 /// A `runner` process; SIGKILLed when dropped.
 pub struct RunnerProc {
