@@ -238,11 +238,10 @@ fn run_counting_script() -> Vec<StandinReply> {
 }
 
 /// Starts a runner with `flags`, lets the bash call start, and SIGKILLs the runner mid-call.
-async fn kill_mid_call(store: &Store, root: &Path, model_url: &str, flags: &[&str]) {
-    let mut client = store.client().await.expect("client");
-    let mut runner = start_runner_with(&store.url(), "r1", root, model_url, TTL_MS, 2, flags);
-    user_says(&mut client, "s1", "work").await;
-    let runs = root.join("s1/runs.txt");
+async fn kill_mid_call(rig: &mut Rig, flags: &[&str]) {
+    let mut runner = rig.runner("r1", TTL_MS, flags);
+    user_says(&mut rig.client, "s1", "work").await;
+    let runs = rig.workspaces.path().join("s1/runs.txt");
     let deadline = Instant::now() + Duration::from_secs(20);
     while !std::fs::read_to_string(&runs).is_ok_and(|t| t.ends_with('\n')) {
         assert!(Instant::now() < deadline, "the call did not start");
@@ -253,24 +252,11 @@ async fn kill_mid_call(store: &Store, root: &Path, model_url: &str, flags: &[&st
 
 #[tokio::test(flavor = "multi_thread")]
 async fn report_tells_the_model_the_outcome_is_unknown_and_never_reruns() {
-    let store = Store::start().expect("store");
-    let standin = AnthropicStandin::start(run_counting_script())
-        .await
-        .expect("stand-in");
-    let workspaces = tempfile::tempdir().expect("temp dir");
+    let mut rig = Rig::start(run_counting_script()).await;
     let flags = ["--on-unknown-outcome", "bash=report"];
-    kill_mid_call(&store, workspaces.path(), &standin.url(), &flags).await;
-    let _second = start_runner_with(
-        &store.url(),
-        "r2",
-        workspaces.path(),
-        &standin.url(),
-        TTL_MS,
-        2,
-        &flags,
-    );
-    let mut client = store.client().await.expect("client");
-    let events = wait_idle(&mut client, "s1", 0, Duration::from_secs(30)).await;
+    kill_mid_call(&mut rig, &flags).await;
+    let _second = rig.runner("r2", TTL_MS, &flags);
+    let events = wait_idle(&mut rig.client, "s1", 0, Duration::from_secs(30)).await;
     assert_exactly_once(&events);
     let (content, is_error) = result_of(&events, "toolu_0_0").expect("a result");
     assert!(
@@ -278,39 +264,26 @@ async fn report_tells_the_model_the_outcome_is_unknown_and_never_reruns() {
         "{content}"
     );
     assert_eq!(
-        std::fs::read_to_string(workspaces.path().join("s1/runs.txt")).expect("runs.txt"),
+        std::fs::read_to_string(rig.workspaces.path().join("s1/runs.txt")).expect("runs.txt"),
         "x\n"
     );
-    assert_eq!(standin.violations(), Vec::<String>::new());
+    assert_eq!(rig.standin.violations(), Vec::<String>::new());
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn ask_waits_for_a_person_before_running_an_uncertain_call_again() {
-    let store = Store::start().expect("store");
-    let standin = AnthropicStandin::start(run_counting_script())
-        .await
-        .expect("stand-in");
-    let workspaces = tempfile::tempdir().expect("temp dir");
+    let mut rig = Rig::start(run_counting_script()).await;
     let flags = ["--on-unknown-outcome", "bash=ask"];
-    kill_mid_call(&store, workspaces.path(), &standin.url(), &flags).await;
-    let _second = start_runner_with(
-        &store.url(),
-        "r2",
-        workspaces.path(),
-        &standin.url(),
-        TTL_MS,
-        2,
-        &flags,
-    );
-    let mut client = store.client().await.expect("client");
+    kill_mid_call(&mut rig, &flags).await;
+    let _second = rig.runner("r2", TTL_MS, &flags);
     wait_status(
-        &mut client,
+        &mut rig.client,
         "s1",
         SessionStatus::Waiting,
         Duration::from_secs(20),
     )
     .await;
-    let events = history(&mut client, "s1").await;
+    let events = history(&mut rig.client, "s1").await;
     let reason = events
         .iter()
         .find_map(|e| match &e.kind {
@@ -323,14 +296,14 @@ async fn ask_waits_for_a_person_before_running_an_uncertain_call_again() {
         "{reason}"
     );
 
-    let approved = agentlog(&store.url(), &["approve", "s1"]);
+    let approved = agentlog(&rig.store.url(), &["approve", "s1"]);
     assert!(approved.success, "{}", approved.stderr);
-    let events = wait_idle(&mut client, "s1", 0, Duration::from_secs(30)).await;
+    let events = wait_idle(&mut rig.client, "s1", 0, Duration::from_secs(30)).await;
     let starts = assert_exactly_once(&events);
     assert_eq!(starts.get("toolu_0_0"), Some(&2), "{:?}", kinds(&events));
     assert!(kinds(&events).contains(&"started(toolu_0_0#2)".to_string()));
     assert_eq!(
-        std::fs::read_to_string(workspaces.path().join("s1/runs.txt")).expect("runs.txt"),
+        std::fs::read_to_string(rig.workspaces.path().join("s1/runs.txt")).expect("runs.txt"),
         "x\nx\n"
     );
 }
