@@ -4,6 +4,8 @@
 //! - [`log`]: our CRC-framed segment files; the `fdatasync` that makes an ack true.
 //! - [`index`]: sled, rebuilt from the log past the offset it had absorbed, and kept up to
 //!   date behind the acknowledgements.
+//! - [`rules`]: the append and lease rules, pure functions both backends decide by;
+//!   [`session`]: the session state they decide on, derived from the log.
 //! - [`writer`]: the single writer thread doing group commit.
 //! - [`subscriptions`]: history then live, with disk catch-up for slow readers.
 //! - [`service`]: the gRPC edge: validation, limits, status codes, over any [`backend`]:
@@ -22,6 +24,7 @@ pub mod limits;
 pub mod log;
 pub mod metrics;
 pub mod postgres;
+pub mod rules;
 pub mod scope;
 pub mod service;
 pub mod session;
@@ -93,7 +96,7 @@ impl Shared {
             let mut shared = self.sessions.write().unwrap_or_else(|p| p.into_inner());
             for id in touched {
                 if let Some(meta) = sessions.get(id) {
-                    newly_claimable |= meta.is_runnable() && meta.live_lease(now).is_none();
+                    newly_claimable |= rules::claimable(meta, now);
                     match shared.get_mut(id) {
                         Some(published) => published.clone_from(meta),
                         None => {

@@ -63,45 +63,6 @@ pub fn kind_name(kind: &event::Kind) -> &'static str {
     }
 }
 
-/// Why an approval decision cannot be appended: it must answer a request that is pending
-/// in this session, once.
-#[derive(Debug, thiserror::Error)]
-#[error(
-    "approval_decision for tool_use_id {tool_use_id:?}: session {session_id} has no pending \
-     approval request for that call (never requested, already decided, or already answered)"
-)]
-pub struct NoPendingApproval {
-    pub session_id: String,
-    pub tool_use_id: String,
-}
-
-/// Checks the approval decisions among `events` against the approvals pending before them
-/// (requests and results earlier in the same append count too).
-pub fn check_approval_decisions<'a>(
-    session_id: &str,
-    pending: &[String],
-    events: impl IntoIterator<Item = &'a Event>,
-) -> Result<(), NoPendingApproval> {
-    let mut pending: Vec<&str> = pending.iter().map(String::as_str).collect();
-    for event in events {
-        match &event.kind {
-            Some(event::Kind::ApprovalRequested(r)) => pending.push(&r.tool_use_id),
-            Some(event::Kind::ToolResult(r)) => pending.retain(|id| *id != r.tool_use_id),
-            Some(event::Kind::ApprovalDecision(d)) => {
-                let Some(at) = pending.iter().position(|id| *id == d.tool_use_id) else {
-                    return Err(NoPendingApproval {
-                        session_id: session_id.to_string(),
-                        tool_use_id: d.tool_use_id.clone(),
-                    });
-                };
-                pending.remove(at);
-            }
-            _ => {}
-        }
-    }
-    Ok(())
-}
-
 impl SessionMeta {
     pub fn is_runnable(&self) -> bool {
         self.status() == SessionStatus::Runnable
@@ -237,8 +198,8 @@ pub fn now_unix_ms() -> i64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use agentlog_proto::v1::UserMessage;
     use agentlog_proto::v1::{ApprovalDecision, ApprovalRequested, Interrupt, Interrupted};
-    use agentlog_proto::v1::{ToolResult, UserMessage};
 
     fn ev(seq: u64, kind: event::Kind) -> Event {
         Event {
@@ -304,29 +265,5 @@ mod tests {
             Idle
         );
         assert_eq!(status_after(vec![user("go"), interrupt()]), Runnable);
-    }
-
-    #[test]
-    fn a_decision_must_answer_a_pending_request_once() {
-        let pending = vec!["a".to_string()];
-        let events = [ev(0, decision("a"))];
-        assert!(check_approval_decisions("s", &pending, &events).is_ok());
-        let twice = [ev(0, decision("a")), ev(0, decision("a"))];
-        assert!(check_approval_decisions("s", &pending, &twice).is_err());
-        assert!(check_approval_decisions("s", &[], &events).is_err());
-        // A request earlier in the same append counts; a result closes the request.
-        let same_append = [ev(0, request("b")), ev(0, decision("b"))];
-        assert!(check_approval_decisions("s", &[], &same_append).is_ok());
-        let answered = [
-            ev(
-                0,
-                event::Kind::ToolResult(ToolResult {
-                    tool_use_id: "a".into(),
-                    ..ToolResult::default()
-                }),
-            ),
-            ev(0, decision("a")),
-        ];
-        assert!(check_approval_decisions("s", &pending, &answered).is_err());
     }
 }

@@ -1,9 +1,10 @@
 //! The single writer: group commit.
 //!
-//! One thread takes every pending operation from the queue, validates each against the
-//! in-memory state (expected seq, lease epoch, event-id dedup), assigns seqs and lease
-//! epochs, writes all resulting records in one write, calls `fdatasync` **once** for the
-//! whole batch, and only then acknowledges and publishes. While one fsync runs, the next
+//! One thread takes every pending operation from the queue, decides each against the
+//! in-memory state by the rules of [`crate::rules`] (lease epoch, event-id dedup and seqs,
+//! expected seq, approvals; lease grants), writes all resulting records in one write,
+//! calls `fdatasync` **once** for the whole batch, and only then acknowledges and
+//! publishes. While one fsync runs, the next
 //! batch queues up, so concurrent appends share fsyncs without any artificial delay.
 //!
 //! The index (sled) follows behind the acknowledgements: the writer absorbs many commits
@@ -37,13 +38,11 @@ use agentlog_proto::reason::Reason;
 
 use crate::error::StoreError;
 use crate::index::{self_named_seq, Index, IndexBatch, Recent, GENERATED_ID_PREFIX};
-use crate::log::{record, LeaseRecord, LogError, LogReader, LogWriter, Record};
+use crate::log::{record, LogError, LogReader, LogWriter, Record};
 use crate::metrics;
+use crate::rules;
 use crate::scope::Scope;
-use crate::session::{
-    check_approval_decisions, is_runner_kind, kind_name, lease_of, now_unix_ms, SessionMeta,
-    SCHEMA_VERSION,
-};
+use crate::session::{lease_of, now_unix_ms, SessionMeta};
 use crate::Shared;
 
 /// At most this many operations share one fsync, so one batch's latency stays bounded.
@@ -356,106 +355,61 @@ impl Writer {
     ) -> Result<AppendResponse, StoreError> {
         let empty = SessionMeta::default();
         let meta = self.sessions.get(&req.session_id).unwrap_or(&empty);
+        let session_id = &req.session_id;
+        rules::check_writer(meta, session_id, req.lease_epoch, &req.events, now)
+            .inspect_err(|e| fenced(e, "append"))?;
 
-        let runner_kind = req
-            .events
-            .iter()
-            .filter_map(|e| e.kind.as_ref())
-            .find(|k| is_runner_kind(k));
-        match (req.lease_epoch, runner_kind) {
-            (Some(epoch), _) => check_lease(meta, &req.session_id, epoch, now)
-                .inspect_err(|_| metrics::fencing_refused("append"))?,
-            (None, Some(kind)) => {
-                return Err(StoreError::Refused(
-                    Reason::LeaseRequired,
-                    format!(
-                        "lease_epoch: required to append {} (a runner-written kind); acquire a \
-                     lease on session {} and pass its epoch",
-                        kind_name(kind),
-                        req.session_id
-                    ),
-                ))
+        // Dedup: an id is looked up in the window the index has not absorbed yet (this
+        // batch included), then the index, then (for a generated id) the log itself.
+        let ids = self.recent_ids.get(session_id);
+        let numbered = rules::number(session_id, req.events, meta.last_seq, now, |id| {
+            if let Some(seq) = ids.and_then(|ids| ids.get(id)) {
+                return Ok(Some(*seq));
             }
-            (None, None) => {}
-        }
+            if let Some(seq) = self.index.event_seq(session_id, id)? {
+                return Ok(Some(seq));
+            }
+            let log = self.log.reader();
+            let found = (&self.index, &*self.shared.recent, &*log);
+            self_named(found, session_id, id, meta.last_seq)
+        })?;
+        rules::check_fresh(meta, session_id, req.expected_last_seq, &numbered.fresh)?;
 
-        // Dedup, then seqs for what is new. New ids go into `recent_ids` at once, so a
-        // repeat later in this request (or batch) finds them; taken out again if the
-        // append is refused.
-        if !self.recent_ids.contains_key(&req.session_id) {
-            self.recent_ids
-                .insert(req.session_id.clone(), HashMap::new());
+        // Accepted: new ids go into `recent_ids` at once, so a repeat later in this batch
+        // finds them.
+        let mut fresh = numbered.fresh;
+        if !self.recent_ids.contains_key(session_id) {
+            self.recent_ids.insert(session_id.clone(), HashMap::new());
         }
-        let ids = self
-            .recent_ids
-            .get_mut(&req.session_id)
-            .expect("inserted above");
-        let mut seqs = Vec::with_capacity(req.events.len());
-        let mut fresh: Vec<Event> = Vec::with_capacity(req.events.len());
-        let mut next = meta.last_seq + 1;
-        for mut event in req.events {
-            let known = if event.event_id.is_empty() {
-                None
-            } else if let Some(seq) = ids.get(&event.event_id) {
-                Some(*seq)
-            } else if let Some(seq) = self.index.event_seq(&req.session_id, &event.event_id)? {
-                Some(seq)
-            } else {
-                let log = self.log.reader();
-                let found = (&self.index, &*self.shared.recent, &*log);
-                self_named(found, &req.session_id, &event.event_id, meta.last_seq)?
-            };
-            if let Some(seq) = known {
-                seqs.push(seq);
-                continue;
-            }
-            event.seq = next;
-            event.ts_unix_ms = now;
-            event.schema_version = SCHEMA_VERSION;
+        let ids = self.recent_ids.get_mut(session_id).expect("inserted above");
+        for event in &mut fresh {
             if event.event_id.is_empty() {
                 // Names its own seq, so it needs no index entry (see `index`); the random
                 // part keeps it from meeting an id a client chose.
                 event.event_id = format!(
-                    "{GENERATED_ID_PREFIX}{next}-{}",
+                    "{GENERATED_ID_PREFIX}{}-{}",
+                    event.seq,
                     uuid::Uuid::new_v4().simple()
                 );
             } else {
-                ids.insert(event.event_id.clone(), next);
-            }
-            seqs.push(next);
-            fresh.push(event);
-            next += 1;
-        }
-        if !fresh.is_empty() {
-            let refused = match req.expected_last_seq {
-                Some(expected) if expected != meta.last_seq => {
-                    Some(seq_conflict(&req.session_id, expected, meta.last_seq))
-                }
-                _ => check_approval_decisions(&req.session_id, &meta.pending_approvals, &fresh)
-                    .err()
-                    .map(|e| StoreError::Refused(Reason::ApprovalNotPending, e.to_string())),
-            };
-            if let Some(e) = refused {
-                for event in &fresh {
-                    ids.remove(&event.event_id);
-                }
-                return Err(e);
+                ids.insert(event.event_id.clone(), event.seq);
             }
         }
 
-        let session_id = req.session_id;
-        let last_seq = self.update_session(&session_id, |meta| {
+        let last_seq = self.update_session(session_id, |meta| {
             for event in &fresh {
                 meta.apply_event(event);
             }
             meta.last_seq
         });
         let count = fresh.len();
-        for (i, mut event) in fresh.into_iter().enumerate() {
-            event.session_id.clone_from(&session_id);
+        for (i, event) in fresh.into_iter().enumerate() {
             batch.push(Record::Event(event), i + 1 < count);
         }
-        Ok(AppendResponse { seqs, last_seq })
+        Ok(AppendResponse {
+            seqs: numbered.seqs,
+            last_seq,
+        })
     }
 
     fn prepare_lease(
@@ -470,19 +424,8 @@ impl Writer {
                 owner,
                 ttl_ms,
             } => {
-                let meta = self.existing(&session_id)?;
-                if let Some(live) = meta.live_lease(now) {
-                    if live.owner != owner {
-                        return Err(StoreError::Refused(
-                            Reason::LeaseHeld,
-                            format!(
-                                "session {session_id} is leased by {} (epoch {}) until {} ms",
-                                live.owner, live.epoch, live.expires_unix_ms
-                            ),
-                        ));
-                    }
-                }
-                let record = grant(meta, &session_id, owner, ttl_ms, now);
+                let meta = rules::existing(self.sessions.get(&session_id), &session_id)?;
+                let record = rules::acquire(meta, &session_id, owner, ttl_ms, now)?;
                 (session_id, record)
             }
             LeaseOp::Renew {
@@ -491,17 +434,9 @@ impl Writer {
                 epoch,
                 ttl_ms,
             } => {
-                let meta = self.existing(&session_id)?;
-                let current = current_lease(meta, &session_id, &owner, epoch)
-                    .inspect_err(|_| metrics::fencing_refused("renew"))?;
-                if current.released {
-                    return Err(StoreError::Refused(
-                        Reason::LeaseFenced,
-                        format!("the lease of epoch {epoch} on session {session_id} was released"),
-                    ));
-                }
-                let mut record = current.clone();
-                record.expires_unix_ms = now.saturating_add(ttl_ms as i64);
+                let meta = rules::existing(self.sessions.get(&session_id), &session_id)?;
+                let record = rules::renew(meta, &session_id, &owner, epoch, ttl_ms, now)
+                    .inspect_err(|e| fenced(e, "renew"))?;
                 (session_id, record)
             }
             LeaseOp::Release {
@@ -509,15 +444,11 @@ impl Writer {
                 owner,
                 epoch,
             } => {
-                let meta = self.existing(&session_id)?;
-                let current = current_lease(meta, &session_id, &owner, epoch)?;
-                if current.released {
-                    return Ok(LeaseOutcome::Released);
+                let meta = rules::existing(self.sessions.get(&session_id), &session_id)?;
+                match rules::release(meta, &session_id, &owner, epoch, now)? {
+                    Some(record) => (session_id, record),
+                    None => return Ok(LeaseOutcome::Released),
                 }
-                let mut record = current.clone();
-                record.released = true;
-                record.expires_unix_ms = now;
-                (session_id, record)
             }
             LeaseOp::Claim {
                 owner,
@@ -529,7 +460,7 @@ impl Writer {
                         && self
                             .sessions
                             .get(id)
-                            .is_some_and(|m| m.live_lease(now).is_none())
+                            .is_some_and(|m| rules::claimable(m, now))
                 });
                 let Some((_, session_id)) = claimable.cloned() else {
                     let next_expiry_unix_ms = self
@@ -543,8 +474,8 @@ impl Writer {
                         next_expiry_unix_ms,
                     });
                 };
-                let meta = self.existing(&session_id)?;
-                let record = grant(meta, &session_id, owner, ttl_ms, now);
+                let meta = rules::existing(self.sessions.get(&session_id), &session_id)?;
+                let record = rules::grant(meta, &session_id, owner, ttl_ms, now);
                 (session_id, record)
             }
         };
@@ -556,20 +487,6 @@ impl Writer {
         self.update_session(&session_id, |meta| meta.apply_lease(&record));
         batch.push(Record::Lease(record), false);
         Ok(outcome)
-    }
-
-    fn existing(&self, session_id: &str) -> Result<&SessionMeta, StoreError> {
-        self.sessions
-            .get(session_id)
-            .filter(|m| m.last_seq > 0)
-            .ok_or_else(|| {
-                StoreError::Refused(
-                    Reason::SessionNotFound,
-                    format!(
-                        "session {session_id} does not exist (no event was ever appended to it)"
-                    ),
-                )
-            })
     }
 
     /// Changes one session's state, keeping the runnable order in step.
@@ -670,84 +587,9 @@ fn self_named(
     })
 }
 
-pub(crate) fn grant(
-    meta: &SessionMeta,
-    session_id: &str,
-    owner: String,
-    ttl_ms: u64,
-    now: i64,
-) -> LeaseRecord {
-    LeaseRecord {
-        session_id: session_id.to_string(),
-        owner,
-        epoch: meta.next_epoch(),
-        expires_unix_ms: now.saturating_add(ttl_ms as i64),
-        released: false,
+/// Counts a write refused for a stale lease epoch (`op`: append or renew).
+fn fenced(error: &StoreError, op: &'static str) {
+    if error.reason() == Some(Reason::LeaseFenced) {
+        metrics::fencing_refused(op);
     }
-}
-
-/// The session's newest lease, if it is `epoch` and held by `owner`.
-pub(crate) fn current_lease<'a>(
-    meta: &'a SessionMeta,
-    session_id: &str,
-    owner: &str,
-    epoch: u64,
-) -> Result<&'a LeaseRecord, StoreError> {
-    match &meta.lease {
-        Some(l) if l.epoch == epoch && l.owner == owner => Ok(l),
-        Some(l) if l.epoch == epoch => Err(StoreError::Refused(
-            Reason::LeaseHeld,
-            format!(
-                "the lease of epoch {epoch} on session {session_id} belongs to {}, not {owner}",
-                l.owner
-            ),
-        )),
-        Some(l) => Err(StoreError::Refused(
-            Reason::LeaseFenced,
-            format!(
-                "epoch {epoch} is not the current lease of session {session_id} (current epoch is \
-             {}): this holder has been fenced off",
-                l.epoch
-            ),
-        )),
-        None => Err(StoreError::Refused(
-            Reason::LeaseFenced,
-            format!("session {session_id} has no lease"),
-        )),
-    }
-}
-
-/// An append carrying `epoch` is accepted only under the session's current, unexpired lease.
-pub(crate) fn check_lease(
-    meta: &SessionMeta,
-    session_id: &str,
-    epoch: u64,
-    now: i64,
-) -> Result<(), StoreError> {
-    match meta.live_lease(now) {
-        Some(l) if l.epoch == epoch => Ok(()),
-        Some(l) => Err(StoreError::Refused(
-            Reason::LeaseFenced,
-            format!(
-                "lease_epoch {epoch} is not the current lease of session {session_id} (epoch {} \
-             held by {}): this writer has been fenced off",
-                l.epoch, l.owner
-            ),
-        )),
-        None => Err(StoreError::Refused(
-            Reason::LeaseFenced,
-            format!(
-                "lease_epoch {epoch}: session {session_id} has no live lease (it expired or was \
-             released); acquire a new one"
-            ),
-        )),
-    }
-}
-
-/// `expected_last_seq` did not match the session's last seq.
-pub(crate) fn seq_conflict(session_id: &str, expected: u64, actual: u64) -> StoreError {
-    StoreError::Refused(
-        Reason::SeqConflict,
-        format!("expected_last_seq is {expected} but session {session_id} is at seq {actual}"),
-    )
 }

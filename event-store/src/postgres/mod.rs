@@ -4,9 +4,9 @@
 //! How it keeps the contract of [`crate::backend`]:
 //! - **One round trip per append.** Each replica caches the sessions it has seen (their
 //!   [`SessionMeta`] and row `version`). An append runs the same rules as the local log
-//!   ([`crate::session`] and the lease checks of [`crate::writer`]) against that state,
-//!   then sends one statement that lands only if the session row is still at that version
-//!   and none of the event ids exists: it bumps the version, stores the new state and
+//!   ([`crate::rules`]) against that state, then sends one statement that lands only if
+//!   the session row is still at that version and none of the event ids exists: it bumps
+//!   the version, stores the new state and
 //!   inserts the events. Seqs are gapless because each write names the version (and so the
 //!   last seq) it extends; dedup and the lease epoch are checked atomically with the write
 //!   for the same reason. If the state was stale, the replica re-reads the row (and which
@@ -50,12 +50,9 @@ use agentlog_proto::reason::Reason;
 
 use crate::backend::Backend;
 use crate::log::LeaseRecord;
+use crate::rules;
 use crate::scope::Scope;
-use crate::session::{
-    check_approval_decisions, is_runner_kind, kind_name, lease_of, now_unix_ms, SessionMeta,
-    SCHEMA_VERSION,
-};
-use crate::writer::{check_lease, current_lease, grant, seq_conflict};
+use crate::session::{lease_of, now_unix_ms, SessionMeta};
 use crate::{AppendOp, StoreError};
 use wake::Board;
 pub use wake::NotifyMode;
@@ -301,7 +298,7 @@ impl PgBackend {
     /// Tells followers and claimants here and on the other replicas that the session
     /// changed.
     fn changed(&self, session_id: &str, meta: &SessionMeta, now: i64) {
-        let claimable = meta.is_runnable() && meta.live_lease(now).is_none();
+        let claimable = rules::claimable(meta, now);
         self.board.wake(session_id, claimable);
         if let Some(notify) = &self.notify {
             let _ = notify.send((session_id.to_string(), claimable));
@@ -515,7 +512,7 @@ impl PgBackend {
         for _ in 0..MAX_ATTEMPTS {
             let Some(current) = state.take().filter(|s| s.meta.last_seq > 0) else {
                 if fresh {
-                    return Err(no_session(session_id));
+                    return Err(rules::session_not_found(session_id));
                 }
                 state = Some(self.refresh(&client, session_id, &[]).await?.0);
                 fresh = true;
@@ -606,10 +603,10 @@ impl PgBackend {
             Err(e) => return Err(self.timed_error(e)),
         };
         let mut meta = decode_meta(bytes)?;
-        if !(meta.is_runnable() && meta.live_lease(now).is_none()) {
+        if !rules::claimable(&meta, now) {
             return Ok(Claim::Nothing(Some(now)));
         }
-        let record = grant(&meta, &session_id, owner.to_string(), ttl_ms, now);
+        let record = rules::grant(&meta, &session_id, owner.to_string(), ttl_ms, now);
         meta.apply_lease(&record);
         let columns = Columns::of(&meta);
         let written = timed("claim", async {
@@ -677,13 +674,6 @@ fn decode_meta(bytes: Vec<u8>) -> Result<SessionMeta, StoreError> {
         .map_err(|e| StoreError::Internal(format!("a session row does not decode: {e}")))
 }
 
-fn no_session(session_id: &str) -> StoreError {
-    StoreError::Refused(
-        Reason::SessionNotFound,
-        format!("session {session_id} does not exist (no event was ever appended to it)"),
-    )
-}
-
 fn contended(session_id: &str) -> StoreError {
     StoreError::Unavailable(format!(
         "session {session_id} is being written by many callers at once; retry"
@@ -732,61 +722,23 @@ fn plan(
     now: i64,
 ) -> Result<Plan, StoreError> {
     let session_id = &op.session_id;
-    let runner_kind = events
-        .iter()
-        .filter_map(|e| e.kind.as_ref())
-        .find(|k| is_runner_kind(k));
-    match (op.lease_epoch, runner_kind) {
-        (Some(epoch), _) => check_lease(meta, session_id, epoch, now)?,
-        (None, Some(kind)) => {
-            return Err(StoreError::Refused(
-                Reason::LeaseRequired,
-                format!(
-                    "lease_epoch: required to append {} (a runner-written kind); acquire a lease \
-                 on session {session_id} and pass its epoch",
-                    kind_name(kind),
-                ),
-            ))
-        }
-        (None, None) => {}
-    }
-    let mut seqs = Vec::with_capacity(events.len());
-    let mut fresh = Vec::new();
-    let mut in_request: HashMap<&str, u64> = HashMap::new();
-    let mut next = meta.last_seq + 1;
-    for event in events {
-        let id = event.event_id.as_str();
-        if let Some(seq) = in_request.get(id).or_else(|| known.get(id)) {
-            seqs.push(*seq);
-            continue;
-        }
-        let mut event = event.clone();
-        event.seq = next;
-        event.session_id = session_id.clone();
-        event.ts_unix_ms = now;
-        event.schema_version = SCHEMA_VERSION;
-        in_request.insert(id, next);
-        seqs.push(next);
-        fresh.push(event);
-        next += 1;
-    }
-    if !fresh.is_empty() {
-        if let Some(expected) = op.expected_last_seq {
-            if expected != meta.last_seq {
-                return Err(seq_conflict(session_id, expected, meta.last_seq));
-            }
-        }
-        check_approval_decisions(session_id, &meta.pending_approvals, &fresh)
-            .map_err(|e| StoreError::Refused(Reason::ApprovalNotPending, e.to_string()))?;
-    }
+    rules::check_writer(meta, session_id, op.lease_epoch, events, now)?;
+    let numbered = rules::number(
+        session_id,
+        events.iter().cloned(),
+        meta.last_seq,
+        now,
+        |id| Ok::<_, StoreError>(known.get(id).copied()),
+    )?;
+    rules::check_fresh(meta, session_id, op.expected_last_seq, &numbered.fresh)?;
     let mut meta = meta.clone();
-    for event in &fresh {
+    for event in &numbered.fresh {
         meta.apply_event(event);
     }
     Ok(Plan {
-        fresh,
+        fresh: numbered.fresh,
         response: AppendResponse {
-            seqs,
+            seqs: numbered.seqs,
             last_seq: meta.last_seq,
         },
         meta,
@@ -970,18 +922,7 @@ impl Backend for PgBackend {
         ttl_ms: u64,
     ) -> Result<Lease, StoreError> {
         self.change_session(&session_id, |meta, now| {
-            if let Some(live) = meta.live_lease(now) {
-                if live.owner != owner {
-                    return Err(StoreError::Refused(
-                        Reason::LeaseHeld,
-                        format!(
-                            "session {session_id} is leased by {} (epoch {}) until {} ms",
-                            live.owner, live.epoch, live.expires_unix_ms
-                        ),
-                    ));
-                }
-            }
-            let record = grant(meta, &session_id, owner.clone(), ttl_ms, now);
+            let record = rules::acquire(meta, &session_id, owner.clone(), ttl_ms, now)?;
             Ok((Some(with_lease(meta, &record)), lease_of(&record)))
         })
         .await
@@ -995,15 +936,7 @@ impl Backend for PgBackend {
         ttl_ms: u64,
     ) -> Result<Lease, StoreError> {
         self.change_session(&session_id, |meta, now| {
-            let current = current_lease(meta, &session_id, &owner, epoch)?;
-            if current.released {
-                return Err(StoreError::Refused(
-                    Reason::LeaseFenced,
-                    format!("the lease of epoch {epoch} on session {session_id} was released"),
-                ));
-            }
-            let mut record = current.clone();
-            record.expires_unix_ms = now.saturating_add(ttl_ms as i64);
+            let record = rules::renew(meta, &session_id, &owner, epoch, ttl_ms, now)?;
             Ok((Some(with_lease(meta, &record)), lease_of(&record)))
         })
         .await
@@ -1016,14 +949,8 @@ impl Backend for PgBackend {
         epoch: u64,
     ) -> Result<(), StoreError> {
         self.change_session(&session_id, |meta, now| {
-            let current = current_lease(meta, &session_id, &owner, epoch)?;
-            if current.released {
-                return Ok((None, ()));
-            }
-            let mut record = current.clone();
-            record.released = true;
-            record.expires_unix_ms = now;
-            Ok((Some(with_lease(meta, &record)), ()))
+            let released = rules::release(meta, &session_id, &owner, epoch, now)?;
+            Ok((released.map(|record| with_lease(meta, &record)), ()))
         })
         .await
     }

@@ -1,0 +1,547 @@
+//! The rules of appends and leases, as pure functions of a session's state
+//! ([`SessionMeta`]) and the time: who may write, which epoch a grant gets, which events of
+//! an append are new and what seqs they get, when `expected_last_seq` or an approval
+//! decision refuses an append. Both backends ([`crate::writer`] for the local log,
+//! [`crate::postgres`]) decide through these functions and only add how they make the
+//! outcome durable, so they cannot drift apart; every refusal carries its [`Reason`].
+
+use std::collections::HashMap;
+
+use agentlog_proto::reason::Reason;
+use agentlog_proto::v1::{event, Event};
+
+use crate::error::StoreError;
+use crate::log::LeaseRecord;
+use crate::session::{is_runner_kind, kind_name, SessionMeta, SCHEMA_VERSION};
+
+/// The session, if any event was ever appended to it (leases exist only on such sessions).
+pub fn existing<'a>(
+    meta: Option<&'a SessionMeta>,
+    session_id: &str,
+) -> Result<&'a SessionMeta, StoreError> {
+    meta.filter(|m| m.last_seq > 0)
+        .ok_or_else(|| session_not_found(session_id))
+}
+
+/// The refusal for a session no event was ever appended to.
+pub fn session_not_found(session_id: &str) -> StoreError {
+    StoreError::Refused(
+        Reason::SessionNotFound,
+        format!("session {session_id} does not exist (no event was ever appended to it)"),
+    )
+}
+
+/// Whether a claim may take the session now: it has work and no live lease.
+pub fn claimable(meta: &SessionMeta, now: i64) -> bool {
+    meta.is_runnable() && meta.live_lease(now).is_none()
+}
+
+/// A new lease for `owner`, one epoch above every lease the session ever had.
+pub fn grant(
+    meta: &SessionMeta,
+    session_id: &str,
+    owner: String,
+    ttl_ms: u64,
+    now: i64,
+) -> LeaseRecord {
+    LeaseRecord {
+        session_id: session_id.to_string(),
+        owner,
+        epoch: meta.next_epoch(),
+        expires_unix_ms: now.saturating_add(ttl_ms as i64),
+        released: false,
+    }
+}
+
+/// AcquireLease: a new grant, unless someone else's lease is live (the holder itself may
+/// acquire again: it gets a new epoch).
+pub fn acquire(
+    meta: &SessionMeta,
+    session_id: &str,
+    owner: String,
+    ttl_ms: u64,
+    now: i64,
+) -> Result<LeaseRecord, StoreError> {
+    if let Some(live) = meta.live_lease(now) {
+        if live.owner != owner {
+            return Err(StoreError::Refused(
+                Reason::LeaseHeld,
+                format!(
+                    "session {session_id} is leased by {} (epoch {}) until {} ms",
+                    live.owner, live.epoch, live.expires_unix_ms
+                ),
+            ));
+        }
+    }
+    Ok(grant(meta, session_id, owner, ttl_ms, now))
+}
+
+/// RenewLease: `owner`'s lease of `epoch`, expiring `ttl_ms` from now, if it is still the
+/// session's newest lease and not released. (An expired lease nobody took since may be
+/// renewed: no one else has written under a newer epoch.)
+pub fn renew(
+    meta: &SessionMeta,
+    session_id: &str,
+    owner: &str,
+    epoch: u64,
+    ttl_ms: u64,
+    now: i64,
+) -> Result<LeaseRecord, StoreError> {
+    let current = current_lease(meta, session_id, owner, epoch)?;
+    if current.released {
+        return Err(StoreError::Refused(
+            Reason::LeaseFenced,
+            format!("the lease of epoch {epoch} on session {session_id} was released"),
+        ));
+    }
+    let mut record = current.clone();
+    record.expires_unix_ms = now.saturating_add(ttl_ms as i64);
+    Ok(record)
+}
+
+/// ReleaseLease: the released record to write, or `None` if it was released already
+/// (releasing twice is not an error).
+pub fn release(
+    meta: &SessionMeta,
+    session_id: &str,
+    owner: &str,
+    epoch: u64,
+    now: i64,
+) -> Result<Option<LeaseRecord>, StoreError> {
+    let current = current_lease(meta, session_id, owner, epoch)?;
+    if current.released {
+        return Ok(None);
+    }
+    let mut record = current.clone();
+    record.released = true;
+    record.expires_unix_ms = now;
+    Ok(Some(record))
+}
+
+/// The session's newest lease, if it is `epoch` and held by `owner`.
+fn current_lease<'a>(
+    meta: &'a SessionMeta,
+    session_id: &str,
+    owner: &str,
+    epoch: u64,
+) -> Result<&'a LeaseRecord, StoreError> {
+    match &meta.lease {
+        Some(l) if l.epoch == epoch && l.owner == owner => Ok(l),
+        Some(l) if l.epoch == epoch => Err(StoreError::Refused(
+            Reason::LeaseHeld,
+            format!(
+                "the lease of epoch {epoch} on session {session_id} belongs to {}, not {owner}",
+                l.owner
+            ),
+        )),
+        Some(l) => Err(StoreError::Refused(
+            Reason::LeaseFenced,
+            format!(
+                "epoch {epoch} is not the current lease of session {session_id} (current epoch \
+                 is {}): this holder has been fenced off",
+                l.epoch
+            ),
+        )),
+        None => Err(StoreError::Refused(
+            Reason::LeaseFenced,
+            format!("session {session_id} has no lease"),
+        )),
+    }
+}
+
+/// Who may append `events`: with a `lease_epoch`, only under the session's current,
+/// unexpired lease; without one, only the kinds a person writes.
+pub fn check_writer<'a>(
+    meta: &SessionMeta,
+    session_id: &str,
+    lease_epoch: Option<u64>,
+    events: impl IntoIterator<Item = &'a Event>,
+    now: i64,
+) -> Result<(), StoreError> {
+    let Some(epoch) = lease_epoch else {
+        let runner_kind = events
+            .into_iter()
+            .filter_map(|e| e.kind.as_ref())
+            .find(|k| is_runner_kind(k));
+        return match runner_kind {
+            Some(kind) => Err(StoreError::Refused(
+                Reason::LeaseRequired,
+                format!(
+                    "lease_epoch: required to append {} (a runner-written kind); acquire a \
+                     lease on session {session_id} and pass its epoch",
+                    kind_name(kind),
+                ),
+            )),
+            None => Ok(()),
+        };
+    };
+    match meta.live_lease(now) {
+        Some(l) if l.epoch == epoch => Ok(()),
+        Some(l) => Err(StoreError::Refused(
+            Reason::LeaseFenced,
+            format!(
+                "lease_epoch {epoch} is not the current lease of session {session_id} (epoch {} \
+                 held by {}): this writer has been fenced off",
+                l.epoch, l.owner
+            ),
+        )),
+        None => Err(StoreError::Refused(
+            Reason::LeaseFenced,
+            format!(
+                "lease_epoch {epoch}: session {session_id} has no live lease (it expired or \
+                 was released); acquire a new one"
+            ),
+        )),
+    }
+}
+
+/// The events of an append with dedup applied: `seqs` answers the caller (one per event,
+/// the original seq for one the session already holds), `fresh` is what to write.
+#[derive(Debug, Default, PartialEq)]
+pub struct Numbered {
+    pub seqs: Vec<u64>,
+    pub fresh: Vec<Event>,
+}
+
+/// Dedup, then seqs from `last_seq + 1` for what is new: an event whose id `known` finds
+/// (or that repeats an id earlier in this append) is answered with that seq and not
+/// written. New events get the session id, `now` and the schema version. An event without
+/// an id is always new (the backend names it).
+pub fn number<E>(
+    session_id: &str,
+    events: impl IntoIterator<Item = Event>,
+    last_seq: u64,
+    now: i64,
+    mut known: impl FnMut(&str) -> Result<Option<u64>, E>,
+) -> Result<Numbered, E> {
+    let events = events.into_iter();
+    let count = events.size_hint().0;
+    let mut numbered = Numbered {
+        seqs: Vec::with_capacity(count),
+        fresh: Vec::with_capacity(count),
+    };
+    // The ids of this append's new events (a single event cannot repeat one).
+    let mut in_append: HashMap<String, u64> = HashMap::new();
+    let mut next = last_seq + 1;
+    for mut event in events {
+        if !event.event_id.is_empty() {
+            let seq = match in_append.get(&event.event_id) {
+                Some(seq) => Some(*seq),
+                None => known(&event.event_id)?,
+            };
+            if let Some(seq) = seq {
+                numbered.seqs.push(seq);
+                continue;
+            }
+            if count > 1 {
+                in_append.insert(event.event_id.clone(), next);
+            }
+        }
+        event.seq = next;
+        event.session_id = session_id.to_string();
+        event.ts_unix_ms = now;
+        event.schema_version = SCHEMA_VERSION;
+        numbered.seqs.push(next);
+        numbered.fresh.push(event);
+        next += 1;
+    }
+    Ok(numbered)
+}
+
+/// What must hold for the new events of an append (`fresh`, none if all were duplicates):
+/// `expected_last_seq`, if given, is the session's last seq; every approval decision
+/// answers a pending request, once.
+pub fn check_fresh(
+    meta: &SessionMeta,
+    session_id: &str,
+    expected_last_seq: Option<u64>,
+    fresh: &[Event],
+) -> Result<(), StoreError> {
+    if fresh.is_empty() {
+        return Ok(());
+    }
+    if let Some(expected) = expected_last_seq {
+        if expected != meta.last_seq {
+            return Err(StoreError::Refused(
+                Reason::SeqConflict,
+                format!(
+                    "expected_last_seq is {expected} but session {session_id} is at seq {}",
+                    meta.last_seq
+                ),
+            ));
+        }
+    }
+    check_approval_decisions(session_id, &meta.pending_approvals, fresh)
+}
+
+/// Checks the approval decisions among `events` against the approvals pending before them
+/// (requests and results earlier in the same append count too).
+fn check_approval_decisions<'a>(
+    session_id: &str,
+    pending: &[String],
+    events: impl IntoIterator<Item = &'a Event>,
+) -> Result<(), StoreError> {
+    let mut pending: Vec<&str> = pending.iter().map(String::as_str).collect();
+    for event in events {
+        match &event.kind {
+            Some(event::Kind::ApprovalRequested(r)) => pending.push(&r.tool_use_id),
+            Some(event::Kind::ToolResult(r)) => pending.retain(|id| *id != r.tool_use_id),
+            Some(event::Kind::ApprovalDecision(d)) => {
+                let Some(at) = pending.iter().position(|id| *id == d.tool_use_id) else {
+                    return Err(StoreError::Refused(
+                        Reason::ApprovalNotPending,
+                        format!(
+                            "approval_decision for tool_use_id {:?}: session {session_id} has \
+                             no pending approval request for that call (never requested, \
+                             already decided, or already answered)",
+                            d.tool_use_id
+                        ),
+                    ));
+                };
+                pending.remove(at);
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use agentlog_proto::v1::{ApprovalDecision, ApprovalRequested, ToolResult, UserMessage};
+
+    const NOW: i64 = 1_000_000;
+
+    fn ev(seq: u64, kind: event::Kind) -> Event {
+        Event {
+            seq,
+            kind: Some(kind),
+            ..Event::default()
+        }
+    }
+    fn with_id(id: &str, kind: event::Kind) -> Event {
+        Event {
+            event_id: id.into(),
+            kind: Some(kind),
+            ..Event::default()
+        }
+    }
+    fn user(text: &str) -> event::Kind {
+        event::Kind::UserMessage(UserMessage { text: text.into() })
+    }
+    fn result(id: &str) -> event::Kind {
+        event::Kind::ToolResult(ToolResult {
+            tool_use_id: id.into(),
+            ..ToolResult::default()
+        })
+    }
+    fn request(id: &str) -> event::Kind {
+        event::Kind::ApprovalRequested(ApprovalRequested {
+            tool_use_id: id.into(),
+            ..ApprovalRequested::default()
+        })
+    }
+    fn decision(id: &str) -> event::Kind {
+        event::Kind::ApprovalDecision(ApprovalDecision {
+            tool_use_id: id.into(),
+            approved: true,
+            note: String::new(),
+        })
+    }
+    /// A session with one user message and, if given, a lease record.
+    fn session(lease: Option<(&str, u64, i64, bool)>) -> SessionMeta {
+        let mut meta = SessionMeta::default();
+        meta.apply_event(&ev(1, user("go")));
+        if let Some((owner, epoch, expires_unix_ms, released)) = lease {
+            meta.apply_lease(&LeaseRecord {
+                session_id: "s".into(),
+                owner: owner.into(),
+                epoch,
+                expires_unix_ms,
+                released,
+            });
+        }
+        meta
+    }
+    fn reason<T: std::fmt::Debug>(result: Result<T, StoreError>) -> Reason {
+        result
+            .expect_err("refused")
+            .reason()
+            .expect("a refusal has a reason")
+    }
+
+    #[test]
+    fn a_session_exists_once_an_event_was_appended() {
+        assert_eq!(reason(existing(None, "s")), Reason::SessionNotFound);
+        let empty = SessionMeta::default();
+        assert_eq!(reason(existing(Some(&empty), "s")), Reason::SessionNotFound);
+        assert!(existing(Some(&session(None)), "s").is_ok());
+    }
+
+    #[test]
+    fn acquire_is_refused_only_while_someone_else_holds_a_live_lease() {
+        let first = acquire(&session(None), "s", "a".into(), 100, NOW).expect("free");
+        assert_eq!((first.epoch, first.expires_unix_ms), (1, NOW + 100));
+        let held = session(Some(("a", 1, NOW + 10, false)));
+        assert_eq!(
+            reason(acquire(&held, "s", "b".into(), 100, NOW)),
+            Reason::LeaseHeld
+        );
+        // The holder may acquire again, and gets a new epoch.
+        assert_eq!(acquire(&held, "s", "a".into(), 100, NOW).unwrap().epoch, 2);
+        // Expired or released: anyone, one epoch up.
+        let expired = session(Some(("a", 4, NOW, false)));
+        assert_eq!(acquire(&expired, "s", "b".into(), 1, NOW).unwrap().epoch, 5);
+        let released = session(Some(("a", 4, NOW + 10, true)));
+        assert_eq!(
+            acquire(&released, "s", "b".into(), 1, NOW).unwrap().epoch,
+            5
+        );
+    }
+
+    #[test]
+    fn renew_extends_only_the_holders_newest_unreleased_lease() {
+        let held = session(Some(("a", 3, NOW + 10, false)));
+        let renewed = renew(&held, "s", "a", 3, 500, NOW).expect("the holder renews");
+        assert_eq!((renewed.epoch, renewed.expires_unix_ms), (3, NOW + 500));
+        assert_eq!(
+            reason(renew(&held, "s", "b", 3, 500, NOW)),
+            Reason::LeaseHeld
+        );
+        assert_eq!(
+            reason(renew(&held, "s", "a", 2, 500, NOW)),
+            Reason::LeaseFenced
+        );
+        let released = session(Some(("a", 3, NOW, true)));
+        assert_eq!(
+            reason(renew(&released, "s", "a", 3, 500, NOW)),
+            Reason::LeaseFenced
+        );
+        assert_eq!(
+            reason(renew(&session(None), "s", "a", 1, 500, NOW)),
+            Reason::LeaseFenced
+        );
+        // Expired but not superseded: nobody wrote under a newer epoch, so it may go on.
+        let expired = session(Some(("a", 3, NOW - 1, false)));
+        assert!(renew(&expired, "s", "a", 3, 500, NOW).is_ok());
+    }
+
+    #[test]
+    fn release_ends_the_lease_now_and_twice_is_no_error() {
+        let held = session(Some(("a", 3, NOW + 10, false)));
+        let released = release(&held, "s", "a", 3, NOW).unwrap().expect("a record");
+        assert!(released.released);
+        assert_eq!((released.epoch, released.expires_unix_ms), (3, NOW));
+        let again = session(Some(("a", 3, NOW, true)));
+        assert_eq!(release(&again, "s", "a", 3, NOW).unwrap(), None);
+        assert_eq!(reason(release(&held, "s", "b", 3, NOW)), Reason::LeaseHeld);
+        assert_eq!(
+            reason(release(&held, "s", "a", 2, NOW)),
+            Reason::LeaseFenced
+        );
+    }
+
+    #[test]
+    fn runner_kinds_need_the_current_live_epoch_and_person_kinds_need_none() {
+        let held = session(Some(("a", 2, NOW + 10, false)));
+        let person = [ev(0, user("hi")), ev(0, decision("t"))];
+        let runner = [ev(0, user("hi")), ev(0, result("t"))];
+        assert!(check_writer(&held, "s", None, &person, NOW).is_ok());
+        assert_eq!(
+            reason(check_writer(&held, "s", None, &runner, NOW)),
+            Reason::LeaseRequired
+        );
+        assert!(check_writer(&held, "s", Some(2), &runner, NOW).is_ok());
+        // An epoch given is checked whatever the kinds.
+        assert_eq!(
+            reason(check_writer(&held, "s", Some(1), &person, NOW)),
+            Reason::LeaseFenced
+        );
+        let expired = session(Some(("a", 2, NOW, false)));
+        assert_eq!(
+            reason(check_writer(&expired, "s", Some(2), &runner, NOW)),
+            Reason::LeaseFenced
+        );
+        let released = session(Some(("a", 2, NOW + 10, true)));
+        assert_eq!(
+            reason(check_writer(&released, "s", Some(2), &runner, NOW)),
+            Reason::LeaseFenced
+        );
+    }
+
+    #[test]
+    fn a_session_is_claimable_when_runnable_and_unleased() {
+        assert!(claimable(&session(None), NOW));
+        assert!(!claimable(&session(Some(("a", 1, NOW + 1, false))), NOW));
+        assert!(claimable(&session(Some(("a", 1, NOW, false))), NOW));
+        let mut idle = session(None);
+        idle.status = agentlog_proto::v1::SessionStatus::Idle as i32;
+        assert!(!claimable(&idle, NOW));
+    }
+
+    #[test]
+    fn numbering_dedups_known_and_repeated_ids_and_numbers_the_rest_from_last_seq() {
+        let known: HashMap<&str, u64> = [("old", 2)].into();
+        let events = vec![
+            with_id("new", user("a")),
+            with_id("old", user("b")),
+            with_id("new", user("c")),
+            with_id("", user("d")),
+            with_id("", user("e")),
+        ];
+        let numbered = number("s", events, 5, NOW, |id| {
+            Ok::<_, StoreError>(known.get(id).copied())
+        })
+        .unwrap();
+        assert_eq!(numbered.seqs, vec![6, 2, 6, 7, 8]);
+        let fresh: Vec<(u64, &str)> = numbered
+            .fresh
+            .iter()
+            .map(|e| (e.seq, e.event_id.as_str()))
+            .collect();
+        assert_eq!(fresh, vec![(6, "new"), (7, ""), (8, "")]);
+        assert!(numbered.fresh.iter().all(|e| e.session_id == "s"
+            && e.ts_unix_ms == NOW
+            && e.schema_version == SCHEMA_VERSION));
+        // A failed lookup is the caller's error.
+        let failed = number("s", vec![with_id("x", user("a"))], 0, NOW, |_| {
+            Err::<Option<u64>, _>("index down")
+        });
+        assert_eq!(failed, Err("index down"));
+    }
+
+    #[test]
+    fn expected_last_seq_is_checked_only_when_something_is_new() {
+        let meta = session(None);
+        let fresh = [ev(2, user("x"))];
+        assert!(check_fresh(&meta, "s", Some(1), &fresh).is_ok());
+        assert!(check_fresh(&meta, "s", None, &fresh).is_ok());
+        let stale = check_fresh(&meta, "s", Some(0), &fresh);
+        assert_eq!(
+            stale.as_ref().unwrap_err().to_string(),
+            "expected_last_seq is 0 but session s is at seq 1"
+        );
+        assert_eq!(reason(stale), Reason::SeqConflict);
+        // A retry of an append that landed is all duplicates: answered, not refused.
+        assert!(check_fresh(&meta, "s", Some(0), &[]).is_ok());
+    }
+
+    #[test]
+    fn a_decision_must_answer_a_pending_request_once() {
+        let pending = vec!["a".to_string()];
+        let events = [ev(0, decision("a"))];
+        assert!(check_approval_decisions("s", &pending, &events).is_ok());
+        let twice = [ev(0, decision("a")), ev(0, decision("a"))];
+        assert!(check_approval_decisions("s", &pending, &twice).is_err());
+        assert_eq!(
+            reason(check_approval_decisions("s", &[], &events)),
+            Reason::ApprovalNotPending
+        );
+        // A request earlier in the same append counts; a result closes the request.
+        let same_append = [ev(0, request("b")), ev(0, decision("b"))];
+        assert!(check_approval_decisions("s", &[], &same_append).is_ok());
+        let answered = [ev(0, result("a")), ev(0, decision("a"))];
+        assert!(check_approval_decisions("s", &pending, &answered).is_err());
+    }
+}
