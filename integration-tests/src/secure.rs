@@ -102,6 +102,28 @@ pub struct TokenSpec<'a> {
     pub prefixes: Option<&'a [&'a str]>,
 }
 
+impl<'a> TokenSpec<'a> {
+    /// A token of `role` limited to sessions under `prefixes`.
+    pub fn scoped(name: &'a str, token: &'a str, role: &'a str, prefixes: &'a [&'a str]) -> Self {
+        TokenSpec {
+            name,
+            token,
+            role,
+            prefixes: Some(prefixes),
+        }
+    }
+
+    /// A token of `role` over every session.
+    pub fn unscoped(name: &'a str, token: &'a str, role: &'a str) -> Self {
+        TokenSpec {
+            name,
+            token,
+            role,
+            prefixes: None,
+        }
+    }
+}
+
 /// A tokens file's JSON for `specs` (hashes only).
 pub fn tokens_json(specs: &[TokenSpec<'_>]) -> String {
     let tokens: Vec<serde_json::Value> = specs

@@ -36,18 +36,8 @@ async fn the_cli_speaks_tls_with_a_token_and_sees_only_its_tenant() {
     let tokens = files.write(
         "tokens.json",
         &tokens_json(&[
-            TokenSpec {
-                name: "a",
-                token: A,
-                role: "client",
-                prefixes: Some(&["acme:"]),
-            },
-            TokenSpec {
-                name: "ops",
-                token: ADMIN,
-                role: "admin",
-                prefixes: None,
-            },
+            TokenSpec::scoped("a", A, "client", &["acme:"]),
+            TokenSpec::unscoped("ops", ADMIN, "admin"),
         ]),
     );
     let mut args = files.tls_args();

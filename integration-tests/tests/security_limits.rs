@@ -17,18 +17,8 @@ fn store(extra: &[&str]) -> (SecureFiles, LoggedStore) {
     let tokens = files.write(
         "tokens.json",
         &tokens_json(&[
-            TokenSpec {
-                name: "a",
-                token: A,
-                role: "client",
-                prefixes: Some(&["a:"]),
-            },
-            TokenSpec {
-                name: "b",
-                token: B,
-                role: "client",
-                prefixes: Some(&["b:"]),
-            },
+            TokenSpec::scoped("a", A, "client", &["a:"]),
+            TokenSpec::scoped("b", B, "client", &["b:"]),
         ]),
     );
     let mut args = files.tls_args();

@@ -43,36 +43,11 @@ const CALLERS: [(&str, Option<&str>); 7] = [
 
 pub fn tokens_file() -> String {
     tokens_json(&[
-        TokenSpec {
-            name: "tenant-a",
-            token: A_TOKEN,
-            role: "client",
-            prefixes: Some(&["a:"]),
-        },
-        TokenSpec {
-            name: "tenant-b",
-            token: B_TOKEN,
-            role: "client",
-            prefixes: Some(&["b:"]),
-        },
-        TokenSpec {
-            name: "runners",
-            token: RUNNER_TOKEN,
-            role: "runner",
-            prefixes: None,
-        },
-        TokenSpec {
-            name: "runners-b",
-            token: RUNNER_B_TOKEN,
-            role: "runner",
-            prefixes: Some(&["b:"]),
-        },
-        TokenSpec {
-            name: "ops",
-            token: ADMIN_TOKEN,
-            role: "admin",
-            prefixes: None,
-        },
+        TokenSpec::scoped("tenant-a", A_TOKEN, "client", &["a:"]),
+        TokenSpec::scoped("tenant-b", B_TOKEN, "client", &["b:"]),
+        TokenSpec::unscoped("runners", RUNNER_TOKEN, "runner"),
+        TokenSpec::scoped("runners-b", RUNNER_B_TOKEN, "runner", &["b:"]),
+        TokenSpec::unscoped("ops", ADMIN_TOKEN, "admin"),
     ])
 }
 

@@ -31,18 +31,8 @@ async fn the_bash_tool_sees_no_secret_of_the_runner() {
     let tokens = files.write(
         "tokens.json",
         &tokens_json(&[
-            TokenSpec {
-                name: "runners",
-                token: RUNNER_TOKEN,
-                role: "runner",
-                prefixes: None,
-            },
-            TokenSpec {
-                name: "ops",
-                token: ADMIN_TOKEN,
-                role: "admin",
-                prefixes: None,
-            },
+            TokenSpec::unscoped("runners", RUNNER_TOKEN, "runner"),
+            TokenSpec::unscoped("ops", ADMIN_TOKEN, "admin"),
         ]),
     );
     let mut args = files.tls_args();

@@ -24,30 +24,10 @@ async fn tenant_b_learns_and_changes_nothing_of_tenant_a() {
     let tokens = files.write(
         "tokens.json",
         &tokens_json(&[
-            TokenSpec {
-                name: "a",
-                token: A,
-                role: "client",
-                prefixes: Some(&["acme:"]),
-            },
-            TokenSpec {
-                name: "b",
-                token: B,
-                role: "client",
-                prefixes: Some(&["beta:"]),
-            },
-            TokenSpec {
-                name: "b-runners",
-                token: RUNNER_B,
-                role: "runner",
-                prefixes: Some(&["beta:"]),
-            },
-            TokenSpec {
-                name: "ops",
-                token: ADMIN,
-                role: "admin",
-                prefixes: None,
-            },
+            TokenSpec::scoped("a", A, "client", &["acme:"]),
+            TokenSpec::scoped("b", B, "client", &["beta:"]),
+            TokenSpec::scoped("b-runners", RUNNER_B, "runner", &["beta:"]),
+            TokenSpec::unscoped("ops", ADMIN, "admin"),
         ]),
     );
     let mut args = files.tls_args();

@@ -161,14 +161,7 @@ async fn tokens_file_reloads_without_a_restart() {
     let files = SecureFiles::new();
     let old = "old-admin-token-9f8e7d";
     let new = "new-admin-token-1a2b3c";
-    let spec = |token| {
-        tokens_json(&[TokenSpec {
-            name: "ops",
-            token,
-            role: "admin",
-            prefixes: None,
-        }])
-    };
+    let spec = |token| tokens_json(&[TokenSpec::unscoped("ops", token, "admin")]);
     let tokens = files.write("tokens.json", &spec(old));
     let mut args = files.tls_args();
     args.extend([

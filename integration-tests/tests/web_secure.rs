@@ -136,12 +136,7 @@ async fn off_loopback_it_serves_https_behind_a_login_and_keeps_every_token_to_it
     let files = SecureFiles::new();
     let tokens = files.write(
         "tokens.json",
-        &tokens_json(&[TokenSpec {
-            name: "web",
-            token: STORE_TOKEN,
-            role: "client",
-            prefixes: Some(&["acme:"]),
-        }]),
+        &tokens_json(&[TokenSpec::scoped("web", STORE_TOKEN, "client", &["acme:"])]),
     );
     let mut args = files.tls_args();
     args.extend(["--tokens-file".into(), tokens.into()]);
