@@ -30,6 +30,7 @@ pub mod service;
 pub mod session;
 pub mod subscriptions;
 pub mod tls;
+pub mod wire;
 pub mod writer;
 
 use std::collections::{HashMap, HashSet};

@@ -18,6 +18,7 @@ use tonic::Status;
 
 use crate::auth::Caller;
 use crate::incoming::PeerInfo;
+use crate::wire::{Route, Rpc};
 
 /// Beyond this many tracked callers, idle ones are forgotten.
 const MAX_TRACKED_CALLERS: usize = 10_000;
@@ -181,15 +182,15 @@ where
     fn call(&mut self, mut request: Request<Body>) -> Self::Future {
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
-        let path = request.uri().path();
-        if path.starts_with("/grpc.health.v1.Health/") {
+        let route = Route::of(&request);
+        if route == Route::Open {
             return Box::pin(inner.call(request));
         }
         let peer = request.extensions().get::<PeerInfo>();
         if let Some(reason) = peer.and_then(|p| p.over_limit.clone()) {
             return Box::pin(async move { Ok(Status::resource_exhausted(&*reason).into_http()) });
         }
-        let subscribe = path == "/agentlog.v1.EventStore/Subscribe";
+        let subscribe = route == Route::Store(Rpc::Subscribe);
         if !self.limits.counts(subscribe) {
             return Box::pin(inner.call(request));
         }
@@ -204,7 +205,7 @@ where
             Ok(slot) => slot,
             Err(status) => return Box::pin(async move { Ok(status.into_http()) }),
         };
-        if path == "/agentlog.v1.EventStore/AppendStream" {
+        if route == Route::Store(Rpc::AppendStream) {
             request.extensions_mut().insert(MessageBudget {
                 limits: self.limits.clone(),
                 caller: key,

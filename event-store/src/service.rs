@@ -29,18 +29,11 @@ use crate::error::StoreError;
 use crate::incoming::ConnLimits;
 use crate::limits::{CallerLimits, LimitsLayer, MessageBudget};
 use crate::tls::ReloadingTls;
+use crate::wire::{
+    MAX_APPEND_BYTES, MAX_DECODED_FRAME_BYTES, MAX_EVENTS_PER_APPEND, MAX_EVENT_BYTES,
+    MAX_EVENT_ID_LEN, MAX_ID_LEN, MAX_TTL_MS, MAX_WAIT_MS,
+};
 use crate::AppendOp;
-
-pub const MAX_EVENTS_PER_APPEND: usize = 1000;
-pub const MAX_EVENT_BYTES: usize = 1 << 20;
-pub const MAX_APPEND_BYTES: usize = 4 << 20;
-/// Frames up to this size are decoded so that an oversized append gets our clear
-/// RESOURCE_EXHAUSTED; beyond it the transport refuses the frame itself.
-pub const MAX_DECODED_FRAME_BYTES: usize = 16 << 20;
-const MAX_ID_LEN: usize = 128;
-const MAX_EVENT_ID_LEN: usize = 256;
-const MAX_TTL_MS: u64 = 10 * 60 * 1000;
-const MAX_WAIT_MS: u64 = 5 * 60 * 1000;
 
 pub struct EventStoreService {
     store: Arc<dyn Backend>,

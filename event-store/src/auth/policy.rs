@@ -1,0 +1,276 @@
+//! The authorization rule: whether a caller may make a call on a session, answered with a
+//! typed [`Denial`] that becomes the status the caller gets.
+
+use agentlog_proto::reason::Reason;
+use agentlog_proto::v1::AppendRequest;
+use tonic::{Code, Status};
+
+use super::{Caller, Role};
+use crate::session::{is_runner_kind, kind_name};
+use crate::wire::Rpc;
+
+/// Why a call is refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Denial {
+    /// The caller's role or prefixes do not allow the call: `PERMISSION_DENIED`, saying why.
+    Forbidden(String),
+    /// A read of a session outside the caller's scope: answered word for word as a session
+    /// that does not exist (`NOT_FOUND`, `SESSION_NOT_FOUND`), so that the answer says
+    /// nothing about whether it does.
+    Hidden { session_id: String },
+}
+
+impl Denial {
+    pub fn code(&self) -> Code {
+        match self {
+            Denial::Forbidden(_) => Code::PermissionDenied,
+            Denial::Hidden { .. } => Code::NotFound,
+        }
+    }
+}
+
+impl From<Denial> for Status {
+    fn from(denial: Denial) -> Status {
+        match denial {
+            Denial::Forbidden(message) => Status::permission_denied(message),
+            Denial::Hidden { session_id } => {
+                Reason::SessionNotFound.status(format!("session {session_id} does not exist"))
+            }
+        }
+    }
+}
+
+/// What the auth decision needs from a request message.
+#[derive(Debug, Default)]
+pub struct Target {
+    /// The session the request names (empty for List/Claim).
+    pub session_id: String,
+    /// For an append: each event's kind (`None`: no kind; validation refuses it).
+    pub kinds: Vec<Option<agentlog_proto::v1::event::Kind>>,
+}
+
+/// Whether `caller` may make the call `rpc` on `target`. This is the whole rule; the store
+/// applies `caller.scope` to what List and Claim return.
+pub fn authorize(caller: &Caller, rpc: Rpc, target: &Target) -> Result<(), Denial> {
+    if caller.role == Role::Admin {
+        return Ok(());
+    }
+    let who = &caller.name;
+    let role_may = match (caller.role, rpc) {
+        (
+            _,
+            Rpc::Append | Rpc::AppendStream | Rpc::Subscribe | Rpc::GetSession | Rpc::ListSessions,
+        ) => true,
+        (Role::Runner, _) => true,
+        (Role::Client, _) => false,
+        (Role::Admin, _) => true,
+    };
+    if !role_may {
+        return Err(Denial::Forbidden(format!(
+            "token {who:?} (role client) may not call {rpc:?}; that needs a runner or admin token"
+        )));
+    }
+    if matches!(
+        rpc,
+        Rpc::ListSessions | Rpc::ClaimSession | Rpc::AppendStream
+    ) {
+        return Ok(());
+    }
+    if !caller.scope.admits(&target.session_id) {
+        return Err(if rpc.is_read() {
+            Denial::Hidden {
+                session_id: target.session_id.clone(),
+            }
+        } else {
+            outside_prefixes(caller, &target.session_id)
+        });
+    }
+    if rpc == Rpc::Append {
+        check_kinds(caller, target.kinds.iter().map(Option::as_ref))?;
+    }
+    Ok(())
+}
+
+/// Whether `caller` may make this append (one request of an `AppendStream`): the rule of
+/// [`authorize`] for [`Rpc::Append`], read from the message itself.
+pub fn authorize_append(caller: &Caller, request: &AppendRequest) -> Result<(), Denial> {
+    if caller.role == Role::Admin {
+        return Ok(());
+    }
+    if !caller.scope.admits(&request.session_id) {
+        return Err(outside_prefixes(caller, &request.session_id));
+    }
+    check_kinds(caller, request.events.iter().map(|e| e.kind.as_ref()))
+}
+
+/// Clients append a person's kinds only, runners the runner-written kinds only.
+fn check_kinds<'a>(
+    caller: &Caller,
+    kinds: impl Iterator<Item = Option<&'a agentlog_proto::v1::event::Kind>>,
+) -> Result<(), Denial> {
+    if caller.role == Role::Admin {
+        return Ok(());
+    }
+    let who = &caller.name;
+    let client = caller.role == Role::Client;
+    for (i, kind) in kinds.enumerate() {
+        let Some(kind) = kind else { continue };
+        if is_runner_kind(kind) == client {
+            return Err(Denial::Forbidden(format!(
+                "events[{i}]: token {who:?} (role {}) may not append {}; {}",
+                if client { "client" } else { "runner" },
+                kind_name(kind),
+                if client {
+                    "clients append user_message, interrupt and approval_decision only"
+                } else {
+                    "runners append the runner-written kinds only (assistant_message, \
+                     tool_started, tool_result, assistant_delta, run_error, interrupted, \
+                     approval_requested)"
+                }
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn outside_prefixes(caller: &Caller, session_id: &str) -> Denial {
+    Denial::Forbidden(format!(
+        "token {:?} may not write to session {session_id:?}: it is outside the token's \
+         prefixes",
+        caller.name
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::scope::Scope;
+
+    fn acme() -> Caller {
+        Caller {
+            name: "acme".into(),
+            role: Role::Client,
+            scope: Scope::prefixes(vec!["acme:".into()]),
+            authenticated: true,
+        }
+    }
+
+    fn pool() -> Caller {
+        Caller {
+            name: "pool".into(),
+            role: Role::Runner,
+            scope: Scope::everything(),
+            authenticated: true,
+        }
+    }
+
+    #[test]
+    fn each_request_of_an_append_stream_is_authorized_like_an_append() {
+        let (acme, pool) = (&acme(), &pool());
+        let request = |id: &str, kind: agentlog_proto::v1::event::Kind| AppendRequest {
+            session_id: id.into(),
+            events: vec![agentlog_proto::v1::Event {
+                kind: Some(kind),
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let user = || agentlog_proto::v1::event::Kind::UserMessage(Default::default());
+        let result = || agentlog_proto::v1::event::Kind::ToolResult(Default::default());
+        let code = |r: Result<(), Denial>| r.err().map(|s| s.code());
+        use tonic::Code::*;
+        assert_eq!(
+            code(authorize(acme, Rpc::AppendStream, &Target::default())),
+            None
+        );
+        assert_eq!(
+            code(authorize_append(acme, &request("acme:1", user()))),
+            None
+        );
+        assert_eq!(
+            code(authorize_append(acme, &request("acme:1", result()))),
+            Some(PermissionDenied)
+        );
+        assert_eq!(
+            code(authorize_append(acme, &request("beta:1", user()))),
+            Some(PermissionDenied)
+        );
+        assert_eq!(
+            code(authorize_append(pool, &request("beta:1", result()))),
+            None
+        );
+        assert_eq!(
+            code(authorize_append(pool, &request("beta:1", user()))),
+            Some(PermissionDenied)
+        );
+    }
+
+    #[test]
+    fn roles_and_scopes() {
+        let (acme, pool) = (&acme(), &pool());
+        let user = Some(agentlog_proto::v1::event::Kind::UserMessage(
+            Default::default(),
+        ));
+        let result = Some(agentlog_proto::v1::event::Kind::ToolResult(
+            Default::default(),
+        ));
+        let append = |id: &str, kinds: Vec<_>| Target {
+            session_id: id.into(),
+            kinds,
+        };
+        let code = |r: Result<(), Denial>| r.err().map(|s| s.code());
+        use tonic::Code::*;
+        assert_eq!(
+            code(authorize(
+                acme,
+                Rpc::Append,
+                &append("acme:1", vec![user.clone()])
+            )),
+            None
+        );
+        assert_eq!(
+            code(authorize(
+                acme,
+                Rpc::Append,
+                &append("acme:1", vec![result.clone()])
+            )),
+            Some(PermissionDenied)
+        );
+        assert_eq!(
+            code(authorize(
+                acme,
+                Rpc::Append,
+                &append("beta:1", vec![user.clone()])
+            )),
+            Some(PermissionDenied)
+        );
+        assert_eq!(
+            code(authorize(acme, Rpc::GetSession, &append("beta:1", vec![]))),
+            Some(NotFound)
+        );
+        assert_eq!(
+            code(authorize(acme, Rpc::ClaimSession, &Target::default())),
+            Some(PermissionDenied)
+        );
+        assert_eq!(
+            code(authorize(
+                pool,
+                Rpc::Append,
+                &append("beta:1", vec![result])
+            )),
+            None
+        );
+        assert_eq!(
+            code(authorize(pool, Rpc::Append, &append("beta:1", vec![user]))),
+            Some(PermissionDenied)
+        );
+        assert_eq!(
+            code(authorize(
+                pool,
+                Rpc::AcquireLease,
+                &append("beta:1", vec![])
+            )),
+            None
+        );
+    }
+}
