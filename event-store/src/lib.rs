@@ -28,6 +28,7 @@ pub mod rules;
 pub mod scope;
 pub mod service;
 pub mod session;
+pub mod subscribe_wire;
 pub mod subscriptions;
 pub mod tls;
 pub mod wire;
@@ -46,6 +47,7 @@ use prost::Message;
 use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 use tokio_util::sync::CancellationToken;
 
+use backend::WireEvent;
 pub use error::StoreError;
 use index::{Index, IndexBatch, IndexError, Recent};
 use log::storage::{FsStorage, Storage};
@@ -485,8 +487,8 @@ impl Store {
         from_seq: u64,
         follow: bool,
         cancel: CancellationToken,
-    ) -> mpsc::Receiver<Result<Event, StoreError>> {
-        let (tx, rx) = mpsc::channel(256);
+    ) -> mpsc::Receiver<Result<Vec<WireEvent>, StoreError>> {
+        let (tx, rx) = mpsc::channel(subscriptions::QUEUED_RUNS);
         tokio::spawn(subscriptions::run(
             self.source.clone(),
             session_id,

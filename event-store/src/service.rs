@@ -24,10 +24,11 @@ use tonic::{Request, Response, Status};
 use agentlog_proto::reason::Reason;
 
 use crate::auth::{authorize_append, Access, AuthLayer, Caller};
-use crate::backend::Backend;
+use crate::backend::{Backend, WireEvent};
 use crate::error::StoreError;
 use crate::incoming::ConnLimits;
 use crate::limits::{CallerLimits, LimitsLayer, MessageBudget};
+use crate::subscribe_wire::SubscribeOnWire;
 use crate::tls::ReloadingTls;
 use crate::wire::{
     MAX_APPEND_BYTES, MAX_DECODED_FRAME_BYTES, MAX_EVENTS_PER_APPEND, MAX_EVENT_BYTES,
@@ -49,6 +50,29 @@ impl EventStoreService {
         EventStoreServer::new(self)
             .max_decoding_message_size(MAX_DECODED_FRAME_BYTES)
             .max_encoding_message_size(MAX_DECODED_FRAME_BYTES)
+    }
+
+    /// Subscribe: the backend's runs of events, one message per event.
+    pub(crate) fn subscribe_on_wire(
+        &self,
+        request: Request<SubscribeRequest>,
+    ) -> Result<Response<WireStream>, Status> {
+        let req = request.into_inner();
+        validate_session_id(&req.session_id)?;
+        let runs = self.store.subscribe(
+            req.session_id,
+            req.from_seq,
+            req.follow,
+            self.shutdown.child_token(),
+        );
+        let events = futures::StreamExt::flat_map(ReceiverStream::new(runs), |run| {
+            let items: Vec<Result<WireEvent, Status>> = match run {
+                Ok(events) => events.into_iter().map(Ok).collect(),
+                Err(e) => vec![Err(e.into())],
+            };
+            futures::stream::iter(items)
+        });
+        Ok(Response::new(Box::pin(events)))
     }
 }
 
@@ -121,8 +145,11 @@ pub async fn serve(
     } else {
         (None, None)
     };
-    let service =
-        OversizedAsResourceExhausted(EventStoreService::new(store, shutdown.clone()).into_server());
+    let server = EventStoreService::new(store.clone(), shutdown.clone()).into_server();
+    let service = OversizedAsResourceExhausted(SubscribeOnWire::new(
+        server,
+        EventStoreService::new(store, shutdown.clone()),
+    ));
     let incoming =
         crate::incoming::accept(listener, options.tls, options.conn_limits, shutdown.clone());
     let mut server = tonic::transport::Server::builder();
@@ -266,6 +293,8 @@ where
 }
 
 type EventStream = Pin<Box<dyn Stream<Item = Result<Event, Status>> + Send>>;
+/// Subscribe's messages as [`SubscribeOnWire`] sends them.
+pub(crate) type WireStream = Pin<Box<dyn Stream<Item = Result<WireEvent, Status>> + Send>>;
 type AppendResponses = Pin<Box<dyn Stream<Item = Result<AppendStreamResponse, Status>> + Send>>;
 /// Requests of one AppendStream queued for the writer and not answered yet, at most.
 const APPEND_STREAM_IN_FLIGHT: usize = 1024;
@@ -342,20 +371,18 @@ impl EventStore for EventStoreService {
 
     type SubscribeStream = EventStream;
 
+    /// What `serve` never reaches (it answers Subscribe in [`SubscribeOnWire`]); here for
+    /// an embedder that serves [`EventStoreService::into_server`] alone: the same
+    /// subscription, each event decoded.
     async fn subscribe(
         &self,
         request: Request<SubscribeRequest>,
     ) -> Result<Response<EventStream>, Status> {
-        let req = request.into_inner();
-        validate_session_id(&req.session_id)?;
-        let rx = self.store.subscribe(
-            req.session_id,
-            req.from_seq,
-            req.follow,
-            self.shutdown.child_token(),
-        );
-        let stream = ReceiverStream::new(rx).map(|item| item.map_err(Status::from));
-        Ok(Response::new(Box::pin(stream)))
+        let events = self
+            .subscribe_on_wire(request)?
+            .into_inner()
+            .map(|item| item.and_then(|wire| wire.into_event().map_err(Status::from)));
+        Ok(Response::new(Box::pin(events)))
     }
 
     async fn get_session(

@@ -7,6 +7,11 @@
 //! client) is not waited for: it is told it lagged and catches up from disk, so appends and
 //! other subscribers never slow down. Everything here is already durable: the writer
 //! publishes only after the fsync.
+//!
+//! Events go to the service in runs ([`WireEvent`]s, as many as are at hand), not one by
+//! one: history read from the log stays in the encoding it is stored in and goes out as
+//! those bytes, so catching up costs a read and a checksum per event, not a decode, an
+//! encode and a channel hand-off.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -15,14 +20,20 @@ use agentlog_proto::v1::Event;
 use tokio::sync::{broadcast, mpsc};
 use tokio_util::sync::CancellationToken;
 
+use crate::backend::WireEvent;
 use crate::error::StoreError;
 use crate::index::{Index, Recent};
-use crate::log::{LogReader, Record};
+use crate::log::record::EncodedEvent;
+use crate::log::LogReader;
 
 /// Live batches buffered per session before a subscriber counts as lagging.
 const LIVE_BUFFER_BATCHES: usize = 1024;
 /// Events read from disk per blocking read while catching up.
 const HISTORY_CHUNK: usize = 512;
+/// Runs of events queued between a subscription and the service: enough that the next
+/// chunk of history is read while the service sends the one before, few enough that a
+/// stalled reader holds little memory (a run is at most one chunk).
+pub const QUEUED_RUNS: usize = 4;
 
 /// The live fan-out: one broadcast channel per session that has followers.
 #[derive(Default)]
@@ -70,7 +81,7 @@ pub async fn run(
     session_id: String,
     from_seq: u64,
     follow: bool,
-    tx: mpsc::Sender<Result<Event, StoreError>>,
+    tx: mpsc::Sender<Result<Vec<WireEvent>, StoreError>>,
     cancel: CancellationToken,
 ) {
     let _counted = crate::metrics::Subscriber::open();
@@ -90,6 +101,7 @@ pub async fn run(
             };
             match batch {
                 Ok(events) => {
+                    let mut run = Vec::with_capacity(events.len());
                     for event in events.iter() {
                         if event.seq < next {
                             continue; // already delivered from history
@@ -97,14 +109,16 @@ pub async fn run(
                         if event.seq > next {
                             // Cannot happen while we hold the receiver, but a gap is never
                             // acceptable: fill it from disk.
+                            send(&tx, std::mem::take(&mut run)).await?;
                             next = catch_up(&source, &session_id, next, &tx).await?;
                             if event.seq < next {
                                 continue;
                             }
                         }
-                        send(&tx, event.clone()).await?;
+                        run.push(WireEvent::Decoded(event.clone()));
                         next = event.seq + 1;
                     }
+                    send(&tx, run).await?;
                 }
                 Err(broadcast::error::RecvError::Lagged(skipped)) => {
                     tracing::debug!(
@@ -132,8 +146,15 @@ enum Stop {
     Failed(StoreError),
 }
 
-async fn send(tx: &mpsc::Sender<Result<Event, StoreError>>, event: Event) -> Result<(), Stop> {
-    tx.send(Ok(event)).await.map_err(|_| Stop::Gone)
+/// Hands a run of events to the service (none: nothing to do).
+async fn send(
+    tx: &mpsc::Sender<Result<Vec<WireEvent>, StoreError>>,
+    run: Vec<WireEvent>,
+) -> Result<(), Stop> {
+    if run.is_empty() {
+        return Ok(());
+    }
+    tx.send(Ok(run)).await.map_err(|_| Stop::Gone)
 }
 
 /// Sends every indexed (so durable) event from `next` on; returns the seq after the last.
@@ -141,7 +162,7 @@ async fn catch_up(
     source: &Source,
     session_id: &str,
     mut next: u64,
-    tx: &mpsc::Sender<Result<Event, StoreError>>,
+    tx: &mpsc::Sender<Result<Vec<WireEvent>, StoreError>>,
 ) -> Result<u64, Stop> {
     let _counted = crate::metrics::CatchingUp::enter();
     loop {
@@ -151,18 +172,20 @@ async fn catch_up(
             .await
             .map_err(|e| Stop::Failed(StoreError::Internal(e.to_string())))?
             .map_err(Stop::Failed)?;
-        if chunk.is_empty() {
+        let Some(last) = chunk.last() else {
             return Ok(next);
-        }
-        for event in chunk {
-            next = event.seq + 1;
-            send(tx, event).await?;
-        }
+        };
+        next = last.seq + 1;
+        send(tx, chunk.into_iter().map(WireEvent::Encoded).collect()).await?;
     }
 }
 
-/// Reads up to one chunk of consecutive events from `from` on.
-fn read_chunk(source: &Source, session_id: &str, from: u64) -> Result<Vec<Event>, StoreError> {
+/// Reads up to one chunk of consecutive events from `from` on, as stored.
+fn read_chunk(
+    source: &Source,
+    session_id: &str,
+    from: u64,
+) -> Result<Vec<EncodedEvent>, StoreError> {
     // The recent ones first, then the index: the writer forgets a recent position only
     // after the index holds it, so every durable event is in one or the other.
     let recent = source.recent.positions(session_id, from, HISTORY_CHUNK);
@@ -184,20 +207,14 @@ fn read_chunk(source: &Source, session_id: &str, from: u64) -> Result<Vec<Event>
             next += 1;
         }
     }
-    let records = source
+    let events = source
         .log
-        .read_many(positions.iter().map(|(_, pos)| *pos))?;
-    let mut events = Vec::with_capacity(positions.len());
-    for ((seq, _), record) in positions.into_iter().zip(records) {
-        match record {
-            Record::Event(event) if event.seq == seq && event.session_id == session_id => {
-                events.push(event)
-            }
-            _ => {
-                return Err(StoreError::Internal(format!(
-                    "index entry {session_id}/{seq} points at another record"
-                )))
-            }
+        .read_many_encoded(positions.iter().map(|(_, pos)| *pos))?;
+    for ((seq, _), event) in positions.into_iter().zip(&events) {
+        if event.seq != seq || event.session_id != session_id.as_bytes() {
+            return Err(StoreError::Internal(format!(
+                "index entry {session_id}/{seq} points at another record"
+            )));
         }
     }
     Ok(events)

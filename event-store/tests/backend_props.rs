@@ -92,8 +92,10 @@ fn op(session_id: &str, events: Vec<Event>) -> AppendOp {
 async fn read_all(backend: &dyn Backend, session_id: &str) -> Vec<Event> {
     let mut rx = backend.subscribe(session_id.into(), 1, false, CancellationToken::new());
     let mut events = Vec::new();
-    while let Some(event) = rx.recv().await {
-        events.push(event.unwrap());
+    while let Some(run) = rx.recv().await {
+        for event in run.unwrap() {
+            events.push(event.into_event().unwrap());
+        }
     }
     events
 }
@@ -167,9 +169,11 @@ async fn follower_sees_everything(replicas: &Replicas, seed: u64) {
         .b
         .subscribe(session.clone(), 0, true, cancel.clone());
     tokio::spawn(async move {
-        while let Some(item) = stream.recv().await {
-            if tx.send(item.unwrap().seq).await.is_err() {
-                return;
+        while let Some(run) = stream.recv().await {
+            for event in run.unwrap() {
+                if tx.send(event.into_event().unwrap().seq).await.is_err() {
+                    return;
+                }
             }
         }
     });

@@ -600,9 +600,12 @@ fn corruption_in_an_earlier_segment_refuses_to_open() {
             let mut last = 0;
             while let Some(item) = rx.recv().await {
                 match item {
-                    Ok(e) => {
-                        assert_eq!(e.seq, last + 1, "{session}: no event is skipped");
-                        last = e.seq;
+                    Ok(run) => {
+                        for e in run {
+                            let e = e.into_event().expect("a read event decodes");
+                            assert_eq!(e.seq, last + 1, "{session}: no event is skipped");
+                            last = e.seq;
+                        }
                     }
                     Err(e) => {
                         assert!(matches!(e, StoreError::Internal(_)), "{e:?}");

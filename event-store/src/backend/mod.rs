@@ -32,8 +32,29 @@ use agentlog_proto::v1::{
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
+use crate::log::record::EncodedEvent;
 use crate::scope::Scope;
 use crate::{AppendOp, StoreError};
+
+/// One event of a subscription, as Subscribe sends it: either the event or its protobuf
+/// encoding read straight from storage, which goes out as it is.
+#[derive(Clone, Debug)]
+pub enum WireEvent {
+    Decoded(Event),
+    Encoded(EncodedEvent),
+}
+
+impl WireEvent {
+    /// The event itself (for callers in this process; the service sends the bytes).
+    pub fn into_event(self) -> Result<Event, StoreError> {
+        match self {
+            WireEvent::Decoded(event) => Ok(event),
+            WireEvent::Encoded(encoded) => encoded.decode().map_err(|e| {
+                StoreError::Internal(format!("stored event {} is undecodable: {e}", encoded.seq))
+            }),
+        }
+    }
+}
 
 /// A session-level store. Requests reach it already validated by [`crate::service`] (ids,
 /// sizes, counts); the rules that need state (seqs, leases, dedup, approvals) are the
@@ -44,14 +65,15 @@ pub trait Backend: Send + Sync + 'static {
     async fn append(&self, op: AppendOp) -> Result<AppendResponse, StoreError>;
 
     /// Streams the session from `from_seq` (history, then live with `follow`) into a bounded
-    /// channel; a slow reader only ever delays itself. Ends when `cancel` fires.
+    /// channel, in runs of consecutive events; a slow reader only ever delays itself. Ends
+    /// when `cancel` fires.
     fn subscribe(
         &self,
         session_id: String,
         from_seq: u64,
         follow: bool,
         cancel: CancellationToken,
-    ) -> mpsc::Receiver<Result<Event, StoreError>>;
+    ) -> mpsc::Receiver<Result<Vec<WireEvent>, StoreError>>;
 
     /// `NOT_FOUND` if no event was ever appended to the session.
     async fn get_session(&self, session_id: &str) -> Result<SessionInfo, StoreError>;
@@ -129,7 +151,7 @@ impl Backend for crate::Store {
         from_seq: u64,
         follow: bool,
         cancel: CancellationToken,
-    ) -> mpsc::Receiver<Result<Event, StoreError>> {
+    ) -> mpsc::Receiver<Result<Vec<WireEvent>, StoreError>> {
         crate::Store::subscribe(self, session_id, from_seq, follow, cancel)
     }
 

@@ -3,6 +3,7 @@
 //! bit fails the CRC (or the length check) and ends the valid log there.
 
 use agentlog_proto::v1::Event;
+use bytes::Bytes;
 use prost::Message;
 
 pub const HEADER_LEN: usize = 8;
@@ -129,6 +130,59 @@ pub fn decode(frame: &[u8]) -> Result<Frame, FrameError> {
     })
 }
 
+/// An event record's body as it is on disk: the protobuf encoding of its [`Event`],
+/// checksum verified, with the session and seq it names read without decoding the rest.
+/// Subscribe sends these bytes as they are.
+#[derive(Clone, Debug)]
+pub struct EncodedEvent {
+    pub session_id: Bytes,
+    pub seq: u64,
+    /// One whole `Event` message.
+    pub bytes: Bytes,
+}
+
+/// The fields of an encoded [`Event`] that place it; decoding skips the others.
+#[derive(Clone, PartialEq, Message)]
+struct EventPlace {
+    #[prost(bytes = "bytes", tag = "1")]
+    session_id: Bytes,
+    #[prost(uint64, tag = "2")]
+    seq: u64,
+}
+
+impl EncodedEvent {
+    /// Verifies one framed record (header and body), which must be an event.
+    pub fn from_frame(frame: &Bytes) -> Result<EncodedEvent, FrameError> {
+        let len = body_len(frame)?;
+        let body = frame
+            .get(HEADER_LEN..HEADER_LEN + len)
+            .ok_or(FrameError::Truncated)?;
+        let crc = u32::from_le_bytes([frame[4], frame[5], frame[6], frame[7]]);
+        if crc32c::crc32c(body) != crc {
+            return Err(FrameError::Checksum);
+        }
+        if body[0] & !CONTINUED != KIND_EVENT {
+            return Err(FrameError::Body(format!(
+                "record kind {} where an event was expected",
+                body[0] & !CONTINUED
+            )));
+        }
+        let bytes = frame.slice(HEADER_LEN + 1..HEADER_LEN + len);
+        let place =
+            EventPlace::decode(bytes.clone()).map_err(|e| FrameError::Body(e.to_string()))?;
+        Ok(EncodedEvent {
+            session_id: place.session_id,
+            seq: place.seq,
+            bytes,
+        })
+    }
+
+    /// The event itself.
+    pub fn decode(&self) -> Result<Event, prost::DecodeError> {
+        Event::decode(self.bytes.clone())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -184,5 +238,28 @@ mod tests {
         for cut in 0..buf.len() {
             assert!(decode(&buf[..cut]).is_err());
         }
+    }
+
+    #[test]
+    fn an_encoded_event_is_the_event_message_and_is_verified() {
+        let Record::Event(event) = sample() else {
+            unreachable!("sample is an event")
+        };
+        for continued in [false, true] {
+            let mut buf = Vec::new();
+            sample().encode_into(&mut buf, continued);
+            let encoded = EncodedEvent::from_frame(&Bytes::from(buf.clone())).expect("valid");
+            assert_eq!((&encoded.session_id[..], encoded.seq), (&b"s1"[..], 7));
+            assert_eq!(encoded.decode(), Ok(event.clone()));
+            assert_eq!(encoded.bytes, event.encode_to_vec());
+            for i in 0..buf.len() {
+                let mut bad = buf.clone();
+                bad[i] ^= 0x10;
+                assert!(EncodedEvent::from_frame(&Bytes::from(bad)).is_err());
+            }
+        }
+        let mut lease = Vec::new();
+        Record::Lease(LeaseRecord::default()).encode_into(&mut lease, false);
+        assert!(EncodedEvent::from_frame(&Bytes::from(lease)).is_err());
     }
 }

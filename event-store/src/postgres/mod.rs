@@ -48,7 +48,7 @@ use tokio_util::sync::CancellationToken;
 
 use agentlog_proto::reason::Reason;
 
-use crate::backend::Backend;
+use crate::backend::{Backend, WireEvent};
 use crate::log::LeaseRecord;
 use crate::rules;
 use crate::scope::Scope;
@@ -806,8 +806,8 @@ impl Backend for PgBackend {
         from_seq: u64,
         follow: bool,
         cancel: CancellationToken,
-    ) -> mpsc::Receiver<Result<Event, StoreError>> {
-        let (tx, rx) = mpsc::channel(256);
+    ) -> mpsc::Receiver<Result<Vec<WireEvent>, StoreError>> {
+        let (tx, rx) = mpsc::channel(crate::subscriptions::QUEUED_RUNS);
         let follower = Follower {
             connector: self.connector.clone(),
             wake: self.board.follow(&session_id),
@@ -1009,7 +1009,7 @@ struct Follower {
 }
 
 impl Follower {
-    async fn run(mut self, follow: bool, tx: mpsc::Sender<Result<Event, StoreError>>) {
+    async fn run(mut self, follow: bool, tx: mpsc::Sender<Result<Vec<WireEvent>, StoreError>>) {
         let mut backoff = Duration::from_millis(100);
         loop {
             self.wake.borrow_and_update();
@@ -1018,16 +1018,18 @@ impl Follower {
                 Ok(events) => {
                     backoff = Duration::from_millis(100);
                     let full = events.len() as i64 == READ_BATCH;
+                    let mut run = Vec::with_capacity(events.len());
                     for event in events {
                         // Seqs commit in order per session; a hole would be a bug, and is
                         // never skipped over.
                         if event.seq != self.next {
                             break;
                         }
-                        if tx.send(Ok(event)).await.is_err() {
-                            return;
-                        }
+                        run.push(WireEvent::Decoded(event));
                         self.next += 1;
+                    }
+                    if !run.is_empty() && tx.send(Ok(run)).await.is_err() {
+                        return;
                     }
                     full
                 }
