@@ -169,6 +169,19 @@ pub enum Target {
 }
 
 impl Target {
+    /// Every system, in the order the tables list them.
+    pub const ALL: [Target; 9] = [
+        Target::Agentlog,
+        Target::AgentlogOneSession,
+        Target::AgentlogStream,
+        Target::Ceiling,
+        Target::CeilingOneSession,
+        Target::Naive,
+        Target::Postgres,
+        Target::Redis,
+        Target::Etcd,
+    ];
+
     pub fn label(self) -> &'static str {
         match self {
             Target::Agentlog => "agentlog, one session per client",
@@ -402,17 +415,7 @@ async fn run_suite(
 
     // 2 and 3. Appends: each run goes round every system, so that all of them see the
     // same moments of a noisy machine.
-    let targets = [
-        Target::Agentlog,
-        Target::AgentlogOneSession,
-        Target::AgentlogStream,
-        Target::Ceiling,
-        Target::CeilingOneSession,
-        Target::Naive,
-        Target::Postgres,
-        Target::Redis,
-        Target::Etcd,
-    ];
+    let targets = Target::ALL;
     let mut loads: LoadResults = HashMap::new();
     let mut failed = std::collections::HashSet::new();
     for &clients in &plan.clients {

@@ -257,18 +257,7 @@ impl Report {
             (Target::Etcd, "etcd", 3.0),
         ] {
             let theirs = self.rate(target, c64).map(|r| r.median());
-            let (measured, met) = match (ours64, theirs) {
-                (Some(o), Some(t)) => (
-                    format!(
-                        "{} vs {} appends/s = **{}**",
-                        fmt_num(o),
-                        fmt_num(t),
-                        fmt_ratio(o / t)
-                    ),
-                    met(o / t >= goal),
-                ),
-                _ => ("not measured".into(), "–".into()),
-            };
+            let (measured, met) = rate_goal(ours64, theirs, "appends/s", goal);
             writeln!(
                 md,
                 "| {c64} clients (Append or AppendStream): ≥ {goal}× {name} | {measured} | {met} |"
@@ -297,36 +286,19 @@ impl Report {
                 .find(|(name, _)| name.starts_with(prefix))
                 .map(|(_, r)| r.median())
         };
-        let (measured, ok) = match (catch_up("agentlog"), catch_up("PostgreSQL")) {
-            (Some(o), Some(t)) => (
-                format!(
-                    "{} vs {} events/s = **{}**",
-                    fmt_num(o),
-                    fmt_num(t),
-                    fmt_ratio(o / t)
-                ),
-                met(o / t >= 2.0),
-            ),
-            _ => ("not measured".into(), "–".into()),
-        };
+        let (measured, ok) = rate_goal(
+            catch_up("agentlog"),
+            catch_up("PostgreSQL"),
+            "events/s",
+            2.0,
+        );
         writeln!(
             md,
             "| catch-up: ≥ 2× PostgreSQL `SELECT … ORDER BY seq` | {measured} | {ok} |"
         )?;
         let ours1 = self.rate(Target::Agentlog, 1).map(|r| r.median());
         let naive1 = self.rate(Target::Naive, 1).map(|r| r.median());
-        let (measured, ok) = match (ours1, naive1) {
-            (Some(o), Some(t)) => (
-                format!(
-                    "{} vs {} appends/s = **{}**",
-                    fmt_num(o),
-                    fmt_num(t),
-                    fmt_ratio(o / t)
-                ),
-                met(o / t >= 1.0),
-            ),
-            _ => ("not measured".into(), "–".into()),
-        };
+        let (measured, ok) = rate_goal(ours1, naive1, "appends/s", 1.0);
         writeln!(
             md,
             "| 1 client: ≥ the naive JSONL loop | {measured} | {ok} |"
@@ -425,17 +397,7 @@ impl Report {
             .collect();
         writeln!(md, "| system | {} |", header.join(" | "))?;
         writeln!(md, "|---|{}", "---|".repeat(clients.len()))?;
-        let targets = [
-            Target::Agentlog,
-            Target::AgentlogOneSession,
-            Target::AgentlogStream,
-            Target::Ceiling,
-            Target::CeilingOneSession,
-            Target::Naive,
-            Target::Postgres,
-            Target::Redis,
-            Target::Etcd,
-        ];
+        let targets = Target::ALL;
         for target in targets {
             if !clients.iter().any(|&c| self.load(target, c).is_some()) {
                 continue;
@@ -731,6 +693,23 @@ fn fmt_int(n: usize) -> String {
         n.to_string()
     } else {
         fmt_num(n as f64)
+    }
+}
+
+/// A goal row's "measured" and "met?" cells for `ours` against `theirs` (rates in `unit`):
+/// met when ours is at least `goal` times theirs.
+fn rate_goal(ours: Option<f64>, theirs: Option<f64>, unit: &str, goal: f64) -> (String, String) {
+    match (ours, theirs) {
+        (Some(o), Some(t)) => (
+            format!(
+                "{} vs {} {unit} = **{}**",
+                fmt_num(o),
+                fmt_num(t),
+                fmt_ratio(o / t)
+            ),
+            met(o / t >= goal),
+        ),
+        _ => ("not measured".into(), "–".into()),
     }
 }
 
