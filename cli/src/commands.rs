@@ -5,17 +5,18 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use agentlog_client::log::read_log;
+use agentlog_client::retry::retry_transient;
 use agentlog_proto::v1::{
     event::Kind, AppendRequest, Event, GetSessionRequest, ListSessionsRequest, SessionInfo,
-    SessionStatus, SubscribeRequest, UserMessage,
+    SessionStatus, UserMessage,
 };
 use anyhow::{anyhow, bail, Result};
-use tokio_stream::StreamExt;
 use tonic::Code;
 
 use crate::follow::{follow, Flow};
 use crate::render::{ends_turn, event_json, session_json, Transcript};
-use crate::store::{self, Backoff};
+use crate::store;
 
 /// How long `send` waits, with no event, before it says that no runner seems to be working.
 const NO_RUNNER_HINT_AFTER: Duration = Duration::from_secs(5);
@@ -104,19 +105,13 @@ pub async fn append_client_event(
         }],
         ..AppendRequest::default()
     };
-    let deadline = tokio::time::Instant::now() + APPEND_PATIENCE;
-    let mut backoff = Backoff::new();
-    loop {
-        match client.append(request.clone()).await {
-            Ok(response) => return Ok(response.into_inner().last_seq),
-            Err(status)
-                if store::is_transient(&status) && tokio::time::Instant::now() < deadline =>
-            {
-                backoff.wait().await;
-            }
-            Err(status) => return Err(status),
-        }
-    }
+    retry_transient("Append", APPEND_PATIENCE, || {
+        let mut client = client.clone();
+        let request = request.clone();
+        async move { client.append(request).await }
+    })
+    .await
+    .map(|response| response.into_inner().last_seq)
 }
 
 /// Says so on stderr if nothing happens for a while and no runner holds the session.
@@ -198,19 +193,9 @@ pub async fn show(out: &Output, session: &str) -> Result<()> {
         }
         return Err(store::explain(&out.addr, "GetSession", status));
     }
-    let mut stream = client
-        .subscribe(SubscribeRequest {
-            session_id: session.to_string(),
-            from_seq: 1,
-            follow: false,
-        })
+    let events = read_log(&mut client, session)
         .await
-        .map_err(|s| store::explain(&out.addr, "Subscribe", s))?
-        .into_inner();
-    let mut events = Vec::new();
-    while let Some(event) = stream.next().await {
-        events.push(event.map_err(|s| store::explain(&out.addr, "Subscribe", s))?);
-    }
+        .map_err(|s| store::explain(&out.addr, "Subscribe", s))?;
     let stdout = std::io::stdout();
     let mut stdout = stdout.lock();
     if out.json {

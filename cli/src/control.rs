@@ -6,11 +6,9 @@
 //! judge of the rest: a decision for a call with no pending request is refused there
 //! (`FAILED_PRECONDITION`), and the CLI says so.
 
-use agentlog_proto::v1::{
-    event::Kind, ApprovalDecision, Event, GetSessionRequest, Interrupt, SubscribeRequest,
-};
+use agentlog_client::log::read_log;
+use agentlog_proto::v1::{event::Kind, ApprovalDecision, Event, GetSessionRequest, Interrupt};
 use anyhow::{anyhow, bail, Result};
-use tokio_stream::StreamExt;
 use tonic::Code;
 
 use crate::commands::{append_client_event, Output};
@@ -127,23 +125,11 @@ async fn pending_approvals(
     client: &mut store::Client,
     session: &str,
 ) -> Result<Vec<(String, String)>> {
-    let mut stream = client
-        .subscribe(SubscribeRequest {
-            session_id: session.to_string(),
-            from_seq: 1,
-            follow: false,
-        })
-        .await
-        .map_err(|s| store::explain(&out.addr, "Subscribe", s))?
-        .into_inner();
-    let mut events: Vec<Event> = Vec::new();
-    while let Some(event) = stream.next().await {
-        match event {
-            Ok(event) => events.push(event),
-            Err(status) if status.code() == Code::NotFound => break,
-            Err(status) => return Err(store::explain(&out.addr, "Subscribe", status)),
-        }
-    }
+    let events = match read_log(client, session).await {
+        Ok(events) => events,
+        Err(status) if status.code() == Code::NotFound => Vec::new(),
+        Err(status) => return Err(store::explain(&out.addr, "Subscribe", status)),
+    };
     if events.is_empty() {
         bail!("there is no session {session:?}: `agentlog ls` lists them");
     }

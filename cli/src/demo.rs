@@ -9,11 +9,11 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use agentlog_proto::v1::{content_block::Block, event::Kind, Event, SubscribeRequest};
+use agentlog_client::log::read_log;
+use agentlog_proto::v1::{content_block::Block, event::Kind, Event};
 use anyhow::{bail, Context, Result};
 use nix::sys::signal::Signal;
 use tokio::sync::mpsc;
-use tokio_stream::StreamExt;
 
 use crate::follow::{follow, Flow};
 use crate::render::{ends_turn, Transcript};
@@ -161,7 +161,7 @@ pub async fn demo(keep: Option<PathBuf>) -> Result<()> {
     }
     follower.await??;
 
-    let log = read_log(&mut client).await?;
+    let log = read_log(&mut client, SESSION).await?;
     let ledger =
         std::fs::read_to_string(workspaces.join(SESSION).join("ledger.txt")).unwrap_or_default();
     let ok = evidence(&log, &ledger, killed);
@@ -175,22 +175,6 @@ pub async fn demo(keep: Option<PathBuf>) -> Result<()> {
         bail!("a side effect was not applied exactly once: see the evidence above");
     }
     Ok(())
-}
-
-async fn read_log(client: &mut store::Client) -> Result<Vec<Event>> {
-    let mut stream = client
-        .subscribe(SubscribeRequest {
-            session_id: SESSION.into(),
-            from_seq: 1,
-            follow: false,
-        })
-        .await?
-        .into_inner();
-    let mut log = Vec::new();
-    while let Some(event) = stream.next().await {
-        log.push(event?);
-    }
-    Ok(log)
 }
 
 /// Prints what the log and the ledger say about each call; true if all is exactly once.

@@ -1,26 +1,15 @@
-//! The reconnecting follower behind `tail`, `send` and the web view's event streams.
-//!
-//! Promise: the callback sees the session's events exactly once each, in seq order, with no
-//! gap — across store restarts and cut connections. It keeps `next`, the seq after the last
-//! event it handed over; every (re)subscription asks for `from_seq = next`, and anything
-//! else the stream yields (an overlap, a gap) is dropped or answered with a fresh
-//! subscription from `next`. The store's own promise (a seq once seen always means the same
-//! event) makes that enough.
+//! The reconnecting follower behind `tail`, `send` and the web view's event streams:
+//! `agentlog_client::follow` with the outages it rides out reported on stderr.
 
 use std::future::Future;
 
-use agentlog_proto::v1::{Event, SubscribeRequest};
+use agentlog_client::follow::{self as client_follow, FollowError, Note, Refusals};
+use agentlog_proto::v1::Event;
 use anyhow::Result;
-use tokio_stream::StreamExt;
 
-use crate::store::{self, Backoff};
+pub use agentlog_client::follow::Flow;
 
-/// What the callback wants next.
-#[derive(Debug, PartialEq, Eq)]
-pub enum Flow {
-    Continue,
-    Stop,
-}
+use crate::store;
 
 /// Follows `session` from `from_seq` until `on_event` says stop (or forever). Connection
 /// problems are retried with backoff and reported on stderr; a request the store refuses
@@ -43,79 +32,29 @@ pub async fn follow_async<F, Fut>(
     addr: &str,
     session: &str,
     from_seq: u64,
-    mut on_event: F,
+    on_event: F,
 ) -> Result<()>
 where
     F: FnMut(Event) -> Fut,
     Fut: Future<Output = Result<Flow>>,
 {
-    let mut next = from_seq.max(1);
-    let mut backoff = Backoff::new();
-    let mut outage = false;
-    loop {
-        let channel = match store::endpoint(addr)?.connect().await {
-            Ok(channel) => channel,
-            Err(_) => {
-                if !outage {
-                    eprintln!(
-                        "agentlog: lost the event store at {}; reconnecting from seq {next}",
-                        store::normalize(addr)
-                    );
-                    outage = true;
-                }
-                backoff.wait().await;
-                continue;
-            }
-        };
-        let mut client = store::client(channel);
-        let request = SubscribeRequest {
-            session_id: session.to_string(),
-            from_seq: next,
-            follow: true,
-        };
-        let mut stream = match client.subscribe(request).await {
-            Ok(response) => response.into_inner(),
-            Err(status) if store::is_transient(&status) => {
-                backoff.wait().await;
-                continue;
-            }
-            Err(status) => return Err(store::explain(addr, "Subscribe", status)),
-        };
-        if outage {
-            eprintln!("agentlog: reconnected; following from seq {next}");
-            outage = false;
+    let client = store::client(store::endpoint(addr)?.connect_lazy());
+    let url = store::normalize(addr);
+    let note = |note: Note<'_>| match note {
+        Note::Unreachable { next, .. } => {
+            eprintln!("agentlog: lost the event store at {url}; reconnecting from seq {next}")
         }
-        loop {
-            match stream.next().await {
-                Some(Ok(event)) if event.seq < next => {} // already handed over
-                Some(Ok(event)) if event.seq > next => {
-                    // Never skip: subscribe again from the first seq not yet seen.
-                    eprintln!(
-                        "agentlog: the stream jumped from seq {next} to {}; resubscribing",
-                        event.seq
-                    );
-                    break;
-                }
-                Some(Ok(event)) => {
-                    next = event.seq + 1;
-                    backoff.reset();
-                    if on_event(event).await? == Flow::Stop {
-                        return Ok(());
-                    }
-                }
-                Some(Err(status)) if !store::is_transient(&status) => {
-                    return Err(store::explain(addr, "Subscribe", status));
-                }
-                Some(Err(_)) | None => {
-                    eprintln!(
-                        "agentlog: the stream from {} ended; reconnecting from seq {next}",
-                        store::normalize(addr)
-                    );
-                    outage = true;
-                    break;
-                }
-            }
+        Note::Ended { next, .. } => {
+            eprintln!("agentlog: the stream from {url} ended; reconnecting from seq {next}")
         }
-        backoff.wait().await;
+        Note::Gap { next, seq } => {
+            eprintln!("agentlog: the stream jumped from seq {next} to {seq}; resubscribing")
+        }
+        Note::Resumed { next } => eprintln!("agentlog: reconnected; following from seq {next}"),
+    };
+    match client_follow::follow(&client, session, from_seq, Refusals::End, note, on_event).await {
+        Ok(()) => Ok(()),
+        Err(FollowError::Refused(status)) => Err(store::explain(addr, "Subscribe", status)),
+        Err(FollowError::Callback(e)) => Err(e),
     }
 }

@@ -5,8 +5,8 @@
 use std::collections::HashMap;
 use std::io::Write;
 
+use agentlog_client::json::struct_to_object;
 use agentlog_proto::v1::{content_block::Block, event::Kind, AssistantMessage, Event, SessionInfo};
-use prost_types::value::Kind as ValueKind;
 use serde_json::{json, Map, Value};
 
 /// Tool output lines shown in a transcript; the log keeps all of it.
@@ -324,23 +324,7 @@ fn assistant_json(m: &AssistantMessage) -> Value {
 
 /// A `google.protobuf.Struct` as the JSON object it stands for.
 pub fn struct_json(s: &prost_types::Struct) -> Value {
-    Value::Object(
-        s.fields
-            .iter()
-            .map(|(k, v)| (k.clone(), value_json(v)))
-            .collect(),
-    )
-}
-
-fn value_json(v: &prost_types::Value) -> Value {
-    match &v.kind {
-        None | Some(ValueKind::NullValue(_)) => Value::Null,
-        Some(ValueKind::NumberValue(n)) => json!(n),
-        Some(ValueKind::StringValue(s)) => json!(s),
-        Some(ValueKind::BoolValue(b)) => json!(b),
-        Some(ValueKind::StructValue(s)) => struct_json(s),
-        Some(ValueKind::ListValue(l)) => Value::Array(l.values.iter().map(value_json).collect()),
-    }
+    Value::Object(struct_to_object(Some(s)))
 }
 
 fn fields<const N: usize>(pairs: [(&str, Option<Value>); N]) -> Value {

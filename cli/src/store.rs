@@ -1,18 +1,18 @@
-//! Reaching the event store: one place that turns `--addr` into a channel and a failed call
-//! into an error that says what to fix.
+//! Reaching the event store: one place that turns `--addr` into a channel (through
+//! `agentlog_client`, as the runner does) and a failed call into an error that says what to
+//! fix.
 
 use std::path::PathBuf;
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use agentlog_proto::v1::event_store_client::EventStoreClient;
+use agentlog_client::{BearerToken, StoreConnection};
 use anyhow::{anyhow, Result};
-use runner::store_client::{BearerToken, StoreConnection};
 use tonic::transport::{Channel, Endpoint};
 use tonic::Code;
 
 /// The same client (TLS, bearer token) the runner uses.
-pub type Client = runner::store_client::StoreClient;
+pub type Client = agentlog_client::StoreClient;
 
 /// How this process authenticates to the store: the CA to trust for an `https://` address
 /// and the bearer token (from `--token-file` or `AGENTLOG_TOKEN`), set once by `main`.
@@ -42,19 +42,15 @@ pub fn client(channel: Channel) -> Client {
         Some(credentials) => credentials.bearer.clone(),
         None => BearerToken::none(),
     };
-    EventStoreClient::with_interceptor(channel, bearer)
+    bearer.client(channel)
 }
 
 /// The default `--addr`: where `agentlog up` serves the store.
 pub const DEFAULT_ADDR: &str = "http://127.0.0.1:50051";
 
-/// The endpoint for `addr` (`http://HOST:PORT`; a bare `HOST:PORT` is taken as http).
-///
-/// HTTP/2 keepalive pings find a connection that went silent (a blackholed network, a
-/// store that vanished without a FIN) so that followers reconnect instead of waiting
-/// forever.
-///
-/// An `https://` address gets TLS, trusting `--tls-ca` (or the public web roots).
+/// The endpoint for `addr` (`http://HOST:PORT`; a bare `HOST:PORT` is taken as http), with
+/// HTTP/2 keepalive (see `StoreConnection::endpoint`). An `https://` address gets TLS,
+/// trusting `--tls-ca` (or the public web roots).
 pub fn endpoint(addr: &str) -> Result<Endpoint> {
     let connection = StoreConnection {
         url: normalize(addr),
@@ -64,11 +60,8 @@ pub fn endpoint(addr: &str) -> Result<Endpoint> {
     let endpoint = connection
         .endpoint()
         .map_err(|e| anyhow!("--addr {addr:?}: {e}"))?;
-    Ok(endpoint
-        .connect_timeout(Duration::from_secs(3))
-        .http2_keep_alive_interval(Duration::from_secs(5))
-        .keep_alive_timeout(Duration::from_secs(5))
-        .keep_alive_while_idle(true))
+    // A person waits for "no event store at …": say it sooner than a runner gives up.
+    Ok(endpoint.connect_timeout(Duration::from_secs(3)))
 }
 
 /// `HOST:PORT` → `http://HOST:PORT`; URLs are kept as they are.
@@ -96,54 +89,11 @@ pub fn not_reachable(addr: &str) -> anyhow::Error {
     )
 }
 
-/// Whether a failed call is worth repeating against the same store: it was unreachable
-/// or went away mid-call (a restart, a cut connection).
-pub fn is_transient(status: &tonic::Status) -> bool {
-    matches!(
-        status.code(),
-        Code::Unavailable | Code::Unknown | Code::Cancelled | Code::DeadlineExceeded
-    )
-}
-
 /// A failed call as the user should read it.
 pub fn explain(addr: &str, what: &str, status: tonic::Status) -> anyhow::Error {
     match status.code() {
         Code::Unavailable => not_reachable(addr),
         Code::InvalidArgument => anyhow!("{what}: the store refused it: {}", status.message()),
         _ => anyhow!("{what} failed ({:?}): {}", status.code(), status.message()),
-    }
-}
-
-/// Capped, jittered exponential backoff for reconnects.
-#[derive(Debug)]
-pub struct Backoff {
-    next: Duration,
-}
-
-impl Backoff {
-    const FIRST: Duration = Duration::from_millis(100);
-    const MAX: Duration = Duration::from_secs(3);
-
-    pub fn new() -> Backoff {
-        Backoff { next: Self::FIRST }
-    }
-
-    /// Called after progress: the next failure starts over from the shortest wait.
-    pub fn reset(&mut self) {
-        self.next = Self::FIRST;
-    }
-
-    /// Sleeps for the current delay (with ±25% jitter) and doubles it up to the cap.
-    pub async fn wait(&mut self) {
-        let base = self.next.as_millis() as u64;
-        let jitter = fastrand::u64(0..=base / 2);
-        tokio::time::sleep(Duration::from_millis(base * 3 / 4 + jitter)).await;
-        self.next = (self.next * 2).min(Self::MAX);
-    }
-}
-
-impl Default for Backoff {
-    fn default() -> Backoff {
-        Backoff::new()
     }
 }

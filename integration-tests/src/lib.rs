@@ -350,7 +350,7 @@ impl GrpcurlOutput {
 // Helpers for the event-store tests (tests/store_*.rs).
 // ---------------------------------------------------------------------------------------
 
-use agentlog_proto::v1::{event, Event, SubscribeRequest, UserMessage};
+use agentlog_proto::v1::{event, Event, UserMessage};
 use std::io::{Read, Write};
 use std::sync::Mutex;
 use std::time::Instant;
@@ -603,23 +603,11 @@ pub fn user_event(event_id: &str, text: &str) -> Event {
     }
 }
 
-/// The whole log of a session, read with a non-follow Subscribe (empty if it does not
-/// exist).
+/// The whole log of a session (empty if it does not exist); panics if it cannot be read.
 pub async fn read_log(client: &mut EventStoreClient<Channel>, session_id: &str) -> Vec<Event> {
-    let mut stream = client
-        .subscribe(SubscribeRequest {
-            session_id: session_id.to_string(),
-            from_seq: 0,
-            follow: false,
-        })
+    agentlog_client::log::read_log(client, session_id)
         .await
-        .expect("Subscribe")
-        .into_inner();
-    let mut events = Vec::new();
-    while let Some(event) = stream.message().await.expect("Subscribe stream") {
-        events.push(event);
-    }
-    events
+        .expect("read the whole log with Subscribe")
 }
 
 /// Runs `grpcurl -plaintext ADDR ARGS...`, for the verbs that take more than one argument

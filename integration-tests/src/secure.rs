@@ -10,15 +10,13 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
-use agentlog_proto::v1::event_store_client::EventStoreClient;
+use agentlog_client::BearerToken;
 use anyhow::{Context, Result};
 use rcgen::{
     BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
     SanType,
 };
-use tonic::metadata::{Ascii, MetadataValue};
-use tonic::service::interceptor::InterceptedService;
-use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
+use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
 
 use crate::{bin_path, parse_listen_line, GrpcurlOutput};
 
@@ -279,20 +277,8 @@ pub fn keep_lines(
         .with_context(|| format!("{what} did not log its listen address"))
 }
 
-/// Adds `authorization: Bearer TOKEN` to every call.
-#[derive(Clone)]
-pub struct Bearer(Option<MetadataValue<Ascii>>);
-
-impl tonic::service::Interceptor for Bearer {
-    fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
-        if let Some(v) = &self.0 {
-            req.metadata_mut().insert("authorization", v.clone());
-        }
-        Ok(req)
-    }
-}
-
-pub type TlsClient = EventStoreClient<InterceptedService<Channel, Bearer>>;
+/// A client with TLS and a bearer token: the one every program uses.
+pub type TlsClient = agentlog_client::StoreClient;
 
 /// A TLS client trusting `ca_pem`, presenting `identity` (mTLS) and `token`, if given.
 pub async fn tls_client(
@@ -311,9 +297,11 @@ pub async fn tls_client(
         .connect_timeout(Duration::from_secs(5))
         .connect()
         .await?;
-    let bearer =
-        Bearer(token.map(|t| MetadataValue::try_from(format!("Bearer {t}")).expect("ascii token")));
-    Ok(EventStoreClient::with_interceptor(channel, bearer))
+    let bearer = match token {
+        Some(token) => BearerToken::new(token).expect("a token of printable ASCII"),
+        None => BearerToken::none(),
+    };
+    Ok(bearer.client(channel))
 }
 
 /// TLS options for grpcurl.

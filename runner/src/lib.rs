@@ -4,11 +4,10 @@
 #![forbid(unsafe_code)]
 
 pub mod fold;
-pub mod json;
 pub mod lease;
 pub mod metrics;
 pub mod model;
 pub mod session_log;
-pub mod store_client;
 pub mod tools;
 pub mod turn;
+pub mod worker;

@@ -5,14 +5,15 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use agentlog_client::retry::Backoff;
+use agentlog_client::StoreConnection;
 use anyhow::{Context, Result};
 use clap::Parser;
-use runner::lease::{claim_loop, ClaimConfig};
-use runner::model::{Backoff, Model};
-use runner::store_client::StoreConnection;
+use runner::model::Model;
 use runner::tools::sandbox::{self, Ids, Sandbox, SandboxMode, ToolNetwork, HELPER_ARG, SELF_EXE};
 use runner::tools::{ToolPolicy, Toolbox};
 use runner::turn::TurnContext;
+use runner::worker::{claim_loop, ClaimConfig};
 use tokio::signal::unix::{signal, SignalKind};
 use tokio_util::sync::CancellationToken;
 
@@ -218,7 +219,7 @@ async fn run() -> Result<()> {
         tools: Toolbox::specs(),
         policy,
         max_tokens: args.max_tokens,
-        backoff: Backoff::default(),
+        backoff: Backoff::MODEL,
     });
     claim_loop(
         client,

@@ -24,21 +24,17 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::fold::FoldState;
-use crate::store_client::StoreClient;
-use agentlog_proto::v1::{
-    event::Kind, AppendRequest, Durability, Event, GetSessionRequest, SubscribeRequest,
-};
+use agentlog_client::follow::{follow, Flow, Note, Refusals};
+use agentlog_client::retry::retry_transient;
+use agentlog_client::StoreClient;
+use agentlog_proto::v1::{event::Kind, AppendRequest, Durability, Event, GetSessionRequest};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
-use tokio_stream::StreamExt;
 use tonic::Code;
 use tracing::Instrument;
 
-/// Attempts for an append or read that fails because the store is unreachable.
-const STORE_ATTEMPTS: u32 = 6;
-const STORE_RETRY_BASE: Duration = Duration::from_millis(100);
-/// The longest pause between attempts to re-subscribe to a store that went away.
-const FOLLOW_RETRY_MAX: Duration = Duration::from_secs(2);
+/// How long an append or read keeps retrying a store that is unreachable.
+const STORE_PATIENCE: Duration = Duration::from_secs(6);
 /// How long [`SessionLog::catch_up`] waits for the subscription to show what it must see.
 /// Longer means the store is gone or lost an acknowledged event; the lease ends first in
 /// the common case.
@@ -62,16 +58,6 @@ impl From<tonic::Status> for StoreError {
             _ => StoreError::Failed(status),
         }
     }
-}
-
-/// Whether another attempt may succeed: the store or the path to it is briefly down. A
-/// connection cut mid-call (the store killed, a reset) surfaces from tonic as `Unknown`
-/// ("transport error"); the store itself never answers `Unknown`.
-fn is_transient(status: &tonic::Status) -> bool {
-    matches!(
-        status.code(),
-        Code::Unavailable | Code::DeadlineExceeded | Code::Unknown
-    )
 }
 
 /// Appends to one session under one lease epoch. Cheap to clone (the delta writer has one).
@@ -122,26 +108,20 @@ impl Appender {
             lease_epoch: Some(self.epoch),
             durability: durability as i32,
         };
-        let mut attempt = 1;
-        loop {
-            match self.client.clone().append(request.clone()).await {
-                Ok(response) => {
-                    let response = response.into_inner();
-                    let seq = response.seqs.first().copied().unwrap_or(response.last_seq);
-                    if durability == Durability::Sync {
-                        self.appended.fetch_max(seq, Ordering::SeqCst);
-                    }
-                    tracing::Span::current().record("seq", seq);
-                    return Ok(seq);
-                }
-                Err(status) if is_transient(&status) && attempt < STORE_ATTEMPTS => {
-                    tracing::warn!(%status, attempt, "append failed; retrying with the same event id");
-                    tokio::time::sleep(STORE_RETRY_BASE * 2u32.pow(attempt)).await;
-                    attempt += 1;
-                }
-                Err(status) => return Err(status.into()),
-            }
+        // A retry carries the same event id: it writes nothing twice.
+        let response = retry_transient("Append", STORE_PATIENCE, || {
+            let mut client = self.client.clone();
+            let request = request.clone();
+            async move { client.append(request).await }
+        })
+        .await?
+        .into_inner();
+        let seq = response.seqs.first().copied().unwrap_or(response.last_seq);
+        if durability == Durability::Sync {
+            self.appended.fetch_max(seq, Ordering::SeqCst);
         }
+        tracing::Span::current().record("seq", seq);
+        Ok(seq)
     }
 }
 
@@ -260,7 +240,7 @@ impl SessionLog {
     /// Starts following the session's log (call it after the lease is held): from the fold
     /// `cache` kept for it, or from seq 1.
     pub async fn open(appender: Appender, cache: &FoldCache) -> Result<SessionLog, StoreError> {
-        let claimed_tail = retry_transient("GetSession", || {
+        let claimed_tail = retry_transient("GetSession", STORE_PATIENCE, || {
             let mut client = appender.client.clone();
             let session_id = appender.session_id.clone();
             async move {
@@ -271,7 +251,8 @@ impl SessionLog {
                 }
             }
         })
-        .await?;
+        .await
+        .map_err(StoreError::Failed)?;
         let (fold, applied_through) = cache
             .take(&appender.session_id)
             .filter(|(_, applied)| *applied <= claimed_tail)
@@ -366,95 +347,44 @@ impl SessionLog {
 }
 
 /// Follows the session's log from `next` for as long as the receiver lives, resubscribing
-/// from the next seq after any failure. Non-delta events go to `sender` in seq order, each
-/// once; `publish` says how far the log has been shown.
+/// from the next seq after any failure (the lease, not the follower, decides when to stop).
+/// Non-delta events go to `sender` in seq order, each once; `publish` says how far the log
+/// has been shown.
 async fn follow_log(
     client: StoreClient,
     session_id: String,
-    mut next: u64,
+    next: u64,
     sender: mpsc::Sender<Event>,
     publish: watch::Sender<Seen>,
 ) {
-    let mut failures = 0u32;
-    loop {
-        let subscribed = client
-            .clone()
-            .subscribe(SubscribeRequest {
-                session_id: session_id.clone(),
-                from_seq: next,
-                follow: true,
-            })
-            .await;
-        match subscribed {
-            Ok(response) => {
-                let mut stream = response.into_inner();
-                while let Some(item) = stream.next().await {
-                    let event = match item {
-                        Ok(event) => event,
-                        Err(status) => {
-                            tracing::warn!(%status, next, "the log subscription failed; resubscribing");
-                            break;
-                        }
-                    };
-                    // Seqs are gapless and ascending; an overlap is skipped, a gap answered
-                    // with a fresh subscription from `next`.
-                    if event.seq < next {
-                        continue;
-                    }
-                    if event.seq > next {
-                        tracing::warn!(
-                            seq = event.seq,
-                            next,
-                            "a gap in the log subscription; resubscribing"
-                        );
-                        break;
-                    }
-                    failures = 0;
-                    let seq = event.seq;
-                    match &event.kind {
-                        Some(Kind::AssistantDelta(_)) => {}
-                        kind => {
-                            if matches!(kind, Some(Kind::Interrupt(_))) {
-                                publish.send_modify(|s| s.latest_interrupt = seq);
-                            }
-                            if sender.send(event).await.is_err() {
-                                return;
-                            }
-                        }
-                    }
-                    publish.send_modify(|s| s.through_seq = seq);
-                    next = seq + 1;
-                }
-            }
-            Err(status) => {
-                tracing::warn!(%status, "subscribing to the log failed; retrying");
-            }
+    let note = |note: Note<'_>| match note {
+        Note::Unreachable { next, status } => {
+            tracing::warn!(%status, next, "subscribing to the log failed; retrying")
         }
-        if sender.is_closed() {
-            return;
+        Note::Ended { next, status } => {
+            tracing::warn!(?status, next, "the log subscription ended; resubscribing")
         }
-        failures += 1;
-        let wait = (STORE_RETRY_BASE * 2u32.pow(failures.min(5))).min(FOLLOW_RETRY_MAX);
-        tokio::time::sleep(wait).await;
-    }
-}
-
-/// Runs `call` until it succeeds or fails with a non-transient status.
-async fn retry_transient<T, F, Fut>(what: &str, mut call: F) -> Result<T, StoreError>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<T, tonic::Status>>,
-{
-    let mut attempt = 1;
-    loop {
-        match call().await {
-            Ok(value) => return Ok(value),
-            Err(status) if is_transient(&status) && attempt < STORE_ATTEMPTS => {
-                tracing::warn!(%status, attempt, "{what} failed; retrying");
-                tokio::time::sleep(STORE_RETRY_BASE * 2u32.pow(attempt)).await;
-                attempt += 1;
+        Note::Gap { next, seq } => {
+            tracing::warn!(seq, next, "a gap in the log subscription; resubscribing")
+        }
+        Note::Resumed { next } => tracing::info!(next, "following the log again"),
+    };
+    let on_event = |event: Event| {
+        let seq = event.seq;
+        let is_delta = matches!(event.kind, Some(Kind::AssistantDelta(_)));
+        if matches!(event.kind, Some(Kind::Interrupt(_))) {
+            publish.send_modify(|s| s.latest_interrupt = seq);
+        }
+        let sender = sender.clone();
+        let publish = &publish;
+        async move {
+            // Deltas are not buffered: the fold ignores them.
+            if !is_delta && sender.send(event).await.is_err() {
+                return Ok::<_, std::convert::Infallible>(Flow::Stop);
             }
-            Err(status) => return Err(StoreError::Failed(status)),
+            publish.send_modify(|s| s.through_seq = seq);
+            Ok(Flow::Continue)
         }
-    }
+    };
+    let _ = follow(&client, &session_id, next, Refusals::Retry, note, on_event).await;
 }

@@ -26,10 +26,11 @@ use tracing::Instrument;
 
 use crate::fold::{Conversation, Frontier, PendingCall, PendingInterrupt};
 use crate::lease::LeaseGuard;
-use crate::model::{Backoff, Model, ModelError, ModelRequest, TextSink};
+use crate::model::{Model, ModelError, ModelRequest, TextSink};
 use crate::session_log::{Appender, InterruptSignal, SessionLog, StoreError};
 use crate::tools::guard::{self, CallsOutcome, GuardError};
 use crate::tools::{ToolPolicy, ToolSpec, Toolbox};
+use agentlog_client::retry::Backoff;
 
 /// Streamed text is gathered for this long before it is appended as one delta.
 const DELTA_WINDOW: Duration = Duration::from_millis(50);

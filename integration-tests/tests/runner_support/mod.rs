@@ -219,20 +219,7 @@ pub async fn user_says(client: &mut EventStoreClient<Channel>, session: &str, te
 }
 
 pub async fn history(client: &mut EventStoreClient<Channel>, session: &str) -> Vec<Event> {
-    let mut stream = client
-        .subscribe(SubscribeRequest {
-            session_id: session.into(),
-            from_seq: 1,
-            follow: false,
-        })
-        .await
-        .expect("subscribe")
-        .into_inner();
-    let mut events = Vec::new();
-    while let Some(event) = stream.next().await {
-        events.push(event.expect("history event"));
-    }
-    events
+    integration_tests::read_log(client, session).await
 }
 
 pub async fn status(client: &mut EventStoreClient<Channel>, session: &str) -> SessionStatus {

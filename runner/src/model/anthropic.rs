@@ -14,7 +14,7 @@ use serde_json::{json, Map, Value};
 
 use super::{http, ModelError, ModelRequest, TextSink};
 use crate::fold::{Message, UserBlock};
-use crate::json::{object_to_struct, struct_to_object};
+use agentlog_client::json::{object_to_struct, struct_to_object};
 
 const DEFAULT_BASE_URL: &str = "https://api.anthropic.com";
 const API_VERSION: &str = "2023-06-01";

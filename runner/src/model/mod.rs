@@ -4,14 +4,13 @@
 //!
 //! Promise: [`Model::stream_reply`] makes one attempt and classifies its failure:
 //! [`ModelError::Transient`] (429, 5xx, 529, timeouts, a cut stream, an `error` event after
-//! HTTP 200) is worth retrying after [`Backoff::delay`]; [`ModelError::Refused`] (any other
-//! 4xx) is not, and ends the turn. Nothing here retries on its own, so the caller decides
+//! HTTP 200) is worth retrying after a wait of `agentlog_client::retry::Backoff::MODEL`;
+//! [`ModelError::Refused`] (any other 4xx) is not, and ends the turn. Nothing here retries on its own, so the caller decides
 //! what each attempt writes to the log.
 
 pub mod anthropic;
 mod http;
 pub mod openai;
-mod retry;
 pub mod scripted;
 
 use std::sync::{Arc, OnceLock};
@@ -23,8 +22,6 @@ use tracing::Instrument;
 
 use crate::fold::Conversation;
 use crate::tools::ToolSpec;
-
-pub use retry::Backoff;
 
 /// Everything a provider needs for one reply.
 #[derive(Debug, Clone, Copy)]

@@ -27,7 +27,7 @@ use serde_json::{Map, Value};
 
 use super::{ModelError, ModelRequest, TextSink};
 use crate::fold::Message;
-use crate::json::object_to_struct;
+use agentlog_client::json::object_to_struct;
 
 /// How many characters of text each streamed chunk carries.
 const CHUNK_CHARS: usize = 8;

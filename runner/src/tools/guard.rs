@@ -15,11 +15,11 @@
 //! | `tool_started` | `started:<tool_use_id>:<attempt>` |
 //! | `tool_result` (run, denied, reported, or closed by an interrupt) | `result:<tool_use_id>` |
 
+use agentlog_client::json::struct_to_object;
 use agentlog_proto::v1::{event::Kind, ApprovalRequested, Durability, ToolResult, ToolStarted};
 
 use super::{ToolPolicy, Toolbox, UnknownOutcome};
 use crate::fold::{Approval, CallState, PendingCall};
-use crate::json::struct_to_object;
 use crate::lease::LeaseGuard;
 use crate::session_log::{Appender, InterruptSignal, StoreError};
 

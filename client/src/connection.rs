@@ -1,6 +1,6 @@
-//! The runner's connection to the event store: TLS for `https://` URLs (the store's CA from
-//! `--tls-ca`, or the public web roots; a client certificate for mTLS), and the runner's
-//! bearer token on every call.
+//! The connection to the event store: TLS for `https://` URLs (the store's CA from
+//! `--tls-ca`, or the public web roots; a client certificate for mTLS), HTTP/2 keepalive,
+//! and the caller's bearer token on every call, with the caller's trace context.
 //!
 //! Promise: the token is read once, from `--token-file` or `AGENTLOG_TOKEN`, kept in a
 //! metadata value marked sensitive, and never logged or put in an error message.
@@ -13,10 +13,10 @@ use tonic::metadata::{Ascii, MetadataValue};
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 
-/// The environment variable that may hold the runner's store token (instead of a file).
+/// The environment variable that may hold the store token (instead of a file).
 pub const TOKEN_ENV: &str = "AGENTLOG_TOKEN";
 
-/// The event store client every part of the runner uses.
+/// The event store client of every program (runner, CLI, bench, tests).
 pub type StoreClient = EventStoreClient<InterceptedService<Channel, BearerToken>>;
 
 /// How to reach the store.
@@ -25,7 +25,7 @@ pub struct StoreConnection {
     pub url: String,
     /// PEM CA that signed the store's certificate (default: the public web roots).
     pub tls_ca: Option<PathBuf>,
-    /// PEM certificate and key this runner presents (mTLS).
+    /// PEM certificate and key this client presents (mTLS).
     pub client_cert: Option<PathBuf>,
     pub client_key: Option<PathBuf>,
     pub token_file: Option<PathBuf>,
@@ -64,6 +64,28 @@ impl BearerToken {
     pub fn none() -> BearerToken {
         BearerToken(None)
     }
+
+    /// `token` as `authorization: Bearer <token>` (surrounding whitespace ignored; an empty
+    /// token is none).
+    pub fn new(token: &str) -> Result<BearerToken, ConnectError> {
+        let token = token.trim();
+        if token.is_empty() {
+            return Ok(BearerToken::none());
+        }
+        let mut value = MetadataValue::try_from(format!("Bearer {token}")).map_err(|_| {
+            ConnectError::Config(
+                "the store token holds characters not allowed in a header (use printable ASCII)"
+                    .into(),
+            )
+        })?;
+        value.set_sensitive(true);
+        Ok(BearerToken(Some(value)))
+    }
+
+    /// A client on `channel` whose every call carries this token.
+    pub fn client(self, channel: Channel) -> StoreClient {
+        EventStoreClient::with_interceptor(channel, self)
+    }
 }
 
 impl tonic::service::Interceptor for BearerToken {
@@ -82,19 +104,23 @@ impl tonic::service::Interceptor for BearerToken {
 }
 
 impl StoreConnection {
-    /// A lazily connecting client (the store may come up after the runner).
+    /// A lazily connecting client (the store may come up after the caller; the channel
+    /// reconnects by itself after an outage).
     pub fn client(&self) -> Result<StoreClient, ConnectError> {
         let token = self.bearer()?;
-        let channel = self.endpoint()?.connect_lazy();
-        Ok(EventStoreClient::with_interceptor(channel, token))
+        Ok(token.client(self.endpoint()?.connect_lazy()))
     }
 
-    /// The endpoint, with TLS for an `https://` URL. (The CLI connects eagerly and again
-    /// after each outage, from this and one [`StoreConnection::bearer`].)
+    /// The endpoint, with TLS for an `https://` URL. HTTP/2 keepalive pings find a
+    /// connection that went silent (a blackholed network, a store that vanished without a
+    /// FIN), so that calls fail and followers resubscribe instead of waiting forever.
     pub fn endpoint(&self) -> Result<Endpoint, ConnectError> {
         let mut endpoint = Endpoint::from_shared(self.url.clone())
             .map_err(|_| ConnectError::Url(self.url.clone()))?
-            .connect_timeout(Duration::from_secs(5));
+            .connect_timeout(Duration::from_secs(5))
+            .http2_keep_alive_interval(Duration::from_secs(5))
+            .keep_alive_timeout(Duration::from_secs(5))
+            .keep_alive_while_idle(true);
         if self.url.starts_with("https://") {
             let mut tls = ClientTlsConfig::new();
             tls = match &self.tls_ca {
@@ -149,19 +175,10 @@ impl StoreConnection {
             None => std::env::var(TOKEN_ENV).ok(),
         };
         std::env::remove_var(TOKEN_ENV);
-        let Some(raw) = raw else { return Ok(None) };
-        let token = raw.trim();
-        if token.is_empty() {
-            return Ok(None);
+        match raw {
+            Some(raw) => Ok(BearerToken::new(&raw)?.0),
+            None => Ok(None),
         }
-        let mut value = MetadataValue::try_from(format!("Bearer {token}")).map_err(|_| {
-            ConnectError::Config(
-                "the store token holds characters not allowed in a header (use printable ASCII)"
-                    .into(),
-            )
-        })?;
-        value.set_sensitive(true);
-        Ok(Some(value))
     }
 }
 
@@ -208,9 +225,7 @@ mod tests {
             url: "http://127.0.0.1:1".into(),
             ..Default::default()
         };
-        let mut value = MetadataValue::try_from("Bearer s3cret").expect("ascii");
-        value.set_sensitive(true);
-        let shown = format!("{:?}", BearerToken(Some(value)));
+        let shown = format!("{:?}", BearerToken::new(" s3cret\n").expect("ascii"));
         assert!(!shown.contains("s3cret"), "{shown}");
         assert!(conn.client().is_ok());
     }

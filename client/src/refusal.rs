@@ -1,0 +1,65 @@
+//! What a refusal from the store means to a client, decided on its machine-readable reason
+//! ([`Reason::of`]), never on the status code or the message text.
+
+use agentlog_proto::reason::Reason;
+
+/// Whether a refused append or renewal means the caller no longer holds the session's
+/// lease and must stop working it: it was fenced off (a newer epoch, or the lease expired or
+/// was released), the epoch belongs to another owner, or the session is gone.
+pub fn is_lease_lost(status: &tonic::Status) -> bool {
+    matches!(
+        Reason::of(status),
+        Some(Reason::LeaseFenced | Reason::LeaseHeld | Reason::SessionNotFound)
+    )
+}
+
+/// Whether the store refused because the session does not exist.
+pub fn is_session_not_found(status: &tonic::Status) -> bool {
+    Reason::of(status) == Some(Reason::SessionNotFound)
+}
+
+/// Whether an `approval_decision` was refused because its call is not waiting for one
+/// (never asked, already decided, or already closed).
+pub fn is_approval_not_pending(status: &tonic::Status) -> bool {
+    Reason::of(status) == Some(Reason::ApprovalNotPending)
+}
+
+#[cfg(test)]
+mod tests {
+    use tonic::{Code, Status};
+
+    use super::*;
+
+    #[test]
+    fn the_lease_is_lost_on_the_lease_reasons_only() {
+        for reason in [
+            Reason::LeaseFenced,
+            Reason::LeaseHeld,
+            Reason::SessionNotFound,
+        ] {
+            assert!(is_lease_lost(&reason.status("x")), "{reason}");
+        }
+        for reason in [
+            Reason::LeaseRequired,
+            Reason::SeqConflict,
+            Reason::ApprovalNotPending,
+            Reason::DiskFull,
+        ] {
+            assert!(!is_lease_lost(&reason.status("x")), "{reason}");
+        }
+        // The code alone decides nothing: a plain FAILED_PRECONDITION is not a lost lease.
+        assert!(!is_lease_lost(&Status::failed_precondition("x")));
+        assert!(!is_lease_lost(&Status::new(Code::NotFound, "x")));
+    }
+
+    #[test]
+    fn session_and_approval_refusals_are_told_by_their_reason() {
+        assert!(is_session_not_found(&Reason::SessionNotFound.status("x")));
+        assert!(!is_session_not_found(&Status::not_found("x")));
+        assert!(is_approval_not_pending(
+            &Reason::ApprovalNotPending.status("x")
+        ));
+        assert!(!is_approval_not_pending(&Reason::LeaseFenced.status("x")));
+        assert!(!is_approval_not_pending(&Status::failed_precondition("x")));
+    }
+}
