@@ -19,7 +19,8 @@ use tonic::server::{NamedService, ServerStreamingService};
 use tonic::Status;
 
 use crate::backend::WireEvent;
-use crate::service::{EventStoreService, WireStream, MAX_DECODED_FRAME_BYTES};
+use crate::service::{EventStoreService, WireStream};
+use crate::wire::MAX_DECODED_FRAME_BYTES;
 
 const SUBSCRIBE_PATH: &str = "/agentlog.v1.EventStore/Subscribe";
 
