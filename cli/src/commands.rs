@@ -6,13 +6,13 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use agentlog_client::log::read_log;
+use agentlog_client::refusal::is_session_not_found;
 use agentlog_client::retry::retry_transient;
 use agentlog_proto::v1::{
     event::Kind, AppendRequest, Event, GetSessionRequest, ListSessionsRequest, SessionInfo,
     SessionStatus, UserMessage,
 };
 use anyhow::{anyhow, bail, Result};
-use tonic::Code;
 
 use crate::follow::{follow, Flow};
 use crate::render::{ends_turn, event_json, session_json, Transcript};
@@ -159,7 +159,7 @@ pub async fn resume(out: &Output, session: String, text: &str) -> Result<()> {
         .await
     {
         Ok(_) => send(out, Some(session), text).await,
-        Err(status) if status.code() == Code::NotFound => Err(anyhow!(
+        Err(status) if is_session_not_found(&status) => Err(anyhow!(
             "there is no session {session:?}: `agentlog ls` lists them, `agentlog send TEXT` starts one"
         )),
         Err(status) => Err(store::explain(&out.addr, "GetSession", status)),
@@ -188,7 +188,7 @@ pub async fn show(out: &Output, session: &str) -> Result<()> {
         })
         .await
     {
-        if status.code() == Code::NotFound {
+        if is_session_not_found(&status) {
             bail!("there is no session {session:?}: `agentlog ls` lists them");
         }
         return Err(store::explain(&out.addr, "GetSession", status));

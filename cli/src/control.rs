@@ -4,12 +4,12 @@
 //! Promise: without a call id, `approve` and `deny` answer the one call the log shows
 //! waiting, and refuse with a clear message when none or several wait. The store is the
 //! judge of the rest: a decision for a call with no pending request is refused there
-//! (`FAILED_PRECONDITION`), and the CLI says so.
+//! (reason `APPROVAL_NOT_PENDING`), and the CLI says so.
 
 use agentlog_client::log::read_log;
+use agentlog_client::refusal::{is_approval_not_pending, is_session_not_found};
 use agentlog_proto::v1::{event::Kind, ApprovalDecision, Event, GetSessionRequest, Interrupt};
 use anyhow::{anyhow, bail, Result};
-use tonic::Code;
 
 use crate::commands::{append_client_event, Output};
 use crate::store;
@@ -24,7 +24,7 @@ pub async fn cancel(out: &Output, session: &str, reason: &str) -> Result<()> {
         })
         .await
     {
-        if status.code() == Code::NotFound {
+        if is_session_not_found(&status) {
             bail!("there is no session {session:?}: `agentlog ls` lists them");
         }
         return Err(store::explain(&out.addr, "GetSession", status));
@@ -94,7 +94,7 @@ pub async fn decide(
     let seq = append_client_event(&mut client, session, "decision", decision)
         .await
         .map_err(|status| {
-            if status.code() == Code::FailedPrecondition {
+            if is_approval_not_pending(&status) {
                 anyhow!(
                     "call {tool_use_id} of session {session} is not waiting for approval (never \
                      asked, already decided, or already closed): {}",
@@ -127,7 +127,7 @@ async fn pending_approvals(
 ) -> Result<Vec<(String, String)>> {
     let events = match read_log(client, session).await {
         Ok(events) => events,
-        Err(status) if status.code() == Code::NotFound => Vec::new(),
+        Err(status) if is_session_not_found(&status) => Vec::new(),
         Err(status) => return Err(store::explain(&out.addr, "Subscribe", status)),
     };
     if events.is_empty() {

@@ -1,7 +1,8 @@
 //! The lease a claimed session is worked under.
 //!
 //! Promise: a session is worked on only while its lease is ours. The lease is renewed every
-//! ttl/3; when a renewal is refused (a newer epoch exists), or renewals fail until the
+//! ttl/3; when a renewal is refused because the lease is lost
+//! (`agentlog_client::refusal::is_lease_lost`), or renewals fail until the
 //! lease's time is up, the session's cancellation token fires and its work stops at once.
 //! Time is kept by this process's monotonic clock, counted from *before* each renewal was
 //! sent, so the runner's idea of its lease never outlasts the store's: a runner paused past
@@ -12,11 +13,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use agentlog_client::refusal::is_lease_lost;
 use agentlog_client::StoreClient;
 use agentlog_proto::v1::{Lease, ReleaseLeaseRequest, RenewLeaseRequest};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tonic::Code;
 use tracing::Instrument;
 
 use crate::session_log::StoreError;
@@ -90,7 +91,7 @@ impl LeaseGuard {
         Instant::now() + self.ttl / 3 < valid_until
     }
 
-    /// Records that the store refused us (an append answered `FAILED_PRECONDITION`).
+    /// Records that the store refused us: an append was refused as fenced off.
     pub fn mark_lost(&self) {
         self.lost.store(true, Ordering::SeqCst);
         self.cancel.cancel();
@@ -137,9 +138,7 @@ async fn renew(
             *until = (*until).max(sent + ttl);
             Ok(())
         }
-        Ok(Err(status)) if matches!(status.code(), Code::FailedPrecondition | Code::NotFound) => {
-            Err(StoreError::LeaseLost)
-        }
+        Ok(Err(status)) if is_lease_lost(&status) => Err(StoreError::LeaseLost),
         Ok(Err(status)) => Err(StoreError::Failed(status)),
         Err(_) => Err(StoreError::Failed(tonic::Status::deadline_exceeded(
             "RenewLease took longer than ttl/3",

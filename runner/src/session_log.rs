@@ -5,8 +5,9 @@
 //! Promises:
 //! - An append carries the lease epoch and the caller's deterministic `event_id`, so
 //!   retrying it after a lost acknowledgement writes nothing new (the store answers with
-//!   the original seq). `FAILED_PRECONDITION` means the lease is gone and is reported as
-//!   [`StoreError::LeaseLost`], never retried.
+//!   the original seq). A refusal whose reason says the lease is gone (`LEASE_FENCED`,
+//!   `LEASE_HELD`, `SESSION_NOT_FOUND`) is reported as [`StoreError::LeaseLost`], never
+//!   retried.
 //! - [`SessionLog::catch_up`] decides nothing on a stale log: the fold it returns has seen
 //!   the whole log as it was when the session was claimed, our own last SYNC append, and
 //!   every `interrupt` the subscription has shown. Events are applied once each, in seq
@@ -25,12 +26,12 @@ use std::time::Duration;
 
 use crate::fold::FoldState;
 use agentlog_client::follow::{follow, Flow, Note, Refusals};
+use agentlog_client::refusal::{is_lease_lost, is_session_not_found};
 use agentlog_client::retry::retry_transient;
 use agentlog_client::StoreClient;
 use agentlog_proto::v1::{event::Kind, AppendRequest, Durability, Event, GetSessionRequest};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
-use tonic::Code;
 use tracing::Instrument;
 
 /// How long an append or read keeps retrying a store that is unreachable.
@@ -52,10 +53,12 @@ pub enum StoreError {
 }
 
 impl From<tonic::Status> for StoreError {
+    /// Decided on the refusal's reason, never on its status code.
     fn from(status: tonic::Status) -> StoreError {
-        match status.code() {
-            Code::FailedPrecondition => StoreError::LeaseLost,
-            _ => StoreError::Failed(status),
+        if is_lease_lost(&status) {
+            StoreError::LeaseLost
+        } else {
+            StoreError::Failed(status)
         }
     }
 }
@@ -246,7 +249,7 @@ impl SessionLog {
             async move {
                 match client.get_session(GetSessionRequest { session_id }).await {
                     Ok(info) => Ok(info.into_inner().last_seq),
-                    Err(status) if status.code() == Code::NotFound => Ok(0),
+                    Err(status) if is_session_not_found(&status) => Ok(0),
                     Err(status) => Err(status),
                 }
             }

@@ -12,6 +12,7 @@
 use std::convert::Infallible;
 use std::time::Duration;
 
+use agentlog_client::refusal::is_session_not_found;
 use agentlog_proto::v1::{Event, GetSessionRequest};
 use axum::extract::{Path, Query, State};
 use axum::http::HeaderMap;
@@ -21,7 +22,6 @@ use serde_json::json;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::{Stream, StreamExt};
-use tonic::Code;
 
 use super::api::ApiError;
 use super::App;
@@ -81,7 +81,7 @@ pub async fn events(
         .await
     {
         Ok(info) => info.into_inner().last_seq,
-        Err(status) if status.code() == Code::NotFound => 0,
+        Err(status) if is_session_not_found(&status) => 0,
         Err(status) => return Err(ApiError::from_store("GetSession", status)),
     };
     let (tx, rx) = mpsc::channel(READER_BUFFER);
