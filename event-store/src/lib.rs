@@ -6,7 +6,9 @@
 //!   date behind the acknowledgements.
 //! - [`rules`]: the append and lease rules, pure functions both backends decide by;
 //!   [`session`]: the session state they decide on, derived from the log.
-//! - [`writer`]: the single writer thread doing group commit.
+//! - [`writer`]: the single writer thread doing group commit; [`published`]: what it has
+//!   made durable, as readers see it; recovery replays the log into the index at open.
+//! - [`queries`]: ListSessions paging and the ClaimSession long-poll, shared by the backends.
 //! - [`subscriptions`]: history then live, with disk catch-up for slow readers.
 //! - [`service`]: the gRPC edge: validation, limits, status codes, over any [`backend`]:
 //!   this local log ([`Store`]) or [`postgres`].
@@ -24,6 +26,9 @@ pub mod limits;
 pub mod log;
 pub mod metrics;
 pub mod postgres;
+pub mod published;
+pub mod queries;
+mod recovery;
 pub mod rules;
 pub mod scope;
 pub mod service;
@@ -34,14 +39,12 @@ pub mod tls;
 pub mod wire;
 pub mod writer;
 
-use std::collections::{HashMap, HashSet};
 use std::path::Path;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use agentlog_proto::v1::{
     AppendResponse, Event, Lease, ListSessionsRequest, ListSessionsResponse, SessionInfo,
-    SessionStatus,
 };
 use prost::Message;
 use tokio::sync::{mpsc, oneshot, watch, Semaphore};
@@ -49,10 +52,12 @@ use tokio_util::sync::CancellationToken;
 
 use backend::WireEvent;
 pub use error::StoreError;
-use index::{Index, IndexBatch, IndexError, Recent};
+use index::{Index, IndexError, Recent};
 use log::storage::{FsStorage, Storage};
-use log::{LogError, LogWriter, Record};
-use session::{now_unix_ms, SessionMeta};
+use log::LogError;
+use published::Shared;
+use queries::ClaimAttempt;
+use session::now_unix_ms;
 use subscriptions::{Hub, Source};
 pub use writer::AppendOp;
 use writer::{LeaseOp, LeaseOutcome, Op, Writer};
@@ -62,8 +67,6 @@ const QUEUE_DEPTH: usize = 8192;
 /// Event bytes (in KiB) that may wait for the writer at once; beyond this, appends wait, so
 /// a flood of 4 MiB appends cannot exhaust memory.
 const QUEUED_KIB: usize = 64 * 1024;
-/// Recovery writes replayed records into the index in batches of this many.
-const REPLAY_BATCH: usize = 10_000;
 
 #[derive(Debug, thiserror::Error)]
 pub enum OpenError {
@@ -73,71 +76,6 @@ pub enum OpenError {
     Log(#[from] LogError),
     #[error("data dir {0}: {1}")]
     DataDir(String, std::io::Error),
-}
-
-/// What the writer has made durable, as readers see it.
-pub struct Shared {
-    sessions: RwLock<HashMap<String, SessionMeta>>,
-    hub: Arc<Hub>,
-    /// Where the durable records the index has not absorbed yet are.
-    recent: Arc<Recent>,
-    /// Bumped whenever a session may have become claimable.
-    claimable: watch::Sender<u64>,
-    /// Why appends are refused, while the log's volume is full.
-    full: watch::Sender<Option<String>>,
-    /// Whether appends can be acknowledged now (false while the volume is full): what
-    /// health reports for `agentlog.v1.EventStore`.
-    serving: watch::Sender<bool>,
-}
-
-impl Shared {
-    /// Called by the writer after the fsync of a batch, with the batch's records.
-    fn publish(&self, records: Vec<Record>, sessions: &HashMap<String, SessionMeta>, now: i64) {
-        let mut newly_claimable = false;
-        {
-            let touched: HashSet<&str> = records.iter().map(Record::session_id).collect();
-            let mut shared = self.sessions.write().unwrap_or_else(|p| p.into_inner());
-            for id in touched {
-                if let Some(meta) = sessions.get(id) {
-                    newly_claimable |= rules::claimable(meta, now);
-                    match shared.get_mut(id) {
-                        Some(published) => published.clone_from(meta),
-                        None => {
-                            shared.insert(id.to_string(), meta.clone());
-                        }
-                    }
-                }
-            }
-        }
-        // Each run of one session's events goes to its followers as one slice, in order.
-        let mut run: Vec<Event> = Vec::new();
-        for record in records {
-            let Record::Event(event) = record else {
-                continue;
-            };
-            if run.last().is_some_and(|e| e.session_id != event.session_id) {
-                self.hub.publish(std::mem::take(&mut run));
-            }
-            run.push(event);
-        }
-        if !run.is_empty() {
-            self.hub.publish(run);
-        }
-        if newly_claimable {
-            self.claimable.send_modify(|n| *n = n.wrapping_add(1));
-        }
-    }
-
-    /// The log's volume is full (`Some(why)`) or has room again (`None`).
-    fn set_full(&self, reason: Option<String>) {
-        self.serving.send_replace(reason.is_none());
-        self.full.send_replace(reason);
-    }
-
-    fn get(&self, session_id: &str) -> Option<SessionMeta> {
-        let sessions = self.sessions.read().unwrap_or_else(|p| p.into_inner());
-        sessions.get(session_id).filter(|m| m.last_seq > 0).cloned()
-    }
 }
 
 /// Where the store keeps its data.
@@ -178,19 +116,7 @@ impl Store {
     /// dropping a torn tail, then starts the writer.
     pub fn open(config: StoreConfig) -> Result<Store, OpenError> {
         let index = Index::open(&config.index_dir)?;
-        let (log, sessions) = match recover(&config, &index) {
-            Err(OpenError::Log(LogError::IndexAhead { absorbed, end })) => {
-                tracing::warn!(
-                    absorbed,
-                    end,
-                    "the index is ahead of the log (was the log restored from an older \
-                     backup?); rebuilding the index from the whole log"
-                );
-                index.clear()?;
-                recover(&config, &index)?
-            }
-            other => other?,
-        };
+        let (log, sessions) = recovery::open(&config, &index)?;
         let shared = Arc::new(Shared {
             sessions: RwLock::new(sessions.clone()),
             hub: Arc::new(Hub::default()),
@@ -378,37 +304,28 @@ impl Store {
         cancel: &CancellationToken,
         scope: &scope::Scope,
     ) -> Result<Option<Lease>, StoreError> {
-        let deadline = tokio::time::Instant::now() + wait;
-        let mut changes = self.shared.claimable.subscribe();
-        loop {
-            changes.borrow_and_update();
+        let changes = self.shared.claimable.subscribe();
+        queries::long_poll_claim(wait, cancel, changes, None, || {
             let claim = LeaseOp::Claim {
                 owner: owner.clone(),
                 ttl_ms,
                 scope: scope.clone(),
             };
-            let outcome = self.submit(|tx| Op::Lease(claim, tx)).await?;
-            let retry_at = match outcome {
-                LeaseOutcome::Granted(lease) => return Ok(Some(lease)),
-                LeaseOutcome::Released => return Ok(None),
-                LeaseOutcome::NothingToClaim {
-                    next_expiry_unix_ms,
-                } => next_expiry_unix_ms,
-            };
-            let mut wake = deadline;
-            if let Some(at) = retry_at {
-                let in_ms = (at - now_unix_ms()).max(0) as u64 + 1;
-                wake = wake.min(tokio::time::Instant::now() + Duration::from_millis(in_ms));
+            async move {
+                match self.submit(|tx| Op::Lease(claim, tx)).await? {
+                    LeaseOutcome::Granted(lease) => Ok(ClaimAttempt::Granted(lease)),
+                    LeaseOutcome::NothingToClaim {
+                        next_expiry_unix_ms,
+                    } => Ok(ClaimAttempt::Nothing {
+                        next_expiry_unix_ms,
+                    }),
+                    LeaseOutcome::Released => Err(StoreError::Internal(
+                        "a claim answered with a released lease".into(),
+                    )),
+                }
             }
-            tokio::select! {
-                _ = cancel.cancelled() => return Ok(None),
-                _ = changes.changed() => {}
-                _ = tokio::time::sleep_until(wake) => {}
-            }
-            if tokio::time::Instant::now() >= deadline {
-                return Ok(None);
-            }
-        }
+        })
+        .await
     }
 
     pub fn get_session(&self, session_id: &str) -> Result<SessionInfo, StoreError> {
@@ -430,16 +347,7 @@ impl Store {
         req: &ListSessionsRequest,
         scope: &scope::Scope,
     ) -> Result<ListSessionsResponse, StoreError> {
-        const MAX_PAGE: usize = 1000;
-        let page_size = match req.page_size as usize {
-            0 => 100,
-            n => n.min(MAX_PAGE),
-        };
-        let after = parse_page_token(&req.page_token)?;
-        let query = req.query.to_lowercase();
-        let status = SessionStatus::try_from(req.status).map_err(|_| {
-            StoreError::InvalidArgument(format!("status: {} is not a SessionStatus", req.status))
-        })?;
+        let query = queries::ListQuery::parse(req)?;
         let now = now_unix_ms();
         let mut matches: Vec<(i64, String, SessionInfo)> = {
             let sessions = self
@@ -449,34 +357,12 @@ impl Store {
                 .unwrap_or_else(|p| p.into_inner());
             sessions
                 .iter()
-                .filter(|(id, m)| m.last_seq > 0 && scope.admits(id))
-                .filter(|(_, m)| status == SessionStatus::Unspecified || m.status() == status)
-                .filter(|(id, m)| {
-                    query.is_empty()
-                        || id.to_lowercase().contains(&query)
-                        || m.first_user_text.to_lowercase().contains(&query)
-                })
-                .filter(|(id, m)| match &after {
-                    None => true,
-                    Some((t, last)) => {
-                        m.updated_unix_ms < *t
-                            || (m.updated_unix_ms == *t && id.as_str() > last.as_str())
-                    }
-                })
+                .filter(|(id, m)| scope.admits(id) && query.admits(id, m))
                 .map(|(id, m)| (m.updated_unix_ms, id.clone(), m.info(id, now)))
                 .collect()
         };
         matches.sort_unstable_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
-        let more = matches.len() > page_size;
-        matches.truncate(page_size);
-        let next_page_token = match (more, matches.last()) {
-            (true, Some((t, id, _))) => format!("{t}/{id}"),
-            _ => String::new(),
-        };
-        Ok(ListSessionsResponse {
-            sessions: matches.into_iter().map(|(_, _, info)| info).collect(),
-            next_page_token,
-        })
+        Ok(query.page(matches))
     }
 
     /// Streams the session from `from_seq` (history, then live with `follow`) into a
@@ -512,85 +398,4 @@ fn granted(outcome: LeaseOutcome) -> Result<Lease, StoreError> {
             "lease operation returned no lease".into(),
         )),
     }
-}
-
-/// `updated_unix_ms/session_id` of the last session of the previous page (every backend
-/// pages the same way).
-pub(crate) fn parse_page_token(token: &str) -> Result<Option<(i64, String)>, StoreError> {
-    if token.is_empty() {
-        return Ok(None);
-    }
-    let bad = || {
-        StoreError::InvalidArgument(
-            "page_token: not a token from a previous ListSessions response".into(),
-        )
-    };
-    let (t, id) = token.split_once('/').ok_or_else(bad)?;
-    Ok(Some((t.parse().map_err(|_| bad())?, id.to_string())))
-}
-
-/// Replays the log past the index's absorbed offset into the index and the session map.
-fn recover(
-    config: &StoreConfig,
-    index: &Index,
-) -> Result<(LogWriter, HashMap<String, SessionMeta>), OpenError> {
-    let from = index.absorbed()?;
-    let mut sessions = index.load_sessions()?;
-    let mut batch = IndexBatch::default();
-    let mut pending = 0usize;
-    let mut replayed = 0u64;
-    let mut failure: Option<IndexError> = None;
-    let started = std::time::Instant::now();
-    let log = LogWriter::open(config.log.clone(), config.log_config, from, |append| {
-        for (pos, record) in append {
-            if failure.is_some() {
-                return;
-            }
-            let meta = sessions.entry(record.session_id().to_string()).or_default();
-            match record {
-                Record::Event(event) => {
-                    if event.seq != meta.last_seq + 1 {
-                        failure = Some(IndexError::SeqGap {
-                            offset: pos.offset,
-                            session: event.session_id.clone(),
-                            seq: event.seq,
-                            expected: meta.last_seq + 1,
-                        });
-                        return;
-                    }
-                    meta.apply_event(event);
-                }
-                Record::Lease(lease) => meta.apply_lease(lease),
-            }
-            batch.add(*pos, record);
-            pending += 1;
-            replayed += 1;
-        }
-        // Absorbed offsets are always append boundaries.
-        if pending >= REPLAY_BATCH {
-            let end = append
-                .last()
-                .map_or(0, |(pos, _)| pos.offset + pos.len as u64);
-            let full = std::mem::take(&mut batch);
-            if let Err(e) = index.apply(full, &sessions, end) {
-                failure = Some(e);
-            }
-            pending = 0;
-        }
-    })?;
-    if let Some(e) = failure {
-        return Err(e.into());
-    }
-    if !batch.is_empty() || from != log.end() {
-        index.apply(batch, &sessions, log.end())?;
-    }
-    tracing::info!(
-        from_offset = from,
-        log_end = log.end(),
-        replayed,
-        sessions = sessions.len(),
-        elapsed_ms = started.elapsed().as_millis() as u64,
-        "recovered the index from the log"
-    );
-    Ok((log, sessions))
 }

@@ -40,10 +40,10 @@ use crate::error::StoreError;
 use crate::index::{self_named_seq, Index, IndexBatch, Recent, GENERATED_ID_PREFIX};
 use crate::log::{record, LogError, LogReader, LogWriter, Record};
 use crate::metrics;
+use crate::published::Shared;
 use crate::rules;
 use crate::scope::Scope;
 use crate::session::{lease_of, now_unix_ms, SessionMeta};
-use crate::Shared;
 
 /// At most this many operations share one fsync, so one batch's latency stays bounded.
 const MAX_BATCH_OPS: usize = 4096;

@@ -50,6 +50,7 @@ use agentlog_proto::reason::Reason;
 
 use crate::backend::{Backend, WireEvent};
 use crate::log::LeaseRecord;
+use crate::queries::{long_poll_claim, ClaimAttempt, ListQuery};
 use crate::rules;
 use crate::scope::Scope;
 use crate::session::{lease_of, now_unix_ms, SessionMeta};
@@ -553,7 +554,7 @@ impl PgBackend {
         owner: &str,
         ttl_ms: u64,
         scope: &Scope,
-    ) -> Result<Claim, StoreError> {
+    ) -> Result<ClaimAttempt, StoreError> {
         let mut client = self.client().await?;
         let now = now_unix_ms();
         let all = scope.is_everything();
@@ -599,12 +600,18 @@ impl PgBackend {
         .await;
         let (tx, session_id, version, bytes) = match result {
             Ok(Ok(picked)) => picked,
-            Ok(Err(next_expiry)) => return Ok(Claim::Nothing(next_expiry)),
+            Ok(Err(next_expiry_unix_ms)) => {
+                return Ok(ClaimAttempt::Nothing {
+                    next_expiry_unix_ms,
+                })
+            }
             Err(e) => return Err(self.timed_error(e)),
         };
         let mut meta = decode_meta(bytes)?;
         if !rules::claimable(&meta, now) {
-            return Ok(Claim::Nothing(Some(now)));
+            return Ok(ClaimAttempt::Nothing {
+                next_expiry_unix_ms: Some(now),
+            });
         }
         let record = rules::grant(&meta, &session_id, owner.to_string(), ttl_ms, now);
         meta.apply_lease(&record);
@@ -631,14 +638,8 @@ impl PgBackend {
             },
         );
         self.changed(&session_id, &meta, now);
-        Ok(Claim::Granted(lease_of(&record)))
+        Ok(ClaimAttempt::Granted(lease_of(&record)))
     }
-}
-
-enum Claim {
-    Granted(Lease),
-    /// Nothing to claim; when the earliest live lease on a runnable session expires.
-    Nothing(Option<i64>),
 }
 
 /// The session state's columns, derived from its [`SessionMeta`].
@@ -844,26 +845,17 @@ impl Backend for PgBackend {
         req: &ListSessionsRequest,
         scope: &Scope,
     ) -> Result<ListSessionsResponse, StoreError> {
-        const MAX_PAGE: i64 = 1000;
-        let page_size = match req.page_size as i64 {
-            0 => 100,
-            n => n.min(MAX_PAGE),
-        };
-        let after = crate::parse_page_token(&req.page_token)?;
-        let status = SessionStatus::try_from(req.status).map_err(|_| {
-            StoreError::InvalidArgument(format!("status: {} is not a SessionStatus", req.status))
-        })?;
-        let query = req.query.to_lowercase();
+        let query = ListQuery::parse(req)?;
         let all = scope.is_everything();
         let prefixes: Vec<String> = scope
             .prefix_list()
             .map(<[String]>::to_vec)
             .unwrap_or_default();
-        let (after_t, after_id) = match &after {
+        let (after_t, after_id) = match &query.after {
             Some((t, id)) => (Some(*t), id.clone()),
             None => (None, String::new()),
         };
-        let limit = page_size + 1;
+        let limit = query.page_size as i64 + 1;
         let client = self.client().await?;
         let rows = timed("list_sessions", async {
             let stmt = client
@@ -885,8 +877,8 @@ impl Backend for PgBackend {
                     &[
                         &all,
                         &prefixes,
-                        &(status as i32),
-                        &query,
+                        &(query.status as i32),
+                        &query.text,
                         &after_t,
                         &after_id,
                         &limit,
@@ -903,16 +895,8 @@ impl Backend for PgBackend {
             let meta = decode_meta(row.get(1))?;
             sessions.push((meta.updated_unix_ms, id.clone(), meta.info(&id, now)));
         }
-        let more = sessions.len() as i64 > page_size;
-        sessions.truncate(page_size as usize);
-        let next_page_token = match (more, sessions.last()) {
-            (true, Some((t, id, _))) => format!("{t}/{id}"),
-            _ => String::new(),
-        };
-        Ok(ListSessionsResponse {
-            sessions: sessions.into_iter().map(|(_, _, info)| info).collect(),
-            next_page_token,
-        })
+        // Already in ListSessions order (the query's ORDER BY).
+        Ok(query.page(sessions))
     }
 
     async fn acquire_lease(
@@ -963,28 +947,11 @@ impl Backend for PgBackend {
         cancel: &CancellationToken,
         scope: &Scope,
     ) -> Result<Option<Lease>, StoreError> {
-        let deadline = tokio::time::Instant::now() + wait;
-        let mut changes = self.board.claimable();
-        loop {
-            changes.borrow_and_update();
-            let retry_at = match self.try_claim(&owner, ttl_ms, scope).await? {
-                Claim::Granted(lease) => return Ok(Some(lease)),
-                Claim::Nothing(next_expiry) => next_expiry,
-            };
-            let mut wake = deadline.min(tokio::time::Instant::now() + self.poll_interval);
-            if let Some(at) = retry_at {
-                let in_ms = (at - now_unix_ms()).max(0) as u64 + 1;
-                wake = wake.min(tokio::time::Instant::now() + Duration::from_millis(in_ms));
-            }
-            tokio::select! {
-                _ = cancel.cancelled() => return Ok(None),
-                _ = changes.changed() => {}
-                _ = tokio::time::sleep_until(wake) => {}
-            }
-            if tokio::time::Instant::now() >= deadline {
-                return Ok(None);
-            }
-        }
+        let changes = self.board.claimable();
+        long_poll_claim(wait, cancel, changes, Some(self.poll_interval), || {
+            self.try_claim(&owner, ttl_ms, scope)
+        })
+        .await
     }
 
     fn serving(&self) -> watch::Receiver<bool> {

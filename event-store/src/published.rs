@@ -1,0 +1,86 @@
+//! What the writer has made durable, as readers see it: the published session states, the
+//! positions the index has not absorbed yet, the live hub, and the signals (a session may
+//! have become claimable; the volume is full). The writer is its only writer, and only
+//! after the fsync that covers what it publishes.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, RwLock};
+
+use agentlog_proto::v1::Event;
+use tokio::sync::watch;
+
+use crate::index::Recent;
+use crate::log::Record;
+use crate::rules;
+use crate::session::SessionMeta;
+use crate::subscriptions::Hub;
+
+/// What the writer has made durable, as readers see it.
+pub struct Shared {
+    pub(crate) sessions: RwLock<HashMap<String, SessionMeta>>,
+    pub(crate) hub: Arc<Hub>,
+    /// Where the durable records the index has not absorbed yet are.
+    pub(crate) recent: Arc<Recent>,
+    /// Bumped whenever a session may have become claimable.
+    pub(crate) claimable: watch::Sender<u64>,
+    /// Why appends are refused, while the log's volume is full.
+    pub(crate) full: watch::Sender<Option<String>>,
+    /// Whether appends can be acknowledged now (false while the volume is full): what
+    /// health reports for `agentlog.v1.EventStore`.
+    pub(crate) serving: watch::Sender<bool>,
+}
+
+impl Shared {
+    /// Called by the writer after the fsync of a batch, with the batch's records.
+    pub(crate) fn publish(
+        &self,
+        records: Vec<Record>,
+        sessions: &HashMap<String, SessionMeta>,
+        now: i64,
+    ) {
+        let mut newly_claimable = false;
+        {
+            let touched: HashSet<&str> = records.iter().map(Record::session_id).collect();
+            let mut shared = self.sessions.write().unwrap_or_else(|p| p.into_inner());
+            for id in touched {
+                if let Some(meta) = sessions.get(id) {
+                    newly_claimable |= rules::claimable(meta, now);
+                    match shared.get_mut(id) {
+                        Some(published) => published.clone_from(meta),
+                        None => {
+                            shared.insert(id.to_string(), meta.clone());
+                        }
+                    }
+                }
+            }
+        }
+        // Each run of one session's events goes to its followers as one slice, in order.
+        let mut run: Vec<Event> = Vec::new();
+        for record in records {
+            let Record::Event(event) = record else {
+                continue;
+            };
+            if run.last().is_some_and(|e| e.session_id != event.session_id) {
+                self.hub.publish(std::mem::take(&mut run));
+            }
+            run.push(event);
+        }
+        if !run.is_empty() {
+            self.hub.publish(run);
+        }
+        if newly_claimable {
+            self.claimable.send_modify(|n| *n = n.wrapping_add(1));
+        }
+    }
+
+    /// The log's volume is full (`Some(why)`) or has room again (`None`).
+    pub(crate) fn set_full(&self, reason: Option<String>) {
+        self.serving.send_replace(reason.is_none());
+        self.full.send_replace(reason);
+    }
+
+    pub(crate) fn get(&self, session_id: &str) -> Option<SessionMeta> {
+        let sessions = self.sessions.read().unwrap_or_else(|p| p.into_inner());
+        sessions.get(session_id).filter(|m| m.last_seq > 0).cloned()
+    }
+}
