@@ -44,7 +44,7 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use agentlog_proto::v1::{
-    AppendResponse, Event, Lease, ListSessionsRequest, ListSessionsResponse, SessionInfo,
+    AppendResponse, Lease, ListSessionsRequest, ListSessionsResponse, SessionInfo,
 };
 use prost::Message;
 use tokio::sync::{mpsc, oneshot, watch, Semaphore};
