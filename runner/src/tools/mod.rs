@@ -30,7 +30,8 @@ pub const OUTPUT_CAP: usize = 64 * 1024;
 const NOTE_ROOM: usize = 256;
 
 /// What running a call again does to the world; decides how an interrupted call (one with
-/// `tool_started` but no result) is treated on resume.
+/// `tool_started` but no result) is treated on resume ([`EffectClass::on_unknown_outcome`],
+/// unless `runner --on-unknown-outcome` says otherwise for the tool).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EffectClass {
     /// Only looks: re-running is harmless.
@@ -40,6 +41,26 @@ pub enum EffectClass {
     /// May change the world each time: re-run only with the same idempotency key, so a
     /// downstream that honours the key collapses the duplicate.
     SideEffect,
+}
+
+impl EffectClass {
+    /// What a call of this class interrupted with its outcome unknown does by default.
+    pub fn on_unknown_outcome(self) -> UnknownOutcome {
+        match self {
+            EffectClass::Read | EffectClass::Idempotent => UnknownOutcome::Rerun,
+            EffectClass::SideEffect => UnknownOutcome::RerunSameKey,
+        }
+    }
+}
+
+/// Which implementation runs a tool's calls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Implementation {
+    Bash,
+    ReadFile,
+    WriteFile,
+    EditFile,
+    ListFiles,
 }
 
 /// What happens to a call whose `tool_started` is logged and whose result is not: the
@@ -76,22 +97,35 @@ impl FromStr for UnknownOutcome {
 }
 
 /// A tool as the model sees it, plus how it behaves when repeated: the one registry of the
-/// tools' names, schemas, effect classes and unknown-outcome policies.
+/// tools' names, schemas, effect classes (and so their unknown-outcome policies) and
+/// implementations. A tool's name is written here and nowhere else.
 #[derive(Debug, Clone)]
 pub struct ToolSpec {
     pub name: &'static str,
     pub description: &'static str,
     /// JSON Schema of the input object.
     pub input_schema: Value,
-    pub effect: EffectClass,
-    /// The default for a call interrupted with its outcome unknown (the runner's
+    /// Decides the default for a call interrupted with its outcome unknown (the runner's
     /// `--on-unknown-outcome` overrides it).
-    pub on_unknown_outcome: UnknownOutcome,
+    pub effect: EffectClass,
+    implementation: Implementation,
+}
+
+/// The tools' names as a sentence: "bash, read_file, … and list_files".
+pub fn tool_names() -> String {
+    let names: Vec<&str> = Toolbox::specs().iter().map(|spec| spec.name).collect();
+    match names.split_last() {
+        Some((last, rest)) if !rest.is_empty() => format!("{} and {last}", rest.join(", ")),
+        _ => names.join(""),
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
 pub enum PolicyError {
-    #[error("{flag}: there is no tool named {name:?}; the tools are bash, read_file, write_file, edit_file and list_files")]
+    #[error(
+        "{flag}: there is no tool named {name:?}; the tools are {}",
+        tool_names()
+    )]
     UnknownTool { flag: &'static str, name: String },
     #[error("--on-unknown-outcome {0:?}: expected TOOL=POLICY, e.g. bash=report")]
     Setting(String),
@@ -154,7 +188,7 @@ impl ToolPolicy {
         self.on_unknown_outcome
             .get(tool)
             .copied()
-            .or_else(|| Toolbox::spec(tool).map(|spec| spec.on_unknown_outcome))
+            .or_else(|| Toolbox::effect_class(tool).map(EffectClass::on_unknown_outcome))
             .unwrap_or(UnknownOutcome::Rerun)
     }
 }
@@ -216,7 +250,7 @@ impl Toolbox {
                     "required": ["command"]
                 }),
                 effect: EffectClass::SideEffect,
-                on_unknown_outcome: UnknownOutcome::RerunSameKey,
+                implementation: Implementation::Bash,
             },
             ToolSpec {
                 name: "read_file",
@@ -227,7 +261,7 @@ impl Toolbox {
                     "required": ["path"]
                 }),
                 effect: EffectClass::Read,
-                on_unknown_outcome: UnknownOutcome::Rerun,
+                implementation: Implementation::ReadFile,
             },
             ToolSpec {
                 name: "write_file",
@@ -242,7 +276,7 @@ impl Toolbox {
                     "required": ["path", "content"]
                 }),
                 effect: EffectClass::Idempotent,
-                on_unknown_outcome: UnknownOutcome::Rerun,
+                implementation: Implementation::WriteFile,
             },
             ToolSpec {
                 name: "edit_file",
@@ -258,7 +292,7 @@ impl Toolbox {
                     "required": ["path", "old", "new"]
                 }),
                 effect: EffectClass::SideEffect,
-                on_unknown_outcome: UnknownOutcome::RerunSameKey,
+                implementation: Implementation::EditFile,
             },
             ToolSpec {
                 name: "list_files",
@@ -269,7 +303,7 @@ impl Toolbox {
                     "properties": {"path": {"type": "string", "description": "Relative to the workspace; default: the workspace itself."}}
                 }),
                 effect: EffectClass::Read,
-                on_unknown_outcome: UnknownOutcome::Rerun,
+                implementation: Implementation::ListFiles,
             },
         ]
     }
@@ -315,19 +349,29 @@ impl Toolbox {
             Ok(workspace) => workspace,
             Err(e) => return ToolOutput::error(format!("the workspace is unavailable: {e}")),
         };
-        match name {
-            "bash" => match parse(name, input) {
+        let Some(spec) = Toolbox::spec(name) else {
+            return ToolOutput::error(format!(
+                "there is no tool named `{name}`; the tools are {}",
+                tool_names()
+            ));
+        };
+        match spec.implementation {
+            Implementation::Bash => match parse(name, input) {
                 Ok(input) => bash::run(&workspace, &self.sandbox, input, idempotency_key).await,
                 Err(e) => e,
             },
-            "read_file" => files::run_blocking(workspace, name, input, files::read_file).await,
-            "write_file" => files::run_blocking(workspace, name, input, files::write_file).await,
-            "edit_file" => files::run_blocking(workspace, name, input, files::edit_file).await,
-            "list_files" => files::run_blocking(workspace, name, input, files::list_files).await,
-            other => ToolOutput::error(format!(
-                "there is no tool named `{other}`; the tools are bash, read_file, write_file, \
-                 edit_file and list_files"
-            )),
+            Implementation::ReadFile => {
+                files::run_blocking(workspace, name, input, files::read_file).await
+            }
+            Implementation::WriteFile => {
+                files::run_blocking(workspace, name, input, files::write_file).await
+            }
+            Implementation::EditFile => {
+                files::run_blocking(workspace, name, input, files::edit_file).await
+            }
+            Implementation::ListFiles => {
+                files::run_blocking(workspace, name, input, files::list_files).await
+            }
         }
     }
 }
@@ -376,6 +420,35 @@ mod tests {
             assert_eq!(Toolbox::effect_class(spec.name), Some(spec.effect));
         }
         assert_eq!(Toolbox::effect_class("rm_rf"), None);
+        assert_eq!(
+            tool_names(),
+            "bash, read_file, write_file, edit_file and list_files"
+        );
+    }
+
+    #[test]
+    fn the_effect_class_decides_the_default_for_an_unknown_outcome() {
+        let default = ToolPolicy::default();
+        for spec in Toolbox::specs() {
+            assert_eq!(
+                default.on_unknown_outcome(spec.name),
+                spec.effect.on_unknown_outcome(),
+                "{}",
+                spec.name
+            );
+        }
+        assert_eq!(
+            EffectClass::SideEffect.on_unknown_outcome(),
+            UnknownOutcome::RerunSameKey
+        );
+        assert_eq!(
+            EffectClass::Read.on_unknown_outcome(),
+            UnknownOutcome::Rerun
+        );
+        assert_eq!(
+            EffectClass::Idempotent.on_unknown_outcome(),
+            UnknownOutcome::Rerun
+        );
     }
 
     #[test]
