@@ -33,6 +33,7 @@ pub mod rules;
 pub mod scope;
 pub mod service;
 pub mod session;
+pub mod snapshots;
 pub mod subscribe_wire;
 pub mod subscriptions;
 pub mod tls;
@@ -84,6 +85,8 @@ pub struct StoreConfig {
     pub log: Arc<dyn Storage>,
     /// The sled index directory.
     pub index_dir: std::path::PathBuf,
+    /// Snapshot files ([`snapshots`]); created when the first snapshot is written.
+    pub snapshot_dir: std::path::PathBuf,
     pub log_config: log::LogConfig,
 }
 
@@ -96,6 +99,7 @@ impl StoreConfig {
         Ok(StoreConfig {
             log: Arc::new(storage),
             index_dir: data_dir.join("index"),
+            snapshot_dir: data_dir.join("snapshots"),
             log_config: log::LogConfig::default(),
         })
     }
@@ -109,6 +113,7 @@ pub struct Store {
     source: Source,
     writer: Option<std::thread::JoinHandle<Result<(), StoreError>>>,
     writer_done: watch::Receiver<bool>,
+    snapshots: Arc<snapshots::SnapshotDir>,
 }
 
 impl Store {
@@ -152,6 +157,7 @@ impl Store {
             source,
             writer: Some(writer),
             writer_done,
+            snapshots: Arc::new(snapshots::SnapshotDir::new(config.snapshot_dir.clone())),
         })
     }
 
@@ -326,6 +332,41 @@ impl Store {
             }
         })
         .await
+    }
+
+    /// Keeps a snapshot of the session if the caller holds its live lease of `lease_epoch`
+    /// and `seq` is within the log; returns the seq of the snapshot kept.
+    pub async fn put_snapshot(
+        &self,
+        snapshot: backend::Snapshot,
+        lease_epoch: u64,
+    ) -> Result<u64, StoreError> {
+        let meta = self.shared.get(&snapshot.session_id);
+        let meta = rules::existing(meta.as_ref(), &snapshot.session_id)?;
+        rules::check_snapshot(
+            meta,
+            &snapshot.session_id,
+            lease_epoch,
+            snapshot.seq,
+            now_unix_ms(),
+        )?;
+        let snapshots = self.snapshots.clone();
+        tokio::task::spawn_blocking(move || snapshots.put(&snapshot))
+            .await
+            .map_err(|e| StoreError::Internal(format!("the snapshot write stopped: {e}")))?
+    }
+
+    /// The kept snapshot of `format` for the session, if any.
+    pub async fn get_snapshot(
+        &self,
+        session_id: &str,
+        format: &str,
+    ) -> Result<Option<backend::Snapshot>, StoreError> {
+        let snapshots = self.snapshots.clone();
+        let (session_id, format) = (session_id.to_string(), format.to_string());
+        tokio::task::spawn_blocking(move || snapshots.get(&session_id, &format))
+            .await
+            .map_err(|e| StoreError::Internal(format!("the snapshot read stopped: {e}")))?
     }
 
     pub fn get_session(&self, session_id: &str) -> Result<SessionInfo, StoreError> {

@@ -195,6 +195,26 @@ pub fn check_writer<'a>(
     }
 }
 
+/// Who may keep a snapshot of the session at `seq`: the holder of its live lease of
+/// `lease_epoch` (as for a runner-written append), and only at a seq the log holds.
+pub fn check_snapshot(
+    meta: &SessionMeta,
+    session_id: &str,
+    lease_epoch: u64,
+    seq: u64,
+    now: i64,
+) -> Result<(), StoreError> {
+    check_writer(meta, session_id, Some(lease_epoch), std::iter::empty(), now)?;
+    if seq == 0 || seq > meta.last_seq {
+        return Err(StoreError::InvalidArgument(format!(
+            "seq: {seq} is outside session {session_id}'s log (seqs 1 to {}); a snapshot is \
+             taken at a seq the log holds",
+            meta.last_seq
+        )));
+    }
+    Ok(())
+}
+
 /// The events of an append with dedup applied: `seqs` answers the caller (one per event,
 /// the original seq for one the session already holds), `fresh` is what to write.
 #[derive(Debug, Default, PartialEq)]

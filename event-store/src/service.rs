@@ -12,7 +12,8 @@ use agentlog_proto::v1::{
     append_stream_response, AcquireLeaseRequest, AppendError, AppendRequest, AppendResponse,
     AppendStreamResponse, ClaimSessionRequest, ClaimSessionResponse, Durability, Event,
     GetSessionRequest, Lease, ListSessionsRequest, ListSessionsResponse, ReleaseLeaseRequest,
-    ReleaseLeaseResponse, RenewLeaseRequest, SessionInfo, SubscribeRequest,
+    GetSnapshotRequest, PutSnapshotResponse, ReleaseLeaseResponse, RenewLeaseRequest,
+    SessionInfo, SnapshotChunk, SubscribeRequest,
 };
 use prost::Message;
 use tokio::sync::watch;
@@ -23,8 +24,8 @@ use tonic::{Request, Response, Status};
 
 use agentlog_proto::reason::Reason;
 
-use crate::auth::{authorize_append, Access, AuthLayer, Caller};
-use crate::backend::{Backend, WireEvent};
+use crate::auth::{authorize_append, authorize_snapshot_put, Access, AuthLayer, Caller};
+use crate::backend::{Backend, Snapshot, WireEvent, MAX_SNAPSHOT_BYTES};
 use crate::error::StoreError;
 use crate::incoming::ConnLimits;
 use crate::limits::{CallerLimits, LimitsLayer, MessageBudget};
@@ -35,6 +36,10 @@ use crate::wire::{
     MAX_EVENT_ID_LEN, MAX_ID_LEN, MAX_TTL_MS, MAX_WAIT_MS,
 };
 use crate::AppendOp;
+
+const MAX_FORMAT_LEN: usize = 64;
+/// GetSnapshot sends the data in chunks of this size.
+const SNAPSHOT_CHUNK_BYTES: usize = 1 << 20;
 
 pub struct EventStoreService {
     store: Arc<dyn Backend>,
@@ -295,6 +300,7 @@ where
 type EventStream = Pin<Box<dyn Stream<Item = Result<Event, Status>> + Send>>;
 /// Subscribe's messages as [`SubscribeOnWire`] sends them.
 pub(crate) type WireStream = Pin<Box<dyn Stream<Item = Result<WireEvent, Status>> + Send>>;
+type SnapshotStream = Pin<Box<dyn Stream<Item = Result<SnapshotChunk, Status>> + Send>>;
 type AppendResponses = Pin<Box<dyn Stream<Item = Result<AppendStreamResponse, Status>> + Send>>;
 /// Requests of one AppendStream queued for the writer and not answered yet, at most.
 const APPEND_STREAM_IN_FLIGHT: usize = 1024;
@@ -484,6 +490,86 @@ impl EventStore for EventStoreService {
             .await?;
         Ok(Response::new(ReleaseLeaseResponse {}))
     }
+
+    async fn put_snapshot(
+        &self,
+        request: Request<tonic::Streaming<SnapshotChunk>>,
+    ) -> Result<Response<PutSnapshotResponse>, Status> {
+        let caller = caller_of(&request)?;
+        let mut chunks = request.into_inner();
+        let first = chunks.message().await?.ok_or_else(|| {
+            invalid(
+                "the stream carries no chunk; the first names session_id, lease_epoch, seq \
+                 and format"
+                    .into(),
+            )
+        })?;
+        validate_session_id(&first.session_id)?;
+        authorize_snapshot_put(&caller, &first.session_id)?;
+        validate_format(&first.format)?;
+        let mut data = first.data;
+        loop {
+            if data.len() > MAX_SNAPSHOT_BYTES {
+                return Err(StoreError::ResourceExhausted(format!(
+                    "the snapshot is over the limit of {MAX_SNAPSHOT_BYTES} bytes (64 MiB)"
+                ))
+                .into());
+            }
+            match chunks.message().await? {
+                Some(chunk) => data.extend_from_slice(&chunk.data),
+                None => break,
+            }
+        }
+        let snapshot = Snapshot {
+            session_id: first.session_id,
+            format: first.format,
+            seq: first.seq,
+            data,
+        };
+        let seq = self.store.put_snapshot(snapshot, first.lease_epoch).await?;
+        Ok(Response::new(PutSnapshotResponse { seq }))
+    }
+
+    type GetSnapshotStream = SnapshotStream;
+
+    async fn get_snapshot(
+        &self,
+        request: Request<GetSnapshotRequest>,
+    ) -> Result<Response<SnapshotStream>, Status> {
+        let req = request.into_inner();
+        validate_session_id(&req.session_id)?;
+        validate_format(&req.format)?;
+        let snapshot = self
+            .store
+            .get_snapshot(&req.session_id, &req.format)
+            .await?
+            .ok_or_else(|| {
+                // Not a refusal (nothing to act on but reading the log), so no reason.
+                Status::not_found(format!(
+                    "session {} has no snapshot of format {}",
+                    req.session_id, req.format
+                ))
+            })?;
+        let mut chunks: Vec<Result<SnapshotChunk, Status>> = snapshot
+            .data
+            .chunks(SNAPSHOT_CHUNK_BYTES)
+            .map(|data| {
+                Ok(SnapshotChunk {
+                    data: data.to_vec(),
+                    ..SnapshotChunk::default()
+                })
+            })
+            .collect();
+        if chunks.is_empty() {
+            chunks.push(Ok(SnapshotChunk::default()));
+        }
+        if let Some(Ok(first)) = chunks.first_mut() {
+            first.session_id = snapshot.session_id;
+            first.seq = snapshot.seq;
+            first.format = snapshot.format;
+        }
+        Ok(Response::new(Box::pin(tokio_stream::iter(chunks))))
+    }
 }
 
 type AnswerToCome =
@@ -567,6 +653,25 @@ fn validate_owner(owner: &str) -> Result<(), StoreError> {
         )));
     }
     Ok(())
+}
+
+/// A snapshot format: 1-64 chars of `[A-Za-z0-9._-]`, starting with a letter or digit.
+fn validate_format(format: &str) -> Result<(), StoreError> {
+    let ok = !format.is_empty()
+        && format.len() <= MAX_FORMAT_LEN
+        && format.as_bytes()[0].is_ascii_alphanumeric()
+        && format
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+    if ok {
+        Ok(())
+    } else {
+        Err(invalid(format!(
+            "format: {} is not valid; use 1-{MAX_FORMAT_LEN} characters of [A-Za-z0-9._-] \
+             starting with a letter or digit",
+            shown(format)
+        )))
+    }
 }
 
 fn validate_ttl(ttl_ms: u64) -> Result<(), StoreError> {

@@ -32,10 +32,14 @@ pub enum Rpc {
     AcquireLease,
     RenewLease,
     ReleaseLease,
+    /// Streamed: the role is checked by the auth layer, the session by the service on the
+    /// first chunk (see `authorize_snapshot_put`).
+    PutSnapshot,
+    GetSnapshot,
 }
 
 impl Rpc {
-    pub const ALL: [Rpc; 9] = [
+    pub const ALL: [Rpc; 11] = [
         Rpc::Append,
         Rpc::AppendStream,
         Rpc::Subscribe,
@@ -45,6 +49,8 @@ impl Rpc {
         Rpc::AcquireLease,
         Rpc::RenewLease,
         Rpc::ReleaseLease,
+        Rpc::PutSnapshot,
+        Rpc::GetSnapshot,
     ];
 
     pub fn from_method(method: &str) -> Option<Rpc> {
@@ -58,6 +64,8 @@ impl Rpc {
             "AcquireLease" => Rpc::AcquireLease,
             "RenewLease" => Rpc::RenewLease,
             "ReleaseLease" => Rpc::ReleaseLease,
+            "PutSnapshot" => Rpc::PutSnapshot,
+            "GetSnapshot" => Rpc::GetSnapshot,
             _ => return None,
         })
     }
@@ -65,7 +73,10 @@ impl Rpc {
     /// Reads answer `NOT_FOUND` outside the scope (no existence leak); writes
     /// `PERMISSION_DENIED`.
     pub fn is_read(self) -> bool {
-        matches!(self, Rpc::Subscribe | Rpc::GetSession | Rpc::ListSessions)
+        matches!(
+            self,
+            Rpc::Subscribe | Rpc::GetSession | Rpc::ListSessions | Rpc::GetSnapshot
+        )
     }
 }
 

@@ -19,7 +19,7 @@ use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
 use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
 use tonic_reflection::pb::v1::ServerReflectionRequest;
 
-const RPCS: [&str; 9] = [
+const RPCS: [&str; 11] = [
     "Append",
     "AppendStream",
     "Subscribe",
@@ -29,6 +29,8 @@ const RPCS: [&str; 9] = [
     "AcquireLease",
     "RenewLease",
     "ReleaseLease",
+    "PutSnapshot",
+    "GetSnapshot",
 ];
 const BOUND: Duration = Duration::from_secs(60);
 

@@ -40,7 +40,7 @@ use serde::Deserialize;
 use crate::scope::Scope;
 
 pub use layer::{Access, AuthLayer};
-pub use policy::{authorize, authorize_append, Denial, Target};
+pub use policy::{authorize, authorize_append, authorize_snapshot_put, Denial, Target};
 pub use tokens::{TokenSet, TokensError, TokensFileWatch};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]

@@ -59,7 +59,12 @@ pub fn authorize(caller: &Caller, rpc: Rpc, target: &Target) -> Result<(), Denia
     let role_may = match (caller.role, rpc) {
         (
             _,
-            Rpc::Append | Rpc::AppendStream | Rpc::Subscribe | Rpc::GetSession | Rpc::ListSessions,
+            Rpc::Append
+            | Rpc::AppendStream
+            | Rpc::Subscribe
+            | Rpc::GetSession
+            | Rpc::ListSessions
+            | Rpc::GetSnapshot,
         ) => true,
         (Role::Runner, _) => true,
         (Role::Client, _) => false,
@@ -72,7 +77,7 @@ pub fn authorize(caller: &Caller, rpc: Rpc, target: &Target) -> Result<(), Denia
     }
     if matches!(
         rpc,
-        Rpc::ListSessions | Rpc::ClaimSession | Rpc::AppendStream
+        Rpc::ListSessions | Rpc::ClaimSession | Rpc::AppendStream | Rpc::PutSnapshot
     ) {
         return Ok(());
     }
@@ -101,6 +106,15 @@ pub fn authorize_append(caller: &Caller, request: &AppendRequest) -> Result<(), 
         return Err(outside_prefixes(caller, &request.session_id));
     }
     check_kinds(caller, request.events.iter().map(|e| e.kind.as_ref()))
+}
+
+/// Whether `caller` (admitted to [`Rpc::PutSnapshot`] by role in [`authorize`]) may keep
+/// a snapshot of `session_id`: the session must be within the token's prefixes.
+pub fn authorize_snapshot_put(caller: &Caller, session_id: &str) -> Result<(), Denial> {
+    if caller.role == Role::Admin || caller.scope.admits(session_id) {
+        return Ok(());
+    }
+    Err(outside_prefixes(caller, session_id))
 }
 
 /// Clients append a person's kinds only, runners the runner-written kinds only.
@@ -272,5 +286,38 @@ mod tests {
             )),
             None
         );
+        // Snapshots: runners keep them, clients and runners read them within their scope.
+        assert_eq!(
+            code(authorize(acme, Rpc::PutSnapshot, &Target::default())),
+            Some(PermissionDenied)
+        );
+        assert_eq!(
+            code(authorize(pool, Rpc::PutSnapshot, &Target::default())),
+            None
+        );
+        assert_eq!(
+            code(authorize(acme, Rpc::GetSnapshot, &append("acme:1", vec![]))),
+            None
+        );
+        assert_eq!(
+            code(authorize(acme, Rpc::GetSnapshot, &append("beta:1", vec![]))),
+            Some(NotFound)
+        );
+    }
+
+    #[test]
+    fn a_snapshot_is_kept_only_within_the_runners_prefixes() {
+        let scoped = Caller {
+            name: "acme-runners".into(),
+            role: Role::Runner,
+            scope: Scope::prefixes(vec!["acme:".into()]),
+            authenticated: true,
+        };
+        assert_eq!(authorize_snapshot_put(&scoped, "acme:1"), Ok(()));
+        assert_eq!(
+            authorize_snapshot_put(&scoped, "beta:1").map_err(|d| d.code()),
+            Err(Code::PermissionDenied)
+        );
+        assert_eq!(authorize_snapshot_put(&pool(), "beta:1"), Ok(()));
     }
 }

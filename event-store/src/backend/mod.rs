@@ -18,6 +18,10 @@
 //! - **A claim goes to exactly one claimant**: a runnable session is granted to one caller.
 //! - The derived session state (status, title, pending approvals) follows the rules in
 //!   [`crate::session`], the same functions in every backend.
+//! - **Snapshots are derived, never the truth.** A [`Snapshot`] is kept per (session,
+//!   format) only for the session's live lease holder and a seq within the log
+//!   ([`crate::rules::check_snapshot`]); a newer seq replaces an older one, never the reverse. The backend
+//!   never reads the data; nothing in the log depends on a snapshot being there.
 //!
 //! The integration suites `store_append`, `store_leases`, `store_subscribe`,
 //! `store_bad_input` and `store_protocol` run against each backend through the real binary,
@@ -54,6 +58,18 @@ impl WireEvent {
             }),
         }
     }
+}
+
+/// The largest snapshot a backend keeps.
+pub const MAX_SNAPSHOT_BYTES: usize = 64 << 20;
+
+/// A record derived from a session's log up to `seq`, in a format its writer chose.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Snapshot {
+    pub session_id: String,
+    pub format: String,
+    pub seq: u64,
+    pub data: Vec<u8>,
 }
 
 /// A session-level store. Requests reach it already validated by [`crate::service`] (ids,
@@ -120,6 +136,17 @@ pub trait Backend: Send + Sync + 'static {
         cancel: &CancellationToken,
         scope: &Scope,
     ) -> Result<Option<Lease>, StoreError>;
+
+    /// Keeps `snapshot` (see the module head); returns the seq of the snapshot now kept.
+    async fn put_snapshot(&self, snapshot: Snapshot, lease_epoch: u64)
+        -> Result<u64, StoreError>;
+
+    /// The kept snapshot of `format` for the session, if any.
+    async fn get_snapshot(
+        &self,
+        session_id: &str,
+        format: &str,
+    ) -> Result<Option<Snapshot>, StoreError>;
 
     /// Whether the backend can acknowledge appends now (health reports NOT_SERVING while
     /// it cannot); changes as it loses and regains its storage.
@@ -204,6 +231,22 @@ impl Backend for crate::Store {
         scope: &Scope,
     ) -> Result<Option<Lease>, StoreError> {
         crate::Store::claim(self, owner, ttl_ms, wait, cancel, scope).await
+    }
+
+    async fn put_snapshot(
+        &self,
+        snapshot: Snapshot,
+        lease_epoch: u64,
+    ) -> Result<u64, StoreError> {
+        crate::Store::put_snapshot(self, snapshot, lease_epoch).await
+    }
+
+    async fn get_snapshot(
+        &self,
+        session_id: &str,
+        format: &str,
+    ) -> Result<Option<Snapshot>, StoreError> {
+        crate::Store::get_snapshot(self, session_id, format).await
     }
 
     /// Not serving while the log's volume is full (appends resume by themselves once there

@@ -48,7 +48,7 @@ use tokio_util::sync::CancellationToken;
 
 use agentlog_proto::reason::Reason;
 
-use crate::backend::{Backend, WireEvent};
+use crate::backend::{Backend, Snapshot, WireEvent};
 use crate::log::LeaseRecord;
 use crate::queries::{long_poll_claim, ClaimAttempt, ListQuery};
 use crate::rules;
@@ -952,6 +952,87 @@ impl Backend for PgBackend {
             self.try_claim(&owner, ttl_ms, scope)
         })
         .await
+    }
+
+    async fn put_snapshot(
+        &self,
+        snapshot: Snapshot,
+        lease_epoch: u64,
+    ) -> Result<u64, StoreError> {
+        // Lands only while the session row is at the version the lease was checked against,
+        // and only over an older snapshot; says which of the three happened.
+        const PUT: &str = "WITH s AS (SELECT 1 FROM agentlog_sessions \
+             WHERE session_id = $1 AND version = $2), \
+             put AS (INSERT INTO agentlog_snapshots (session_id, format, seq, data) \
+             SELECT $1, $3, $4, $5 FROM s ON CONFLICT (session_id, format) DO UPDATE \
+             SET seq = excluded.seq, data = excluded.data \
+             WHERE agentlog_snapshots.seq <= excluded.seq RETURNING seq) \
+             SELECT (SELECT count(*) FROM s), (SELECT seq FROM put), \
+             (SELECT seq FROM agentlog_snapshots WHERE session_id = $1 AND format = $3)";
+        let client = self.client().await?;
+        let seq = snapshot.seq as i64;
+        for _ in 0..MAX_ATTEMPTS {
+            let (state, _) = self.refresh(&client, &snapshot.session_id, &[]).await?;
+            if state.meta.last_seq == 0 {
+                return Err(rules::session_not_found(&snapshot.session_id));
+            }
+            rules::check_snapshot(
+                &state.meta,
+                &snapshot.session_id,
+                lease_epoch,
+                snapshot.seq,
+                now_unix_ms(),
+            )?;
+            let row = timed("put_snapshot", async {
+                let statement = client.prepare_cached(PUT).await?;
+                client
+                    .query_one(
+                        &statement,
+                        &[
+                            &snapshot.session_id,
+                            &state.version,
+                            &snapshot.format,
+                            &seq,
+                            &snapshot.data,
+                        ],
+                    )
+                    .await
+            })
+            .await
+            .map_err(|e| self.timed_error(e))?;
+            let (matched, put, kept): (i64, Option<i64>, Option<i64>) =
+                (row.get(0), row.get(1), row.get(2));
+            if matched == 0 {
+                continue; // The session changed since it was read: check again.
+            }
+            return Ok(put.or(kept).unwrap_or(seq) as u64);
+        }
+        Err(contended(&snapshot.session_id))
+    }
+
+    async fn get_snapshot(
+        &self,
+        session_id: &str,
+        format: &str,
+    ) -> Result<Option<Snapshot>, StoreError> {
+        let client = self.client().await?;
+        let row = timed("get_snapshot", async {
+            let statement = client
+                .prepare_cached(
+                    "SELECT seq, data FROM agentlog_snapshots \
+                     WHERE session_id = $1 AND format = $2",
+                )
+                .await?;
+            client.query_opt(&statement, &[&session_id, &format]).await
+        })
+        .await
+        .map_err(|e| self.timed_error(e))?;
+        Ok(row.map(|row| Snapshot {
+            session_id: session_id.to_string(),
+            format: format.to_string(),
+            seq: row.get::<_, i64>(0) as u64,
+            data: row.get(1),
+        }))
     }
 
     fn serving(&self) -> watch::Receiver<bool> {

@@ -14,6 +14,8 @@
 //!   only if that is still the current one.
 //! - `agentlog_events`: the events, prost-encoded, keyed by `(session_id, seq)`; the unique
 //!   index on `(session_id, event_id)` makes dedup permanent.
+//! - `agentlog_snapshots` (version 2): the kept snapshot per (session, format), derived
+//!   data the store never reads; stored uncompressed (the writer chose its encoding).
 //!
 //! [`SessionMeta`]: crate::session::SessionMeta
 
@@ -45,6 +47,15 @@ CREATE TABLE agentlog_events (
     PRIMARY KEY (session_id, seq)
 );
 CREATE UNIQUE INDEX agentlog_events_event_id ON agentlog_events (session_id, event_id);
+"#, r#"
+CREATE TABLE agentlog_snapshots (
+    session_id text COLLATE "C" NOT NULL,
+    format text COLLATE "C" NOT NULL,
+    seq bigint NOT NULL,
+    data bytea NOT NULL,
+    PRIMARY KEY (session_id, format)
+);
+ALTER TABLE agentlog_snapshots ALTER COLUMN data SET STORAGE EXTERNAL;
 "#];
 
 /// The schema version this build writes.

@@ -51,6 +51,7 @@ fn try_open_store_with(
         let result = Store::open(StoreConfig {
             log: Arc::new(disk.clone()),
             index_dir: index_dir.to_path_buf(),
+            snapshot_dir: index_dir.with_extension("snapshots"),
             log_config,
         });
         match result {

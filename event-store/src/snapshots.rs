@@ -1,0 +1,160 @@
+//! The local backend's snapshots: one file per (session, format) under
+//! `<data-dir>/snapshots/<session_id>/<format>`, holding the seq (8 bytes, little endian)
+//! and the data.
+//!
+//! Promises:
+//! - A file is replaced whole or not at all: the new one is written beside it, fsync'd, and
+//!   renamed over it (the directory fsync'd after), so a crash leaves the old snapshot or the
+//!   new one, never a mix.
+//! - A snapshot never replaces one with a higher seq (puts of one session are serialised).
+//! - A snapshot is derived data: losing one costs a reader a longer read of the log, never
+//!   correctness, so the directory is not part of recovery and the log never refers to it.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use crate::backend::Snapshot;
+use crate::StoreError;
+
+const SEQ_BYTES: usize = 8;
+
+/// The snapshot files of one store.
+#[derive(Debug)]
+pub struct SnapshotDir {
+    dir: PathBuf,
+    /// Serialises puts, so that the seq check and the rename are one step.
+    writing: Mutex<()>,
+}
+
+impl SnapshotDir {
+    /// Snapshots under `dir` (created when the first one is written).
+    pub fn new(dir: PathBuf) -> SnapshotDir {
+        SnapshotDir {
+            dir,
+            writing: Mutex::new(()),
+        }
+    }
+
+    fn path(&self, session_id: &str, format: &str) -> PathBuf {
+        // Both are validated by the service: no `/`, no leading `.`.
+        self.dir.join(session_id).join(format)
+    }
+
+    /// Keeps `snapshot` unless a newer one is kept; returns the seq of the kept one.
+    pub fn put(&self, snapshot: &Snapshot) -> Result<u64, StoreError> {
+        let _writing = self.writing.lock().unwrap_or_else(|p| p.into_inner());
+        let path = self.path(&snapshot.session_id, &snapshot.format);
+        if let Some(kept) = read_seq(&path)? {
+            if kept > snapshot.seq {
+                return Ok(kept);
+            }
+        }
+        let session_dir = path.parent().unwrap_or(&self.dir);
+        let created = !session_dir.exists();
+        std::fs::create_dir_all(session_dir).map_err(|e| io_error(session_dir, e))?;
+        if created {
+            sync_dir(&self.dir)?;
+        }
+        // Formats start with a letter or digit, so no format names this file.
+        let tmp = session_dir.join(format!(".{}.tmp", snapshot.format));
+        let mut file = std::fs::File::create(&tmp).map_err(|e| io_error(&tmp, e))?;
+        file.write_all(&snapshot.seq.to_le_bytes())
+            .and_then(|()| file.write_all(&snapshot.data))
+            .and_then(|()| file.sync_data())
+            .map_err(|e| io_error(&tmp, e))?;
+        drop(file);
+        std::fs::rename(&tmp, &path).map_err(|e| io_error(&path, e))?;
+        sync_dir(session_dir)?;
+        Ok(snapshot.seq)
+    }
+
+    /// The kept snapshot of `format`, if any.
+    pub fn get(&self, session_id: &str, format: &str) -> Result<Option<Snapshot>, StoreError> {
+        let path = self.path(session_id, format);
+        let bytes = match std::fs::read(&path) {
+            Ok(bytes) => bytes,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(io_error(&path, e)),
+        };
+        let Some((seq, data)) = split_seq(&bytes) else {
+            return Err(StoreError::Internal(format!(
+                "snapshot file {} is shorter than its header",
+                path.display()
+            )));
+        };
+        Ok(Some(Snapshot {
+            session_id: session_id.to_string(),
+            format: format.to_string(),
+            seq,
+            data: data.to_vec(),
+        }))
+    }
+}
+
+fn split_seq(bytes: &[u8]) -> Option<(u64, &[u8])> {
+    let (seq, data) = bytes.split_first_chunk::<SEQ_BYTES>()?;
+    Some((u64::from_le_bytes(*seq), data))
+}
+
+/// The seq of the snapshot kept at `path`, if any.
+fn read_seq(path: &Path) -> Result<Option<u64>, StoreError> {
+    use std::io::Read;
+    let mut header = [0u8; SEQ_BYTES];
+    match std::fs::File::open(path).and_then(|mut f| f.read_exact(&mut header)) {
+        Ok(()) => Ok(Some(u64::from_le_bytes(header))),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        // A file cut short (it cannot be, after a rename; but never trust it): replace it.
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Ok(None),
+        Err(e) => Err(io_error(path, e)),
+    }
+}
+
+fn sync_dir(dir: &Path) -> Result<(), StoreError> {
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| io_error(dir, e))
+}
+
+fn io_error(path: &Path, e: std::io::Error) -> StoreError {
+    if e.raw_os_error() == Some(28) {
+        return StoreError::ResourceExhausted(format!(
+            "no room for the snapshot at {}: the volume is full",
+            path.display()
+        ));
+    }
+    StoreError::Internal(format!("snapshot file {}: {e}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn snapshot(seq: u64, data: &[u8]) -> Snapshot {
+        Snapshot {
+            session_id: "s1".into(),
+            format: "fold".into(),
+            seq,
+            data: data.to_vec(),
+        }
+    }
+
+    #[test]
+    fn the_newest_snapshot_is_kept_and_an_older_one_dropped() {
+        let dir = tempfile::tempdir().unwrap();
+        let snapshots = SnapshotDir::new(dir.path().join("snapshots"));
+        assert_eq!(snapshots.get("s1", "fold").unwrap(), None);
+        assert_eq!(snapshots.put(&snapshot(10, b"ten")).unwrap(), 10);
+        assert_eq!(snapshots.put(&snapshot(7, b"seven")).unwrap(), 10);
+        assert_eq!(
+            snapshots.get("s1", "fold").unwrap(),
+            Some(snapshot(10, b"ten"))
+        );
+        assert_eq!(snapshots.put(&snapshot(12, b"")).unwrap(), 12);
+        assert_eq!(snapshots.get("s1", "fold").unwrap(), Some(snapshot(12, b"")));
+        assert_eq!(snapshots.get("s1", "other").unwrap(), None);
+        // Reopened (a restarted store), the kept snapshot is still there.
+        let reopened = SnapshotDir::new(dir.path().join("snapshots"));
+        assert_eq!(reopened.get("s1", "fold").unwrap(), Some(snapshot(12, b"")));
+    }
+}
