@@ -11,9 +11,9 @@ use agentlog_proto::v1::event_store_server::{EventStore, EventStoreServer};
 use agentlog_proto::v1::{
     append_stream_response, AcquireLeaseRequest, AppendError, AppendRequest, AppendResponse,
     AppendStreamResponse, ClaimSessionRequest, ClaimSessionResponse, Durability, Event,
-    GetSessionRequest, Lease, ListSessionsRequest, ListSessionsResponse, ReleaseLeaseRequest,
-    GetSnapshotRequest, PutSnapshotResponse, ReleaseLeaseResponse, RenewLeaseRequest,
-    SessionInfo, SnapshotChunk, SubscribeRequest,
+    GetSessionRequest, GetSnapshotRequest, Lease, ListSessionsRequest, ListSessionsResponse,
+    PutSnapshotResponse, ReleaseLeaseRequest, ReleaseLeaseResponse, RenewLeaseRequest, SessionInfo,
+    SnapshotChunk, SubscribeRequest,
 };
 use prost::Message;
 use tokio::sync::watch;

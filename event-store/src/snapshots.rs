@@ -151,7 +151,10 @@ mod tests {
             Some(snapshot(10, b"ten"))
         );
         assert_eq!(snapshots.put(&snapshot(12, b"")).unwrap(), 12);
-        assert_eq!(snapshots.get("s1", "fold").unwrap(), Some(snapshot(12, b"")));
+        assert_eq!(
+            snapshots.get("s1", "fold").unwrap(),
+            Some(snapshot(12, b""))
+        );
         assert_eq!(snapshots.get("s1", "other").unwrap(), None);
         // Reopened (a restarted store), the kept snapshot is still there.
         let reopened = SnapshotDir::new(dir.path().join("snapshots"));

@@ -15,6 +15,10 @@
 //! costs O(1) amortised, so a runner that keeps its state pays per step only for the events
 //! since its last step. [`fold_log`] is the same fold over a whole log at once (the tests
 //! in this module check that any split of a log into a prefix and a rest folds the same).
+//! A fold also travels as bytes ([`snapshot`]): restored, it folds the rest of the log the
+//! same way.
+
+pub mod snapshot;
 
 use std::collections::HashMap;
 
@@ -743,6 +747,36 @@ mod tests {
         assert_eq!(approval_of(&events), Approval::Denied { note: "n".into() });
     }
 
+    fn fold_state(events: &[Event]) -> FoldState {
+        let mut state = FoldState::default();
+        for event in events {
+            state.apply(event);
+        }
+        state
+    }
+
+    #[test]
+    fn a_snapshot_of_another_version_or_garbage_is_refused() {
+        let events = [user("go"), reply(&["a"], "r"), started("a", 1)];
+        let data = fold_state(&events).to_snapshot().unwrap();
+        assert!(FoldState::from_snapshot(&data).is_ok());
+        assert!(matches!(
+            FoldState::from_snapshot(b"\xff\xff\xff not a fold"),
+            Err(snapshot::SnapshotError::Undecodable(_))
+        ));
+        // The version is field 1 (varint): a record that says version 99.
+        let mut other = vec![0x08, 99];
+        other.extend_from_slice(&data[2..]);
+        assert_eq!(
+            FoldState::from_snapshot(&other).err(),
+            Some(snapshot::SnapshotError::Version { found: 99 })
+        );
+        assert!(
+            FoldState::from_snapshot(&[]).is_err(),
+            "an empty record is version 0"
+        );
+    }
+
     /// A simulated log writer: the guarded loop (driven by the fold itself), clients
     /// appending user turns at any moment, and crashes that cut a step short.
     #[derive(Debug, Clone)]
@@ -887,6 +921,40 @@ mod tests {
                     state.apply(event);
                 }
                 prop_assert_eq!(&state.folded(), &whole);
+            }
+        }
+
+        /// A runner that never worked the session starts from a snapshot taken at any seq
+        /// (encoded, stored, decoded) and folds the rest: the same frontier and the same
+        /// conversation as folding the whole log from seq 1.
+        #[test]
+        fn a_fold_restored_from_a_snapshot_at_any_seq_folds_the_rest_the_same(
+            steps in proptest::collection::vec(step(), 0..60)
+        ) {
+            let mut events = Vec::new();
+            let mut counter = 0;
+            for step in &steps {
+                apply(&mut events, step, &mut counter);
+            }
+            let whole = fold_log(&events);
+            let mut state = FoldState::default();
+            for split in 0..=events.len() {
+                if split > 0 {
+                    state.apply(&events[split - 1]);
+                }
+                let data = state.to_snapshot().expect("not lent");
+                let mut restored = FoldState::from_snapshot(&data).expect("a fresh snapshot decodes");
+                prop_assert_eq!(&restored.folded(), &fold_log(&events[..split]));
+                let taken = restored.take_folded();
+                if let Frontier::CallModel(conversation) = taken.frontier {
+                    prop_assert!(restored.to_snapshot().is_none(), "no snapshot while lent");
+                    restored.give_back(conversation);
+                }
+                for event in &events[split..] {
+                    restored.apply(event);
+                }
+                prop_assert_eq!(&restored.folded(), &whole);
+                prop_assert_eq!(restored.last_interrupt_seq(), fold_state(&events).last_interrupt_seq());
             }
         }
 

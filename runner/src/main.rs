@@ -54,6 +54,11 @@ struct Args {
     /// Lease time to live; leases are renewed every third of it.
     #[arg(long, env = "AGENTLOG_LEASE_TTL_MS", default_value_t = 30_000)]
     lease_ttl_ms: u64,
+    /// Keep a session's fold in the store as a snapshot each time this many events have
+    /// passed since the last one (sessions of fewer events have none), so that a runner that
+    /// never worked the session reads only the events after it. 0: no snapshots.
+    #[arg(long, env = "AGENTLOG_SNAPSHOT_EVERY", default_value_t = 1000)]
+    snapshot_every: u64,
     /// The most tokens one model reply may have.
     #[arg(long, env = "AGENTLOG_MAX_TOKENS", default_value_t = 8192)]
     max_tokens: u32,
@@ -227,6 +232,7 @@ async fn run() -> Result<()> {
             runner_id: args.runner_id,
             lease_ttl: Duration::from_millis(args.lease_ttl_ms),
             max_sessions: args.max_sessions,
+            snapshot_every: args.snapshot_every,
         },
         context,
         shutdown,

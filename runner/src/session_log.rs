@@ -18,18 +18,29 @@
 //!   reads only the events after it. That is exact because the log is append-only and a seq
 //!   once seen always means the same event: the fold of seqs 1..n, then n+1.. applied, is
 //!   the fold of the whole log (checked by the property tests in `fold.rs`).
+//! - A session this runner never worked starts from the fold's snapshot in the store
+//!   (`GetSnapshot`, format [`snapshot::FORMAT`]) when there is one, and reads only the events
+//!   after its seq. A snapshot that does not decode, is of another fold version, or claims a
+//!   seq past the log is ignored with a warning: the fold starts from seq 1, as without one.
+//! - After a session's work ends (idle, or waiting for a person), while the lease is still
+//!   held, the fold is put back as a snapshot once `snapshot_every` seqs have passed since
+//!   the last one ([`SessionLog::write_snapshot_if_due`]); a failed put only costs a later
+//!   cold claim a longer read.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::fold::FoldState;
+use crate::fold::{snapshot, FoldState};
 use agentlog_client::follow::{follow, Flow, Note, Refusals};
 use agentlog_client::refusal::{is_lease_lost, is_session_not_found};
 use agentlog_client::retry::retry_transient;
 use agentlog_client::StoreClient;
-use agentlog_proto::v1::{event::Kind, AppendRequest, Durability, Event, GetSessionRequest};
+use agentlog_proto::v1::{
+    event::Kind, AppendRequest, Durability, Event, GetSessionRequest, GetSnapshotRequest,
+    SnapshotChunk,
+};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tracing::Instrument;
@@ -43,6 +54,8 @@ const CATCH_UP_LIMIT: Duration = Duration::from_secs(30);
 /// Non-delta events buffered between the subscription and the fold. Deltas are not
 /// buffered (the fold ignores them), so only client appends made during one step fill it.
 const EVENT_BUFFER: usize = 1024;
+/// PutSnapshot sends the fold in chunks of this size (the store takes up to 4 MiB each).
+const SNAPSHOT_CHUNK_BYTES: usize = 1 << 20;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -161,35 +174,57 @@ impl InterruptSignal {
 struct KeptFold {
     fold: FoldState,
     applied_through: u64,
+    /// The seq of the snapshot the store holds for the session, as far as we know.
+    snapshot_seq: u64,
     last_used: u64,
+}
+
+/// Where a claim's fold starts.
+#[derive(Debug, Default)]
+struct Start {
+    fold: FoldState,
+    applied_through: u64,
+    snapshot_seq: u64,
 }
 
 /// The folds of the sessions this runner worked most recently, so that claiming one of
 /// them again costs the events since, not the log's length. Bounded: the least recently
-/// used fold is dropped first.
+/// used fold is dropped first. It also says how often folds go to the store as snapshots,
+/// for the claims of runners that never worked the session.
 #[derive(Debug)]
 pub struct FoldCache {
     capacity: usize,
+    snapshot_every: u64,
     kept: Mutex<(u64, HashMap<String, KeptFold>)>,
 }
 
 impl FoldCache {
-    /// Keeps at most `capacity` sessions' folds (0 keeps none).
-    pub fn new(capacity: usize) -> FoldCache {
+    /// Keeps at most `capacity` sessions' folds (0 keeps none), and reads and writes
+    /// snapshots of sessions whose log has at least `snapshot_every` events, writing one
+    /// each time that many seqs have passed since the last (0: no snapshots).
+    pub fn new(capacity: usize, snapshot_every: u64) -> FoldCache {
         FoldCache {
             capacity,
+            snapshot_every,
             kept: Mutex::new((0, HashMap::new())),
         }
     }
 
-    fn take(&self, session_id: &str) -> Option<(FoldState, u64)> {
+    fn take(&self, session_id: &str) -> Option<Start> {
         let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
-        kept.1
-            .remove(session_id)
-            .map(|k| (k.fold, k.applied_through))
+        kept.1.remove(session_id).map(|k| Start {
+            fold: k.fold,
+            applied_through: k.applied_through,
+            snapshot_seq: k.snapshot_seq,
+        })
     }
 
-    fn keep(&self, session_id: String, fold: FoldState, applied_through: u64) {
+    fn keep(&self, session_id: String, start: Start) {
+        let Start {
+            fold,
+            applied_through,
+            snapshot_seq,
+        } = start;
         if self.capacity == 0 || applied_through == 0 {
             return;
         }
@@ -201,6 +236,7 @@ impl FoldCache {
             KeptFold {
                 fold,
                 applied_through,
+                snapshot_seq,
                 last_used,
             },
         );
@@ -230,6 +266,9 @@ pub struct SessionLog {
     /// The last seq when the session was claimed: a fold short of it would act on a log
     /// that lacks what the previous lease holder wrote.
     claimed_tail: u64,
+    /// The seq of the snapshot the store holds, as far as we know (0: none).
+    snapshot_seq: u64,
+    snapshot_every: u64,
     follower: JoinHandle<()>,
 }
 
@@ -241,7 +280,7 @@ impl Drop for SessionLog {
 
 impl SessionLog {
     /// Starts following the session's log (call it after the lease is held): from the fold
-    /// `cache` kept for it, or from seq 1.
+    /// `cache` kept for it, else from the store's snapshot of it, else from seq 1.
     pub async fn open(appender: Appender, cache: &FoldCache) -> Result<SessionLog, StoreError> {
         let claimed_tail = retry_transient("GetSession", STORE_PATIENCE, || {
             let mut client = appender.client.clone();
@@ -256,10 +295,22 @@ impl SessionLog {
         })
         .await
         .map_err(StoreError::Failed)?;
-        let (fold, applied_through) = cache
+        let kept = cache
             .take(&appender.session_id)
-            .filter(|(_, applied)| *applied <= claimed_tail)
-            .unwrap_or_default();
+            .filter(|start| start.applied_through <= claimed_tail);
+        let Start {
+            fold,
+            applied_through,
+            snapshot_seq,
+        } = match kept {
+            Some(start) => start,
+            None if cache.snapshot_every > 0 && claimed_tail >= cache.snapshot_every => {
+                restore_snapshot(&appender, claimed_tail)
+                    .await
+                    .unwrap_or_default()
+            }
+            None => Start::default(),
+        };
         let (sender, events) = mpsc::channel(EVENT_BUFFER);
         let (publish, seen) = watch::channel(Seen {
             through_seq: applied_through,
@@ -283,6 +334,8 @@ impl SessionLog {
             events,
             seen,
             claimed_tail,
+            snapshot_seq,
+            snapshot_every: cache.snapshot_every,
             follower,
         })
     }
@@ -298,8 +351,56 @@ impl SessionLog {
             // A step ended without giving its conversation back: the fold is incomplete.
             return;
         }
-        let fold = std::mem::take(&mut self.fold);
-        cache.keep(self.appender.session_id.clone(), fold, self.applied_through);
+        let start = Start {
+            fold: std::mem::take(&mut self.fold),
+            applied_through: self.applied_through,
+            snapshot_seq: self.snapshot_seq,
+        };
+        cache.keep(self.appender.session_id.clone(), start);
+    }
+
+    /// Puts the fold in the store as a snapshot if `snapshot_every` seqs have passed since
+    /// the last one (call it while the lease is held, between steps). A refusal or a failure
+    /// is logged and otherwise ignored: the snapshot only saves a later claim some reading.
+    pub async fn write_snapshot_if_due(&mut self) {
+        let every = self.snapshot_every;
+        if every == 0 || self.applied_through < self.snapshot_seq.saturating_add(every) {
+            return;
+        }
+        let Some(data) = self.fold.to_snapshot() else {
+            return;
+        };
+        let seq = self.applied_through;
+        let bytes = data.len();
+        let mut chunks: Vec<SnapshotChunk> = data
+            .chunks(SNAPSHOT_CHUNK_BYTES)
+            .map(|part| SnapshotChunk {
+                data: part.to_vec(),
+                ..SnapshotChunk::default()
+            })
+            .collect();
+        drop(data);
+        if let Some(first) = chunks.first_mut() {
+            first.session_id = self.appender.session_id.clone();
+            first.lease_epoch = self.appender.epoch;
+            first.seq = seq;
+            first.format = snapshot::FORMAT.to_string();
+        }
+        let put = self
+            .appender
+            .client
+            .clone()
+            .put_snapshot(tokio_stream::iter(chunks))
+            .await;
+        match put {
+            Ok(kept) => {
+                self.snapshot_seq = kept.into_inner().seq.max(seq);
+                tracing::info!(seq, bytes, "kept the fold as a snapshot");
+            }
+            Err(status) => {
+                tracing::warn!(%status, seq, "the store did not keep the fold's snapshot")
+            }
+        }
     }
 
     /// Returns the messages of a conversation taken with [`FoldState::take_folded`].
@@ -345,6 +446,61 @@ impl SessionLog {
                     ))))
                 }
             }
+        }
+    }
+}
+
+/// The fold of the store's snapshot of the session, if there is a usable one.
+async fn restore_snapshot(appender: &Appender, claimed_tail: u64) -> Option<Start> {
+    let request = GetSnapshotRequest {
+        session_id: appender.session_id.clone(),
+        format: snapshot::FORMAT.to_string(),
+    };
+    let read = async {
+        let mut chunks = appender
+            .client
+            .clone()
+            .get_snapshot(request)
+            .await?
+            .into_inner();
+        let Some(first) = chunks.message().await? else {
+            return Ok(None);
+        };
+        let (seq, mut data) = (first.seq, first.data);
+        while let Some(chunk) = chunks.message().await? {
+            data.extend_from_slice(&chunk.data);
+        }
+        Ok::<_, tonic::Status>(Some((seq, data)))
+    };
+    let (seq, data) = match read.await {
+        Ok(Some(found)) => found,
+        Ok(None) => return None,
+        Err(status) if status.code() == Code::NotFound => return None,
+        Err(status) => {
+            tracing::warn!(%status, "could not read the fold's snapshot; folding from seq 1");
+            return None;
+        }
+    };
+    if seq > claimed_tail {
+        tracing::warn!(
+            seq,
+            claimed_tail,
+            "ignoring a snapshot past the end of the log; folding from seq 1"
+        );
+        return None;
+    }
+    match FoldState::from_snapshot(&data) {
+        Ok(fold) => {
+            tracing::info!(seq, bytes = data.len(), "resuming from the fold's snapshot");
+            Some(Start {
+                fold,
+                applied_through: seq,
+                snapshot_seq: seq,
+            })
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, seq, "ignoring the fold's snapshot; folding from seq 1");
+            None
         }
     }
 }

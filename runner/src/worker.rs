@@ -28,6 +28,9 @@ pub struct ClaimConfig {
     pub runner_id: String,
     pub lease_ttl: Duration,
     pub max_sessions: usize,
+    /// Seqs between snapshots of a session's fold in the store (0: none); see
+    /// [`FoldCache::new`].
+    pub snapshot_every: u64,
 }
 
 /// Claims runnable sessions, up to `max_sessions` at once, and works each until it is idle,
@@ -42,6 +45,7 @@ pub async fn claim_loop(
     let permits = Arc::new(Semaphore::new(config.max_sessions.max(1)));
     let folds = Arc::new(FoldCache::new(
         config.max_sessions.max(1) * KEPT_FOLDS_PER_SLOT,
+        config.snapshot_every,
     ));
     let mut sessions = JoinSet::new();
     loop {
@@ -121,8 +125,12 @@ async fn work_session(
         }
     };
     match turn::drive_session(context, &mut log, &guard).await {
-        Ok(Outcome::Idle) => tracing::info!("session is idle; releasing it"),
+        Ok(Outcome::Idle) => {
+            log.write_snapshot_if_due().await;
+            tracing::info!("session is idle; releasing it")
+        }
         Ok(Outcome::AwaitingApproval) => {
+            log.write_snapshot_if_due().await;
             tracing::info!("a call waits for a person; releasing the session")
         }
         Ok(Outcome::Stopped) => tracing::info!("stopped working on the session"),

@@ -138,8 +138,7 @@ pub trait Backend: Send + Sync + 'static {
     ) -> Result<Option<Lease>, StoreError>;
 
     /// Keeps `snapshot` (see the module head); returns the seq of the snapshot now kept.
-    async fn put_snapshot(&self, snapshot: Snapshot, lease_epoch: u64)
-        -> Result<u64, StoreError>;
+    async fn put_snapshot(&self, snapshot: Snapshot, lease_epoch: u64) -> Result<u64, StoreError>;
 
     /// The kept snapshot of `format` for the session, if any.
     async fn get_snapshot(
@@ -233,11 +232,7 @@ impl Backend for crate::Store {
         crate::Store::claim(self, owner, ttl_ms, wait, cancel, scope).await
     }
 
-    async fn put_snapshot(
-        &self,
-        snapshot: Snapshot,
-        lease_epoch: u64,
-    ) -> Result<u64, StoreError> {
+    async fn put_snapshot(&self, snapshot: Snapshot, lease_epoch: u64) -> Result<u64, StoreError> {
         crate::Store::put_snapshot(self, snapshot, lease_epoch).await
     }
 

@@ -954,11 +954,7 @@ impl Backend for PgBackend {
         .await
     }
 
-    async fn put_snapshot(
-        &self,
-        snapshot: Snapshot,
-        lease_epoch: u64,
-    ) -> Result<u64, StoreError> {
+    async fn put_snapshot(&self, snapshot: Snapshot, lease_epoch: u64) -> Result<u64, StoreError> {
         // Lands only while the session row is at the version the lease was checked against,
         // and only over an older snapshot; says which of the three happened.
         const PUT: &str = "WITH s AS (SELECT 1 FROM agentlog_sessions \

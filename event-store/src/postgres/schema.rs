@@ -26,7 +26,8 @@ const MIGRATION_LOCK: i64 = 0x6167_656e_746c_6f67; // "agentlog"
 
 /// Migration `i` brings the schema to version `i + 1`. Append only: never edit one that
 /// has shipped.
-const MIGRATIONS: &[&str] = &[r#"
+const MIGRATIONS: &[&str] = &[
+    r#"
 CREATE TABLE agentlog_sessions (
     session_id text COLLATE "C" PRIMARY KEY,
     version bigint NOT NULL,
@@ -47,7 +48,8 @@ CREATE TABLE agentlog_events (
     PRIMARY KEY (session_id, seq)
 );
 CREATE UNIQUE INDEX agentlog_events_event_id ON agentlog_events (session_id, event_id);
-"#, r#"
+"#,
+    r#"
 CREATE TABLE agentlog_snapshots (
     session_id text COLLATE "C" NOT NULL,
     format text COLLATE "C" NOT NULL,
@@ -56,7 +58,8 @@ CREATE TABLE agentlog_snapshots (
     PRIMARY KEY (session_id, format)
 );
 ALTER TABLE agentlog_snapshots ALTER COLUMN data SET STORAGE EXTERNAL;
-"#];
+"#,
+];
 
 /// The schema version this build writes.
 pub const VERSION: i32 = MIGRATIONS.len() as i32;

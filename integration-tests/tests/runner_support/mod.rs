@@ -8,6 +8,7 @@ use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use agentlog_proto::v1::{
@@ -59,6 +60,8 @@ impl Rig {
 pub struct RunnerProc {
     child: Child,
     pub id: String,
+    /// Every line it has written to stderr so far.
+    log: Arc<Mutex<Vec<String>>>,
 }
 
 /// Starts `runner` against `store_url` with the Anthropic stand-in at `model_url`.
@@ -146,17 +149,21 @@ pub fn start_runner_on_model(
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawn runner");
+    let log = Arc::new(Mutex::new(Vec::new()));
     if let Some(stderr) = child.stderr.take() {
         let name = id.to_string();
+        let log = log.clone();
         std::thread::spawn(move || {
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
                 eprintln!("[{name}] {line}");
+                log.lock().unwrap_or_else(|p| p.into_inner()).push(line);
             }
         });
     }
     RunnerProc {
         child,
         id: id.to_string(),
+        log,
     }
 }
 
@@ -172,6 +179,12 @@ impl RunnerProc {
 
     pub fn signal(&self, sig: Signal) {
         signal(self.child.id(), sig);
+    }
+
+    /// The lines of its stderr log so far that contain `needle`.
+    pub fn log_lines(&self, needle: &str) -> Vec<String> {
+        let log = self.log.lock().unwrap_or_else(|p| p.into_inner());
+        log.iter().filter(|l| l.contains(needle)).cloned().collect()
     }
 
     pub fn is_running(&mut self) -> bool {

@@ -1,0 +1,243 @@
+//! A fold as bytes: what the runner keeps in the store (`PutSnapshot`, format [`FORMAT`])
+//! so that a runner that never worked a session starts from it and folds only the events
+//! after it, instead of the whole log.
+//!
+//! Promises:
+//! - [`FoldState::from_snapshot`] of [`FoldState::to_snapshot`] is the same state: applying
+//!   the rest of the log to it folds to what folding from seq 1 gives (the property test
+//!   `a_fold_restored_from_a_snapshot_at_any_seq_folds_the_rest_the_same` in `fold.rs`).
+//! - The encoding is protobuf (prost) with explicit tags, so it reads the same across
+//!   builds; [`VERSION`] is inside the data and is bumped whenever the shape of
+//!   [`FoldState`] or the meaning of a field changes. Data of another version, or data that
+//!   does not decode, is refused ([`SnapshotError`]) and the caller folds from seq 1: a
+//!   snapshot only ever saves time, the log stays the truth.
+
+use std::collections::HashMap;
+
+use agentlog_proto::v1::{AssistantMessage, ToolResult, ToolUseBlock};
+
+use super::{Approval, FoldState, Message, PendingInterrupt, UserBlock};
+
+/// The snapshot format the runner writes and reads in the store.
+pub const FORMAT: &str = "runner-fold";
+/// The shape of [`FoldState`] this build encodes.
+pub const VERSION: u32 = 1;
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum SnapshotError {
+    #[error("the snapshot does not decode: {0}")]
+    Undecodable(String),
+    #[error("the snapshot holds fold version {found}; this runner reads version {VERSION}")]
+    Version { found: u32 },
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct FoldRecord {
+    #[prost(uint32, tag = "1")]
+    version: u32,
+    #[prost(message, repeated, tag = "2")]
+    messages: Vec<MessageRecord>,
+    #[prost(message, repeated, tag = "3")]
+    open_calls: Vec<ToolUseBlock>,
+    #[prost(string, repeated, tag = "4")]
+    user_texts: Vec<String>,
+    /// Keyed by `tool_use_id`.
+    #[prost(message, repeated, tag = "5")]
+    results: Vec<ToolResult>,
+    #[prost(map = "string, uint32", tag = "6")]
+    attempts: HashMap<String, u32>,
+    #[prost(message, repeated, tag = "7")]
+    approvals: Vec<ApprovalRecord>,
+    #[prost(uint64, tag = "8")]
+    turn: u64,
+    #[prost(bool, tag = "9")]
+    ended: bool,
+    #[prost(message, optional, tag = "10")]
+    interrupt: Option<InterruptRecord>,
+    #[prost(bool, tag = "11")]
+    user_since_interrupt: bool,
+    #[prost(uint64, tag = "12")]
+    last_interrupt_seq: u64,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct MessageRecord {
+    #[prost(oneof = "MessageKind", tags = "1, 2")]
+    kind: Option<MessageKind>,
+}
+
+#[derive(Clone, PartialEq, prost::Oneof)]
+enum MessageKind {
+    #[prost(message, tag = "1")]
+    User(UserRecord),
+    #[prost(message, tag = "2")]
+    Assistant(AssistantMessage),
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct UserRecord {
+    #[prost(message, repeated, tag = "1")]
+    blocks: Vec<UserBlockRecord>,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct UserBlockRecord {
+    #[prost(oneof = "UserBlockKind", tags = "1, 2")]
+    kind: Option<UserBlockKind>,
+}
+
+#[derive(Clone, PartialEq, prost::Oneof)]
+enum UserBlockKind {
+    #[prost(message, tag = "1")]
+    ToolResult(ToolResult),
+    #[prost(string, tag = "2")]
+    Text(String),
+}
+
+/// `state`: 1 pending, 2 approved, 3 denied (with `note`). `Approval::NotAsked` is never
+/// stored (the fold keeps no entry for it either).
+#[derive(Clone, PartialEq, prost::Message)]
+struct ApprovalRecord {
+    #[prost(string, tag = "1")]
+    tool_use_id: String,
+    #[prost(uint32, tag = "2")]
+    state: u32,
+    #[prost(string, tag = "3")]
+    note: String,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct InterruptRecord {
+    #[prost(uint64, tag = "1")]
+    seq: u64,
+    #[prost(string, tag = "2")]
+    reason: String,
+}
+
+impl FoldState {
+    /// The fold as snapshot data; `None` while its conversation is lent out (the state is
+    /// incomplete then).
+    pub fn to_snapshot(&self) -> Option<Vec<u8>> {
+        if self.lent {
+            return None;
+        }
+        let record = FoldRecord {
+            version: VERSION,
+            messages: self
+                .messages
+                .iter()
+                .map(|message| MessageRecord {
+                    kind: Some(match message {
+                        Message::User(blocks) => MessageKind::User(UserRecord {
+                            blocks: blocks
+                                .iter()
+                                .map(|block| UserBlockRecord {
+                                    kind: Some(match block {
+                                        UserBlock::ToolResult(r) => {
+                                            UserBlockKind::ToolResult(r.clone())
+                                        }
+                                        UserBlock::Text(t) => UserBlockKind::Text(t.clone()),
+                                    }),
+                                })
+                                .collect(),
+                        }),
+                        Message::Assistant(reply) => MessageKind::Assistant(reply.clone()),
+                    }),
+                })
+                .collect(),
+            open_calls: self.open_calls.clone(),
+            user_texts: self.user_texts.clone(),
+            results: self.results.values().cloned().collect(),
+            attempts: self.attempts.clone(),
+            approvals: self
+                .approvals
+                .iter()
+                .filter_map(|(id, approval)| {
+                    let (state, note) = match approval {
+                        Approval::NotAsked => return None,
+                        Approval::Pending => (1, String::new()),
+                        Approval::Approved => (2, String::new()),
+                        Approval::Denied { note } => (3, note.clone()),
+                    };
+                    Some(ApprovalRecord {
+                        tool_use_id: id.clone(),
+                        state,
+                        note,
+                    })
+                })
+                .collect(),
+            turn: self.turn,
+            ended: self.ended,
+            interrupt: self.interrupt.as_ref().map(|i| InterruptRecord {
+                seq: i.seq,
+                reason: i.reason.clone(),
+            }),
+            user_since_interrupt: self.user_since_interrupt,
+            last_interrupt_seq: self.last_interrupt_seq,
+        };
+        Some(prost::Message::encode_to_vec(&record))
+    }
+
+    /// The fold a snapshot holds, if it is of this build's [`VERSION`] and well formed.
+    pub fn from_snapshot(data: &[u8]) -> Result<FoldState, SnapshotError> {
+        let record: FoldRecord =
+            prost::Message::decode(data).map_err(|e| SnapshotError::Undecodable(e.to_string()))?;
+        if record.version != VERSION {
+            return Err(SnapshotError::Version {
+                found: record.version,
+            });
+        }
+        let missing = |what: &str| SnapshotError::Undecodable(format!("{what} has no kind"));
+        let mut messages = Vec::with_capacity(record.messages.len());
+        for message in record.messages {
+            messages.push(match message.kind.ok_or_else(|| missing("a message"))? {
+                MessageKind::Assistant(reply) => Message::Assistant(reply),
+                MessageKind::User(user) => {
+                    let mut blocks = Vec::with_capacity(user.blocks.len());
+                    for block in user.blocks {
+                        blocks.push(match block.kind.ok_or_else(|| missing("a user block"))? {
+                            UserBlockKind::ToolResult(r) => UserBlock::ToolResult(r),
+                            UserBlockKind::Text(t) => UserBlock::Text(t),
+                        });
+                    }
+                    Message::User(blocks)
+                }
+            });
+        }
+        let mut approvals = HashMap::with_capacity(record.approvals.len());
+        for a in record.approvals {
+            let approval = match a.state {
+                1 => Approval::Pending,
+                2 => Approval::Approved,
+                3 => Approval::Denied { note: a.note },
+                other => {
+                    return Err(SnapshotError::Undecodable(format!(
+                        "approval state {other} is not known"
+                    )))
+                }
+            };
+            approvals.insert(a.tool_use_id, approval);
+        }
+        Ok(FoldState {
+            messages,
+            open_calls: record.open_calls,
+            user_texts: record.user_texts,
+            results: record
+                .results
+                .into_iter()
+                .map(|r| (r.tool_use_id.clone(), r))
+                .collect(),
+            attempts: record.attempts,
+            approvals,
+            turn: record.turn,
+            ended: record.ended,
+            interrupt: record.interrupt.map(|i| PendingInterrupt {
+                seq: i.seq,
+                reason: i.reason,
+            }),
+            user_since_interrupt: record.user_since_interrupt,
+            last_interrupt_seq: record.last_interrupt_seq,
+            lent: false,
+        })
+    }
+}
