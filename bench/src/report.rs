@@ -575,23 +575,35 @@ impl Report {
              ClaimSession. Each resume appends a user turn and times, from its acknowledgement, \
              the runner's claim → read → fold → model → first append (its first streamed delta, \
              BUFFERED) and its durable reply (SYNC). *Cold*: a runner process that never worked \
-             the session (a new process each run) reads and folds the whole log. *Warm*: the \
-             same runner claims the session again; it kept the session's fold and reads only the \
-             events since. The 10-event row is the fixed cost.\n"
+             the session (a new process each run, `--snapshot-every 0`) reads and folds the whole \
+             log. *Warm*: the same runner claims the session again; it kept the session's fold \
+             and reads only the events since. *Snapshot*: a new runner process with snapshots on \
+             (the default) restores the fold from the snapshot a runner left in the store \
+             (sessions of 1,000 events or more) and reads only the events after it. The 10-event \
+             row is the fixed cost.\n"
         )?;
         writeln!(
             md,
-            "| events in the session | cold: first new action ms | cold: reply durable ms | \
-             warm: first new action ms | warm: reply durable ms |\n|---|---|---|---|---|"
+            "| events in the session | cold: first new action ms | snapshot: first new action ms \
+             | warm: first new action ms | cold ÷ snapshot | cold: reply durable ms | snapshot: \
+             reply durable ms | warm: reply durable ms |\n|---|---|---|---|---|---|---|---|"
         )?;
         for row in &self.resume {
+            let ratio = if row.cold_first.is_empty() || row.snapshot_first.is_empty() {
+                "–".to_string()
+            } else {
+                fmt_ratio(row.cold_first.median() / row.snapshot_first.median())
+            };
             writeln!(
                 md,
-                "| {} | {} | {} | {} | {} |",
+                "| {} | {} | {} | {} | {} | {} | {} | {} |",
                 fmt_int(row.size),
                 cell_ms(&row.cold_first),
-                cell_ms(&row.cold_reply),
+                cell_ms(&row.snapshot_first),
                 cell_ms(&row.warm_first),
+                ratio,
+                cell_ms(&row.cold_reply),
+                cell_ms(&row.snapshot_reply),
                 cell_ms(&row.warm_reply)
             )?;
         }

@@ -6,9 +6,12 @@
 //! texts), so it ends idle. A `runner` with a scripted model waits in `ClaimSession`. Each
 //! resume appends one user turn (the session becomes runnable) and times, from that
 //! append's acknowledgement, the first event the runner writes (its first streamed delta)
-//! and its durable reply. Two cases per run ([`measure`]): *cold*, a runner process that
-//! never worked the session (it reads and folds the whole log), then *warm*, the same
-//! runner claiming it again (it keeps the session's fold and reads only the new events).
+//! and its durable reply. Three cases per run ([`measure`]): *cold*, a runner process that
+//! never worked the session and keeps no snapshots (it reads and folds the whole log), then
+//! *warm*, the same runner claiming it again (it keeps the session's fold and reads only the
+//! new events), then *cold from a snapshot*, a new runner process with snapshots on (the
+//! default): it restores the fold from the snapshot a runner left in the store and reads
+//! only the events after it.
 
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -36,11 +39,18 @@ pub struct ResumeRow {
     pub cold_reply: Runs,
     pub warm_first: Runs,
     pub warm_reply: Runs,
+    pub snapshot_first: Runs,
+    pub snapshot_reply: Runs,
 }
 
-/// Builds one idle session per size on the store at `url`, then, `runs` times: starts a
-/// fresh runner, lets it answer a 10-event session (its start-up, not counted), and resumes
-/// each size once cold and once warm.
+/// The runner's default `--snapshot-every`.
+const SNAPSHOT_EVERY: u64 = 1000;
+
+/// Builds one idle session per size on the store at `url` and lets a runner with snapshots
+/// on answer each once (it leaves a snapshot of every session of 1,000 events or more).
+/// Then, `runs` times: starts a fresh runner without snapshots, lets it answer a 10-event
+/// session (its start-up, not counted), and resumes each size once cold and once warm; then
+/// starts a fresh runner with snapshots and resumes each size once, cold from the snapshot.
 pub async fn measure(
     url: &str,
     dir: &Path,
@@ -60,9 +70,24 @@ pub async fn measure(
             ..ResumeRow::default()
         })
         .collect();
+    let resumes = 5 * runs + 2;
+    {
+        let runner = start_runner(url, dir, max, resumes, SNAPSHOT_EVERY)?;
+        for &size in sizes {
+            let session = format!("resume-{size}");
+            resume_once(url, &session)
+                .await
+                .context("priming resume (see runner.log in the bench dir)")?;
+            wait_released(url, &session).await?;
+        }
+        drop(runner);
+    }
+    let sessions: Vec<String> = std::iter::once(WARM_UP.to_string())
+        .chain(sizes.iter().map(|size| format!("resume-{size}")))
+        .collect();
     for _ in 0..runs {
         // A new process per run: its first claim of each session is cold.
-        let runner = start_runner(url, dir, max, 3 * runs + 1)?;
+        let runner = start_runner(url, dir, max, resumes, 0)?;
         resume_once(url, WARM_UP)
             .await
             .context("warm-up resume (see runner.log in the bench dir)")?;
@@ -81,10 +106,24 @@ pub async fn measure(
             }
         }
         // The runner lets a session go just after its reply; killing it before then would
-        // leave a live lease for the next run's cold claim to wait out.
-        wait_released(url, WARM_UP).await?;
-        for row in &rows {
-            wait_released(url, &format!("resume-{}", row.size)).await?;
+        // leave a live lease for the next cold claim to wait out.
+        for session in &sessions {
+            wait_released(url, session).await?;
+        }
+        drop(runner);
+
+        let runner = start_runner(url, dir, max, resumes, SNAPSHOT_EVERY)?;
+        resume_once(url, WARM_UP)
+            .await
+            .context("warm-up resume (see runner.log in the bench dir)")?;
+        for row in &mut rows {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let r = resume_once(url, &format!("resume-{}", row.size)).await?;
+            row.snapshot_first.push(r.first_action_ms);
+            row.snapshot_reply.push(r.reply_ms);
+        }
+        for session in &sessions {
+            wait_released(url, session).await?;
         }
         drop(runner);
     }
@@ -131,12 +170,14 @@ impl Drop for Runner {
 }
 
 /// Writes a script long enough for sessions of up to `max_events` events plus `runs`
-/// resumes, and starts a runner that works with it.
+/// resumes, and starts a runner that works with it, keeping snapshots every
+/// `snapshot_every` events (0: none).
 pub fn start_runner(
     url: &str,
     dir: &Path,
     max_events: usize,
     runs: usize,
+    snapshot_every: u64,
 ) -> anyhow::Result<Runner> {
     // The scripted model picks its reply by the number of assistant turns so far.
     let replies = 2 * max_events.div_ceil(EVENTS_PER_CYCLE) + runs + 16;
@@ -150,6 +191,7 @@ pub fn start_runner(
         .arg(&workspaces)
         .arg("--model")
         .arg(format!("scripted:{}", script.display()))
+        .args(["--snapshot-every", &snapshot_every.to_string()])
         .env("RUST_LOG", "warn")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
