@@ -36,6 +36,11 @@ pub struct SessionMeta {
     /// Calls with an `approval_requested` and neither a decision nor a result yet.
     #[prost(string, repeated, tag = "7")]
     pub pending_approvals: Vec<String>,
+    /// A user turn arrived after the latest `interrupt`: the `interrupted` that answers it
+    /// leaves that turn to work (the runner's fold says the same), so the session stays
+    /// runnable.
+    #[prost(bool, tag = "8")]
+    pub user_since_interrupt: bool,
 }
 
 /// Who writes an event kind. Runner-written kinds need the session's current lease; the
@@ -81,6 +86,7 @@ impl SessionMeta {
                 if self.first_user_text.is_empty() {
                     self.first_user_text = truncate_chars_to_bytes(&m.text, FIRST_USER_TEXT_BYTES);
                 }
+                self.user_since_interrupt = true;
                 self.status = self.runnable_unless_waiting();
             }
             event::Kind::ToolStarted(_) => self.status = SessionStatus::Runnable as i32,
@@ -103,12 +109,23 @@ impl SessionMeta {
                     SessionStatus::Idle
                 } as i32;
             }
-            event::Kind::RunError(_) | event::Kind::Interrupted(_) => {
+            event::Kind::RunError(_) => {
                 self.pending_approvals.clear();
                 self.status = SessionStatus::Idle as i32;
             }
+            event::Kind::Interrupted(_) => {
+                self.pending_approvals.clear();
+                self.status = if self.user_since_interrupt {
+                    SessionStatus::Runnable
+                } else {
+                    SessionStatus::Idle
+                } as i32;
+            }
             // A runner must answer an interrupt, whatever the session was doing.
-            event::Kind::Interrupt(_) => self.status = SessionStatus::Runnable as i32,
+            event::Kind::Interrupt(_) => {
+                self.user_since_interrupt = false;
+                self.status = SessionStatus::Runnable as i32;
+            }
             event::Kind::ApprovalRequested(r) => {
                 if !self.pending_approvals.contains(&r.tool_use_id) {
                     self.pending_approvals.push(r.tool_use_id.clone());
@@ -265,5 +282,14 @@ mod tests {
             Idle
         );
         assert_eq!(status_after(vec![user("go"), interrupt()]), Runnable);
+        // A user turn sent between the interrupt and its answer is work for after it.
+        assert_eq!(
+            status_after(vec![user("go"), interrupt(), user("next"), interrupted()]),
+            Runnable
+        );
+        assert_eq!(
+            status_after(vec![user("go"), user("next"), interrupt(), interrupted()]),
+            Idle
+        );
     }
 }
