@@ -423,31 +423,21 @@ async fn a_half_written_answer_is_finished_by_the_next_runner_without_running_an
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_user_turn_sent_between_an_interrupt_and_its_answer_is_worked_after_it() {
-    let store = Store::start().expect("store");
-    let mut client = store.client().await.expect("client");
-    let standin = AnthropicStandin::start(vec![
+    let mut rig = Rig::start(vec![
         StandinReply::text("Hello."),
         StandinReply::text("Here is the next one."),
     ])
-    .await
-    .expect("stand-in");
-    let workspaces = tempfile::tempdir().expect("temp dir");
-    let mut runner = start_runner(
-        &store.url(),
-        "r1",
-        workspaces.path(),
-        &standin.url(),
-        TTL_MS,
-        2,
-    );
-    let seq = user_says(&mut client, "s1", "hi").await;
-    wait_idle(&mut client, "s1", seq, Duration::from_secs(20)).await;
+    .await;
+    let mut runner = rig.runner("r1", TTL_MS, &[]);
+    let seq = user_says(&mut rig.client, "s1", "hi").await;
+    wait_idle(&mut rig.client, "s1", seq, Duration::from_secs(20)).await;
     runner.kill9();
 
     // The interrupt, then a new user turn, then the answer to the interrupt, written by a
     // runner that stops right after it (here: by hand, under a lease, as a runner writes it).
-    cancel(&store, "s1", "stop");
-    let interrupt_seq = user_says(&mut client, "s1", "do the next one instead").await - 1;
+    cancel(&rig.store, "s1", "stop");
+    let client = &mut rig.client;
+    let interrupt_seq = user_says(client, "s1", "do the next one instead").await - 1;
     let lease = client
         .acquire_lease(AcquireLeaseRequest {
             session_id: "s1".into(),
@@ -481,22 +471,15 @@ async fn a_user_turn_sent_between_an_interrupt_and_its_answer_is_worked_after_it
         .await
         .expect("release");
     assert_eq!(
-        status(&mut client, "s1").await,
+        status(client, "s1").await,
         SessionStatus::Runnable,
         "the user turn after the interrupt is work"
     );
 
     // Whichever runner claims the session next answers that turn.
-    let _runner = start_runner(
-        &store.url(),
-        "r2",
-        workspaces.path(),
-        &standin.url(),
-        TTL_MS,
-        2,
-    );
+    let _runner = rig.runner("r2", TTL_MS, &[]);
     let events = wait_idle(
-        &mut client,
+        &mut rig.client,
         "s1",
         interrupt_seq + 2,
         Duration::from_secs(20),
@@ -513,5 +496,5 @@ async fn a_user_turn_sent_between_an_interrupt_and_its_answer_is_worked_after_it
             "reply(end_turn)"
         ]
     );
-    assert_eq!(standin.violations(), Vec::<String>::new());
+    assert_eq!(rig.standin.violations(), Vec::<String>::new());
 }

@@ -14,7 +14,6 @@ use agentlog_proto::v1::{
     ReleaseLeaseRequest, SnapshotChunk,
 };
 use integration_tests::anthropic_standin::{AnthropicStandin, StandinReply};
-use integration_tests::Store;
 use runner_support::*;
 use serde_json::json;
 use tonic::transport::Channel;
@@ -109,24 +108,13 @@ fn assert_right_request(standin: &AnthropicStandin, events: &[Event]) {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_cold_runner_resumes_a_long_session_from_the_snapshot() {
-    let store = Store::start().expect("store");
-    let mut client = store.client().await.expect("client");
-    let standin = AnthropicStandin::start(replies(40))
-        .await
-        .expect("stand-in");
-    let workspaces = tempfile::tempdir().expect("temp dir");
+    let rig = Rig::start(replies(40)).await;
+    let mut client = rig.client.clone();
+    let standin = &rig.standin;
     let session = "snap-long";
     let every = ["--snapshot-every", "20"];
 
-    let first = start_runner_with(
-        &store.url(),
-        "r1",
-        workspaces.path(),
-        &standin.url(),
-        TTL_MS,
-        1,
-        &every,
-    );
+    let first = rig.runner("r1", TTL_MS, &every);
     let mut events = Vec::new();
     for i in 0..12 {
         events = round(&mut client, session, &format!("message {i}")).await;
@@ -143,41 +131,22 @@ async fn a_cold_runner_resumes_a_long_session_from_the_snapshot() {
     assert!(first.log_lines(RESUMED).is_empty(), "r1 never needed one");
     drop(first);
 
-    let second = start_runner_with(
-        &store.url(),
-        "r2",
-        workspaces.path(),
-        &standin.url(),
-        TTL_MS,
-        1,
-        &every,
-    );
+    let second = rig.runner("r2", TTL_MS, &every);
     let events = round(&mut client, session, "and after the restart").await;
     let resumed = second.log_lines(RESUMED);
     assert_eq!(resumed.len(), 1, "r2 started from the snapshot once");
     assert!(resumed[0].contains(&format!("seq={kept}")), "{resumed:?}");
-    assert_right_request(&standin, &events);
+    assert_right_request(standin, &events);
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_garbage_or_old_version_snapshot_is_ignored() {
-    let store = Store::start().expect("store");
-    let mut client = store.client().await.expect("client");
-    let standin = AnthropicStandin::start(replies(40))
-        .await
-        .expect("stand-in");
-    let workspaces = tempfile::tempdir().expect("temp dir");
+    let rig = Rig::start(replies(40)).await;
+    let mut client = rig.client.clone();
+    let standin = &rig.standin;
     let session = "snap-bad";
 
-    let builder = start_runner_with(
-        &store.url(),
-        "r0",
-        workspaces.path(),
-        &standin.url(),
-        TTL_MS,
-        1,
-        &["--snapshot-every", "0"],
-    );
+    let builder = rig.runner("r0", TTL_MS, &["--snapshot-every", "0"]);
     for i in 0..4 {
         round(&mut client, session, &format!("message {i}")).await;
     }
@@ -222,19 +191,11 @@ async fn a_garbage_or_old_version_snapshot_is_ignored() {
             .await
             .expect("release");
 
-        let runner = start_runner_with(
-            &store.url(),
-            &format!("r{}", i + 1),
-            workspaces.path(),
-            &standin.url(),
-            TTL_MS,
-            1,
-            &["--snapshot-every", "1"],
-        );
+        let runner = rig.runner(&format!("r{}", i + 1), TTL_MS, &["--snapshot-every", "1"]);
         let events = round(&mut client, session, &format!("after the {what}")).await;
         assert_eq!(runner.log_lines(IGNORED).len(), 1, "{what} was ignored");
         assert!(runner.log_lines(RESUMED).is_empty(), "{what} was not used");
-        assert_right_request(&standin, &events);
+        assert_right_request(standin, &events);
         // It put a good snapshot in its place.
         wait_released(&mut client, session).await;
         assert!(snapshot_seq(&mut client, session).await > Some(last));
