@@ -42,6 +42,7 @@ struct StoreMetrics {
     fencing_refusals: Family<Labels1, Counter>,
     claims_waiting: Gauge,
     pg_statement_seconds: Family<Labels1, Histogram>,
+    pg_batch_appends: Histogram,
 }
 
 static METRICS: LazyLock<StoreMetrics> = LazyLock::new(|| StoreMetrics {
@@ -61,6 +62,7 @@ static METRICS: LazyLock<StoreMetrics> = LazyLock::new(|| StoreMetrics {
     pg_statement_seconds: Family::new_with_constructor(|| {
         Histogram::new(exponential_buckets(0.000_1, 2.0, 16))
     }),
+    pg_batch_appends: Histogram::new(exponential_buckets(1.0, 2.0, 10)),
 });
 
 /// Every store metric, plus the log's size on disk read from `log_dir` at each scrape.
@@ -144,6 +146,11 @@ pub fn registry(log_dir: Option<PathBuf>) -> Registry {
         "agentlog_store_pg_statement_duration_seconds",
         "PostgreSQL backend: time of one database round trip, by what it does",
         m.pg_statement_seconds.clone(),
+    );
+    r.register(
+        "agentlog_store_pg_batch_appends",
+        "PostgreSQL backend: appends written by one batch statement (one commit)",
+        m.pg_batch_appends.clone(),
     );
     if let Some(dir) = log_dir {
         r.register_collector(Box::new(LogOnDisk { dir }));
@@ -352,6 +359,11 @@ pub fn pg_statement(statement: &'static str, seconds: f64) {
         .pg_statement_seconds
         .get_or_create(&[("statement", statement)])
         .observe(seconds);
+}
+
+/// One batch of appends written by the PostgreSQL backend in one statement.
+pub fn pg_batch(appends: usize) {
+    METRICS.pg_batch_appends.observe(appends as f64);
 }
 
 /// The PostgreSQL backend's connection pool, read at each scrape.

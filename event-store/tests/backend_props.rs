@@ -9,6 +9,9 @@
 //! - Claimants on both replicas: each runnable session goes to exactly one of them.
 //! - Fencing: whatever the interleaving of acquires and appends, an append is accepted only
 //!   under the current epoch, and epochs only grow.
+//! - A crowd of appends at once on many sessions, some refused (a wrong
+//!   `expected_last_seq`), some retries, some racing for the same seq: each gets its own
+//!   answer, and a refusal or a lost race never fails the others written with it.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -327,12 +330,78 @@ async fn fencing(replicas: &Replicas, seed: u64) {
     }
 }
 
+/// Many appends at once through both replicas (PostgreSQL writes those waiting together in
+/// one statement): each is answered for itself.
+async fn crowd(replicas: &Replicas, seed: u64) {
+    const SESSIONS: usize = 24;
+    let session = |i: usize| format!("crowd{seed}-{i}");
+    for i in 0..SESSIONS {
+        replicas
+            .a
+            .append(op(&session(i), vec![user("first")]))
+            .await
+            .unwrap();
+    }
+    let mut tasks = Vec::new();
+    for i in 0..SESSIONS {
+        // Racing for seq 2 of the same session: two appends, both expecting seq 1.
+        let racers = if i % 4 == 3 { 2 } else { 1 };
+        for r in 0..racers {
+            let backend = if (i + r) % 2 == 0 {
+                replicas.a.clone()
+            } else {
+                replicas.b.clone()
+            };
+            let mut append = match i % 4 {
+                // A retry of the first event: nothing written, its original seq.
+                1 => op(&session(i), vec![user("first")]),
+                _ => op(&session(i), vec![user(&format!("second-{r}"))]),
+            };
+            append.expected_last_seq = match i % 4 {
+                0 => Some(7),
+                1 => None,
+                _ => Some(1),
+            };
+            tasks.push(tokio::spawn(
+                async move { (i, backend.append(append).await) },
+            ));
+        }
+    }
+    let mut won: HashMap<usize, usize> = HashMap::new();
+    for task in tasks {
+        let (i, answer) = task.await.unwrap();
+        match (i % 4, answer) {
+            (0, Err(StoreError::Refused(Reason::SeqConflict, why))) => {
+                assert!(why.ends_with("is at seq 1"), "{why}")
+            }
+            (1, Ok(resp)) => assert_eq!(resp.seqs, vec![1], "a retry gets its original seq"),
+            (2 | 3, Ok(resp)) => {
+                assert_eq!(resp.seqs, vec![2]);
+                *won.entry(i).or_default() += 1;
+            }
+            (3, Err(StoreError::Refused(Reason::SeqConflict, why))) => {
+                assert!(why.ends_with("is at seq 2"), "{why}")
+            }
+            (kind, answer) => panic!("session {i} (case {kind}): {answer:?}"),
+        }
+    }
+    for i in 0..SESSIONS {
+        let log = read_all(replicas.b.as_ref(), &session(i)).await;
+        let expected = if i % 4 >= 2 { 2 } else { 1 };
+        assert_eq!(log.len(), expected, "session {i}");
+        if i % 4 >= 2 {
+            assert_eq!(won.get(&i), Some(&1), "one append won seq 2 of session {i}");
+        }
+    }
+}
+
 async fn contract(replicas: Replicas) {
     for seed in SEEDS {
         appenders(&replicas, seed).await;
         follower_sees_everything(&replicas, seed).await;
         claimants(&replicas, seed).await;
         fencing(&replicas, seed).await;
+        crowd(&replicas, seed).await;
     }
 }
 

@@ -11,8 +11,10 @@
 //!   last seq) it extends; dedup and the lease epoch are checked atomically with the write
 //!   for the same reason. If the state was stale, the replica re-reads the row (and which
 //!   event ids are known, with their seqs) and tries again.
-//! - **Group commit** is PostgreSQL's own: appends run on a pool of connections, so
-//!   concurrent commits share WAL flushes. An acknowledgement means committed with
+//! - **Group commit** at two levels: the appends waiting on a replica are written together
+//!   in one statement and one transaction ([`batch`]; a refusal or a stale state of one
+//!   never fails the others), and the few batches in flight at once, on a pool of
+//!   connections, share WAL flushes in PostgreSQL. An acknowledgement means committed with
 //!   `synchronous_commit` on (on a standby too, with synchronous replication);
 //!   `DURABILITY_BUFFERED` appends are committed the same way.
 //! - **Live tail across replicas** without NOTIFY in the append transaction: see [`wake`].
@@ -24,6 +26,7 @@
 //!   `target_session_attrs=read-write` finds the new primary) and the store serves again
 //!   by itself.
 
+mod batch;
 pub mod schema;
 pub mod wake;
 
@@ -38,7 +41,7 @@ use agentlog_proto::v1::{
 };
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use prost::Message;
-use tokio::sync::{mpsc, watch, Notify};
+use tokio::sync::{mpsc, oneshot, watch, Notify};
 use tokio_postgres::error::SqlState;
 use tokio_postgres_rustls::MakeRustlsConnect;
 use tokio_rustls::rustls;
@@ -71,6 +74,14 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(10);
 const RUNNABLE: i32 = SessionStatus::Runnable as i32;
 /// Sessions a replica keeps in its cache; beyond this it starts over.
 const MAX_CACHED: usize = 100_000;
+
+/// Batches of appends in flight at once ([`batch`]), out of a pool of `pool_size`
+/// connections: enough for PostgreSQL to overlap their commits, few enough that the
+/// appends waiting meanwhile gather into large batches, and leaving connections for
+/// reads, leases and claims.
+fn batches_in_flight(pool_size: usize) -> usize {
+    (pool_size / 4).clamp(1, 4)
+}
 
 /// How to reach the database.
 #[derive(Debug, Clone)]
@@ -120,8 +131,9 @@ pub struct PgBackend {
     /// Wake-ups for the other replicas (absent in poll mode).
     notify: Option<mpsc::UnboundedSender<(String, bool)>>,
     cache: Mutex<HashMap<String, Cached>>,
-    serving: watch::Sender<bool>,
-    check_health: Arc<Notify>,
+    /// Appends ready to write, for the batch writer ([`batch`]).
+    writes: mpsc::UnboundedSender<batch::Write>,
+    health: Arc<Health>,
     poll_interval: Duration,
     /// Stops the background tasks when the backend is dropped.
     tasks: CancellationToken,
@@ -212,14 +224,21 @@ impl PgBackend {
             }
             NotifyMode::Poll => None,
         };
-        let (serving, _) = watch::channel(true);
-        let check_health = Arc::new(Notify::new());
+        let health = Arc::new(Health {
+            serving: watch::channel(true).0,
+            check: Notify::new(),
+        });
         tokio::spawn(watch_health(
             connector.clone(),
-            serving.clone(),
-            check_health.clone(),
+            health.clone(),
             tasks.clone(),
         ));
+        let writes = batch::start(
+            connector.clone(),
+            health.clone(),
+            batches_in_flight(config.pool_size),
+            tasks.clone(),
+        );
         tracing::info!(
             pool_size = config.pool_size,
             notify = ?config.notify,
@@ -231,8 +250,8 @@ impl PgBackend {
             board,
             notify,
             cache: Mutex::new(HashMap::new()),
-            serving,
-            check_health,
+            writes,
+            health,
             poll_interval: config.poll_interval,
             tasks,
         })
@@ -255,32 +274,12 @@ impl PgBackend {
         }
     }
 
-    /// The database failed us: report NOT_SERVING until the health check passes again.
     fn lost(&self) {
-        self.serving
-            .send_if_modified(|up| std::mem::replace(up, false));
-        self.check_health.notify_one();
+        self.health.lost();
     }
 
-    fn db_error(&self, e: &tokio_postgres::Error) -> StoreError {
-        let unavailable = match e.code() {
-            None => true,
-            Some(code) => {
-                let c = code.code();
-                c.starts_with("08")
-                    || c.starts_with("57P")
-                    || c.starts_with("53")
-                    || *code == SqlState::READ_ONLY_SQL_TRANSACTION
-                    || *code == SqlState::T_R_SERIALIZATION_FAILURE
-                    || *code == SqlState::T_R_DEADLOCK_DETECTED
-            }
-        };
-        if unavailable {
-            self.lost();
-            StoreError::Unavailable(format!("the database failed the call ({e}); retry"))
-        } else {
-            StoreError::Internal(format!("database: {e}"))
-        }
+    fn timed_error(&self, e: Timed) -> StoreError {
+        self.health.timed_error(e)
     }
 
     fn cached(&self, session_id: &str) -> Option<Cached> {
@@ -357,19 +356,6 @@ impl PgBackend {
         Ok((state, known))
     }
 
-    fn timed_error(&self, e: Timed) -> StoreError {
-        match e {
-            Timed::Db(e) => self.db_error(&e),
-            Timed::Elapsed => {
-                self.lost();
-                StoreError::Unavailable(format!(
-                    "the database did not answer within {} s; retry",
-                    CALL_TIMEOUT.as_secs()
-                ))
-            }
-        }
-    }
-
     /// Writes `meta` over the session's row if it is still at `version`; the new version,
     /// or `None` if someone wrote in between.
     async fn write_meta(
@@ -413,90 +399,26 @@ impl PgBackend {
     }
 
     /// Appends `fresh` (already numbered) with the session's new state, if the row is still
-    /// at `version` and none of their ids exists; the new version, or `None`.
+    /// at `version` and none of their ids exists: queued for the batch writer, which writes
+    /// it together with the other appends waiting. The new version, or `None`.
     async fn write_events(
         &self,
-        client: &deadpool_postgres::Object,
         session_id: &str,
         version: i64,
         meta: &SessionMeta,
-        fresh: &[Event],
+        fresh: Vec<Event>,
     ) -> Result<Option<i64>, StoreError> {
-        const INSERT_EVENTS: &str =
-            "INSERT INTO agentlog_events (session_id, seq, event_id, body) \
-             SELECT $1, u.seq, u.event_id, u.body FROM s, \
-             unnest($8::bigint[], $9::text[], $10::bytea[]) AS u(seq, event_id, body)";
-        let columns = Columns::of(meta);
-        let seqs: Vec<i64> = fresh.iter().map(|e| e.seq as i64).collect();
-        let ids: Vec<&str> = fresh.iter().map(|e| e.event_id.as_str()).collect();
-        let bodies: Vec<Vec<u8>> = fresh.iter().map(Message::encode_to_vec).collect();
-        let result = timed("append", async {
-            if version == 0 {
-                let stmt = client
-                    .prepare_cached(&format!(
-                        "WITH s AS (INSERT INTO agentlog_sessions (session_id, version, meta, \
-                         last_seq, updated_unix_ms, status, lease_expires_unix_ms, \
-                         first_user_text) VALUES ($1, 1, $2, $3, $4, $5, $6, $7) \
-                         ON CONFLICT (session_id) DO NOTHING RETURNING version), \
-                         e AS ({INSERT_EVENTS}) SELECT version FROM s"
-                    ))
-                    .await?;
-                client
-                    .query_opt(
-                        &stmt,
-                        &[
-                            &session_id,
-                            &columns.meta,
-                            &columns.last_seq,
-                            &columns.updated,
-                            &columns.status,
-                            &columns.lease_expires,
-                            &columns.first_user_text,
-                            &seqs,
-                            &ids,
-                            &bodies,
-                        ],
-                    )
-                    .await
-            } else {
-                let stmt = client
-                    .prepare_cached(&format!(
-                        "WITH s AS (UPDATE agentlog_sessions SET version = version + 1, \
-                         meta = $2, last_seq = $3, updated_unix_ms = $4, status = $5, \
-                         lease_expires_unix_ms = $6, first_user_text = $7 \
-                         WHERE session_id = $1 AND version = $11 AND NOT EXISTS \
-                         (SELECT 1 FROM agentlog_events WHERE session_id = $1 \
-                         AND event_id = ANY($9::text[])) RETURNING version), \
-                         e AS ({INSERT_EVENTS}) SELECT version FROM s"
-                    ))
-                    .await?;
-                client
-                    .query_opt(
-                        &stmt,
-                        &[
-                            &session_id,
-                            &columns.meta,
-                            &columns.last_seq,
-                            &columns.updated,
-                            &columns.status,
-                            &columns.lease_expires,
-                            &columns.first_user_text,
-                            &seqs,
-                            &ids,
-                            &bodies,
-                            &version,
-                        ],
-                    )
-                    .await
-            }
-        })
-        .await;
-        match result {
-            Ok(row) => Ok(row.map(|r| r.get(0))),
-            // Someone inserted one of these ids in between: re-read and dedup.
-            Err(Timed::Db(e)) if e.code() == Some(&SqlState::UNIQUE_VIOLATION) => Ok(None),
-            Err(e) => Err(self.timed_error(e)),
-        }
+        let (answer, written) = oneshot::channel();
+        let write = batch::Write {
+            session_id: session_id.to_string(),
+            version,
+            columns: Columns::of(meta),
+            events: fresh,
+            answer,
+        };
+        let stopped = || StoreError::Unavailable("the store is shutting down; retry".into());
+        self.writes.send(write).map_err(|_| stopped())?;
+        written.await.map_err(|_| stopped())?
     }
 
     /// Runs a lease rule against the session's state and writes the outcome, re-reading
@@ -642,6 +564,57 @@ impl PgBackend {
     }
 }
 
+/// Whether the database answers: health turns NOT_SERVING when a call finds it gone, until
+/// [`watch_health`] sees it answer again.
+struct Health {
+    serving: watch::Sender<bool>,
+    /// Asks [`watch_health`] to check at once.
+    check: Notify,
+}
+
+impl Health {
+    /// The database failed us: report NOT_SERVING until the health check passes again.
+    fn lost(&self) {
+        self.serving
+            .send_if_modified(|up| std::mem::replace(up, false));
+        self.check.notify_one();
+    }
+
+    fn db_error(&self, e: &tokio_postgres::Error) -> StoreError {
+        let unavailable = match e.code() {
+            None => true,
+            Some(code) => {
+                let c = code.code();
+                c.starts_with("08")
+                    || c.starts_with("57P")
+                    || c.starts_with("53")
+                    || *code == SqlState::READ_ONLY_SQL_TRANSACTION
+                    || *code == SqlState::T_R_SERIALIZATION_FAILURE
+                    || *code == SqlState::T_R_DEADLOCK_DETECTED
+            }
+        };
+        if unavailable {
+            self.lost();
+            StoreError::Unavailable(format!("the database failed the call ({e}); retry"))
+        } else {
+            StoreError::Internal(format!("database: {e}"))
+        }
+    }
+
+    fn timed_error(&self, e: Timed) -> StoreError {
+        match e {
+            Timed::Db(e) => self.db_error(&e),
+            Timed::Elapsed => {
+                self.lost();
+                StoreError::Unavailable(format!(
+                    "the database did not answer within {} s; retry",
+                    CALL_TIMEOUT.as_secs()
+                ))
+            }
+        }
+    }
+}
+
 /// The session state's columns, derived from its [`SessionMeta`].
 struct Columns {
     meta: Vec<u8>,
@@ -755,7 +728,6 @@ impl Backend for PgBackend {
                 event.event_id = uuid::Uuid::new_v4().to_string();
             }
         }
-        let client = self.client().await?;
         let mut state = self.cached(&op.session_id);
         let mut known = HashMap::new();
         let mut fresh_state = false;
@@ -769,13 +741,7 @@ impl Backend for PgBackend {
                 Ok(plan) if plan.fresh.is_empty() && fresh_state => return Ok(plan.response),
                 Ok(plan) if !plan.fresh.is_empty() => {
                     let written = self
-                        .write_events(
-                            &client,
-                            &op.session_id,
-                            current.version,
-                            &plan.meta,
-                            &plan.fresh,
-                        )
+                        .write_events(&op.session_id, current.version, &plan.meta, plan.fresh)
                         .await?;
                     if let Some(version) = written {
                         self.remember(
@@ -793,6 +759,7 @@ impl Backend for PgBackend {
                 Ok(_) | Err(_) => {}
             }
             let ids: Vec<&str> = events.iter().map(|e| e.event_id.as_str()).collect();
+            let client = self.client().await?;
             let (refreshed, ids_known) = self.refresh(&client, &op.session_id, &ids).await?;
             state = Some(refreshed);
             known = ids_known;
@@ -1032,7 +999,7 @@ impl Backend for PgBackend {
     }
 
     fn serving(&self) -> watch::Receiver<bool> {
-        self.serving.subscribe()
+        self.health.serving.subscribe()
     }
 }
 
@@ -1166,12 +1133,7 @@ async fn migrate_with_retry(connector: &Connector) -> Result<(), PgOpenError> {
 
 /// Keeps `serving` true while the database answers: checks every few seconds, and at once
 /// (then every half second until it answers) when a call found it gone.
-async fn watch_health(
-    connector: Arc<Connector>,
-    serving: watch::Sender<bool>,
-    check_now: Arc<Notify>,
-    shutdown: CancellationToken,
-) {
+async fn watch_health(connector: Arc<Connector>, health: Arc<Health>, shutdown: CancellationToken) {
     loop {
         let up = tokio::time::timeout(Duration::from_secs(3), async {
             let client = connector.pool.get().await.ok()?;
@@ -1181,7 +1143,10 @@ async fn watch_health(
         .ok()
         .flatten()
         .is_some();
-        if serving.send_if_modified(|now| std::mem::replace(now, up) != up) {
+        if health
+            .serving
+            .send_if_modified(|now| std::mem::replace(now, up) != up)
+        {
             if up {
                 tracing::info!("the database answers again: serving");
             } else {
@@ -1197,7 +1162,7 @@ async fn watch_health(
         };
         tokio::select! {
             _ = tokio::time::sleep(wait) => {}
-            _ = check_now.notified() => {}
+            _ = health.check.notified() => {}
             _ = shutdown.cancelled() => return,
         }
     }

@@ -1,0 +1,249 @@
+//! Group commit at our layer: the appends waiting on a replica are written together, in one
+//! statement over arrays (one round trip, one transaction, one commit for all of them),
+//! with a few such batches in flight at once so that PostgreSQL's own group commit still
+//! shares WAL flushes between them.
+//!
+//! Every rule that can refuse an append (lease epoch, `expected_last_seq`, approvals) was
+//! already applied by the caller against the session state the write names (its row
+//! `version`), so a batch never carries a refusal. What the statement decides is, per
+//! session, whether that state is still current: the row is still at `version` and none of
+//! the new event ids exists. A session whose state moved on is left out of the write (its
+//! events are not inserted) and answered "stale", so its caller re-reads and re-plans; the
+//! others in the batch commit. Rows are locked in `session_id` order, so two batches that
+//! share sessions (on this replica or another) wait for each other instead of
+//! deadlocking.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use agentlog_proto::v1::Event;
+use prost::Message;
+use tokio::sync::{mpsc, oneshot, Semaphore};
+use tokio_postgres::error::SqlState;
+use tokio_util::sync::CancellationToken;
+
+use super::{timed, Columns, Connector, Health, Timed};
+use crate::StoreError;
+
+/// Appends in one batch at most.
+const MAX_APPENDS: usize = 256;
+/// Events in one batch at most (a batch always takes at least one append, however large).
+const MAX_EVENTS: usize = 2048;
+
+/// Writes every session of the batch whose state is still the one its write was planned
+/// against; returns those written, with their new row version.
+const WRITE_BATCH: &str = r#"
+WITH w AS (
+    SELECT session_id COLLATE "C" AS session_id, version, meta, last_seq, updated_unix_ms,
+        status, lease_expires_unix_ms, first_user_text
+    FROM unnest($1::text[], $2::bigint[], $3::bytea[], $4::bigint[], $5::bigint[],
+        $6::integer[], $7::bigint[], $8::text[])
+        AS w(session_id, version, meta, last_seq, updated_unix_ms, status,
+            lease_expires_unix_ms, first_user_text)
+), ev AS (
+    SELECT session_id COLLATE "C" AS session_id, seq, event_id COLLATE "C" AS event_id, body
+    FROM unnest($9::text[], $10::bigint[], $11::text[], $12::bytea[])
+        AS ev(session_id, seq, event_id, body)
+), locked AS (
+    SELECT session_id FROM agentlog_sessions WHERE session_id = ANY($1::text[])
+    ORDER BY session_id FOR UPDATE
+), known AS (
+    SELECT DISTINCT ev.session_id FROM ev JOIN agentlog_events e
+        ON e.session_id = ev.session_id AND e.event_id = ev.event_id
+), updated AS (
+    UPDATE agentlog_sessions s SET version = s.version + 1, meta = w.meta,
+        last_seq = w.last_seq, updated_unix_ms = w.updated_unix_ms, status = w.status,
+        lease_expires_unix_ms = w.lease_expires_unix_ms, first_user_text = w.first_user_text
+    FROM w
+    WHERE s.session_id = w.session_id AND s.version = w.version
+        AND (SELECT count(*) FROM locked) >= 0
+        AND w.session_id NOT IN (SELECT session_id FROM known)
+    RETURNING s.session_id, s.version
+), created AS (
+    INSERT INTO agentlog_sessions (session_id, version, meta, last_seq, updated_unix_ms,
+        status, lease_expires_unix_ms, first_user_text)
+    SELECT session_id, 1, meta, last_seq, updated_unix_ms, status, lease_expires_unix_ms,
+        first_user_text
+    FROM w WHERE version = 0
+    ON CONFLICT (session_id) DO NOTHING
+    RETURNING session_id, version
+), written AS (
+    SELECT session_id, version FROM updated
+    UNION ALL SELECT session_id, version FROM created
+), inserted AS (
+    INSERT INTO agentlog_events (session_id, seq, event_id, body)
+    SELECT ev.session_id, ev.seq, ev.event_id, ev.body FROM ev JOIN written USING (session_id)
+)
+SELECT session_id, version FROM written
+"#;
+
+/// One append's write: the session's new state and its new events (numbered), to land only
+/// if the row is still at `version` (0: no row yet).
+pub(super) struct Write {
+    pub session_id: String,
+    pub version: i64,
+    pub columns: Columns,
+    pub events: Vec<Event>,
+    /// The new version, `None` if the state was stale, or why the batch failed.
+    pub answer: oneshot::Sender<Result<Option<i64>, StoreError>>,
+}
+
+/// Starts the batch writer: up to `in_flight` batches at once, each taking every write
+/// queued when it starts (within [`MAX_APPENDS`] and [`MAX_EVENTS`]).
+pub(super) fn start(
+    connector: Arc<Connector>,
+    health: Arc<Health>,
+    in_flight: usize,
+    stop: CancellationToken,
+) -> mpsc::UnboundedSender<Write> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    tokio::spawn(run(connector, health, in_flight.max(1), rx, stop));
+    tx
+}
+
+async fn run(
+    connector: Arc<Connector>,
+    health: Arc<Health>,
+    in_flight: usize,
+    mut queue: mpsc::UnboundedReceiver<Write>,
+    stop: CancellationToken,
+) {
+    let slots = Arc::new(Semaphore::new(in_flight));
+    loop {
+        let first = tokio::select! {
+            write = queue.recv() => match write {
+                Some(write) => write,
+                None => return,
+            },
+            _ = stop.cancelled() => return,
+        };
+        // While every slot is busy, more writes queue up and join this batch.
+        let Ok(slot) = slots.clone().acquire_owned().await else {
+            return;
+        };
+        let mut events = first.events.len();
+        let mut batch = vec![first];
+        while batch.len() < MAX_APPENDS && events < MAX_EVENTS {
+            match queue.try_recv() {
+                Ok(write) => {
+                    events += write.events.len();
+                    batch.push(write);
+                }
+                Err(_) => break,
+            }
+        }
+        let connector = connector.clone();
+        let health = health.clone();
+        tokio::spawn(async move {
+            write_batch(&connector, &health, batch).await;
+            drop(slot);
+        });
+    }
+}
+
+async fn write_batch(connector: &Connector, health: &Health, mut batch: Vec<Write>) {
+    // One write per session: a second one was planned against the same state as the first
+    // (or against one the first replaces), so it would be stale; it re-reads and re-plans.
+    // Sorted by session_id (stable: a session's writes keep their order), the order rows
+    // are locked in.
+    batch.sort_by(|a, b| a.session_id.cmp(&b.session_id));
+    let mut writes: Vec<Write> = Vec::with_capacity(batch.len());
+    for write in batch {
+        match writes.last() {
+            Some(last) if last.session_id == write.session_id => {
+                let _ = write.answer.send(Ok(None));
+            }
+            _ => writes.push(write),
+        }
+    }
+    let client = match connector.pool.get().await {
+        Ok(client) => client,
+        Err(e) => {
+            health.lost();
+            let error =
+                StoreError::Unavailable(format!("the database is unreachable ({e}); retry"));
+            for write in writes {
+                let _ = write.answer.send(Err(error.clone()));
+            }
+            return;
+        }
+    };
+    let mut sessions = Vec::with_capacity(writes.len());
+    let mut versions = Vec::with_capacity(writes.len());
+    let mut metas = Vec::with_capacity(writes.len());
+    let mut last_seqs = Vec::with_capacity(writes.len());
+    let mut updated = Vec::with_capacity(writes.len());
+    let mut statuses = Vec::with_capacity(writes.len());
+    let mut lease_expires = Vec::with_capacity(writes.len());
+    let mut first_user_texts = Vec::with_capacity(writes.len());
+    let mut event_sessions = Vec::new();
+    let mut seqs = Vec::new();
+    let mut event_ids = Vec::new();
+    let mut bodies = Vec::new();
+    for write in &writes {
+        sessions.push(write.session_id.as_str());
+        versions.push(write.version);
+        metas.push(write.columns.meta.as_slice());
+        last_seqs.push(write.columns.last_seq);
+        updated.push(write.columns.updated);
+        statuses.push(write.columns.status);
+        lease_expires.push(write.columns.lease_expires);
+        first_user_texts.push(write.columns.first_user_text.as_str());
+        for event in &write.events {
+            event_sessions.push(write.session_id.as_str());
+            seqs.push(event.seq as i64);
+            event_ids.push(event.event_id.as_str());
+            bodies.push(event.encode_to_vec());
+        }
+    }
+    crate::metrics::pg_batch(writes.len());
+    let result = timed("append", async {
+        let stmt = client.prepare_cached(WRITE_BATCH).await?;
+        client
+            .query(
+                &stmt,
+                &[
+                    &sessions,
+                    &versions,
+                    &metas,
+                    &last_seqs,
+                    &updated,
+                    &statuses,
+                    &lease_expires,
+                    &first_user_texts,
+                    &event_sessions,
+                    &seqs,
+                    &event_ids,
+                    &bodies,
+                ],
+            )
+            .await
+    })
+    .await;
+    let written: HashMap<String, i64> = match result {
+        Ok(rows) => rows.iter().map(|r| (r.get(0), r.get(1))).collect(),
+        // Nothing of the batch committed: an event id inserted in between (by a writer that
+        // had not yet committed when this statement looked), or a lock cycle with new
+        // sessions created at once elsewhere. Everyone re-reads and tries again.
+        Err(Timed::Db(e))
+            if matches!(
+                e.code(),
+                Some(&SqlState::UNIQUE_VIOLATION) | Some(&SqlState::T_R_DEADLOCK_DETECTED)
+            ) =>
+        {
+            HashMap::new()
+        }
+        Err(e) => {
+            let error = health.timed_error(e);
+            for write in writes {
+                let _ = write.answer.send(Err(error.clone()));
+            }
+            return;
+        }
+    };
+    for write in writes {
+        let _ = write
+            .answer
+            .send(Ok(written.get(&write.session_id).copied()));
+    }
+}
