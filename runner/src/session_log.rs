@@ -475,7 +475,7 @@ async fn restore_snapshot(appender: &Appender, claimed_tail: u64) -> Option<Star
     let (seq, data) = match read.await {
         Ok(Some(found)) => found,
         Ok(None) => return None,
-        Err(status) if status.code() == Code::NotFound => return None,
+        Err(status) if status.code() == tonic::Code::NotFound => return None,
         Err(status) => {
             tracing::warn!(%status, "could not read the fold's snapshot; folding from seq 1");
             return None;
