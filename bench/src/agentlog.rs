@@ -10,7 +10,7 @@ use agentlog_proto::v1::{
     UserMessage,
 };
 use anyhow::Context;
-use integration_tests::Store;
+use testkit::Store;
 use tonic::transport::Channel;
 
 use crate::load::Appender;

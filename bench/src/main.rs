@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
-use integration_tests::Store;
+use testkit::Store;
 
 use crate::agentlog::{AgentlogAppender, AgentlogStreamAppender};
 use crate::baselines::{etcd::Etcd, postgres::Postgres, redis::Redis};

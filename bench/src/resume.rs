@@ -185,7 +185,7 @@ pub fn start_runner(
     std::fs::write(&script, "{\"text\": \"resumed\"}\n".repeat(replies))?;
     let log = std::fs::File::create(dir.join("runner.log"))?;
     let workspaces = dir.join("workspaces");
-    let child = Command::new(integration_tests::bin_path("runner"))
+    let child = Command::new(testkit::bin_path("runner"))
         .args(["--event-store", url, "--runner-id", "bench-runner"])
         .arg("--workspace-root")
         .arg(&workspaces)

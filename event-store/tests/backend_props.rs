@@ -23,7 +23,7 @@ use event_store::backend::Backend;
 use event_store::postgres::{NotifyMode, PgBackend, PgConfig};
 use event_store::scope::Scope;
 use event_store::{AppendOp, Store, StoreConfig, StoreError};
-use integration_tests::pg::Postgres;
+use testkit::pg::Postgres;
 use tokio_util::sync::CancellationToken;
 
 const SEEDS: [u64; 3] = [1, 2, 3];

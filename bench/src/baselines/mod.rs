@@ -12,7 +12,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use integration_tests::{signal, Signal};
+use testkit::{signal, Signal};
 
 /// A baseline server process; SIGTERM (then SIGKILL) when dropped.
 pub struct ServerProcess {

@@ -2,104 +2,44 @@
 //! into an `(session, seq)` table, over the native protocol (tokio-postgres), one
 //! connection per client.
 
-use std::os::unix::fs::MetadataExt;
-use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
-use std::process::Command;
-use std::time::{Duration, Instant};
+use std::path::Path;
+use std::time::Instant;
 
-use anyhow::Context;
 use tokio_postgres::{Client, NoTls, Statement};
 
-use super::{free_port, version_of, wait_until_up, ServerProcess};
+use super::version_of;
 use crate::load::Appender;
 
+/// A private cluster started by `testkit::pg` (the one the tests use), with full-durability
+/// settings.
 pub struct Postgres {
-    server: ServerProcess,
+    server: testkit::pg::Postgres,
     port: u16,
     pub version: String,
 }
 
-fn pg_bin(name: &str) -> PathBuf {
-    let packaged = Path::new("/usr/lib/postgresql/15/bin").join(name);
-    if packaged.exists() {
-        packaged
-    } else {
-        PathBuf::from(name)
-    }
-}
-
-/// PostgreSQL refuses to run as root: as root, run it as the `postgres` user.
-fn run_as() -> anyhow::Result<Option<(u32, u32)>> {
-    if std::fs::metadata("/proc/self")?.uid() != 0 {
-        return Ok(None);
-    }
-    let passwd = std::fs::read_to_string("/etc/passwd")?;
-    let line = passwd
-        .lines()
-        .find(|l| l.starts_with("postgres:"))
-        .context("running as root and there is no postgres user to run PostgreSQL as")?;
-    let fields: Vec<&str> = line.split(':').collect();
-    Ok(Some((fields[2].parse()?, fields[3].parse()?)))
-}
-
 impl Postgres {
     pub fn pid(&self) -> u32 {
-        self.server.pid()
+        self.server
+            .pid()
+            .expect("the server runs until the baseline is dropped")
     }
 
     /// initdb in `dir` and start a private cluster on a free port.
     pub async fn start(dir: &Path) -> anyhow::Result<Postgres> {
-        let user = run_as()?;
-        if let Some((uid, gid)) = user {
-            std::os::unix::fs::chown(dir, Some(uid), Some(gid))?;
-        }
-        let data = dir.join("pgdata");
-        let mut initdb = Command::new(pg_bin("initdb"));
-        initdb.arg("-D").arg(&data).args([
-            "-U",
-            "postgres",
-            "--auth=trust",
-            "--no-sync",
-            "-E",
-            "UTF8",
-        ]);
-        if let Some((uid, gid)) = user {
-            initdb.uid(uid).gid(gid);
-        }
-        let out = initdb
-            .output()
-            .context("run initdb (PostgreSQL 15 installed?)")?;
-        anyhow::ensure!(
-            out.status.success(),
-            "initdb failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let port = free_port()?;
-        let mut postgres = Command::new(pg_bin("postgres"));
-        postgres
-            .arg("-D")
-            .arg(&data)
-            .args(["-p", &port.to_string()]);
-        for setting in [
-            "listen_addresses=127.0.0.1".to_string(),
-            format!("unix_socket_directories={}", dir.display()),
-            "fsync=on".into(),
-            "synchronous_commit=on".into(),
-            "full_page_writes=on".into(),
-            "max_connections=300".into(),
-            "shared_buffers=256MB".into(),
-        ] {
-            postgres.args(["-c", &setting]);
-        }
-        if let Some((uid, gid)) = user {
-            postgres.uid(uid).gid(gid);
-        }
-        let mut server = ServerProcess::spawn("postgres", postgres, dir)?;
-        let url = format!("host=127.0.0.1 port={port} user=postgres dbname=postgres");
-        let client = wait_until_up(&mut server, Duration::from_secs(60), || async {
-            connect(&url).await
+        let dir = dir.to_path_buf();
+        // initdb and the wait for the server block: off the async threads.
+        let server = tokio::task::spawn_blocking(move || {
+            testkit::pg::Postgres::init(
+                &dir,
+                &["fsync=on", "full_page_writes=on", "shared_buffers=256MB"],
+            )
         })
+        .await??;
+        let port = server.port;
+        let client = connect(&format!(
+            "host=127.0.0.1 port={port} user=postgres dbname=postgres"
+        ))
         .await?;
         client
             .batch_execute(
@@ -107,13 +47,11 @@ impl Postgres {
                  body text NOT NULL, PRIMARY KEY (session, seq))",
             )
             .await?;
+        let postgres = testkit::pg::pg_bin("postgres");
         Ok(Postgres {
             server,
             port,
-            version: version_of(
-                pg_bin("postgres").to_str().unwrap_or("postgres"),
-                &["--version"],
-            ),
+            version: version_of(postgres.to_str().unwrap_or("postgres"), &["--version"]),
         })
     }
 

@@ -28,8 +28,8 @@ use std::time::Duration;
 use agentlog_proto::v1::event_store_client::EventStoreClient;
 use agentlog_proto::v1::{event, AppendRequest, Event, UserMessage};
 use clap::Parser;
-use integration_tests::pg::Postgres;
-use integration_tests::{bin_path, Backing, Store};
+use testkit::pg::Postgres;
+use testkit::{bin_path, Backing, Store};
 use tokio_postgres::{Client, NoTls, Statement};
 use tonic::transport::Channel;
 
