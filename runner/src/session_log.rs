@@ -158,6 +158,13 @@ pub struct InterruptSignal {
 }
 
 impl InterruptSignal {
+    /// A signal that never fires: for running calls outside a followed session (the tool
+    /// guard's crash tests run them against an in-memory log).
+    pub fn never() -> InterruptSignal {
+        let (_, seen) = watch::channel(Seen::default());
+        InterruptSignal { seen, known: 0 }
+    }
+
     /// Resolves once the log shows an `interrupt` the fold had not seen. Never resolves if
     /// the subscription is gone (the session's work is stopping anyway).
     pub async fn arrived(&self) {

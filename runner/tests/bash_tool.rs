@@ -2,30 +2,13 @@
 //! exit codes, the environment, the cap, and that a timeout or a dropped call leaves no
 //! process of the call behind — `setsid` and double-forked ones included.
 
+mod common;
+
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use runner::tools::sandbox::{Ids, Sandbox, SandboxMode, ToolNetwork};
-use runner::tools::{ToolOutput, Toolbox, OUTPUT_CAP};
+use runner::tools::{ToolOutput, OUTPUT_CAP};
 use serde_json::{json, Value};
-
-fn toolbox(root: &Path) -> Toolbox {
-    let root_user = nix::unistd::geteuid().is_root();
-    let sandbox = Sandbox {
-        mode: SandboxMode::Require,
-        network: ToolNetwork::None,
-        // As root, tools run as nobody, as the runner's default has them.
-        user: root_user.then_some(Ids {
-            uid: 65534,
-            gid: 65534,
-        }),
-        read_paths: Vec::new(),
-        helper: env!("CARGO_BIN_EXE_runner").into(),
-        weakness: None,
-    };
-    sandbox.open_path_to(root).expect("reachable root");
-    Toolbox::new(root.to_path_buf(), sandbox)
-}
 
 async fn bash(root: &Path, input: Value) -> ToolOutput {
     let Value::Object(input) = input else {
@@ -34,7 +17,9 @@ async fn bash(root: &Path, input: Value) -> ToolOutput {
             is_error: true,
         };
     };
-    toolbox(root).run("s1", "bash", input, "s1/toolu_1").await
+    common::toolbox(root)
+        .run("s1", "bash", input, "s1/toolu_1")
+        .await
 }
 
 #[tokio::test]

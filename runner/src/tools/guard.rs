@@ -15,13 +15,63 @@
 //! | `tool_started` | `started:<tool_use_id>:<attempt>` |
 //! | `tool_result` (run, denied, reported, or closed by an interrupt) | `result:<tool_use_id>` |
 
+use std::future::Future;
+
 use agentlog_client::json::struct_to_object;
 use agentlog_proto::v1::{event::Kind, ApprovalRequested, Durability, ToolResult, ToolStarted};
+use tokio_util::sync::CancellationToken;
 
 use super::{ToolPolicy, Toolbox, UnknownOutcome};
 use crate::fold::{Approval, CallState, PendingCall};
 use crate::lease::LeaseGuard;
 use crate::session_log::{Appender, InterruptSignal, StoreError};
+
+/// Where the guard writes a session's calls: the store, through [`Appender`] (or, in this
+/// module's tests, an in-memory log that dies at a chosen append).
+pub trait CallLog: Sync {
+    fn session_id(&self) -> &str;
+    /// Appends one event with its deterministic id; an id already logged answers with its
+    /// original seq and writes nothing.
+    fn append(
+        &self,
+        event_id: String,
+        kind: Kind,
+        durability: Durability,
+    ) -> impl Future<Output = Result<u64, StoreError>> + Send;
+}
+
+impl CallLog for Appender {
+    fn session_id(&self) -> &str {
+        Appender::session_id(self)
+    }
+
+    fn append(
+        &self,
+        event_id: String,
+        kind: Kind,
+        durability: Durability,
+    ) -> impl Future<Output = Result<u64, StoreError>> + Send {
+        Appender::append(self, event_id, kind, durability)
+    }
+}
+
+/// What the guard asks of the session's lease before and while a tool runs.
+pub trait LeaseCheck: Sync {
+    /// Whether there is time enough left to start a tool while the lease is surely ours.
+    fn has_margin(&self) -> bool;
+    /// Cancelled when the lease is lost or the runner stops.
+    fn cancelled(&self) -> &CancellationToken;
+}
+
+impl LeaseCheck for LeaseGuard {
+    fn has_margin(&self) -> bool {
+        LeaseGuard::has_margin(self)
+    }
+
+    fn cancelled(&self) -> &CancellationToken {
+        LeaseGuard::cancelled(self)
+    }
+}
 
 /// What one call of the last reply needs next.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -144,8 +194,8 @@ pub fn interrupted_message(call: &PendingCall, reason: &str) -> String {
 pub async fn run_calls(
     toolbox: &Toolbox,
     policy: &ToolPolicy,
-    appender: &Appender,
-    lease: &LeaseGuard,
+    appender: &impl CallLog,
+    lease: &impl LeaseCheck,
     interrupt: &InterruptSignal,
     calls: &[PendingCall],
 ) -> Result<CallsOutcome, GuardError> {
@@ -199,8 +249,8 @@ pub async fn run_calls(
 /// One call: `tool_started` (durable) → run once → `tool_result` (durable).
 async fn run_tool_guarded(
     toolbox: &Toolbox,
-    appender: &Appender,
-    lease: &LeaseGuard,
+    appender: &impl CallLog,
+    lease: &impl LeaseCheck,
     interrupt: &InterruptSignal,
     call: &PendingCall,
     attempt: u32,
@@ -246,7 +296,7 @@ async fn run_tool_guarded(
 /// Closes every listed call with an error result saying it was interrupted and whether it
 /// had started. A call whose real result raced in first keeps it (same event id).
 pub async fn close_interrupted(
-    appender: &Appender,
+    appender: &impl CallLog,
     open: &[PendingCall],
     reason: &str,
 ) -> Result<(), StoreError> {
@@ -263,7 +313,7 @@ pub async fn close_interrupted(
 }
 
 async fn append_result(
-    appender: &Appender,
+    appender: &impl CallLog,
     id: &str,
     content: String,
     is_error: bool,
