@@ -3,11 +3,10 @@
 //! secret is ever logged), TLS gRPC clients with bearer tokens, and grpcurl over TLS.
 
 use std::ffi::OsString;
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use agentlog_client::BearerToken;
@@ -18,7 +17,7 @@ use rcgen::{
 };
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
 
-use crate::{bin_path, parse_listen_line, GrpcurlOutput};
+use crate::{bin_path, GrpcurlOutput};
 
 /// A certificate authority made for one test.
 pub struct Ca {
@@ -214,10 +213,10 @@ impl LoggedStore {
             .spawn()
             .context("spawn event-store")?;
         let log = Arc::new(Mutex::new(Vec::new()));
-        let addr = keep_lines(
+        let addr = testkit::wait_for_listen_line(
             child.stderr.take().expect("piped stderr"),
             "event-store",
-            log.clone(),
+            Some(log.clone()),
         )?;
         Ok(LoggedStore {
             child,
@@ -250,31 +249,6 @@ impl Drop for LoggedStore {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
-}
-
-/// Copies a child's stderr into `log` (and ours), returning the listen address.
-pub fn keep_lines(
-    stderr: std::process::ChildStderr,
-    what: &str,
-    log: Arc<Mutex<Vec<String>>>,
-) -> Result<SocketAddr> {
-    let (tx, rx) = mpsc::channel();
-    let name = what.to_string();
-    std::thread::spawn(move || {
-        let mut tx = Some(tx);
-        for line in BufReader::new(stderr).lines() {
-            let Ok(line) = line else { break };
-            eprintln!("[{name}] {line}");
-            if let Some(addr) = parse_listen_line(&line) {
-                if let Some(tx) = tx.take() {
-                    let _ = tx.send(addr);
-                }
-            }
-            log.lock().unwrap_or_else(|p| p.into_inner()).push(line);
-        }
-    });
-    rx.recv_timeout(Duration::from_secs(60))
-        .with_context(|| format!("{what} did not log its listen address"))
 }
 
 /// A client with TLS and a bearer token: the one every program uses.

@@ -12,7 +12,7 @@ use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::{mpsc, Arc};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
 use agentlog_proto::v1::event_store_client::EventStoreClient;
@@ -180,7 +180,11 @@ impl Store {
             .stderr(Stdio::piped())
             .spawn()
             .with_context(|| format!("spawn {}", binary.display()))?;
-        let addr = wait_for_listen_line(child.stderr.take().expect("piped stderr"), "event-store")?;
+        let addr = wait_for_listen_line(
+            child.stderr.take().expect("piped stderr"),
+            "event-store",
+            None,
+        )?;
         let data_dir = match &backing {
             Backing::Dir(dir) => dir.clone(),
             Backing::Database(..) => PathBuf::new(),
@@ -245,9 +249,13 @@ pub fn signal(pid: u32, sig: Signal) {
     let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), sig);
 }
 
-/// Copies a child's stderr to ours (so `cargo test -- --nocapture` shows it) and returns
-/// the address from its `listening` log line.
-fn wait_for_listen_line(stderr: std::process::ChildStderr, what: &str) -> Result<SocketAddr> {
+/// Copies a child's stderr to ours (so `cargo test -- --nocapture` shows it), and to
+/// `keep` when given, and returns the address from its `listening` log line.
+pub fn wait_for_listen_line(
+    stderr: std::process::ChildStderr,
+    what: &str,
+    keep: Option<Arc<Mutex<Vec<String>>>>,
+) -> Result<SocketAddr> {
     let (tx, rx) = mpsc::channel();
     let name = what.to_string();
     std::thread::spawn(move || {
@@ -259,6 +267,9 @@ fn wait_for_listen_line(stderr: std::process::ChildStderr, what: &str) -> Result
                 if let Some(tx) = tx.take() {
                     let _ = tx.send(addr);
                 }
+            }
+            if let Some(keep) = &keep {
+                keep.lock().unwrap_or_else(|p| p.into_inner()).push(line);
             }
         }
     });
