@@ -34,22 +34,11 @@ pub struct Output {
 pub async fn send(out: &Output, session: Option<String>, text: &str) -> Result<()> {
     let session = session.unwrap_or_else(new_session_id);
     let mut client = store::connect(&out.addr).await?;
-    let seq = append_client_event(
-        &mut client,
-        &session,
-        "user",
-        Kind::UserMessage(UserMessage {
-            text: text.to_string(),
-        }),
-    )
-    .await
-    .map_err(|status| store::explain(&out.addr, "Append", status))?;
-    if out.json {
-        println!(
-            "{}",
-            serde_json::json!({"sessionId": session, "seq": seq.to_string()})
-        );
-    } else {
+    let user = Kind::UserMessage(UserMessage {
+        text: text.to_string(),
+    });
+    let seq = append_and_answer(out, &mut client, &session, "user", user).await?;
+    if !out.json {
         eprintln!("session {session} (follow it with `agentlog tail {session}`)");
     }
 
@@ -84,6 +73,27 @@ pub async fn send(out: &Output, session: Option<String>, text: &str) -> Result<(
     .await;
     hint.abort();
     result
+}
+
+/// [`append_client_event`] with a store error explained; under `--json` prints the answer
+/// (`{"sessionId", "seq"}`). Returns the seq.
+pub async fn append_and_answer(
+    out: &Output,
+    client: &mut store::Client,
+    session: &str,
+    id_prefix: &str,
+    kind: Kind,
+) -> Result<u64> {
+    let seq = append_client_event(client, session, id_prefix, kind)
+        .await
+        .map_err(|status| store::explain(&out.addr, "Append", status))?;
+    if out.json {
+        println!(
+            "{}",
+            serde_json::json!({"sessionId": session, "seq": seq.to_string()})
+        );
+    }
+    Ok(seq)
 }
 
 /// Appends one client event (`user_message`, `interrupt`, `approval_decision`) to

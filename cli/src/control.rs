@@ -11,7 +11,7 @@ use agentlog_client::refusal::{is_approval_not_pending, is_session_not_found};
 use agentlog_proto::v1::{event::Kind, ApprovalDecision, Event, GetSessionRequest, Interrupt};
 use anyhow::{anyhow, bail, Result};
 
-use crate::commands::{append_client_event, Output};
+use crate::commands::{append_and_answer, append_client_event, Output};
 use crate::store;
 
 /// `cancel SESSION [--reason R]`.
@@ -29,22 +29,11 @@ pub async fn cancel(out: &Output, session: &str, reason: &str) -> Result<()> {
         }
         return Err(store::explain(&out.addr, "GetSession", status));
     }
-    let seq = append_client_event(
-        &mut client,
-        session,
-        "interrupt",
-        Kind::Interrupt(Interrupt {
-            reason: reason.to_string(),
-        }),
-    )
-    .await
-    .map_err(|status| store::explain(&out.addr, "Append", status))?;
-    if out.json {
-        println!(
-            "{}",
-            serde_json::json!({"sessionId": session, "seq": seq.to_string()})
-        );
-    } else {
+    let interrupt = Kind::Interrupt(Interrupt {
+        reason: reason.to_string(),
+    });
+    let seq = append_and_answer(out, &mut client, session, "interrupt", interrupt).await?;
+    if !out.json {
         println!(
             "interrupt sent (seq {seq}); the runner stops the session and answers with \
              `interrupted` (`agentlog tail {session}` shows it)"
