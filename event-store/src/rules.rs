@@ -329,17 +329,11 @@ fn check_approval_decisions<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use agentlog_proto::v1::{ApprovalDecision, ApprovalRequested, ToolResult, UserMessage};
+    use crate::session::test_events::*;
+    use agentlog_proto::v1::ToolResult;
 
     const NOW: i64 = 1_000_000;
 
-    fn ev(seq: u64, kind: event::Kind) -> Event {
-        Event {
-            seq,
-            kind: Some(kind),
-            ..Event::default()
-        }
-    }
     fn with_id(id: &str, kind: event::Kind) -> Event {
         Event {
             event_id: id.into(),
@@ -347,26 +341,10 @@ mod tests {
             ..Event::default()
         }
     }
-    fn user(text: &str) -> event::Kind {
-        event::Kind::UserMessage(UserMessage { text: text.into() })
-    }
     fn result(id: &str) -> event::Kind {
         event::Kind::ToolResult(ToolResult {
             tool_use_id: id.into(),
             ..ToolResult::default()
-        })
-    }
-    fn request(id: &str) -> event::Kind {
-        event::Kind::ApprovalRequested(ApprovalRequested {
-            tool_use_id: id.into(),
-            ..ApprovalRequested::default()
-        })
-    }
-    fn decision(id: &str) -> event::Kind {
-        event::Kind::ApprovalDecision(ApprovalDecision {
-            tool_use_id: id.into(),
-            approved: true,
-            note: String::new(),
         })
     }
     /// A session with one user message and, if given, a lease record.

@@ -212,41 +212,48 @@ pub fn now_unix_ms() -> i64 {
         .map_or(0, |d| d.as_millis() as i64)
 }
 
+/// Events for the unit tests of the session rules here and in `rules.rs`.
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use agentlog_proto::v1::UserMessage;
-    use agentlog_proto::v1::{ApprovalDecision, ApprovalRequested, Interrupt, Interrupted};
+pub(crate) mod test_events {
+    use agentlog_proto::v1::{event, ApprovalDecision, ApprovalRequested, Event, UserMessage};
 
-    fn ev(seq: u64, kind: event::Kind) -> Event {
+    pub fn ev(seq: u64, kind: event::Kind) -> Event {
         Event {
             seq,
             kind: Some(kind),
             ..Event::default()
         }
     }
-    fn request(id: &str) -> event::Kind {
+    pub fn user(text: &str) -> event::Kind {
+        event::Kind::UserMessage(UserMessage { text: text.into() })
+    }
+    pub fn request(id: &str) -> event::Kind {
         event::Kind::ApprovalRequested(ApprovalRequested {
             tool_use_id: id.into(),
             ..ApprovalRequested::default()
         })
     }
-    fn decision(id: &str) -> event::Kind {
+    pub fn decision(id: &str) -> event::Kind {
         event::Kind::ApprovalDecision(ApprovalDecision {
             tool_use_id: id.into(),
             approved: true,
             note: String::new(),
         })
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::test_events::*;
+    use super::*;
+    use agentlog_proto::v1::{Interrupt, Interrupted};
+
     fn status_after(kinds: Vec<event::Kind>) -> SessionStatus {
         let mut meta = SessionMeta::default();
         for (i, kind) in kinds.into_iter().enumerate() {
             meta.apply_event(&ev(i as u64 + 1, kind));
         }
         meta.status()
-    }
-    fn user(text: &str) -> event::Kind {
-        event::Kind::UserMessage(UserMessage { text: text.into() })
     }
 
     #[test]

@@ -104,8 +104,17 @@ async fn park_for_approval(store: &Store, session: &str) {
     assert!(waiting.stdout.contains(session), "{waiting:?}");
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn an_approved_call_runs_once_across_a_restart_of_both_services() {
+/// A session parked for approval of its bash call, then the store and the runner SIGKILLed
+/// and started again: what both decision tests start from.
+struct Parked {
+    store: Store,
+    workspaces: tempfile::TempDir,
+    standin: AnthropicStandin,
+    _runner: RunnerProc,
+    _data: tempfile::TempDir,
+}
+
+async fn parked_across_a_restart() -> Parked {
     let data = tempfile::tempdir().expect("temp dir");
     let workspaces = tempfile::tempdir().expect("temp dir");
     let standin = AnthropicStandin::start(key_script())
@@ -118,7 +127,26 @@ async fn an_approved_call_runs_once_across_a_restart_of_both_services() {
     runner.kill9();
     store.kill9();
     let store = Store::start_in(data.path()).expect("store restarted");
-    let _runner = approving_runner(&store, "r2", workspaces.path(), &standin.url());
+    let runner = approving_runner(&store, "r2", workspaces.path(), &standin.url());
+    Parked {
+        store,
+        workspaces,
+        standin,
+        _runner: runner,
+        _data: data,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_approved_call_runs_once_across_a_restart_of_both_services() {
+    // Bound whole: the runner and the data dir must live to the end of the test.
+    let parked = parked_across_a_restart().await;
+    let Parked {
+        store,
+        workspaces,
+        standin,
+        ..
+    } = &parked;
     let approved = agentlog(&store.url(), &["approve", "s1"]);
     assert!(approved.success, "{}", approved.stderr);
 
@@ -158,19 +186,14 @@ async fn an_approved_call_runs_once_across_a_restart_of_both_services() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_denied_call_never_runs_and_the_model_reads_the_note() {
-    let data = tempfile::tempdir().expect("temp dir");
-    let workspaces = tempfile::tempdir().expect("temp dir");
-    let standin = AnthropicStandin::start(key_script())
-        .await
-        .expect("stand-in");
-    let mut store = Store::start_in(data.path()).expect("store");
-    let mut runner = approving_runner(&store, "r1", workspaces.path(), &standin.url());
-    park_for_approval(&store, "s1").await;
-
-    runner.kill9();
-    store.kill9();
-    let store = Store::start_in(data.path()).expect("store restarted");
-    let _runner = approving_runner(&store, "r2", workspaces.path(), &standin.url());
+    // Bound whole: the runner and the data dir must live to the end of the test.
+    let parked = parked_across_a_restart().await;
+    let Parked {
+        store,
+        workspaces,
+        standin,
+        ..
+    } = &parked;
     let denied = agentlog(
         &store.url(),
         &["deny", "s1", "toolu_0_0", "--note", "not on a Friday"],
