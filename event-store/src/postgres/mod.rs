@@ -39,7 +39,7 @@ use agentlog_proto::v1::{
     AppendResponse, Event, Lease, ListSessionsRequest, ListSessionsResponse, SessionInfo,
     SessionStatus,
 };
-use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use deadpool_postgres::{Hook, Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use prost::Message;
 use tokio::sync::{mpsc, oneshot, watch, Notify};
 use tokio_postgres::error::SqlState;
@@ -195,6 +195,18 @@ impl PgBackend {
             },
         );
         let pool = Pool::builder(manager)
+            .post_create(Hook::async_fn(|client, _| {
+                Box::pin(async move {
+                    // Every statement here finds its rows by key. Plans are cached per
+                    // connection, and one made while a table was nearly empty would go on
+                    // scanning it whole as it grows (see `batch::WRITE_BATCH`). An engine
+                    // without the setting plans its own way.
+                    if let Err(e) = client.batch_execute("SET enable_seqscan = off").await {
+                        tracing::debug!(error = %e, "enable_seqscan not set");
+                    }
+                    Ok(())
+                })
+            }))
             .max_size(config.pool_size.max(1))
             .runtime(Runtime::Tokio1)
             .wait_timeout(Some(CALL_TIMEOUT))
@@ -822,6 +834,9 @@ impl Backend for PgBackend {
             Some((t, id)) => (Some(*t), id.clone()),
             None => (None, String::new()),
         };
+        // The bound on the indexed `updated_second` (the same division PostgreSQL computes
+        // it with), so that a later page starts its index walk where the previous ended.
+        let after_second = after_t.map_or(i64::MAX, |t| t / 1000);
         let limit = query.page_size as i64 + 1;
         let client = self.client().await?;
         let rows = timed("list_sessions", async {
@@ -833,9 +848,11 @@ impl Backend for PgBackend {
                      AND ($3 = 0 OR status = $3) \
                      AND ($4 = '' OR strpos(lower(session_id), $4) > 0 \
                      OR strpos(lower(first_user_text), $4) > 0) \
+                     AND updated_second <= $8 \
                      AND ($5::bigint IS NULL OR updated_unix_ms < $5 \
                      OR (updated_unix_ms = $5 AND session_id > $6)) \
-                     ORDER BY updated_unix_ms DESC, session_id LIMIT $7",
+                     ORDER BY updated_second DESC, updated_unix_ms DESC, session_id \
+                     LIMIT $7",
                 )
                 .await?;
             client
@@ -849,6 +866,7 @@ impl Backend for PgBackend {
                         &after_t,
                         &after_id,
                         &limit,
+                        &after_second,
                     ],
                 )
                 .await
