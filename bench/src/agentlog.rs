@@ -5,98 +5,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use agentlog_proto::v1::event_store_client::EventStoreClient;
-use agentlog_proto::v1::{
-    append_stream_response, event, AppendRequest, AppendStreamResponse, Event, SubscribeRequest,
-    UserMessage,
-};
+use agentlog_proto::v1::{AppendRequest, SubscribeRequest};
 use anyhow::Context;
 use testkit::Store;
-use tonic::transport::Channel;
 
-use crate::load::Appender;
-
-/// One SYNC append of one 300-byte user message per call, on its own HTTP/2 connection.
-pub struct AgentlogAppender {
-    client: EventStoreClient<Channel>,
-    request: AppendRequest,
-}
-
-impl AgentlogAppender {
-    pub async fn connect(url: &str, session_id: String) -> anyhow::Result<AgentlogAppender> {
-        Ok(AgentlogAppender {
-            client: EventStoreClient::connect(url.to_string()).await?,
-            request: AppendRequest {
-                session_id,
-                events: vec![user_event(crate::event_text())],
-                ..Default::default()
-            },
-        })
-    }
-}
-
-impl Appender for AgentlogAppender {
-    async fn append(&mut self) -> anyhow::Result<()> {
-        self.client.append(self.request.clone()).await?;
-        Ok(())
-    }
-}
-
-/// The same appends as [`AgentlogAppender`] (one SYNC 300-byte event each, the next sent
-/// once the previous one is acknowledged) on one `AppendStream` per client, on its own
-/// HTTP/2 connection.
-pub struct AgentlogStreamAppender {
-    requests: tokio::sync::mpsc::Sender<AppendRequest>,
-    responses: tonic::Streaming<AppendStreamResponse>,
-    request: AppendRequest,
-}
-
-impl AgentlogStreamAppender {
-    pub async fn connect(url: &str, session_id: String) -> anyhow::Result<AgentlogStreamAppender> {
-        let mut client = EventStoreClient::connect(url.to_string()).await?;
-        let (requests, rx) = tokio::sync::mpsc::channel(16);
-        let responses = client
-            .append_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
-            .await?
-            .into_inner();
-        Ok(AgentlogStreamAppender {
-            requests,
-            responses,
-            request: AppendRequest {
-                session_id,
-                events: vec![user_event(crate::event_text())],
-                ..Default::default()
-            },
-        })
-    }
-}
-
-impl Appender for AgentlogStreamAppender {
-    async fn append(&mut self) -> anyhow::Result<()> {
-        self.requests
-            .send(self.request.clone())
-            .await
-            .context("the append stream closed")?;
-        let response = self
-            .responses
-            .message()
-            .await?
-            .context("the append stream ended")?;
-        match response.result {
-            Some(append_stream_response::Result::Response(_)) => Ok(()),
-            Some(append_stream_response::Result::Error(e)) => {
-                anyhow::bail!("append refused: code {}: {}", e.code, e.message)
-            }
-            None => anyhow::bail!("an empty AppendStream response"),
-        }
-    }
-}
-
-pub fn user_event(text: String) -> Event {
-    Event {
-        kind: Some(event::Kind::UserMessage(UserMessage { text })),
-        ..Default::default()
-    }
-}
+pub use crate::appenders::user_event;
 
 /// Appends `events` 300-byte events to `session_id`, 1000 per request.
 pub async fn fill_session(url: &str, session_id: &str, events: usize) -> anyhow::Result<()> {

@@ -8,6 +8,7 @@
 #![forbid(unsafe_code)]
 
 mod agentlog;
+mod appenders;
 mod baselines;
 mod disk;
 mod fanout;
@@ -25,7 +26,7 @@ use anyhow::Context;
 use clap::Parser;
 use testkit::Store;
 
-use crate::agentlog::{AgentlogAppender, AgentlogStreamAppender};
+use crate::appenders::{AgentlogAppender, AgentlogStreamAppender};
 use crate::baselines::{etcd::Etcd, postgres::Postgres, redis::Redis};
 use crate::load::{closed_loop, Appender, LoadRun, Window};
 use crate::report::Report;

@@ -50,8 +50,13 @@ pub struct Postgres {
 impl Postgres {
     /// initdb and start a fresh cluster in a temp dir.
     pub fn start() -> Result<Postgres> {
+        Postgres::start_with(&[])
+    }
+
+    /// The same with extra `-c` settings (e.g. `shared_preload_libraries=…`).
+    pub fn start_with(settings: &[&str]) -> Result<Postgres> {
         let tmp = tempfile::tempdir()?;
-        let mut pg = Postgres::init(tmp.path(), &[])?;
+        let mut pg = Postgres::init(tmp.path(), settings)?;
         pg._tmp = Some(tmp);
         Ok(pg)
     }
