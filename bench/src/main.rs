@@ -633,6 +633,7 @@ async fn profile_appends(
     let mut rows = Vec::new();
     let targets = [
         (Target::Agentlog, Some(systems.store.pid())),
+        (Target::AgentlogStream, Some(systems.store.pid())),
         (Target::Postgres, systems.postgres.as_ref().map(|p| p.pid())),
         (Target::Redis, systems.redis.as_ref().map(|r| r.pid())),
         (Target::Etcd, systems.etcd.as_ref().map(|e| e.pid())),
@@ -640,6 +641,7 @@ async fn profile_appends(
     let mut recording = None;
     for (target, pid) in targets {
         let Some(pid) = pid else { continue };
+        progress(&format!("profile: {}", target.label()));
         let Some(appenders) = systems.appenders(target, clients, 1000).await? else {
             continue;
         };

@@ -263,18 +263,28 @@ impl Report {
                 "| {c64} clients (Append or AppendStream): ≥ {goal}× {name} | {measured} | {met} |"
             )?;
         }
-        let cpu = self.profile.as_ref().and_then(|p| {
-            p.rows
-                .iter()
-                .find(|r| r.target == Target::Agentlog)
-                .map(|r| (p.clients, r.server_cpu_us_per_append))
-        });
-        let (measured, ok) = match cpu {
-            Some((clients, us)) => (
-                format!("**{us:.1} µs** per unary append at {clients} clients"),
+        let cpu_of = |target: Target| {
+            self.profile.as_ref().and_then(|p| {
+                p.rows
+                    .iter()
+                    .find(|r| r.target == target)
+                    .map(|r| (p.clients, r.server_cpu_us_per_append))
+            })
+        };
+        // The goal is for the best path; the unary `Append` is reported beside it.
+        let (measured, ok) = match (cpu_of(Target::AgentlogStream), cpu_of(Target::Agentlog)) {
+            (Some((clients, streamed)), Some((_, unary))) => (
+                format!(
+                    "**{streamed:.1} µs** per append through AppendStream, {unary:.1} µs per \
+                     unary append, at {clients} clients"
+                ),
+                met(streamed.min(unary) <= 30.0),
+            ),
+            (None, Some((clients, us))) | (Some((clients, us)), None) => (
+                format!("**{us:.1} µs** per append at {clients} clients"),
                 met(us <= 30.0),
             ),
-            None => ("not measured".into(), "–".into()),
+            (None, None) => ("not measured".into(), "–".into()),
         };
         writeln!(
             md,
