@@ -24,6 +24,12 @@ use event_store::{service, Store, StoreConfig};
 use tokio::signal::unix::{signal, SignalKind};
 use tokio_util::sync::CancellationToken;
 
+/// mimalloc rather than the system allocator: per append the gRPC layers and the writer
+/// allocate and free many small buffers, which glibc's malloc made a tenth of the store's
+/// CPU (bench/RESULTS.md, "The write path: before and after").
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser, Debug)]
 #[command(
     version,
