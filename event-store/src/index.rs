@@ -1,6 +1,14 @@
 //! The index, in sled: sessions (status, lease, title), `event_id → seq` for dedup,
 //! `(session, seq) → log position` for reads, and how far into the log it has absorbed.
 //!
+//! Positions are kept [`POSITIONS_PER_CHUNK`] to a sled entry: seqs are gapless from 1, so
+//! the entry of a session's chunk `c` holds the positions of seqs `c·64 + 1 …` in order, 12
+//! bytes each, and the index writes one entry per session and chunk an absorb touches
+//! rather than one per event (and a read of 512 events visits 9 entries, not 512). The
+//! last chunk of a session grows over several absorbs: each rewrites it with its new
+//! positions after those it already held. An index of the earlier layout, one entry per
+//! event, is told apart by [`POSITIONS_LAYOUT`] and rebuilt from the log on open.
+//!
 //! An event id that names its own event's seq (`auto-<seq>-<random>`, the form the store
 //! gives an event that came without an id; see [`self_named_seq`]) is not put in
 //! `event_id → seq`: dedup reads the event at that seq and compares instead, which saves
@@ -11,7 +19,7 @@
 //! atomic sled batch, and on start the store replays the log from that offset. Whatever
 //! sled lost in a crash is therefore re-derived from the log.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Mutex;
 
@@ -23,6 +31,14 @@ use crate::session::SessionMeta;
 // Key prefixes in the one sled tree (one tree, so one batch is atomic across all of them).
 // Session ids never contain 0x00, so `<session>\0<rest>` is unambiguous.
 const ABSORBED: &[u8] = b"m:absorbed";
+/// Names the layout of the position entries; an index without it (or with another value)
+/// is rebuilt from the log.
+const LAYOUT: &[u8] = b"m:positions-layout";
+pub const POSITIONS_LAYOUT: &[u8] = b"chunks-of-64";
+/// Positions per sled entry.
+pub const POSITIONS_PER_CHUNK: u64 = 64;
+/// Bytes of one position in a chunk: offset (8) and length (4), big-endian.
+const POSITION_BYTES: usize = 12;
 const SESSION: u8 = b's';
 const POSITION: u8 = b'p';
 const EVENT_ID: u8 = b'e';
@@ -55,19 +71,38 @@ pub struct Index {
 #[derive(Default)]
 pub struct IndexBatch {
     batch: sled::Batch,
-    touched: HashSet<String>,
+    /// Every session a record of the batch belongs to (its metadata is stored too), with
+    /// the positions of its new events.
+    touched: HashMap<String, NewPositions>,
     records: usize,
 }
 
+/// A session's events of one batch: consecutive seqs from `first_seq`, their positions
+/// packed as in a chunk.
+#[derive(Default)]
+struct NewPositions {
+    first_seq: u64,
+    packed: Vec<u8>,
+}
+
 impl IndexBatch {
-    /// Records a durable record at `pos`.
+    /// Records a durable record at `pos`. A session's events come in seq order (the log's).
     pub fn add(&mut self, pos: Position, record: &Record) {
+        let session_id = record.session_id();
+        let new = match self.touched.get_mut(session_id) {
+            Some(new) => new,
+            None => self.touched.entry(session_id.to_string()).or_default(),
+        };
         if let Record::Event(event) = record {
-            let mut value = [0u8; 12];
-            value[..8].copy_from_slice(&pos.offset.to_be_bytes());
-            value[8..].copy_from_slice(&pos.len.to_be_bytes());
-            self.batch
-                .insert(position_key(&event.session_id, event.seq), &value[..]);
+            if new.packed.is_empty() {
+                new.first_seq = event.seq;
+            }
+            debug_assert_eq!(
+                new.first_seq + (new.packed.len() / POSITION_BYTES) as u64,
+                event.seq
+            );
+            new.packed.extend_from_slice(&pos.offset.to_be_bytes());
+            new.packed.extend_from_slice(&pos.len.to_be_bytes());
             if self_named_seq(&event.event_id) != Some(event.seq) {
                 self.batch.insert(
                     event_id_key(&event.session_id, &event.event_id),
@@ -76,14 +111,11 @@ impl IndexBatch {
             }
         }
         self.records += 1;
-        if !self.touched.contains(record.session_id()) {
-            self.touched.insert(record.session_id().to_string());
-        }
     }
 
     /// The sessions whose metadata this batch must also store.
     pub fn touched(&self) -> impl Iterator<Item = &String> {
-        self.touched.iter()
+        self.touched.keys()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -203,39 +235,56 @@ impl Index {
         from_seq: u64,
         limit: usize,
     ) -> Result<Vec<(u64, Position)>, IndexError> {
-        let start = position_key(session_id, from_seq);
+        let from_seq = from_seq.max(1);
+        let start = position_key(session_id, chunk_of(from_seq));
         let end = position_key(session_id, u64::MAX);
         let mut out = Vec::new();
-        for entry in self.db.range(start..=end).take(limit) {
+        for entry in self.db.range(start..=end) {
+            if out.len() >= limit {
+                break;
+            }
             let (key, value) = entry?;
-            let seq = u64::from_be_bytes(
+            let chunk = u64::from_be_bytes(
                 key[key.len() - 8..]
                     .try_into()
                     .map_err(|_| IndexError::Corrupt("position key".into()))?,
             );
-            if value.len() != 12 {
+            if value.len() % POSITION_BYTES != 0
+                || value.len() / POSITION_BYTES > POSITIONS_PER_CHUNK as usize
+            {
                 return Err(IndexError::Corrupt(format!(
-                    "position of {session_id}/{seq}"
+                    "positions of {session_id}, chunk {chunk}"
                 )));
             }
-            let offset = u64::from_be_bytes(value[..8].try_into().expect("8 bytes"));
-            let len = u32::from_be_bytes(value[8..].try_into().expect("4 bytes"));
-            out.push((seq, Position { offset, len }));
+            let first = chunk * POSITIONS_PER_CHUNK + 1;
+            for (seq, position) in (first..).zip(value.chunks_exact(POSITION_BYTES)) {
+                if seq < from_seq {
+                    continue;
+                }
+                if out.len() >= limit {
+                    break;
+                }
+                out.push((seq, unpack(position)));
+            }
         }
         Ok(out)
     }
 
     /// Applies `batch` and the current metadata of the sessions it touched, bringing the
-    /// index up to log offset `absorbed`, atomically.
+    /// index up to log offset `absorbed`, atomically. (The writer is sled's only writer, so
+    /// the chunks read here to be extended cannot change before the batch is applied.)
     pub fn apply(
         &self,
         mut batch: IndexBatch,
         sessions: &HashMap<String, SessionMeta>,
         absorbed: u64,
     ) -> Result<(), IndexError> {
-        for id in &batch.touched {
+        for (id, new) in &batch.touched {
             if let Some(meta) = sessions.get(id) {
                 batch.batch.insert(session_key(id), meta.encode_to_vec());
+            }
+            if !new.packed.is_empty() {
+                self.add_positions(&mut batch.batch, id, new)?;
             }
         }
         batch.batch.insert(ABSORBED, &absorbed.to_be_bytes()[..]);
@@ -243,9 +292,59 @@ impl Index {
         Ok(())
     }
 
-    /// Forgets everything (the index is then rebuilt from the whole log).
+    /// Puts a session's new positions into `batch`, chunk by chunk: the first chunk they
+    /// fall in keeps the positions it held before them.
+    fn add_positions(
+        &self,
+        batch: &mut sled::Batch,
+        session_id: &str,
+        new: &NewPositions,
+    ) -> Result<(), IndexError> {
+        let mut seq = new.first_seq;
+        let mut packed = &new.packed[..];
+        while !packed.is_empty() {
+            let chunk = chunk_of(seq);
+            let before = ((seq - 1) % POSITIONS_PER_CHUNK) as usize;
+            let room = POSITIONS_PER_CHUNK as usize - before;
+            let (these, rest) = packed.split_at(packed.len().min(room * POSITION_BYTES));
+            let key = position_key(session_id, chunk);
+            let mut value = Vec::with_capacity((before + these.len()) * POSITION_BYTES);
+            if before > 0 {
+                let held = self.db.get(&key)?.unwrap_or_default();
+                if held.len() < before * POSITION_BYTES {
+                    return Err(IndexError::Corrupt(format!(
+                        "positions of {session_id}, chunk {chunk}: {} held, seq {seq} next",
+                        held.len() / POSITION_BYTES
+                    )));
+                }
+                value.extend_from_slice(&held[..before * POSITION_BYTES]);
+            }
+            value.extend_from_slice(these);
+            batch.insert(key, value);
+            seq += (these.len() / POSITION_BYTES) as u64;
+            packed = rest;
+        }
+        Ok(())
+    }
+
+    /// Whether the index's position entries have this build's layout (an empty index is
+    /// given it); else [`Index::clear`] it and rebuild it from the log.
+    pub fn has_current_layout(&self) -> Result<bool, IndexError> {
+        if let Some(layout) = self.db.get(LAYOUT)? {
+            return Ok(layout.as_ref() == POSITIONS_LAYOUT);
+        }
+        let empty = self.db.first()?.is_none();
+        if empty {
+            self.db.insert(LAYOUT, POSITIONS_LAYOUT)?;
+        }
+        Ok(empty)
+    }
+
+    /// Forgets everything (the index is then rebuilt from the whole log), keeping only
+    /// the layout it is rebuilt in.
     pub fn clear(&self) -> Result<(), IndexError> {
         self.db.clear()?;
+        self.db.insert(LAYOUT, POSITIONS_LAYOUT)?;
         Ok(())
     }
 
@@ -263,13 +362,24 @@ fn session_key(session_id: &str) -> Vec<u8> {
     key
 }
 
-fn position_key(session_id: &str, seq: u64) -> Vec<u8> {
+/// The chunk of positions a seq (from 1) is in.
+fn chunk_of(seq: u64) -> u64 {
+    (seq - 1) / POSITIONS_PER_CHUNK
+}
+
+fn position_key(session_id: &str, chunk: u64) -> Vec<u8> {
     let mut key = Vec::with_capacity(10 + session_id.len());
     key.push(POSITION);
     key.extend_from_slice(session_id.as_bytes());
     key.push(0);
-    key.extend_from_slice(&seq.to_be_bytes());
+    key.extend_from_slice(&chunk.to_be_bytes());
     key
+}
+
+fn unpack(position: &[u8]) -> Position {
+    let offset = u64::from_be_bytes(position[..8].try_into().expect("8 bytes"));
+    let len = u32::from_be_bytes(position[8..].try_into().expect("4 bytes"));
+    Position { offset, len }
 }
 
 fn event_id_key(session_id: &str, event_id: &str) -> Vec<u8> {
@@ -279,4 +389,85 @@ fn event_id_key(session_id: &str, event_id: &str) -> Vec<u8> {
     key.push(0);
     key.extend_from_slice(event_id.as_bytes());
     key
+}
+
+#[cfg(test)]
+mod tests {
+    use agentlog_proto::v1::Event;
+
+    use super::*;
+
+    fn event(session_id: &str, seq: u64) -> Record {
+        Record::Event(Event {
+            session_id: session_id.into(),
+            seq,
+            event_id: format!("auto-{seq}-x"),
+            ..Default::default()
+        })
+    }
+
+    /// A made-up position for `seq` of session `s`, distinct for every pair.
+    fn position(s: u64, seq: u64) -> Position {
+        Position {
+            offset: s * 1_000_000 + seq * 10,
+            len: (seq % 97) as u32 + 1,
+        }
+    }
+
+    #[test]
+    fn positions_read_back_across_chunks_and_absorbs() {
+        let dir = tempfile::tempdir().unwrap();
+        let index = Index::open(dir.path()).unwrap();
+        assert!(index.has_current_layout().unwrap());
+        // Absorbs of many sizes, two sessions interleaved: chunks filled in one go, in
+        // several, and left partly filled in between.
+        let sessions = ["s-a", "s-b"];
+        let mut last = [0u64; 2];
+        let mut end = 0;
+        for (round, size) in [1u64, 63, 2, 130, 64, 5, 59, 200].into_iter().enumerate() {
+            let mut batch = IndexBatch::default();
+            for _ in 0..size {
+                for (s, id) in sessions.iter().enumerate() {
+                    if s == 1 && round % 3 == 0 {
+                        continue;
+                    }
+                    last[s] += 1;
+                    batch.add(position(s as u64, last[s]), &event(id, last[s]));
+                }
+            }
+            end += 1;
+            index.apply(batch, &HashMap::new(), end).unwrap();
+            for (s, id) in sessions.iter().enumerate() {
+                for from in [1, 2, 63, 64, 65, 66, 127, 128, 129, last[s], last[s] + 1] {
+                    for limit in [1, 7, 64, 512] {
+                        let want: Vec<(u64, Position)> = (from.max(1)..=last[s])
+                            .take(limit)
+                            .map(|seq| (seq, position(s as u64, seq)))
+                            .collect();
+                        assert_eq!(index.positions(id, from, limit).unwrap(), want);
+                    }
+                }
+            }
+        }
+        assert_eq!(index.absorbed().unwrap(), end);
+        assert!(index.positions("s-none", 1, 10).unwrap().is_empty());
+    }
+
+    #[test]
+    fn an_index_of_the_earlier_layout_is_told_apart_and_cleared() {
+        let dir = tempfile::tempdir().unwrap();
+        let index = Index::open(dir.path()).unwrap();
+        // One position per entry, keyed by seq, and no layout key: the earlier layout.
+        index
+            .db
+            .insert(position_key("s-a", 1), &[0u8; POSITION_BYTES][..])
+            .unwrap();
+        index.db.insert(ABSORBED, &7u64.to_be_bytes()[..]).unwrap();
+        assert!(!index.has_current_layout().unwrap());
+        assert!(!index.has_current_layout().unwrap(), "nothing was changed");
+        index.clear().unwrap();
+        assert!(index.has_current_layout().unwrap());
+        assert_eq!(index.absorbed().unwrap(), 0);
+        assert!(index.positions("s-a", 1, 10).unwrap().is_empty());
+    }
 }

@@ -11,12 +11,16 @@ use crate::{OpenError, StoreConfig};
 /// Recovery writes replayed records into the index in batches of this many.
 const REPLAY_BATCH: usize = 10_000;
 
-/// Recovers from the log; an index ahead of the log (a log restored from an older backup)
-/// is rebuilt from the whole log.
+/// Recovers from the log; an index ahead of the log (a log restored from an older backup),
+/// or one of an earlier layout, is rebuilt from the whole log.
 pub(crate) fn open(
     config: &StoreConfig,
     index: &Index,
 ) -> Result<(LogWriter, HashMap<String, SessionMeta>), OpenError> {
+    if !index.has_current_layout()? {
+        tracing::warn!("the index has an earlier layout; rebuilding it from the whole log");
+        index.clear()?;
+    }
     match recover(config, index) {
         Err(OpenError::Log(LogError::IndexAhead { absorbed, end })) => {
             tracing::warn!(
