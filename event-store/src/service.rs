@@ -325,54 +325,16 @@ impl EventStore for EventStoreService {
     ) -> Result<Response<AppendResponses>, Status> {
         let caller = caller_of(&request)?;
         let budget = request.extensions().get::<MessageBudget>().cloned();
-        let mut requests = request.into_inner();
-        let store = self.store.clone();
-        let shutdown = self.shutdown.clone();
-        // Each request is queued for the writer as it arrives (so in order), and its answer
-        // is awaited and sent in that same order while the next ones are already queued.
-        let (answers_tx, mut answers_rx) = tokio::sync::mpsc::channel(APPEND_STREAM_IN_FLIGHT);
-        let (out_tx, out_rx) = tokio::sync::mpsc::channel(APPEND_STREAM_IN_FLIGHT);
-        tokio::spawn(async move {
-            loop {
-                let next = tokio::select! {
-                    _ = shutdown.cancelled() => return,
-                    next = requests.message() => next,
-                };
-                let answer: AnswerToCome = match next {
-                    Ok(Some(req)) => match admit_streamed(&caller, budget.as_ref(), req) {
-                        Ok(op) => match store.enqueue_append(op).await {
-                            Ok(answer) => {
-                                Box::pin(async move { answer.await.map_err(Status::from) })
-                            }
-                            Err(e) => Box::pin(std::future::ready(Err(e.into()))),
-                        },
-                        Err(status) => Box::pin(std::future::ready(Err(status))),
-                    },
-                    Ok(None) => return,
-                    // The stream itself broke (e.g. a bad frame): end it with that status.
-                    Err(status) => {
-                        let _ = answers_tx.send(Err(status)).await;
-                        return;
-                    }
-                };
-                if answers_tx.send(Ok(answer)).await.is_err() {
-                    return;
-                }
-            }
-        });
-        tokio::spawn(async move {
-            while let Some(answer) = answers_rx.recv().await {
-                let item = match answer {
-                    Ok(answer) => Ok(streamed(answer.await)),
-                    Err(status) => Err(status),
-                };
-                let end = item.is_err();
-                if out_tx.send(item).await.is_err() || end {
-                    return;
-                }
-            }
-        });
-        Ok(Response::new(Box::pin(ReceiverStream::new(out_rx))))
+        Ok(Response::new(Box::pin(AppendStreamAnswers {
+            requests: request.into_inner(),
+            caller,
+            budget,
+            store: self.store.clone(),
+            shutdown: Box::pin(self.shutdown.clone().cancelled_owned()),
+            queuing: None,
+            answers: futures::stream::FuturesOrdered::new(),
+            reading_done: None,
+        })))
     }
 
     type SubscribeStream = EventStream;
@@ -574,6 +536,109 @@ impl EventStore for EventStoreService {
 
 type AnswerToCome =
     Pin<Box<dyn std::future::Future<Output = Result<AppendResponse, Status>> + Send>>;
+
+/// The responses of one AppendStream. Requests are read, checked and queued for the writer
+/// as the response side is polled (so in order, and at most [`APPEND_STREAM_IN_FLIGHT`]
+/// unanswered), and their answers are sent in that same order: one task per call, no
+/// channel between reading a request and sending its answer. A request that breaks the
+/// stream (a bad frame) ends it with that status after the answers before it; shutdown
+/// stops the reading, and the answers already queued still go out.
+struct AppendStreamAnswers {
+    requests: tonic::Streaming<AppendRequest>,
+    caller: Caller,
+    budget: Option<MessageBudget>,
+    store: Arc<dyn Backend>,
+    shutdown: Pin<Box<tokio_util::sync::WaitForCancellationFutureOwned>>,
+    /// A request being queued (waiting for room in the writer's queue).
+    queuing: Option<Pin<Box<dyn std::future::Future<Output = AnswerToCome> + Send>>>,
+    answers: futures::stream::FuturesOrdered<AnswerToCome>,
+    /// Set once no more requests are read; the status to end with after the answers, if
+    /// the stream broke.
+    reading_done: Option<Option<Status>>,
+}
+
+impl AppendStreamAnswers {
+    /// Reads and queues one request if one is ready and there is room; whether it did.
+    fn read_one(&mut self, cx: &mut std::task::Context<'_>) -> bool {
+        use std::task::Poll;
+        if self.reading_done.is_some() {
+            return false;
+        }
+        if let Some(queuing) = self.queuing.as_mut() {
+            return match queuing.as_mut().poll(cx) {
+                Poll::Ready(answer) => {
+                    self.queuing = None;
+                    self.answers.push_back(answer);
+                    true
+                }
+                Poll::Pending => false,
+            };
+        }
+        if std::future::Future::poll(self.shutdown.as_mut(), cx).is_ready() {
+            self.reading_done = Some(None);
+            return false;
+        }
+        if self.answers.len() >= APPEND_STREAM_IN_FLIGHT {
+            return false;
+        }
+        match Pin::new(&mut self.requests).poll_next(cx) {
+            Poll::Ready(Some(Ok(req))) => {
+                match admit_streamed(&self.caller, self.budget.as_ref(), req) {
+                    Ok(op) => {
+                        let store = self.store.clone();
+                        self.queuing = Some(Box::pin(async move {
+                            let answer: AnswerToCome = match store.enqueue_append(op).await {
+                                Ok(answer) => {
+                                    Box::pin(async move { answer.await.map_err(Status::from) })
+                                }
+                                Err(e) => Box::pin(std::future::ready(Err(e.into()))),
+                            };
+                            answer
+                        }));
+                    }
+                    Err(status) => self.answers.push_back(Box::pin(std::future::ready(Err(status)))),
+                }
+                true
+            }
+            Poll::Ready(Some(Err(status))) => {
+                self.reading_done = Some(Some(status));
+                false
+            }
+            Poll::Ready(None) => {
+                self.reading_done = Some(None);
+                false
+            }
+            Poll::Pending => false,
+        }
+    }
+}
+
+impl Stream for AppendStreamAnswers {
+    type Item = Result<AppendStreamResponse, Status>;
+
+    fn poll_next(
+        self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        use std::task::Poll;
+        let this = self.get_mut();
+        loop {
+            let read = this.read_one(cx);
+            match Pin::new(&mut this.answers).poll_next(cx) {
+                Poll::Ready(Some(answer)) => return Poll::Ready(Some(Ok(streamed(answer)))),
+                Poll::Ready(None) if this.queuing.is_none() => {
+                    if let Some(end) = &mut this.reading_done {
+                        return Poll::Ready(end.take().map(Err));
+                    }
+                }
+                _ => {}
+            }
+            if !read {
+                return Poll::Pending;
+            }
+        }
+    }
+}
 
 /// One request of an AppendStream, checked as the auth and limits layers and
 /// [`validate_append`] check a single Append.
