@@ -198,10 +198,10 @@ impl AppendObserver {
             .find(|&i| id.is_char_boundary(i));
         let session_id = &id[..cut.unwrap_or(0)];
         let events = request.events.len();
-        AppendObserver {
-            durability,
-            started: Instant::now(),
-            span: tracing::info_span!(
+        // Exported, the span is the append in the trace; otherwise it would only prefix
+        // log lines, which the default filter (`info`) does not ask for: made at debug.
+        let span = if telemetry::exporting() {
+            tracing::info_span!(
                 "append",
                 session_id,
                 events,
@@ -209,7 +209,14 @@ impl AppendObserver {
                 first_seq = tracing::field::Empty,
                 last_seq = tracing::field::Empty,
                 outcome = tracing::field::Empty,
-            ),
+            )
+        } else {
+            tracing::debug_span!("append", session_id, events, durability)
+        };
+        AppendObserver {
+            durability,
+            started: Instant::now(),
+            span,
         }
     }
 

@@ -2,7 +2,8 @@
 //!
 //! A client calls [`inject`] from its interceptor; the server wraps its routes in
 //! [`TraceContextLayer`], which opens one span per request whose parent is the context the
-//! caller sent. When spans are not exported (no OTLP endpoint) the global propagator is the
+//! caller sent (when spans are exported; otherwise a debug-level one, made only when the
+//! log filter asks for debug). When spans are not exported (no OTLP endpoint) the global propagator is the
 //! no-op one: nothing is written to the metadata and the request span has no remote parent.
 
 use std::future::Future;
@@ -101,14 +102,23 @@ where
         else {
             return Box::pin(self.inner.call(request));
         };
-        let method = rpc.rsplit('/').next().unwrap_or(rpc).to_string();
-        let span = tracing::info_span!(
-            "grpc.server",
-            otel.name = %rpc,
-            otel.kind = "server",
-            rpc.system = "grpc",
-            rpc.method = %method,
-        );
+        let method = rpc.rsplit('/').next().unwrap_or(rpc);
+        let span = if crate::exporting() {
+            tracing::info_span!(
+                "grpc.server",
+                otel.name = %rpc,
+                otel.kind = "server",
+                rpc.system = "grpc",
+                rpc.method = %method,
+            )
+        } else {
+            // Not exported, the span would only prefix log lines, which the default filter
+            // (`info`) does not ask for; with `RUST_LOG=debug` it is made.
+            tracing::debug_span!("grpc.server", rpc.method = %method)
+        };
+        if span.is_disabled() {
+            return Box::pin(self.inner.call(request));
+        }
         let parent = opentelemetry::global::get_text_map_propagator(|propagator| {
             propagator.extract(&HeaderExtractor(request.headers()))
         });
