@@ -596,7 +596,9 @@ impl AppendStreamAnswers {
                             answer
                         }));
                     }
-                    Err(status) => self.answers.push_back(Box::pin(std::future::ready(Err(status)))),
+                    Err(status) => self
+                        .answers
+                        .push_back(Box::pin(std::future::ready(Err(status)))),
                 }
                 true
             }
