@@ -25,7 +25,7 @@ use tonic::{Request, Response, Status};
 use agentlog_proto::reason::Reason;
 
 use crate::auth::{authorize_append, authorize_snapshot_put, Access, AuthLayer, Caller};
-use crate::backend::{Backend, Snapshot, WireEvent, MAX_SNAPSHOT_BYTES};
+use crate::backend::{AppendAnswer, Backend, Snapshot, WireEvent, MAX_SNAPSHOT_BYTES};
 use crate::error::StoreError;
 use crate::incoming::ConnLimits;
 use crate::limits::{CallerLimits, LimitsLayer, MessageBudget};
@@ -537,6 +537,9 @@ impl EventStore for EventStoreService {
 type AnswerToCome =
     Pin<Box<dyn std::future::Future<Output = Result<AppendResponse, Status>> + Send>>;
 
+/// An AppendStream request on its way into the writer's queue.
+type Queuing = Pin<Box<dyn std::future::Future<Output = Result<AppendAnswer, StoreError>> + Send>>;
+
 /// The responses of one AppendStream. Requests are read, checked and queued for the writer
 /// as the response side is polled (so in order, and at most [`APPEND_STREAM_IN_FLIGHT`]
 /// unanswered), and their answers are sent in that same order: one task per call, no
@@ -550,7 +553,7 @@ struct AppendStreamAnswers {
     store: Arc<dyn Backend>,
     shutdown: Pin<Box<tokio_util::sync::WaitForCancellationFutureOwned>>,
     /// A request being queued (waiting for room in the writer's queue).
-    queuing: Option<Pin<Box<dyn std::future::Future<Output = AnswerToCome> + Send>>>,
+    queuing: Option<Queuing>,
     answers: futures::stream::FuturesOrdered<AnswerToCome>,
     /// Set once no more requests are read; the status to end with after the answers, if
     /// the stream broke.
@@ -566,9 +569,12 @@ impl AppendStreamAnswers {
         }
         if let Some(queuing) = self.queuing.as_mut() {
             return match queuing.as_mut().poll(cx) {
-                Poll::Ready(answer) => {
+                Poll::Ready(queued) => {
                     self.queuing = None;
-                    self.answers.push_back(answer);
+                    self.answers.push_back(match queued {
+                        Ok(answer) => Box::pin(async move { answer.await.map_err(Status::from) }),
+                        Err(e) => Box::pin(std::future::ready(Err(e.into()))),
+                    });
                     true
                 }
                 Poll::Pending => false,
@@ -586,15 +592,8 @@ impl AppendStreamAnswers {
                 match admit_streamed(&self.caller, self.budget.as_ref(), req) {
                     Ok(op) => {
                         let store = self.store.clone();
-                        self.queuing = Some(Box::pin(async move {
-                            let answer: AnswerToCome = match store.enqueue_append(op).await {
-                                Ok(answer) => {
-                                    Box::pin(async move { answer.await.map_err(Status::from) })
-                                }
-                                Err(e) => Box::pin(std::future::ready(Err(e.into()))),
-                            };
-                            answer
-                        }));
+                        self.queuing =
+                            Some(Box::pin(async move { store.enqueue_append(op).await }));
                     }
                     Err(status) => self
                         .answers
