@@ -138,11 +138,16 @@ pub async fn send_batches(
         let Ok(client) = connector.pool.get().await else {
             continue;
         };
+        // Prepared once per connection: a NOTIFY goes out every few milliseconds under load.
+        let notify = match client.prepare_cached("SELECT pg_notify($1, $2)").await {
+            Ok(statement) => statement,
+            Err(e) => {
+                tracing::debug!(error = %e, "a wake-up was not sent; the safety poll covers it");
+                continue;
+            }
+        };
         for payload in payloads {
-            if let Err(e) = client
-                .execute("SELECT pg_notify($1, $2)", &[&CHANNEL, &payload])
-                .await
-            {
+            if let Err(e) = client.execute(&notify, &[&CHANNEL, &payload]).await {
                 tracing::debug!(error = %e, "a wake-up was not sent; the safety poll covers it");
                 break;
             }
