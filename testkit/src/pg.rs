@@ -118,6 +118,30 @@ impl Postgres {
                 .local_addr()?
                 .port(),
         };
+        // The backends of a server killed with SIGKILL outlive it for a moment and still
+        // hold its shared memory, which a new server on the same data dir refuses to start
+        // over: wait for them to go.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            match Postgres::spawn(dir, data.clone(), user, port, settings) {
+                Err(e)
+                    if e.to_string().contains("pre-existing shared memory block")
+                        && Instant::now() < deadline =>
+                {
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                started => return started,
+            }
+        }
+    }
+
+    fn spawn(
+        dir: &Path,
+        data: PathBuf,
+        user: Option<(u32, u32)>,
+        port: u16,
+        settings: &[&str],
+    ) -> Result<Postgres> {
         let log = std::fs::File::create(dir.join("postgres.log"))?;
         if let Some((uid, gid)) = user {
             std::os::unix::fs::chown(dir.join("postgres.log"), Some(uid), Some(gid))?;
