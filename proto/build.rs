@@ -15,6 +15,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         prost::Message::encode_to_vec(&descriptors),
     )?;
     tonic_prost_build::configure()
+        // Snapshot data is passed on as slices of the buffers it arrives in, never copied.
+        .bytes(".agentlog.v1.SnapshotChunk.data")
         .build_server(true)
         .build_client(true)
         .compile_fds(descriptors)?;

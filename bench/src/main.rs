@@ -76,6 +76,9 @@ struct Args {
     /// Run only the resume figure (section 5), e.g. after a change to the runner.
     #[arg(long)]
     only_resume: bool,
+    /// Session sizes (events) of the resume figure.
+    #[arg(long, value_delimiter = ',', default_value = "10,1000,10000,100000")]
+    resume_sizes: Vec<usize>,
     /// Only the limits, appends, the profile and catch-up: skip the fan-out, resume and
     /// footprint figures (to compare a change of the write path quickly).
     #[arg(long)]
@@ -144,7 +147,7 @@ impl Plan {
             followers: vec![1, 100, 1_000],
             fan_out_events: 50,
             fan_out_interval: Duration::from_millis(20),
-            resume_sizes: vec![10, 1_000, 10_000, 100_000],
+            resume_sizes: args.resume_sizes.clone(),
             footprint: (args.footprint_sessions, 100),
         }
     }

@@ -13,6 +13,11 @@ use tonic::metadata::{Ascii, MetadataValue};
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 
+/// How much one stream may have in flight to this client, unread.
+const STREAM_WINDOW_BYTES: u32 = 16 << 20;
+/// How much all streams of the connection together may have in flight, unread.
+const CONNECTION_WINDOW_BYTES: u32 = 32 << 20;
+
 /// The environment variable that may hold the store token (instead of a file).
 pub const TOKEN_ENV: &str = "AGENTLOG_TOKEN";
 
@@ -113,14 +118,18 @@ impl StoreConnection {
 
     /// The endpoint, with TLS for an `https://` URL. HTTP/2 keepalive pings find a
     /// connection that went silent (a blackholed network, a store that vanished without a
-    /// FIN), so that calls fail and followers resubscribe instead of waiting forever.
+    /// FIN), so that calls fail and followers resubscribe instead of waiting forever. The
+    /// receive windows let a snapshot (tens of MiB) or a log's history stream in without
+    /// waiting on a window update every 2 MiB, hyper's default.
     pub fn endpoint(&self) -> Result<Endpoint, ConnectError> {
         let mut endpoint = Endpoint::from_shared(self.url.clone())
             .map_err(|_| ConnectError::Url(self.url.clone()))?
             .connect_timeout(Duration::from_secs(5))
             .http2_keep_alive_interval(Duration::from_secs(5))
             .keep_alive_timeout(Duration::from_secs(5))
-            .keep_alive_while_idle(true);
+            .keep_alive_while_idle(true)
+            .initial_stream_window_size(STREAM_WINDOW_BYTES)
+            .initial_connection_window_size(CONNECTION_WINDOW_BYTES);
         if self.url.starts_with("https://") {
             let mut tls = ClientTlsConfig::new();
             tls = match &self.tls_ca {

@@ -469,7 +469,7 @@ impl EventStore for EventStoreService {
         validate_session_id(&first.session_id)?;
         authorize_snapshot_put(&caller, &first.session_id)?;
         validate_format(&first.format)?;
-        let mut data = first.data;
+        let mut data = first.data.to_vec();
         loop {
             if data.len() > MAX_SNAPSHOT_BYTES {
                 return Err(StoreError::ResourceExhausted(format!(
@@ -512,12 +512,12 @@ impl EventStore for EventStoreService {
                     req.session_id, req.format
                 ))
             })?;
-        let mut chunks: Vec<Result<SnapshotChunk, Status>> = snapshot
-            .data
-            .chunks(SNAPSHOT_CHUNK_BYTES)
-            .map(|data| {
+        let data = bytes::Bytes::from(snapshot.data);
+        let mut chunks: Vec<Result<SnapshotChunk, Status>> = (0..data.len())
+            .step_by(SNAPSHOT_CHUNK_BYTES)
+            .map(|at| {
                 Ok(SnapshotChunk {
-                    data: data.to_vec(),
+                    data: data.slice(at..data.len().min(at + SNAPSHOT_CHUNK_BYTES)),
                     ..SnapshotChunk::default()
                 })
             })

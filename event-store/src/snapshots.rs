@@ -71,30 +71,36 @@ impl SnapshotDir {
 
     /// The kept snapshot of `format`, if any.
     pub fn get(&self, session_id: &str, format: &str) -> Result<Option<Snapshot>, StoreError> {
+        use std::io::Read;
         let path = self.path(session_id, format);
-        let bytes = match std::fs::read(&path) {
-            Ok(bytes) => bytes,
+        let mut file = match std::fs::File::open(&path) {
+            Ok(file) => file,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(io_error(&path, e)),
         };
-        let Some((seq, data)) = split_seq(&bytes) else {
-            return Err(StoreError::Internal(format!(
-                "snapshot file {} is shorter than its header",
-                path.display()
-            )));
-        };
+        // The header, then the data straight into its own buffer (no copy of tens of MiB).
+        let mut header = [0u8; SEQ_BYTES];
+        match file.read_exact(&mut header) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                return Err(StoreError::Internal(format!(
+                    "snapshot file {} is shorter than its header",
+                    path.display()
+                )))
+            }
+            Err(e) => return Err(io_error(&path, e)),
+        }
+        let size = file.metadata().map_err(|e| io_error(&path, e))?.len();
+        let mut data = Vec::with_capacity(size.saturating_sub(SEQ_BYTES as u64) as usize);
+        file.read_to_end(&mut data)
+            .map_err(|e| io_error(&path, e))?;
         Ok(Some(Snapshot {
             session_id: session_id.to_string(),
             format: format.to_string(),
-            seq,
-            data: data.to_vec(),
+            seq: u64::from_le_bytes(header),
+            data,
         }))
     }
-}
-
-fn split_seq(bytes: &[u8]) -> Option<(u64, &[u8])> {
-    let (seq, data) = bytes.split_first_chunk::<SEQ_BYTES>()?;
-    Some((u64::from_le_bytes(*seq), data))
 }
 
 /// The seq of the snapshot kept at `path`, if any.

@@ -176,7 +176,7 @@ async fn a_garbage_or_old_version_snapshot_is_ignored() {
             lease_epoch: epoch,
             seq: last,
             format: FORMAT.into(),
-            data,
+            data: data.into(),
         };
         client
             .put_snapshot(tokio_stream::iter([chunk]))

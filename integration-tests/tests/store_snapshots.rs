@@ -50,7 +50,7 @@ async fn put(
     let mut chunks: Vec<SnapshotChunk> = data
         .chunks(chunk)
         .map(|part| SnapshotChunk {
-            data: part.to_vec(),
+            data: part.to_vec().into(),
             ..SnapshotChunk::default()
         })
         .collect();
@@ -81,7 +81,7 @@ async fn get(
     let first = stream.message().await?.expect("a first chunk");
     assert_eq!(first.format, FORMAT);
     assert_eq!(first.session_id, session);
-    let mut data = first.data;
+    let mut data = first.data.to_vec();
     while let Some(chunk) = stream.message().await? {
         data.extend_from_slice(&chunk.data);
     }

@@ -19,6 +19,7 @@
 //! same way.
 
 pub mod snapshot;
+pub mod transcript;
 
 use std::collections::HashMap;
 
@@ -26,16 +27,40 @@ use agentlog_proto::v1::{
     content_block::Block, event::Kind, AssistantMessage, Event, ToolResult, ToolUseBlock,
 };
 
+use transcript::{Form, Transcript};
+
 /// What an older reply's call is answered with when the log holds no result for it. Only a
 /// log written outside the guarded loop can contain this (the loop never calls the model
 /// while a call is open), but the provider must still receive a well-formed request.
 pub const MISSING_RESULT: &str =
     "no result was recorded for this tool call; its outcome is unknown";
 
-/// The provider-neutral conversation: what the Anthropic and OpenAI request builders render.
-#[derive(Debug, Clone, PartialEq)]
+/// The conversation: what the Anthropic and OpenAI request builders render. Its start may
+/// already be written in the provider's form (the [`Transcript`]); `messages` follow it.
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct Conversation {
+    pub transcript: Transcript,
     pub messages: Vec<Message>,
+}
+
+impl Conversation {
+    /// A conversation held entirely as messages.
+    pub fn of(messages: Vec<Message>) -> Conversation {
+        Conversation {
+            transcript: Transcript::default(),
+            messages,
+        }
+    }
+
+    /// The assistant messages in it.
+    pub fn replies(&self) -> u64 {
+        let later = self
+            .messages
+            .iter()
+            .filter(|m| matches!(m, Message::Assistant(_)))
+            .count();
+        self.transcript.replies() + later as u64
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -126,14 +151,19 @@ pub struct Folded {
 /// The fold of the events seen so far, kept by a runner between steps.
 #[derive(Debug, Clone, Default)]
 pub struct FoldState {
-    /// Every message up to and including the last reply.
+    /// Every message up to and including the last reply, written in the provider's form
+    /// when the fold has one.
+    transcript: Transcript,
+    /// The settled messages the transcript does not hold (all of them without a form).
     messages: Vec<Message>,
     /// The `tool_use` blocks of the last reply.
     open_calls: Vec<ToolUseBlock>,
     /// User text since the last reply.
     user_texts: Vec<String>,
     /// Results and starts are looked up by call id wherever they sit in the log, so a user
-    /// message appended between a reply and its results cannot split them apart.
+    /// message appended between a reply and its results cannot split them apart. Entries of
+    /// a reply's calls are dropped when the next reply settles them: each result is held
+    /// once, so the state (and its snapshot) is as large as the conversation, not twice.
     results: HashMap<String, ToolResult>,
     attempts: HashMap<String, u32>,
     approvals: HashMap<String, Approval>,
@@ -160,6 +190,25 @@ pub fn fold_log(events: &[Event]) -> Folded {
 }
 
 impl FoldState {
+    /// A fold that keeps settled messages in `form` (see [`transcript`]).
+    pub fn rendering(form: &'static dyn Form) -> FoldState {
+        FoldState {
+            transcript: Transcript::new(form),
+            ..FoldState::default()
+        }
+    }
+
+    /// The form settled messages are kept in, if any.
+    pub fn form(&self) -> Option<&'static dyn Form> {
+        self.transcript.form()
+    }
+
+    fn settle(&mut self, message: Message) {
+        if let Some(message) = self.transcript.settle(message) {
+            self.messages.push(message);
+        }
+    }
+
     /// Applies the next event of the log.
     pub fn apply(&mut self, event: &Event) {
         match &event.kind {
@@ -170,11 +219,18 @@ impl FoldState {
             }
             Some(Kind::AssistantMessage(reply)) => {
                 if let Some(user) = self.user_message() {
-                    self.messages.push(Message::User(user));
+                    self.settle(Message::User(user));
                 }
                 self.user_texts.clear();
+                // The settled calls' results now live in `messages` alone: nothing asks
+                // about those calls again, so the lookups keep only the open reply's.
+                for call in std::mem::take(&mut self.open_calls) {
+                    self.results.remove(&call.id);
+                    self.attempts.remove(&call.id);
+                    self.approvals.remove(&call.id);
+                }
                 self.open_calls = tool_uses(reply).cloned().collect();
-                self.messages.push(Message::Assistant(reply.clone()));
+                self.settle(Message::Assistant(reply.clone()));
                 self.turn += 1;
                 self.ended = false;
             }
@@ -275,7 +331,10 @@ impl FoldState {
         } else if let Some(user) = self.user_message() {
             let mut messages = self.messages.clone();
             messages.push(Message::User(user));
-            Frontier::CallModel(Conversation { messages })
+            Frontier::CallModel(Conversation {
+                transcript: self.transcript.clone(),
+                messages,
+            })
         } else {
             Frontier::Idle
         };
@@ -291,6 +350,7 @@ impl FoldState {
     /// may be applied and it must not be kept.
     pub fn take_folded(&mut self) -> Folded {
         let history = std::mem::take(&mut self.messages);
+        let transcript = std::mem::take(&mut self.transcript);
         let mut folded = self.folded();
         match &mut folded.frontier {
             Frontier::CallModel(conversation) => {
@@ -298,19 +358,24 @@ impl FoldState {
                 let mut messages = history;
                 messages.append(&mut conversation.messages);
                 conversation.messages = messages;
+                conversation.transcript = transcript;
                 self.lent = true;
             }
-            _ => self.messages = history,
+            _ => {
+                self.messages = history;
+                self.transcript = transcript;
+            }
         }
         folded
     }
 
-    /// Takes back the messages of a conversation from [`FoldState::take_folded`].
+    /// Takes back the history of a conversation from [`FoldState::take_folded`].
     pub fn give_back(&mut self, conversation: Conversation) {
         let mut messages = conversation.messages;
         // The trailing user message was made from this state, which still holds its parts.
         messages.pop();
         self.messages = messages;
+        self.transcript = conversation.transcript;
         self.lent = false;
     }
 
@@ -359,7 +424,10 @@ mod tests {
     };
     use proptest::prelude::*;
 
+    use bytes::Bytes;
+
     use super::*;
+    use crate::model::{anthropic, openai, ModelRequest};
 
     fn event(kind: Kind) -> Event {
         Event {
@@ -756,25 +824,74 @@ mod tests {
     }
 
     #[test]
+    fn a_settled_call_is_held_only_in_the_conversation() {
+        let mut events = vec![user("go")];
+        for call in ["a", "b", "c"] {
+            events.extend([reply(&[call], ""), started(call, 1), result(call)]);
+        }
+        events.push(reply(&[], "done"));
+        let state = fold_state(&events);
+        assert!(
+            state.results.is_empty() && state.attempts.is_empty() && state.approvals.is_empty(),
+            "every call is settled by the reply after it"
+        );
+        // A late copy of a settled result is not sent again, and the calls are paired.
+        events.extend([result("a"), user("more")]);
+        let c = conversation(&events);
+        assert_paired(&c);
+        assert_eq!(c.messages.len(), 9);
+    }
+
+    #[test]
     fn a_snapshot_of_another_version_or_garbage_is_refused() {
         let events = [user("go"), reply(&["a"], "r"), started("a", 1)];
         let data = fold_state(&events).to_snapshot().unwrap();
-        assert!(FoldState::from_snapshot(&data).is_ok());
+        assert!(FoldState::from_snapshot(data.clone().into(), None).is_ok());
         assert!(matches!(
-            FoldState::from_snapshot(b"\xff\xff\xff not a fold"),
+            FoldState::from_snapshot(b"\xff\xff\xff not a fold"[..].into(), None),
             Err(snapshot::SnapshotError::Undecodable(_))
         ));
         // The version is field 1 (varint): a record that says version 99.
         let mut other = vec![0x08, 99];
         other.extend_from_slice(&data[2..]);
         assert_eq!(
-            FoldState::from_snapshot(&other).err(),
+            FoldState::from_snapshot(other.into(), None).err(),
             Some(snapshot::SnapshotError::Version { found: 99 })
         );
         assert!(
-            FoldState::from_snapshot(&[]).is_err(),
+            FoldState::from_snapshot(Bytes::new(), None).is_err(),
             "an empty record is version 0"
         );
+        // A transcript is reused only in its own form.
+        let mut formed = FoldState::rendering(&anthropic::FORM);
+        for event in &events {
+            formed.apply(event);
+        }
+        let data = formed.to_snapshot().unwrap();
+        assert!(FoldState::from_snapshot(data.clone().into(), Some(&anthropic::FORM)).is_ok());
+        assert_eq!(
+            FoldState::from_snapshot(data.clone().into(), Some(&openai::FORM)).err(),
+            Some(snapshot::SnapshotError::Form {
+                found: "anthropic-messages".into(),
+                expected: "openai-chat",
+            })
+        );
+        assert!(FoldState::from_snapshot(data.clone().into(), None).is_err());
+    }
+
+    /// The request a provider builds for a conversation, as JSON bytes.
+    fn body(form: &dyn Form, conversation: &Conversation) -> Vec<u8> {
+        let request = ModelRequest {
+            system: "sys",
+            conversation,
+            tools: &[],
+            max_tokens: 10,
+        };
+        match form.name() {
+            "anthropic-messages" => anthropic::request_body("m", request),
+            _ => openai::request_body("m", request),
+        }
+        .expect("the conversation is in the provider's form")
     }
 
     /// A simulated log writer: the guarded loop (driven by the fold itself), clients
@@ -943,7 +1060,7 @@ mod tests {
                     state.apply(&events[split - 1]);
                 }
                 let data = state.to_snapshot().expect("not lent");
-                let mut restored = FoldState::from_snapshot(&data).expect("a fresh snapshot decodes");
+                let mut restored = FoldState::from_snapshot(data.clone().into(), None).expect("a fresh snapshot decodes");
                 prop_assert_eq!(&restored.folded(), &fold_log(&events[..split]));
                 let taken = restored.take_folded();
                 if let Frontier::CallModel(conversation) = taken.frontier {
@@ -955,6 +1072,49 @@ mod tests {
                 }
                 prop_assert_eq!(&restored.folded(), &whole);
                 prop_assert_eq!(restored.last_interrupt_seq(), fold_state(&events).last_interrupt_seq());
+            }
+        }
+
+        /// A fold that keeps its settled messages in a provider's form, started from seq 1
+        /// or from its snapshot at any seq, hands out conversations from which the provider
+        /// builds byte for byte the request it builds from the conversation held as messages.
+        #[test]
+        fn a_transcript_renders_the_request_the_messages_render(
+            steps in proptest::collection::vec(step(), 0..40),
+            openai_form in any::<bool>(),
+        ) {
+            let form: &'static dyn Form = if openai_form { &openai::FORM } else { &anthropic::FORM };
+            let mut events = Vec::new();
+            let mut counter = 0;
+            for step in &steps {
+                apply(&mut events, step, &mut counter);
+            }
+            let whole = fold_state(&events);
+            let mut formed = FoldState::rendering(form);
+            let mut plain = FoldState::default();
+            for split in 0..=events.len() {
+                if split > 0 {
+                    formed.apply(&events[split - 1]);
+                    plain.apply(&events[split - 1]);
+                }
+                let data = formed.to_snapshot().expect("not lent");
+                let mut restored = FoldState::from_snapshot(data.clone().into(), Some(form)).expect("decodes");
+                for event in &events[split..] {
+                    restored.apply(event);
+                }
+                for (fold, plain) in [(&formed, &plain), (&restored, &whole)] {
+                    match (fold.clone().take_folded().frontier, plain.clone().take_folded().frontier) {
+                        (Frontier::CallModel(formed), Frontier::CallModel(plain)) => {
+                            prop_assert!(plain.transcript.is_empty());
+                            prop_assert_eq!(formed.replies(), plain.replies());
+                            prop_assert_eq!(body(form, &formed), body(form, &plain));
+                        }
+                        (formed, plain) => prop_assert_eq!(
+                            std::mem::discriminant(&formed),
+                            std::mem::discriminant(&plain)
+                        ),
+                    }
+                }
             }
         }
 

@@ -32,6 +32,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use bytes::{Bytes, BytesMut};
+
+use crate::fold::transcript::Form;
 use crate::fold::{snapshot, FoldState};
 use agentlog_client::follow::{follow, Flow, Note, Refusals};
 use agentlog_client::refusal::{is_lease_lost, is_session_not_found};
@@ -202,17 +205,21 @@ struct Start {
 pub struct FoldCache {
     capacity: usize,
     snapshot_every: u64,
+    /// The form a new fold keeps its settled messages in (the model's request form).
+    form: Option<&'static dyn Form>,
     kept: Mutex<(u64, HashMap<String, KeptFold>)>,
 }
 
 impl FoldCache {
     /// Keeps at most `capacity` sessions' folds (0 keeps none), and reads and writes
     /// snapshots of sessions whose log has at least `snapshot_every` events, writing one
-    /// each time that many seqs have passed since the last (0: no snapshots).
-    pub fn new(capacity: usize, snapshot_every: u64) -> FoldCache {
+    /// each time that many seqs have passed since the last (0: no snapshots). New folds keep
+    /// their settled messages in `form`.
+    pub fn new(capacity: usize, snapshot_every: u64, form: Option<&'static dyn Form>) -> FoldCache {
         FoldCache {
             capacity,
             snapshot_every,
+            form,
             kept: Mutex::new((0, HashMap::new())),
         }
     }
@@ -302,6 +309,10 @@ impl SessionLog {
         })
         .await
         .map_err(StoreError::Failed)?;
+        let fresh = || Start {
+            fold: cache.form.map(FoldState::rendering).unwrap_or_default(),
+            ..Start::default()
+        };
         let kept = cache
             .take(&appender.session_id)
             .filter(|start| start.applied_through <= claimed_tail);
@@ -312,11 +323,11 @@ impl SessionLog {
         } = match kept {
             Some(start) => start,
             None if cache.snapshot_every > 0 && claimed_tail >= cache.snapshot_every => {
-                restore_snapshot(&appender, claimed_tail)
+                restore_snapshot(&appender, claimed_tail, cache.form)
                     .await
-                    .unwrap_or_default()
+                    .unwrap_or_else(fresh)
             }
-            None => Start::default(),
+            None => fresh(),
         };
         let (sender, events) = mpsc::channel(EVENT_BUFFER);
         let (publish, seen) = watch::channel(Seen {
@@ -379,10 +390,11 @@ impl SessionLog {
         };
         let seq = self.applied_through;
         let bytes = data.len();
-        let mut chunks: Vec<SnapshotChunk> = data
-            .chunks(SNAPSHOT_CHUNK_BYTES)
-            .map(|part| SnapshotChunk {
-                data: part.to_vec(),
+        let data = Bytes::from(data);
+        let mut chunks: Vec<SnapshotChunk> = (0..bytes)
+            .step_by(SNAPSHOT_CHUNK_BYTES)
+            .map(|at| SnapshotChunk {
+                data: data.slice(at..bytes.min(at + SNAPSHOT_CHUNK_BYTES)),
                 ..SnapshotChunk::default()
             })
             .collect();
@@ -458,7 +470,11 @@ impl SessionLog {
 }
 
 /// The fold of the store's snapshot of the session, if there is a usable one.
-async fn restore_snapshot(appender: &Appender, claimed_tail: u64) -> Option<Start> {
+async fn restore_snapshot(
+    appender: &Appender,
+    claimed_tail: u64,
+    form: Option<&'static dyn Form>,
+) -> Option<Start> {
     let request = GetSnapshotRequest {
         session_id: appender.session_id.clone(),
         format: snapshot::FORMAT.to_string(),
@@ -473,11 +489,16 @@ async fn restore_snapshot(appender: &Appender, claimed_tail: u64) -> Option<Star
         let Some(first) = chunks.message().await? else {
             return Ok(None);
         };
-        let (seq, mut data) = (first.seq, first.data);
+        let mut parts = vec![first.data];
         while let Some(chunk) = chunks.message().await? {
-            data.extend_from_slice(&chunk.data);
+            parts.push(chunk.data);
         }
-        Ok::<_, tonic::Status>(Some((seq, data)))
+        // One copy into a buffer of the right size (the transcript keeps sharing it).
+        let mut data = BytesMut::with_capacity(parts.iter().map(Bytes::len).sum());
+        for part in parts {
+            data.extend_from_slice(&part);
+        }
+        Ok::<_, tonic::Status>(Some((first.seq, data.freeze())))
     };
     let (seq, data) = match read.await {
         Ok(Some(found)) => found,
@@ -496,9 +517,10 @@ async fn restore_snapshot(appender: &Appender, claimed_tail: u64) -> Option<Star
         );
         return None;
     }
-    match FoldState::from_snapshot(&data) {
+    let bytes = data.len();
+    match FoldState::from_snapshot(data, form) {
         Ok(fold) => {
-            tracing::info!(seq, bytes = data.len(), "resuming from the fold's snapshot");
+            tracing::info!(seq, bytes, "resuming from the fold's snapshot");
             Some(Start {
                 fold,
                 applied_through: seq,

@@ -11,17 +11,23 @@
 //!   [`FoldState`] or the meaning of a field changes. Data of another version, or data that
 //!   does not decode, is refused ([`SnapshotError`]) and the caller folds from seq 1: a
 //!   snapshot only ever saves time, the log stays the truth.
+//! - A fold that keeps its settled messages in a provider's form
+//!   ([`super::transcript`]) stores those bytes as they are, with the form's name: restoring
+//!   copies them without decoding, and a runner of another form refuses them.
 
 use std::collections::HashMap;
 
 use agentlog_proto::v1::{AssistantMessage, ToolResult, ToolUseBlock};
 
+use bytes::Bytes;
+
+use super::transcript::{Form, Transcript};
 use super::{Approval, FoldState, Message, PendingInterrupt, UserBlock};
 
 /// The snapshot format the runner writes and reads in the store.
 pub const FORMAT: &str = "runner-fold";
 /// The shape of [`FoldState`] this build encodes.
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum SnapshotError {
@@ -29,6 +35,13 @@ pub enum SnapshotError {
     Undecodable(String),
     #[error("the snapshot holds fold version {found}; this runner reads version {VERSION}")]
     Version { found: u32 },
+    #[error(
+        "the snapshot keeps its conversation in the form {found:?}; this runner's is {expected:?}"
+    )]
+    Form {
+        found: String,
+        expected: &'static str,
+    },
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -58,6 +71,15 @@ struct FoldRecord {
     user_since_interrupt: bool,
     #[prost(uint64, tag = "12")]
     last_interrupt_seq: u64,
+    /// The transcript's form ("" without one), its bytes, replies and call ids.
+    #[prost(string, tag = "13")]
+    form: String,
+    #[prost(bytes = "bytes", tag = "14")]
+    transcript: Bytes,
+    #[prost(uint64, tag = "15")]
+    transcript_replies: u64,
+    #[prost(string, repeated, tag = "16")]
+    transcript_call_ids: Vec<String>,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -174,12 +196,21 @@ impl FoldState {
             }),
             user_since_interrupt: self.user_since_interrupt,
             last_interrupt_seq: self.last_interrupt_seq,
+            form: self.transcript.form_name().to_string(),
+            transcript: self.transcript.to_bytes().into(),
+            transcript_replies: self.transcript.replies(),
+            transcript_call_ids: self.transcript.call_ids().iter().cloned().collect(),
         };
         Some(prost::Message::encode_to_vec(&record))
     }
 
-    /// The fold a snapshot holds, if it is of this build's [`VERSION`] and well formed.
-    pub fn from_snapshot(data: &[u8]) -> Result<FoldState, SnapshotError> {
+    /// The fold a snapshot holds, if it is of this build's [`VERSION`], keeps its settled
+    /// messages in `form` (`None`: as messages), and is well formed. The transcript keeps
+    /// sharing `data`'s buffer.
+    pub fn from_snapshot(
+        data: Bytes,
+        form: Option<&'static dyn Form>,
+    ) -> Result<FoldState, SnapshotError> {
         let record: FoldRecord =
             prost::Message::decode(data).map_err(|e| SnapshotError::Undecodable(e.to_string()))?;
         if record.version != VERSION {
@@ -187,6 +218,22 @@ impl FoldState {
                 found: record.version,
             });
         }
+        let expected = form.map_or("", |form| form.name());
+        if record.form != expected {
+            return Err(SnapshotError::Form {
+                found: record.form,
+                expected,
+            });
+        }
+        let transcript = match form {
+            Some(form) => Transcript::from_parts(
+                form,
+                record.transcript,
+                record.transcript_replies,
+                record.transcript_call_ids.into_iter().collect(),
+            ),
+            None => Transcript::default(),
+        };
         let missing = |what: &str| SnapshotError::Undecodable(format!("{what} has no kind"));
         let mut messages = Vec::with_capacity(record.messages.len());
         for message in record.messages {
@@ -219,6 +266,7 @@ impl FoldState {
             approvals.insert(a.tool_use_id, approval);
         }
         Ok(FoldState {
+            transcript,
             messages,
             open_calls: record.open_calls,
             user_texts: record.user_texts,

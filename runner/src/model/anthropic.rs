@@ -13,6 +13,7 @@ use agentlog_proto::v1::{
 use serde_json::{json, Map, Value};
 
 use super::{http, ModelError, ModelRequest, TextSink};
+use crate::fold::transcript::{Form, JsonElements};
 use crate::fold::{Message, UserBlock};
 use agentlog_client::json::{object_to_struct, struct_to_object};
 
@@ -59,7 +60,8 @@ impl Anthropic {
                 .post(format!("{}/v1/messages", self.base_url))
                 .header("x-api-key", &self.api_key)
                 .header("anthropic-version", API_VERSION)
-                .json(&request_body(&self.model, request)),
+                .header(reqwest::header::CONTENT_TYPE, "application/json")
+                .body(request_body(&self.model, request)?),
         )
         .await?;
         let mut events = http::events(response);
@@ -83,14 +85,20 @@ impl Anthropic {
     }
 }
 
-/// The Messages API request body for a conversation.
-pub fn request_body(model: &str, request: ModelRequest<'_>) -> Value {
-    let messages: Vec<Value> = request
-        .conversation
-        .messages
-        .iter()
-        .filter_map(|message| match message {
-            Message::User(blocks) => Some(json!({
+/// The Messages API's form of a message, which the fold keeps settled messages in.
+pub static FORM: MessagesForm = MessagesForm;
+
+#[derive(Debug)]
+pub struct MessagesForm;
+
+impl Form for MessagesForm {
+    fn name(&self) -> &'static str {
+        "anthropic-messages"
+    }
+
+    fn render(&self, message: &Message, out: &mut JsonElements) {
+        match message {
+            Message::User(blocks) => out.push(&json!({
                 "role": "user",
                 "content": blocks.iter().filter_map(user_block).collect::<Vec<_>>(),
             })),
@@ -99,10 +107,16 @@ pub fn request_body(model: &str, request: ModelRequest<'_>) -> Value {
                     reply.content.iter().filter_map(assistant_block).collect();
                 // The API refuses an empty assistant turn; dropping one leaves two user turns
                 // side by side, which the API merges.
-                (!content.is_empty()).then(|| json!({"role": "assistant", "content": content}))
+                if !content.is_empty() {
+                    out.push(&json!({"role": "assistant", "content": content}));
+                }
             }
-        })
-        .collect();
+        }
+    }
+}
+
+/// The Messages API request body for a conversation.
+pub fn request_body(model: &str, request: ModelRequest<'_>) -> Result<Vec<u8>, ModelError> {
     let tools: Vec<Value> = request
         .tools
         .iter()
@@ -114,19 +128,18 @@ pub fn request_body(model: &str, request: ModelRequest<'_>) -> Value {
             })
         })
         .collect();
-    let mut body = json!({
+    let mut head = json!({
         "model": model,
         "max_tokens": request.max_tokens,
-        "messages": messages,
         "stream": true,
     });
     if !request.system.is_empty() {
-        body["system"] = json!(request.system);
+        head["system"] = json!(request.system);
     }
     if !tools.is_empty() {
-        body["tools"] = json!(tools);
+        head["tools"] = json!(tools);
     }
-    body
+    super::json_body(head, &JsonElements::default(), &FORM, request.conversation)
 }
 
 fn user_block(block: &UserBlock) -> Option<Value> {
@@ -379,17 +392,15 @@ mod tests {
         );
 
         // Sent back, the reply is block for block what the stream delivered.
-        let conversation = Conversation {
-            messages: vec![
-                Message::User(vec![UserBlock::Text("hi".into())]),
-                Message::Assistant(reply),
-                Message::User(vec![UserBlock::ToolResult(ToolResult {
-                    tool_use_id: "toolu_1".into(),
-                    content: "hi\n".into(),
-                    is_error: true,
-                })]),
-            ],
-        };
+        let conversation = Conversation::of(vec![
+            Message::User(vec![UserBlock::Text("hi".into())]),
+            Message::Assistant(reply),
+            Message::User(vec![UserBlock::ToolResult(ToolResult {
+                tool_use_id: "toolu_1".into(),
+                content: "hi\n".into(),
+                is_error: true,
+            })]),
+        ]);
         let tools = Toolbox::specs();
         let body = request_body(
             "claude-x",
@@ -399,7 +410,9 @@ mod tests {
                 tools: &tools,
                 max_tokens: 1024,
             },
-        );
+        )
+        .expect("a conversation of messages only");
+        let body: Value = serde_json::from_slice(&body).expect("the body is JSON");
         assert_eq!(
             body["messages"][1]["content"],
             json!([

@@ -20,6 +20,7 @@ use agentlog_proto::v1::AssistantMessage;
 use tokio::sync::mpsc;
 use tracing::Instrument;
 
+use crate::fold::transcript::{Form, JsonElements};
 use crate::fold::Conversation;
 use crate::tools::ToolSpec;
 
@@ -145,6 +146,15 @@ impl Model {
         call.finish(reply, text.first_text())
     }
 
+    /// The form the provider's requests hold messages in: the fold keeps a conversation's
+    /// settled messages in it, so each request renders only the messages since the last.
+    pub fn form(&self) -> &'static dyn Form {
+        match self {
+            Model::Anthropic(_) | Model::Scripted(_) => &anthropic::FORM,
+            Model::OpenAi(_) => &openai::FORM,
+        }
+    }
+
     /// The provider's name, as in `--model` (a metric label).
     pub fn provider(&self) -> &'static str {
         match self {
@@ -153,4 +163,46 @@ impl Model {
             Model::Scripted(_) => "scripted",
         }
     }
+}
+
+/// A JSON request body: the object `head` with `"messages"` added: `lead` (a system
+/// message, say), then the conversation's transcript as it is, then its later messages
+/// written in `form`. A transcript in another form is refused (a fold keeps the form of
+/// the model it was made for, so this only guards that promise).
+fn json_body(
+    head: serde_json::Value,
+    lead: &JsonElements,
+    form: &dyn Form,
+    conversation: &Conversation,
+) -> Result<Vec<u8>, ModelError> {
+    let transcript = &conversation.transcript;
+    if transcript.form_name() != form.name() && !transcript.is_empty() {
+        return Err(ModelError::Refused(format!(
+            "the conversation is kept in the form {:?}, not the provider's {:?}",
+            transcript.form_name(),
+            form.name()
+        )));
+    }
+    let mut later = JsonElements::default();
+    for message in &conversation.messages {
+        form.render(message, &mut later);
+    }
+    let parts: Vec<&[u8]> = std::iter::once(lead.as_bytes())
+        .chain(transcript.parts())
+        .chain(std::iter::once(later.as_bytes()))
+        .collect();
+    let head = serde_json::to_vec(&head).expect("a JSON value is always written to memory");
+    let mut body =
+        Vec::with_capacity(head.len() + parts.iter().map(|p| p.len() + 1).sum::<usize>() + 16);
+    // `head` is an object with at least the model in it: open it again after its last member.
+    body.extend_from_slice(&head[..head.len() - 1]);
+    body.extend_from_slice(b",\"messages\":[");
+    for (i, part) in parts.iter().filter(|part| !part.is_empty()).enumerate() {
+        if i > 0 {
+            body.push(b',');
+        }
+        body.extend_from_slice(part);
+    }
+    body.extend_from_slice(b"]}");
+    Ok(body)
 }

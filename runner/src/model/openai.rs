@@ -19,6 +19,7 @@ use agentlog_proto::v1::{
 use serde_json::{json, Map, Value};
 
 use super::{http, ModelError, ModelRequest, TextSink};
+use crate::fold::transcript::{Form, JsonElements};
 use crate::fold::{tool_uses, Conversation, Message, UserBlock};
 use agentlog_client::json::{object_to_struct, struct_to_object};
 
@@ -67,7 +68,8 @@ impl OpenAi {
         let mut post = self
             .client
             .post(format!("{}/chat/completions", self.base_url))
-            .json(&request_body(&self.model, request));
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .body(request_body(&self.model, request)?);
         if let Some(key) = &self.api_key {
             post = post.bearer_auth(key);
         }
@@ -99,38 +101,45 @@ impl OpenAi {
 }
 
 /// The tool-call ids of a conversation's replies, and the turn being asked for.
-struct CallIds {
+struct CallIds<'a> {
+    /// The ids of the replies in the conversation's transcript.
+    settled: &'a HashSet<String>,
+    /// The ids of its later replies, and those handed out since.
     taken: HashSet<String>,
-    turn: usize,
+    turn: u64,
 }
 
-impl CallIds {
-    fn of(conversation: &Conversation) -> CallIds {
-        let replies = conversation.messages.iter().filter_map(|m| match m {
-            Message::Assistant(reply) => Some(reply),
-            Message::User(_) => None,
-        });
-        let mut ids = CallIds {
-            taken: HashSet::new(),
-            turn: 0,
-        };
-        for reply in replies {
-            ids.turn += 1;
-            ids.taken
-                .extend(tool_uses(reply).map(|call| call.id.clone()));
+impl CallIds<'_> {
+    fn of(conversation: &Conversation) -> CallIds<'_> {
+        let taken = conversation
+            .messages
+            .iter()
+            .filter_map(|m| match m {
+                Message::Assistant(reply) => Some(reply),
+                Message::User(_) => None,
+            })
+            .flat_map(|reply| tool_uses(reply).map(|call| call.id.clone()))
+            .collect();
+        CallIds {
+            settled: conversation.transcript.call_ids(),
+            taken,
+            turn: conversation.replies(),
         }
-        ids
+    }
+
+    fn take(&mut self, id: &str) -> bool {
+        !self.settled.contains(id) && self.taken.insert(id.to_string())
     }
 
     /// `id` if the server gave one no earlier call has, else a fresh one; taken either way.
     fn claim(&mut self, id: String, index: u64) -> String {
-        if !id.is_empty() && self.taken.insert(id.clone()) {
+        if !id.is_empty() && self.take(&id) {
             return id;
         }
         let base = format!("call_agentlog_{}_{index}", self.turn);
         let mut fresh = base.clone();
         let mut n = 1;
-        while !self.taken.insert(fresh.clone()) {
+        while !self.take(&fresh) {
             n += 1;
             fresh = format!("{base}_{n}");
         }
@@ -138,19 +147,24 @@ impl CallIds {
     }
 }
 
-/// The chat completions request body for a conversation.
-pub fn request_body(model: &str, request: ModelRequest<'_>) -> Value {
-    let mut messages = Vec::new();
-    if !request.system.is_empty() {
-        messages.push(json!({"role": "system", "content": request.system}));
+/// The chat completions form of a message, which the fold keeps settled messages in.
+pub static FORM: ChatForm = ChatForm;
+
+#[derive(Debug)]
+pub struct ChatForm;
+
+impl Form for ChatForm {
+    fn name(&self) -> &'static str {
+        "openai-chat"
     }
-    for message in &request.conversation.messages {
+
+    fn render(&self, message: &Message, out: &mut JsonElements) {
         match message {
             Message::User(blocks) => {
                 let mut text = Vec::new();
                 for block in blocks {
                     match block {
-                        UserBlock::ToolResult(result) => messages.push(json!({
+                        UserBlock::ToolResult(result) => out.push(&json!({
                             "role": "tool",
                             "tool_call_id": result.tool_use_id,
                             // The format has no error flag; say it in the content.
@@ -164,11 +178,19 @@ pub fn request_body(model: &str, request: ModelRequest<'_>) -> Value {
                     }
                 }
                 if !text.is_empty() {
-                    messages.push(json!({"role": "user", "content": text.join("\n\n")}));
+                    out.push(&json!({"role": "user", "content": text.join("\n\n")}));
                 }
             }
-            Message::Assistant(reply) => messages.push(assistant_message(reply)),
+            Message::Assistant(reply) => out.push(&assistant_message(reply)),
         }
+    }
+}
+
+/// The chat completions request body for a conversation.
+pub fn request_body(model: &str, request: ModelRequest<'_>) -> Result<Vec<u8>, ModelError> {
+    let mut system = JsonElements::default();
+    if !request.system.is_empty() {
+        system.push(&json!({"role": "system", "content": request.system}));
     }
     let tools: Vec<Value> = request
         .tools
@@ -183,17 +205,16 @@ pub fn request_body(model: &str, request: ModelRequest<'_>) -> Value {
         .collect();
     // `max_completion_tokens`, not the older `max_tokens` that OpenAI refuses for its
     // reasoning models; vLLM honours it too, and servers that do not know it ignore it.
-    let mut body = json!({
+    let mut head = json!({
         "model": model,
-        "messages": messages,
         "max_completion_tokens": request.max_tokens,
         "stream": true,
         "stream_options": {"include_usage": true},
     });
     if !tools.is_empty() {
-        body["tools"] = json!(tools);
+        head["tools"] = json!(tools);
     }
-    body
+    super::json_body(head, &system, &FORM, request.conversation)
 }
 
 /// A logged reply in chat completions form. Thinking blocks have no place in this format
@@ -386,24 +407,22 @@ mod tests {
             }
         }
         assert_eq!(streamed, "Let me check.");
-        let reply = assembly.finish(CallIds::of(&Conversation { messages: vec![] }));
+        let reply = assembly.finish(CallIds::of(&Conversation::default()));
         assert_eq!(reply.stop_reason, "tool_calls");
         assert_eq!(reply.usage.map(|u| u.output_tokens), Some(4));
 
-        let conversation = Conversation {
-            messages: vec![
-                Message::User(vec![UserBlock::Text("hi".into())]),
-                Message::Assistant(reply),
-                Message::User(vec![
-                    UserBlock::ToolResult(ToolResult {
-                        tool_use_id: "call_a".into(),
-                        content: "file\n".into(),
-                        is_error: false,
-                    }),
-                    UserBlock::Text("and then?".into()),
-                ]),
-            ],
-        };
+        let conversation = Conversation::of(vec![
+            Message::User(vec![UserBlock::Text("hi".into())]),
+            Message::Assistant(reply),
+            Message::User(vec![
+                UserBlock::ToolResult(ToolResult {
+                    tool_use_id: "call_a".into(),
+                    content: "file\n".into(),
+                    is_error: false,
+                }),
+                UserBlock::Text("and then?".into()),
+            ]),
+        ]);
         let body = request_body(
             "m",
             ModelRequest {
@@ -412,7 +431,9 @@ mod tests {
                 tools: &[],
                 max_tokens: 100,
             },
-        );
+        )
+        .expect("a conversation of messages only");
+        let body: Value = serde_json::from_slice(&body).expect("the body is JSON");
         assert_eq!(
             body["messages"],
             json!([
@@ -450,7 +471,7 @@ mod tests {
         for chunk in &chunks {
             assembly.apply(chunk).expect("no error chunk");
         }
-        let reply = assembly.finish(CallIds::of(&Conversation { messages: vec![] }));
+        let reply = assembly.finish(CallIds::of(&Conversation::default()));
         let calls: Vec<(String, String, Value)> = tool_uses(&reply)
             .map(|call| {
                 (

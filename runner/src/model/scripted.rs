@@ -12,7 +12,9 @@
 //!
 //! Promise: the reply is chosen by the number of assistant turns already in the
 //! conversation (reply 0 answers the first user turn), so a resumed session gets exactly
-//! the reply it would have got without the interruption. The tool_use ids are
+//! the reply it would have got without the interruption. Its runner folds the conversation
+//! in the Anthropic form (as if the request were to be sent), so a session's fold and
+//! snapshots cost what they cost with a model behind HTTP. The tool_use ids are
 //! `toolu_<reply>_<call>`, unique within a session. A conversation past the last line is
 //! refused, which ends the turn with a `run_error`.
 
@@ -26,7 +28,6 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 
 use super::{ModelError, ModelRequest, TextSink};
-use crate::fold::Message;
 use agentlog_client::json::object_to_struct;
 
 /// How many characters of text each streamed chunk carries.
@@ -102,12 +103,7 @@ impl Scripted {
         request: ModelRequest<'_>,
         text: &TextSink,
     ) -> Result<AssistantMessage, ModelError> {
-        let index = request
-            .conversation
-            .messages
-            .iter()
-            .filter(|m| matches!(m, Message::Assistant(_)))
-            .count();
+        let index = request.conversation.replies() as usize;
         let reply = self.replies.get(index).ok_or_else(|| {
             ModelError::Refused(format!(
                 "the script {} has {} replies and none for turn {index}",
@@ -159,7 +155,7 @@ mod tests {
     use tokio::sync::mpsc;
 
     use super::*;
-    use crate::fold::{Conversation, UserBlock};
+    use crate::fold::{Conversation, Message, UserBlock};
 
     fn script(text: &str) -> (tempfile::NamedTempFile, Result<Scripted, ScriptError>) {
         let file = tempfile::NamedTempFile::new().expect("temp file");
@@ -183,9 +179,8 @@ mod tests {
             "# demo\n{\"text\": \"Let me look around.\", \"tool_uses\": [{\"name\": \"bash\", \"input\": {\"command\": \"ls\"}}]}\n\n{\"text\": \"done\"}\n",
         );
         let scripted = scripted.expect("valid script");
-        let mut conversation = Conversation {
-            messages: vec![Message::User(vec![UserBlock::Text("hi".into())])],
-        };
+        let mut conversation =
+            Conversation::of(vec![Message::User(vec![UserBlock::Text("hi".into())])]);
         let (tx, mut rx) = mpsc::channel(64);
         let first = scripted
             .stream_reply(request(&conversation), &TextSink::new(tx))
