@@ -10,6 +10,7 @@ use agentlog_proto::v1::{
     content_block::Block, AssistantMessage, ContentBlock, RedactedThinkingBlock, TextBlock,
     ThinkingBlock, ToolUseBlock, Usage,
 };
+use serde::Serialize;
 use serde_json::{json, Map, Value};
 
 use super::{http, ModelError, ModelRequest, TextSink};
@@ -98,21 +99,58 @@ impl Form for MessagesForm {
 
     fn render(&self, message: &Message, out: &mut JsonElements) {
         match message {
-            Message::User(blocks) => out.push(&json!({
-                "role": "user",
-                "content": blocks.iter().filter_map(user_block).collect::<Vec<_>>(),
-            })),
+            Message::User(blocks) => out.push(&MessageOut {
+                role: "user",
+                content: blocks.iter().filter_map(user_block).collect(),
+            }),
             Message::Assistant(reply) => {
-                let content: Vec<Value> =
+                let content: Vec<BlockOut<'_>> =
                     reply.content.iter().filter_map(assistant_block).collect();
                 // The API refuses an empty assistant turn; dropping one leaves two user turns
                 // side by side, which the API merges.
                 if !content.is_empty() {
-                    out.push(&json!({"role": "assistant", "content": content}));
+                    out.push(&MessageOut {
+                        role: "assistant",
+                        content,
+                    });
                 }
             }
         }
     }
+}
+
+/// A message as the Messages API takes it, borrowing from the fold's message (written
+/// straight to JSON, with no tree of values in between).
+#[derive(Serialize)]
+struct MessageOut<'a> {
+    role: &'static str,
+    content: Vec<BlockOut<'a>>,
+}
+
+#[derive(Serialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum BlockOut<'a> {
+    Text {
+        text: &'a str,
+    },
+    ToolUse {
+        id: &'a str,
+        name: &'a str,
+        input: Map<String, Value>,
+    },
+    Thinking {
+        thinking: &'a str,
+        signature: &'a str,
+    },
+    RedactedThinking {
+        data: &'a str,
+    },
+    ToolResult {
+        tool_use_id: &'a str,
+        content: &'a str,
+        #[serde(skip_serializing_if = "std::ops::Not::not")]
+        is_error: bool,
+    },
 }
 
 /// The Messages API request body for a conversation.
@@ -142,41 +180,37 @@ pub fn request_body(model: &str, request: ModelRequest<'_>) -> Result<Vec<u8>, M
     super::json_body(head, &JsonElements::default(), &FORM, request.conversation)
 }
 
-fn user_block(block: &UserBlock) -> Option<Value> {
+fn user_block(block: &UserBlock) -> Option<BlockOut<'_>> {
     match block {
-        UserBlock::ToolResult(result) => {
-            let mut block = json!({
-                "type": "tool_result",
-                "tool_use_id": result.tool_use_id,
-                "content": result.content,
-            });
-            if result.is_error {
-                block["is_error"] = json!(true);
-            }
-            Some(block)
-        }
+        UserBlock::ToolResult(result) => Some(BlockOut::ToolResult {
+            tool_use_id: &result.tool_use_id,
+            content: &result.content,
+            is_error: result.is_error,
+        }),
         // The API refuses empty text blocks.
         UserBlock::Text(text) if text.is_empty() => None,
-        UserBlock::Text(text) => Some(json!({"type": "text", "text": text})),
+        UserBlock::Text(text) => Some(BlockOut::Text { text }),
     }
 }
 
-fn assistant_block(block: &ContentBlock) -> Option<Value> {
+fn assistant_block(block: &ContentBlock) -> Option<BlockOut<'_>> {
     Some(match block.block.as_ref()? {
         Block::Text(TextBlock { text }) if text.is_empty() => return None,
-        Block::Text(TextBlock { text }) => json!({"type": "text", "text": text}),
-        Block::ToolUse(ToolUseBlock { id, name, input }) => json!({
-            "type": "tool_use",
-            "id": id,
-            "name": name,
-            "input": Value::Object(struct_to_object(input.as_ref())),
-        }),
+        Block::Text(TextBlock { text }) => BlockOut::Text { text },
+        Block::ToolUse(ToolUseBlock { id, name, input }) => BlockOut::ToolUse {
+            id,
+            name,
+            input: struct_to_object(input.as_ref()),
+        },
         Block::Thinking(ThinkingBlock {
             thinking,
             signature,
-        }) => json!({"type": "thinking", "thinking": thinking, "signature": signature}),
+        }) => BlockOut::Thinking {
+            thinking,
+            signature,
+        },
         Block::RedactedThinking(RedactedThinkingBlock { data }) => {
-            json!({"type": "redacted_thinking", "data": data})
+            BlockOut::RedactedThinking { data }
         }
     })
 }
