@@ -11,11 +11,13 @@
 //! repeated id would hand a new call an old result. Unlike Anthropic's, these ids carry no
 //! signature; the server only needs them consistent within a request.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 use agentlog_proto::v1::{
     content_block::Block, AssistantMessage, ContentBlock, TextBlock, ToolUseBlock, Usage,
 };
+use serde::Serialize;
 use serde_json::{json, Map, Value};
 
 use super::{http, ModelError, ModelRequest, TextSink};
@@ -164,26 +166,59 @@ impl Form for ChatForm {
                 let mut text = Vec::new();
                 for block in blocks {
                     match block {
-                        UserBlock::ToolResult(result) => out.push(&json!({
-                            "role": "tool",
-                            "tool_call_id": result.tool_use_id,
+                        UserBlock::ToolResult(result) => out.push(&ChatMessageOut {
+                            role: "tool",
+                            tool_call_id: Some(&result.tool_use_id),
                             // The format has no error flag; say it in the content.
-                            "content": if result.is_error {
-                                format!("[error] {}", result.content)
+                            content: Some(if result.is_error {
+                                Cow::Owned(format!("[error] {}", result.content))
                             } else {
-                                result.content.clone()
-                            },
-                        })),
+                                Cow::Borrowed(&result.content)
+                            }),
+                            tool_calls: Vec::new(),
+                        }),
                         UserBlock::Text(t) => text.push(t.as_str()),
                     }
                 }
                 if !text.is_empty() {
-                    out.push(&json!({"role": "user", "content": text.join("\n\n")}));
+                    out.push(&ChatMessageOut {
+                        role: "user",
+                        tool_call_id: None,
+                        content: Some(Cow::Owned(text.join("\n\n"))),
+                        tool_calls: Vec::new(),
+                    });
                 }
             }
             Message::Assistant(reply) => out.push(&assistant_message(reply)),
         }
     }
+}
+
+/// A message as chat completions take it, borrowing from the fold's message where it can
+/// (written straight to JSON, with no tree of values in between).
+#[derive(Serialize)]
+struct ChatMessageOut<'a> {
+    role: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_call_id: Option<&'a str>,
+    /// `null` only beside `tool_calls`.
+    content: Option<Cow<'a, str>>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    tool_calls: Vec<CallOut<'a>>,
+}
+
+#[derive(Serialize)]
+struct CallOut<'a> {
+    id: &'a str,
+    #[serde(rename = "type")]
+    kind: &'static str,
+    function: FunctionOut<'a>,
+}
+
+#[derive(Serialize)]
+struct FunctionOut<'a> {
+    name: &'a str,
+    arguments: String,
 }
 
 /// The chat completions request body for a conversation.
@@ -219,34 +254,31 @@ pub fn request_body(model: &str, request: ModelRequest<'_>) -> Result<Vec<u8>, M
 
 /// A logged reply in chat completions form. Thinking blocks have no place in this format
 /// and are left out.
-fn assistant_message(reply: &AssistantMessage) -> Value {
+fn assistant_message(reply: &AssistantMessage) -> ChatMessageOut<'_> {
     let mut text = String::new();
-    let mut calls = Vec::new();
+    let mut tool_calls = Vec::new();
     for block in &reply.content {
         match &block.block {
             Some(Block::Text(t)) => text.push_str(&t.text),
-            Some(Block::ToolUse(call)) => calls.push(json!({
-                "id": call.id,
-                "type": "function",
-                "function": {
-                    "name": call.name,
-                    "arguments": Value::Object(struct_to_object(call.input.as_ref())).to_string(),
+            Some(Block::ToolUse(call)) => tool_calls.push(CallOut {
+                id: &call.id,
+                kind: "function",
+                function: FunctionOut {
+                    name: &call.name,
+                    arguments: Value::Object(struct_to_object(call.input.as_ref())).to_string(),
                 },
-            })),
+            }),
             _ => {}
         }
     }
     // `content` may be null only beside `tool_calls`: a reply that said nothing (a bare
     // `stop`, or one cut by `length`) goes back as empty text, which the API accepts.
-    if calls.is_empty() {
-        json!({"role": "assistant", "content": text})
-    } else {
-        let content = if text.is_empty() {
-            Value::Null
-        } else {
-            json!(text)
-        };
-        json!({"role": "assistant", "content": content, "tool_calls": calls})
+    let content = (tool_calls.is_empty() || !text.is_empty()).then_some(Cow::Owned(text));
+    ChatMessageOut {
+        role: "assistant",
+        tool_call_id: None,
+        content,
+        tool_calls,
     }
 }
 
