@@ -846,20 +846,22 @@ mod tests {
     fn a_snapshot_of_another_version_or_garbage_is_refused() {
         let events = [user("go"), reply(&["a"], "r"), started("a", 1)];
         let data = fold_state(&events).to_snapshot().unwrap();
-        assert!(FoldState::from_snapshot(data.clone().into(), None).is_ok());
+        assert!(FoldState::from_snapshot(vec![data.clone().into()], None).is_ok());
         assert!(matches!(
-            FoldState::from_snapshot(b"\xff\xff\xff not a fold"[..].into(), None),
+            FoldState::from_snapshot(vec![b"\xff\xff\xff not a fold"[..].into()], None),
             Err(snapshot::SnapshotError::Undecodable(_))
         ));
-        // The version is field 1 (varint): a record that says version 99.
-        let mut other = vec![0x08, 99];
-        other.extend_from_slice(&data[2..]);
+        // After the record's length (one byte here), the version is field 1 (varint): a
+        // record that says version 99.
+        assert_eq!(&data[1..3], &[0x08, snapshot::VERSION as u8]);
+        let mut other = data.clone();
+        other[2] = 99;
         assert_eq!(
-            FoldState::from_snapshot(other.into(), None).err(),
+            FoldState::from_snapshot(vec![other.into()], None).err(),
             Some(snapshot::SnapshotError::Version { found: 99 })
         );
         assert!(
-            FoldState::from_snapshot(Bytes::new(), None).is_err(),
+            FoldState::from_snapshot(vec![Bytes::new()], None).is_err(),
             "an empty record is version 0"
         );
         // A transcript is reused only in its own form.
@@ -868,15 +870,22 @@ mod tests {
             formed.apply(event);
         }
         let data = formed.to_snapshot().unwrap();
-        assert!(FoldState::from_snapshot(data.clone().into(), Some(&anthropic::FORM)).is_ok());
+        assert!(
+            FoldState::from_snapshot(vec![data.clone().into()], Some(&anthropic::FORM)).is_ok()
+        );
         assert_eq!(
-            FoldState::from_snapshot(data.clone().into(), Some(&openai::FORM)).err(),
+            FoldState::from_snapshot(vec![data.clone().into()], Some(&openai::FORM)).err(),
             Some(snapshot::SnapshotError::Form {
                 found: "anthropic-messages".into(),
                 expected: "openai-chat",
             })
         );
-        assert!(FoldState::from_snapshot(data.clone().into(), None).is_err());
+        assert!(FoldState::from_snapshot(vec![data.clone().into()], None).is_err());
+        let cut = data[..data.len() - 1].to_vec();
+        assert!(matches!(
+            FoldState::from_snapshot(vec![cut.into()], Some(&anthropic::FORM)),
+            Err(snapshot::SnapshotError::Undecodable(_))
+        ));
     }
 
     /// The request a provider builds for a conversation, as JSON bytes.
@@ -1060,7 +1069,7 @@ mod tests {
                     state.apply(&events[split - 1]);
                 }
                 let data = state.to_snapshot().expect("not lent");
-                let mut restored = FoldState::from_snapshot(data.clone().into(), None).expect("a fresh snapshot decodes");
+                let mut restored = FoldState::from_snapshot(vec![data.clone().into()], None).expect("a fresh snapshot decodes");
                 prop_assert_eq!(&restored.folded(), &fold_log(&events[..split]));
                 let taken = restored.take_folded();
                 if let Frontier::CallModel(conversation) = taken.frontier {
@@ -1082,6 +1091,7 @@ mod tests {
         fn a_transcript_renders_the_request_the_messages_render(
             steps in proptest::collection::vec(step(), 0..40),
             openai_form in any::<bool>(),
+            cut in 1usize..64,
         ) {
             let form: &'static dyn Form = if openai_form { &openai::FORM } else { &anthropic::FORM };
             let mut events = Vec::new();
@@ -1098,7 +1108,9 @@ mod tests {
                     plain.apply(&events[split - 1]);
                 }
                 let data = formed.to_snapshot().expect("not lent");
-                let mut restored = FoldState::from_snapshot(data.clone().into(), Some(form)).expect("decodes");
+                // As it arrives: in pieces, cut anywhere (here every `cut` bytes).
+                let pieces: Vec<Bytes> = data.chunks(cut).map(Bytes::copy_from_slice).collect();
+                let mut restored = FoldState::from_snapshot(pieces, Some(form)).expect("decodes");
                 for event in &events[split..] {
                     restored.apply(event);
                 }

@@ -32,7 +32,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 
 use crate::fold::transcript::Form;
 use crate::fold::{snapshot, FoldState};
@@ -493,12 +493,7 @@ async fn restore_snapshot(
         while let Some(chunk) = chunks.message().await? {
             parts.push(chunk.data);
         }
-        // One copy into a buffer of the right size (the transcript keeps sharing it).
-        let mut data = BytesMut::with_capacity(parts.iter().map(Bytes::len).sum());
-        for part in parts {
-            data.extend_from_slice(&part);
-        }
-        Ok::<_, tonic::Status>(Some((first.seq, data.freeze())))
+        Ok::<_, tonic::Status>(Some((first.seq, parts)))
     };
     let (seq, data) = match read.await {
         Ok(Some(found)) => found,
@@ -517,7 +512,7 @@ async fn restore_snapshot(
         );
         return None;
     }
-    let bytes = data.len();
+    let bytes: usize = data.iter().map(Bytes::len).sum();
     match FoldState::from_snapshot(data, form) {
         Ok(fold) => {
             tracing::info!(seq, bytes, "resuming from the fold's snapshot");

@@ -12,14 +12,16 @@
 //!   does not decode, is refused ([`SnapshotError`]) and the caller folds from seq 1: a
 //!   snapshot only ever saves time, the log stays the truth.
 //! - A fold that keeps its settled messages in a provider's form
-//!   ([`super::transcript`]) stores those bytes as they are, with the form's name: restoring
-//!   copies them without decoding, and a runner of another form refuses them.
+//!   ([`super::transcript`]) stores those bytes as they are, with the form's name: the data
+//!   is the record (length-delimited), then the transcript's bytes. A restore keeps the
+//!   transcript in the pieces it arrived in, neither copied nor decoded, and a runner of
+//!   another form refuses it.
 
 use std::collections::HashMap;
 
 use agentlog_proto::v1::{AssistantMessage, ToolResult, ToolUseBlock};
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 
 use super::transcript::{Form, Transcript};
 use super::{Approval, FoldState, Message, PendingInterrupt, UserBlock};
@@ -27,7 +29,7 @@ use super::{Approval, FoldState, Message, PendingInterrupt, UserBlock};
 /// The snapshot format the runner writes and reads in the store.
 pub const FORMAT: &str = "runner-fold";
 /// The shape of [`FoldState`] this build encodes.
-pub const VERSION: u32 = 2;
+pub const VERSION: u32 = 3;
 
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum SnapshotError {
@@ -71,15 +73,17 @@ struct FoldRecord {
     user_since_interrupt: bool,
     #[prost(uint64, tag = "12")]
     last_interrupt_seq: u64,
-    /// The transcript's form ("" without one), its bytes, replies and call ids.
+    /// The transcript's form ("" without one), its replies and call ids (its bytes follow
+    /// the record).
     #[prost(string, tag = "13")]
     form: String,
-    #[prost(bytes = "bytes", tag = "14")]
-    transcript: Bytes,
     #[prost(uint64, tag = "15")]
     transcript_replies: u64,
     #[prost(string, repeated, tag = "16")]
     transcript_call_ids: Vec<String>,
+    /// How many bytes follow the record: a snapshot cut short is refused.
+    #[prost(uint64, tag = "17")]
+    transcript_bytes: u64,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -143,6 +147,7 @@ impl FoldState {
         if self.lent {
             return None;
         }
+        let transcript = self.transcript.to_bytes();
         let record = FoldRecord {
             version: VERSION,
             messages: self
@@ -197,26 +202,47 @@ impl FoldState {
             user_since_interrupt: self.user_since_interrupt,
             last_interrupt_seq: self.last_interrupt_seq,
             form: self.transcript.form_name().to_string(),
-            transcript: self.transcript.to_bytes().into(),
             transcript_replies: self.transcript.replies(),
             transcript_call_ids: self.transcript.call_ids().iter().cloned().collect(),
+            transcript_bytes: transcript.len() as u64,
         };
-        Some(prost::Message::encode_to_vec(&record))
+        let mut data = prost::Message::encode_length_delimited_to_vec(&record);
+        data.extend_from_slice(&transcript);
+        Some(data)
     }
 
     /// The fold a snapshot holds, if it is of this build's [`VERSION`], keeps its settled
-    /// messages in `form` (`None`: as messages), and is well formed. The transcript keeps
-    /// sharing `data`'s buffer.
+    /// messages in `form` (`None`: as messages), and is well formed. `pieces` are the data
+    /// as it arrived (cut anywhere); the transcript keeps sharing them.
     pub fn from_snapshot(
-        data: Bytes,
+        pieces: Vec<Bytes>,
         form: Option<&'static dyn Form>,
     ) -> Result<FoldState, SnapshotError> {
+        let undecodable = |e: prost::DecodeError| SnapshotError::Undecodable(e.to_string());
+        // A varint takes at most 10 bytes.
+        let (head, _) = split_at(pieces.clone(), 10);
+        let length = prost::encoding::decode_varint(&mut &head[..]).map_err(undecodable)?;
+        let length_bytes = prost::encoding::encoded_len_varint(length);
+        let end = usize::try_from(length)
+            .ok()
+            .and_then(|length| length.checked_add(length_bytes));
+        let (record, transcript) = end
+            .map(|end| split_at(pieces, end))
+            .filter(|(record, _)| Some(record.len()) == end)
+            .ok_or_else(|| SnapshotError::Undecodable("the record is cut short".into()))?;
         let record: FoldRecord =
-            prost::Message::decode(data).map_err(|e| SnapshotError::Undecodable(e.to_string()))?;
+            prost::Message::decode(record.slice(length_bytes..)).map_err(undecodable)?;
         if record.version != VERSION {
             return Err(SnapshotError::Version {
                 found: record.version,
             });
+        }
+        let following: usize = transcript.iter().map(Bytes::len).sum();
+        if following as u64 != record.transcript_bytes {
+            return Err(SnapshotError::Undecodable(format!(
+                "{following} bytes follow the record, which names {}",
+                record.transcript_bytes
+            )));
         }
         let expected = form.map_or("", |form| form.name());
         if record.form != expected {
@@ -228,7 +254,7 @@ impl FoldState {
         let transcript = match form {
             Some(form) => Transcript::from_parts(
                 form,
-                record.transcript,
+                transcript,
                 record.transcript_replies,
                 record.transcript_call_ids.into_iter().collect(),
             ),
@@ -288,4 +314,23 @@ impl FoldState {
             lent: false,
         })
     }
+}
+
+/// The first `at` bytes of `pieces` (copied: a record is small) and the pieces after them
+/// (shared); fewer bytes when the pieces hold fewer.
+fn split_at(pieces: Vec<Bytes>, at: usize) -> (Bytes, Vec<Bytes>) {
+    let mut head = BytesMut::new();
+    let mut rest = Vec::new();
+    for piece in pieces {
+        let need = at - head.len();
+        if need == 0 {
+            rest.push(piece);
+        } else if piece.len() <= need {
+            head.extend_from_slice(&piece);
+        } else {
+            head.extend_from_slice(&piece[..need]);
+            rest.push(piece.slice(need..));
+        }
+    }
+    (head.freeze(), rest)
 }

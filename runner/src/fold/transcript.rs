@@ -56,8 +56,9 @@ impl JsonElements {
 #[derive(Clone, Default)]
 pub struct Transcript {
     form: Option<&'static dyn Form>,
-    /// The elements a snapshot held, shared with the buffer it was read into (no copy).
-    restored: Bytes,
+    /// The elements a snapshot held, in the pieces it arrived in (shared, never copied):
+    /// together one run of elements, cut anywhere.
+    restored: Vec<Bytes>,
     /// The elements written since.
     elements: JsonElements,
     /// Assistant messages written.
@@ -75,10 +76,11 @@ impl Transcript {
         }
     }
 
-    /// Restores a transcript from its parts (a snapshot's: [`Transcript::to_bytes`]).
+    /// Restores a transcript from its parts (a snapshot's: [`Transcript::to_bytes`], in
+    /// pieces).
     pub(super) fn from_parts(
         form: &'static dyn Form,
-        restored: Bytes,
+        restored: Vec<Bytes>,
         replies: u64,
         call_ids: HashSet<String>,
     ) -> Transcript {
@@ -114,20 +116,23 @@ impl Transcript {
         None
     }
 
-    /// The elements, in order, as runs of comma-separated elements (empty runs skipped).
-    pub fn parts(&self) -> impl Iterator<Item = &[u8]> {
-        [&self.restored[..], self.elements.as_bytes()]
+    /// The elements, in order, as runs of comma-separated elements, each run in pieces
+    /// to be written one after the other (empty runs skipped).
+    pub fn runs(&self) -> impl Iterator<Item = Vec<&[u8]>> {
+        let restored: Vec<&[u8]> = self.restored.iter().map(|piece| &piece[..]).collect();
+        [restored, vec![self.elements.as_bytes()]]
             .into_iter()
-            .filter(|part| !part.is_empty())
+            .filter(|run| run.iter().any(|piece| !piece.is_empty()))
     }
 
     pub fn is_empty(&self) -> bool {
-        self.parts().next().is_none()
+        self.runs().next().is_none()
     }
 
     /// Every element, comma-separated.
     pub fn to_bytes(&self) -> Vec<u8> {
-        self.parts().collect::<Vec<_>>().join(&b',')
+        let runs: Vec<Vec<u8>> = self.runs().map(|run| run.concat()).collect();
+        runs.join(&b',')
     }
 
     /// Assistant messages written.
@@ -154,7 +159,7 @@ impl fmt::Debug for Transcript {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Transcript")
             .field("form", &self.form_name())
-            .field("bytes", &(self.restored.len() + self.elements.0.len()))
+            .field("bytes", &self.to_bytes().len())
             .field("replies", &self.replies)
             .finish()
     }

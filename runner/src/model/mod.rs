@@ -187,21 +187,24 @@ fn json_body(
     for message in &conversation.messages {
         form.render(message, &mut later);
     }
-    let parts: Vec<&[u8]> = std::iter::once(lead.as_bytes())
-        .chain(transcript.parts())
-        .chain(std::iter::once(later.as_bytes()))
+    let runs: Vec<Vec<&[u8]>> = std::iter::once(vec![lead.as_bytes()])
+        .chain(transcript.runs())
+        .chain(std::iter::once(vec![later.as_bytes()]))
+        .filter(|run| run.iter().any(|piece| !piece.is_empty()))
         .collect();
     let head = serde_json::to_vec(&head).expect("a JSON value is always written to memory");
-    let mut body =
-        Vec::with_capacity(head.len() + parts.iter().map(|p| p.len() + 1).sum::<usize>() + 16);
+    let size: usize = runs.iter().flatten().map(|piece| piece.len() + 1).sum();
+    let mut body = Vec::with_capacity(head.len() + size + 16);
     // `head` is an object with at least the model in it: open it again after its last member.
     body.extend_from_slice(&head[..head.len() - 1]);
     body.extend_from_slice(b",\"messages\":[");
-    for (i, part) in parts.iter().filter(|part| !part.is_empty()).enumerate() {
+    for (i, run) in runs.iter().enumerate() {
         if i > 0 {
             body.push(b',');
         }
-        body.extend_from_slice(part);
+        for piece in run {
+            body.extend_from_slice(piece);
+        }
     }
     body.extend_from_slice(b"]}");
     Ok(body)
