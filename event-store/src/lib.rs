@@ -356,17 +356,38 @@ impl Store {
             .map_err(|e| StoreError::Internal(format!("the snapshot write stopped: {e}")))?
     }
 
-    /// The kept snapshot of `format` for the session, if any.
+    /// The kept snapshot of `format` for the session, if any: its file is read a piece at a
+    /// time on a blocking thread, a few pieces ahead of the caller.
     pub async fn get_snapshot(
         &self,
         session_id: &str,
         format: &str,
-    ) -> Result<Option<backend::Snapshot>, StoreError> {
+    ) -> Result<Option<backend::SnapshotRead>, StoreError> {
+        const PIECE_BYTES: usize = 1 << 20;
+        const PIECES_AHEAD: usize = 2;
         let snapshots = self.snapshots.clone();
         let (session_id, format) = (session_id.to_string(), format.to_string());
-        tokio::task::spawn_blocking(move || snapshots.get(&session_id, &format))
+        let opened = tokio::task::spawn_blocking(move || snapshots.open(&session_id, &format))
             .await
-            .map_err(|e| StoreError::Internal(format!("the snapshot read stopped: {e}")))?
+            .map_err(|e| StoreError::Internal(format!("the snapshot read stopped: {e}")))??;
+        let Some(mut file) = opened else {
+            return Ok(None);
+        };
+        let seq = file.seq;
+        let (pieces, read) = tokio::sync::mpsc::channel(PIECES_AHEAD);
+        tokio::task::spawn_blocking(move || {
+            // Stops at the end, after a failed read, or when the reader went away.
+            while let Some(piece) = file.read_piece(PIECE_BYTES).transpose() {
+                let failed = piece.is_err();
+                if pieces.blocking_send(piece.map(bytes::Bytes::from)).is_err() || failed {
+                    break;
+                }
+            }
+        });
+        Ok(Some(backend::SnapshotRead {
+            seq,
+            pieces: Box::pin(tokio_stream::wrappers::ReceiverStream::new(read)),
+        }))
     }
 
     pub fn get_session(&self, session_id: &str) -> Result<SessionInfo, StoreError> {

@@ -25,7 +25,9 @@ use tonic::{Request, Response, Status};
 use agentlog_proto::reason::Reason;
 
 use crate::auth::{authorize_append, authorize_snapshot_put, Access, AuthLayer, Caller};
-use crate::backend::{AppendAnswer, Backend, Snapshot, WireEvent, MAX_SNAPSHOT_BYTES};
+use crate::backend::{
+    AppendAnswer, Backend, Snapshot, SnapshotPieces, WireEvent, MAX_SNAPSHOT_BYTES,
+};
 use crate::error::StoreError;
 use crate::incoming::ConnLimits;
 use crate::limits::{CallerLimits, LimitsLayer, MessageBudget};
@@ -512,26 +514,48 @@ impl EventStore for EventStoreService {
                     req.session_id, req.format
                 ))
             })?;
-        let data = bytes::Bytes::from(snapshot.data);
-        let mut chunks: Vec<Result<SnapshotChunk, Status>> = (0..data.len())
-            .step_by(SNAPSHOT_CHUNK_BYTES)
-            .map(|at| {
-                Ok(SnapshotChunk {
-                    data: data.slice(at..data.len().min(at + SNAPSHOT_CHUNK_BYTES)),
-                    ..SnapshotChunk::default()
-                })
-            })
-            .collect();
-        if chunks.is_empty() {
-            chunks.push(Ok(SnapshotChunk::default()));
-        }
-        if let Some(Ok(first)) = chunks.first_mut() {
-            first.session_id = snapshot.session_id;
-            first.seq = snapshot.seq;
-            first.format = snapshot.format;
-        }
-        Ok(Response::new(Box::pin(tokio_stream::iter(chunks))))
+        let header = SnapshotChunk {
+            session_id: req.session_id,
+            seq: snapshot.seq,
+            format: req.format,
+            ..SnapshotChunk::default()
+        };
+        Ok(Response::new(Box::pin(snapshot_chunks(
+            header,
+            snapshot.pieces,
+        ))))
     }
+}
+
+/// The chunks of a snapshot read in `pieces`: each piece sent in slices of at most
+/// [`SNAPSHOT_CHUNK_BYTES`] as it comes, the first carrying `header` (an empty snapshot is
+/// the header alone). A failed read ends the stream with its status.
+fn snapshot_chunks(
+    header: SnapshotChunk,
+    pieces: SnapshotPieces,
+) -> impl Stream<Item = Result<SnapshotChunk, Status>> + Send {
+    let start = (pieces, Some(header), std::collections::VecDeque::new());
+    futures::stream::unfold(Some(start), |state| async move {
+        let (mut pieces, mut header, mut ready) = state?;
+        loop {
+            if let Some(data) = ready.pop_front() {
+                let chunk = SnapshotChunk {
+                    data,
+                    ..header.take().unwrap_or_default()
+                };
+                return Some((Ok(chunk), Some((pieces, header, ready))));
+            }
+            match pieces.next().await {
+                Some(Ok(piece)) => ready.extend(
+                    (0..piece.len())
+                        .step_by(SNAPSHOT_CHUNK_BYTES)
+                        .map(|at| piece.slice(at..piece.len().min(at + SNAPSHOT_CHUNK_BYTES))),
+                ),
+                Some(Err(e)) => return Some((Err(e.into()), None)),
+                None => return header.take().map(|header| (Ok(header), None)),
+            }
+        }
+    })
 }
 
 type AnswerToCome =

@@ -69,8 +69,8 @@ impl SnapshotDir {
         Ok(snapshot.seq)
     }
 
-    /// The kept snapshot of `format`, if any.
-    pub fn get(&self, session_id: &str, format: &str) -> Result<Option<Snapshot>, StoreError> {
+    /// The kept snapshot of `format`, if any, opened: its seq read, its data to come.
+    pub fn open(&self, session_id: &str, format: &str) -> Result<Option<SnapshotFile>, StoreError> {
         use std::io::Read;
         let path = self.path(session_id, format);
         let mut file = match std::fs::File::open(&path) {
@@ -78,7 +78,6 @@ impl SnapshotDir {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(io_error(&path, e)),
         };
-        // The header, then the data straight into its own buffer (no copy of tens of MiB).
         let mut header = [0u8; SEQ_BYTES];
         match file.read_exact(&mut header) {
             Ok(()) => {}
@@ -90,16 +89,33 @@ impl SnapshotDir {
             }
             Err(e) => return Err(io_error(&path, e)),
         }
-        let size = file.metadata().map_err(|e| io_error(&path, e))?.len();
-        let mut data = Vec::with_capacity(size.saturating_sub(SEQ_BYTES as u64) as usize);
-        file.read_to_end(&mut data)
-            .map_err(|e| io_error(&path, e))?;
-        Ok(Some(Snapshot {
-            session_id: session_id.to_string(),
-            format: format.to_string(),
+        Ok(Some(SnapshotFile {
             seq: u64::from_le_bytes(header),
-            data,
+            file,
+            path,
         }))
+    }
+}
+
+/// A kept snapshot being read. It stays the snapshot it was when opened, even if a newer
+/// one is renamed over it meanwhile.
+#[derive(Debug)]
+pub struct SnapshotFile {
+    pub seq: u64,
+    file: std::fs::File,
+    path: PathBuf,
+}
+
+impl SnapshotFile {
+    /// The next piece of the data, at most `max` bytes; `None` at its end.
+    pub fn read_piece(&mut self, max: usize) -> Result<Option<Vec<u8>>, StoreError> {
+        use std::io::Read;
+        let mut piece = Vec::with_capacity(max);
+        (&mut self.file)
+            .take(max as u64)
+            .read_to_end(&mut piece)
+            .map_err(|e| io_error(&self.path, e))?;
+        Ok((!piece.is_empty()).then_some(piece))
     }
 }
 
@@ -145,25 +161,35 @@ mod tests {
         }
     }
 
+    /// The kept snapshot, read whole in small pieces.
+    fn read(snapshots: &SnapshotDir, format: &str) -> Option<Snapshot> {
+        let mut file = snapshots.open("s1", format).unwrap()?;
+        let mut data = Vec::new();
+        while let Some(piece) = file.read_piece(2).unwrap() {
+            assert!(piece.len() <= 2);
+            data.extend(piece);
+        }
+        Some(Snapshot {
+            session_id: "s1".into(),
+            format: format.into(),
+            seq: file.seq,
+            data,
+        })
+    }
+
     #[test]
     fn the_newest_snapshot_is_kept_and_an_older_one_dropped() {
         let dir = tempfile::tempdir().unwrap();
         let snapshots = SnapshotDir::new(dir.path().join("snapshots"));
-        assert_eq!(snapshots.get("s1", "fold").unwrap(), None);
+        assert_eq!(read(&snapshots, "fold"), None);
         assert_eq!(snapshots.put(&snapshot(10, b"ten")).unwrap(), 10);
         assert_eq!(snapshots.put(&snapshot(7, b"seven")).unwrap(), 10);
-        assert_eq!(
-            snapshots.get("s1", "fold").unwrap(),
-            Some(snapshot(10, b"ten"))
-        );
+        assert_eq!(read(&snapshots, "fold"), Some(snapshot(10, b"ten")));
         assert_eq!(snapshots.put(&snapshot(12, b"")).unwrap(), 12);
-        assert_eq!(
-            snapshots.get("s1", "fold").unwrap(),
-            Some(snapshot(12, b""))
-        );
-        assert_eq!(snapshots.get("s1", "other").unwrap(), None);
+        assert_eq!(read(&snapshots, "fold"), Some(snapshot(12, b"")));
+        assert_eq!(read(&snapshots, "other"), None);
         // Reopened (a restarted store), the kept snapshot is still there.
         let reopened = SnapshotDir::new(dir.path().join("snapshots"));
-        assert_eq!(reopened.get("s1", "fold").unwrap(), Some(snapshot(12, b"")));
+        assert_eq!(read(&reopened, "fold"), Some(snapshot(12, b"")));
     }
 }

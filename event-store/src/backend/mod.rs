@@ -63,6 +63,16 @@ impl WireEvent {
 /// The largest snapshot a backend keeps.
 pub const MAX_SNAPSHOT_BYTES: usize = 64 << 20;
 
+/// A kept snapshot as a backend hands it out: its seq, then its data in pieces, in order,
+/// read as the caller takes them (a snapshot of tens of MiB is never held whole).
+pub struct SnapshotRead {
+    pub seq: u64,
+    pub pieces: SnapshotPieces,
+}
+
+pub type SnapshotPieces =
+    std::pin::Pin<Box<dyn futures::Stream<Item = Result<bytes::Bytes, StoreError>> + Send>>;
+
 /// A record derived from a session's log up to `seq`, in a format its writer chose.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Snapshot {
@@ -145,7 +155,7 @@ pub trait Backend: Send + Sync + 'static {
         &self,
         session_id: &str,
         format: &str,
-    ) -> Result<Option<Snapshot>, StoreError>;
+    ) -> Result<Option<SnapshotRead>, StoreError>;
 
     /// Whether the backend can acknowledge appends now (health reports NOT_SERVING while
     /// it cannot); changes as it loses and regains its storage.
@@ -240,7 +250,7 @@ impl Backend for crate::Store {
         &self,
         session_id: &str,
         format: &str,
-    ) -> Result<Option<Snapshot>, StoreError> {
+    ) -> Result<Option<SnapshotRead>, StoreError> {
         crate::Store::get_snapshot(self, session_id, format).await
     }
 

@@ -51,7 +51,7 @@ use tokio_util::sync::CancellationToken;
 
 use agentlog_proto::reason::Reason;
 
-use crate::backend::{Backend, Snapshot, WireEvent};
+use crate::backend::{Backend, Snapshot, SnapshotRead, WireEvent};
 use crate::log::LeaseRecord;
 use crate::queries::{long_poll_claim, ClaimAttempt, ListQuery};
 use crate::rules;
@@ -1005,7 +1005,7 @@ impl Backend for PgBackend {
         &self,
         session_id: &str,
         format: &str,
-    ) -> Result<Option<Snapshot>, StoreError> {
+    ) -> Result<Option<SnapshotRead>, StoreError> {
         let client = self.client().await?;
         let row = timed("get_snapshot", async {
             let statement = client
@@ -1018,11 +1018,11 @@ impl Backend for PgBackend {
         })
         .await
         .map_err(|e| self.timed_error(e))?;
-        Ok(row.map(|row| Snapshot {
-            session_id: session_id.to_string(),
-            format: format.to_string(),
+        Ok(row.map(|row| SnapshotRead {
             seq: row.get::<_, i64>(0) as u64,
-            data: row.get(1),
+            pieces: Box::pin(futures::stream::once(std::future::ready(Ok(
+                bytes::Bytes::from(row.get::<_, Vec<u8>>(1)),
+            )))),
         }))
     }
 
