@@ -671,13 +671,12 @@ async fn profile_appends(
         } else {
             None
         };
-        let server_cpu_before: f64 = pids.iter().map(|&p| profile::cpu_secs(p)).sum();
+        let server_cpu_before = profile::tree_cpu_secs(pid, &pids[1..]);
         let bench_cpu_before = profile::cpu_secs(std::process::id());
         let started = std::time::Instant::now();
         let result = load.await??;
         let wall = started.elapsed().as_secs_f64();
-        let server_cpu: f64 =
-            pids.iter().map(|&p| profile::cpu_secs(p)).sum::<f64>() - server_cpu_before;
+        let server_cpu = profile::tree_cpu_secs(pid, &pids[1..]) - server_cpu_before;
         let bench_cpu = profile::cpu_secs(std::process::id()) - bench_cpu_before;
         let syncs = match counter {
             Some(c) => Some(tokio::task::block_in_place(|| c.finish())?),

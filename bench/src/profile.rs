@@ -7,6 +7,20 @@ use std::process::{Child, Command, Stdio};
 
 /// User + system CPU seconds a process (all its threads) has used so far.
 pub fn cpu_secs(pid: u32) -> f64 {
+    stat_secs(pid, &[11, 12])
+}
+
+/// CPU seconds of a process tree: the root with the children it has reaped, plus
+/// `children` while they live (or wait to be reaped). A PostgreSQL backend that exits
+/// when its client disconnects moves from the second into the first, so the sum never
+/// loses it.
+pub fn tree_cpu_secs(root: u32, children: &[u32]) -> f64 {
+    stat_secs(root, &[11, 12, 13, 14]) + children.iter().map(|&pid| cpu_secs(pid)).sum::<f64>()
+}
+
+/// The sum of the given fields of `/proc/PID/stat` (counted after the command name), in
+/// seconds.
+fn stat_secs(pid: u32, fields_after_name: &[usize]) -> f64 {
     let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
         return 0.0;
     };
@@ -15,8 +29,9 @@ pub fn cpu_secs(pid: u32) -> f64 {
         return 0.0;
     };
     let fields: Vec<&str> = rest.split_whitespace().collect();
-    // utime and stime are fields 14 and 15 of the whole line: 11 and 12 after ')'.
-    let ticks: u64 = [11, 12]
+    // utime, stime, cutime and cstime are fields 14 to 17 of the whole line: 11 to 14
+    // after ')'.
+    let ticks: u64 = fields_after_name
         .iter()
         .filter_map(|&i| fields.get(i).and_then(|f| f.parse::<u64>().ok()))
         .sum();
