@@ -147,7 +147,6 @@ impl FoldState {
         if self.lent {
             return None;
         }
-        let transcript = self.transcript.to_bytes();
         let record = FoldRecord {
             version: VERSION,
             messages: self
@@ -204,10 +203,11 @@ impl FoldState {
             form: self.transcript.form_name().to_string(),
             transcript_replies: self.transcript.replies(),
             transcript_call_ids: self.transcript.call_ids().iter().cloned().collect(),
-            transcript_bytes: transcript.len() as u64,
+            transcript_bytes: self.transcript.len() as u64,
         };
         let mut data = prost::Message::encode_length_delimited_to_vec(&record);
-        data.extend_from_slice(&transcript);
+        data.reserve(self.transcript.len());
+        self.transcript.write_to(&mut data);
         Some(data)
     }
 

@@ -116,23 +116,39 @@ impl Transcript {
         None
     }
 
-    /// The elements, in order, as runs of comma-separated elements, each run in pieces
-    /// to be written one after the other (empty runs skipped).
-    pub fn runs(&self) -> impl Iterator<Item = Vec<&[u8]>> {
-        let restored: Vec<&[u8]> = self.restored.iter().map(|piece| &piece[..]).collect();
-        [restored, vec![self.elements.as_bytes()]]
-            .into_iter()
-            .filter(|run| run.iter().any(|piece| !piece.is_empty()))
+    /// The restored elements' length and the written ones'.
+    fn run_lengths(&self) -> [usize; 2] {
+        let restored = self.restored.iter().map(Bytes::len).sum();
+        [restored, self.elements.0.len()]
     }
 
     pub fn is_empty(&self) -> bool {
-        self.runs().next().is_none()
+        self.run_lengths() == [0, 0]
+    }
+
+    /// The length of [`Transcript::write_to`]'s output.
+    pub fn len(&self) -> usize {
+        let [restored, written] = self.run_lengths();
+        restored + written + usize::from(restored > 0 && written > 0)
+    }
+
+    /// Appends every element, comma-separated, to `out`.
+    pub fn write_to(&self, out: &mut Vec<u8>) {
+        let [restored, written] = self.run_lengths();
+        for piece in &self.restored {
+            out.extend_from_slice(piece);
+        }
+        if restored > 0 && written > 0 {
+            out.push(b',');
+        }
+        out.extend_from_slice(&self.elements.0);
     }
 
     /// Every element, comma-separated.
     pub fn to_bytes(&self) -> Vec<u8> {
-        let runs: Vec<Vec<u8>> = self.runs().map(|run| run.concat()).collect();
-        runs.join(&b',')
+        let mut out = Vec::with_capacity(self.len());
+        self.write_to(&mut out);
+        out
     }
 
     /// Assistant messages written.
@@ -159,7 +175,7 @@ impl fmt::Debug for Transcript {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Transcript")
             .field("form", &self.form_name())
-            .field("bytes", &self.to_bytes().len())
+            .field("bytes", &self.len())
             .field("replies", &self.replies)
             .finish()
     }

@@ -187,24 +187,30 @@ fn json_body(
     for message in &conversation.messages {
         form.render(message, &mut later);
     }
-    let runs: Vec<Vec<&[u8]>> = std::iter::once(vec![lead.as_bytes()])
-        .chain(transcript.runs())
-        .chain(std::iter::once(vec![later.as_bytes()]))
-        .filter(|run| run.iter().any(|piece| !piece.is_empty()))
-        .collect();
     let head = serde_json::to_vec(&head).expect("a JSON value is always written to memory");
-    let size: usize = runs.iter().flatten().map(|piece| piece.len() + 1).sum();
+    let size = lead.as_bytes().len() + transcript.len() + later.as_bytes().len();
     let mut body = Vec::with_capacity(head.len() + size + 16);
     // `head` is an object with at least the model in it: open it again after its last member.
     body.extend_from_slice(&head[..head.len() - 1]);
     body.extend_from_slice(b",\"messages\":[");
-    for (i, run) in runs.iter().enumerate() {
-        if i > 0 {
+    // A comma before every non-empty part but the first.
+    let mut first = true;
+    let mut separate = |body: &mut Vec<u8>| {
+        if !std::mem::take(&mut first) {
             body.push(b',');
         }
-        for piece in run {
-            body.extend_from_slice(piece);
-        }
+    };
+    if !lead.as_bytes().is_empty() {
+        separate(&mut body);
+        body.extend_from_slice(lead.as_bytes());
+    }
+    if !transcript.is_empty() {
+        separate(&mut body);
+        transcript.write_to(&mut body);
+    }
+    if !later.as_bytes().is_empty() {
+        separate(&mut body);
+        body.extend_from_slice(later.as_bytes());
     }
     body.extend_from_slice(b"]}");
     Ok(body)
