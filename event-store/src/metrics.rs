@@ -31,6 +31,7 @@ type Labels2 = [(&'static str, &'static str); 2];
 
 struct StoreMetrics {
     appends: Family<Labels2, Counter>,
+    append_requests: Family<Labels1, Counter>,
     append_seconds: Family<Labels1, Histogram>,
     fsync_seconds: Histogram,
     fsync_events: Histogram,
@@ -47,6 +48,7 @@ struct StoreMetrics {
 
 static METRICS: LazyLock<StoreMetrics> = LazyLock::new(|| StoreMetrics {
     appends: Family::default(),
+    append_requests: Family::default(),
     append_seconds: Family::new_with_constructor(|| {
         Histogram::new(exponential_buckets(0.000_1, 2.0, 16))
     }),
@@ -77,6 +79,9 @@ pub fn registry(log_dir: Option<PathBuf>) -> Registry {
             .append_seconds
             .get_or_create(&[("durability", durability)]);
     }
+    for call in [AppendCall::Unary, AppendCall::Stream] {
+        let _ = m.append_requests.get_or_create(&[("rpc", call.label())]);
+    }
     for state in ["live", "catching_up"] {
         let _ = m.subscribers.get_or_create(&[("state", state)]);
     }
@@ -89,12 +94,19 @@ pub fn registry(log_dir: Option<PathBuf>) -> Registry {
     let mut r = Registry::default();
     r.register(
         "agentlog_store_appends",
-        "Append calls by durability and outcome (ok, or the gRPC status they got)",
+        "Append requests (unary, or one of an AppendStream) by durability and outcome (ok, or \
+         the gRPC status they got)",
         m.appends.clone(),
     );
     r.register(
+        "agentlog_store_append_requests",
+        "Append requests by the call that carried them: append (unary Append) or append_stream \
+         (one request of an AppendStream)",
+        m.append_requests.clone(),
+    );
+    r.register(
         "agentlog_store_append_duration_seconds",
-        "Append latency in the store, from the call reaching the handler to its answer",
+        "Append latency in the store, from the request reaching the handler to its answer",
         m.append_seconds.clone(),
     );
     r.register(
@@ -180,16 +192,36 @@ fn outcome_label<T>(result: &Result<T, StoreError>) -> &'static str {
     }
 }
 
-/// Times one Append call from its arrival to its answer and counts its outcome (a request
-/// refused by validation too); its span (`append`) records the seqs it got.
+/// The call an append request came in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AppendCall {
+    /// A unary `Append`.
+    Unary,
+    /// One request of an `AppendStream`.
+    Stream,
+}
+
+impl AppendCall {
+    fn label(self) -> &'static str {
+        match self {
+            AppendCall::Unary => "append",
+            AppendCall::Stream => "append_stream",
+        }
+    }
+}
+
+/// Times one append request (a unary Append, or one request of an AppendStream) from its
+/// arrival to its answer and counts its outcome (a request refused by validation too); its
+/// span (`append`, a child of the current span) records the seqs it got.
 pub struct AppendObserver {
     durability: &'static str,
+    call: AppendCall,
     started: Instant,
     span: tracing::Span,
 }
 
 impl AppendObserver {
-    pub fn start(request: &AppendRequest) -> AppendObserver {
+    pub fn start(request: &AppendRequest, call: AppendCall) -> AppendObserver {
         let durability = durability_label(request.durability());
         // Not validated yet: a span never holds more of an id than a valid one can have.
         let id = &request.session_id;
@@ -215,9 +247,15 @@ impl AppendObserver {
         };
         AppendObserver {
             durability,
+            call,
             started: Instant::now(),
             span,
         }
+    }
+
+    /// The span the append runs in (the writer traces the fsync it waits for under it).
+    pub fn span(&self) -> &tracing::Span {
+        &self.span
     }
 
     /// Runs the append in the span, then counts and times its outcome.
@@ -230,6 +268,9 @@ impl AppendObserver {
         let outcome = outcome_label(&result);
         m.appends
             .get_or_create(&[("durability", self.durability), ("outcome", outcome)])
+            .inc();
+        m.append_requests
+            .get_or_create(&[("rpc", self.call.label())])
             .inc();
         m.append_seconds
             .get_or_create(&[("durability", self.durability)])

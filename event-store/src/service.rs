@@ -21,8 +21,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::{Stream, StreamExt};
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
-
-use agentlog_proto::reason::Reason;
+use tracing::Instrument;
 
 use crate::auth::{authorize_append, authorize_snapshot_put, Access, AuthLayer, Caller};
 use crate::backend::{
@@ -31,6 +30,7 @@ use crate::backend::{
 use crate::error::StoreError;
 use crate::incoming::ConnLimits;
 use crate::limits::{CallerLimits, LimitsLayer, MessageBudget};
+use crate::metrics::{AppendCall, AppendObserver};
 use crate::subscribe_wire::SubscribeOnWire;
 use crate::tls::ReloadingTls;
 use crate::wire::{
@@ -313,7 +313,7 @@ impl EventStore for EventStoreService {
         &self,
         request: Request<AppendRequest>,
     ) -> Result<Response<AppendResponse>, Status> {
-        let observer = crate::metrics::AppendObserver::start(request.get_ref());
+        let observer = AppendObserver::start(request.get_ref(), AppendCall::Unary);
         let op = validate_append(request.into_inner());
         let appended = observer.observe(async { self.store.append(op?).await });
         Ok(Response::new(appended.await?))
@@ -331,6 +331,7 @@ impl EventStore for EventStoreService {
             requests: request.into_inner(),
             caller,
             budget,
+            span: tracing::Span::current(),
             store: self.store.clone(),
             shutdown: Box::pin(self.shutdown.clone().cancelled_owned()),
             queuing: None,
@@ -561,19 +562,27 @@ fn snapshot_chunks(
 type AnswerToCome =
     Pin<Box<dyn std::future::Future<Output = Result<AppendResponse, Status>> + Send>>;
 
-/// An AppendStream request on its way into the writer's queue.
-type Queuing = Pin<Box<dyn std::future::Future<Output = Result<AppendAnswer, StoreError>> + Send>>;
+/// An AppendStream request on its way into the writer's queue, with its observer.
+type Queuing = Pin<
+    Box<
+        dyn std::future::Future<Output = (AppendObserver, Result<AppendAnswer, StoreError>)> + Send,
+    >,
+>;
 
 /// The responses of one AppendStream. Requests are read, checked and queued for the writer
 /// as the response side is polled (so in order, and at most [`APPEND_STREAM_IN_FLIGHT`]
 /// unanswered), and their answers are sent in that same order: one task per call, no
 /// channel between reading a request and sending its answer. A request that breaks the
 /// stream (a bad frame) ends it with that status after the answers before it; shutdown
-/// stops the reading, and the answers already queued still go out.
+/// stops the reading, and the answers already queued still go out. Each request is counted,
+/// timed and traced as a unary Append is ([`AppendObserver`]), its span a child of the
+/// call's.
 struct AppendStreamAnswers {
     requests: tonic::Streaming<AppendRequest>,
     caller: Caller,
     budget: Option<MessageBudget>,
+    /// The call's span (the responses are polled outside it).
+    span: tracing::Span,
     store: Arc<dyn Backend>,
     shutdown: Pin<Box<tokio_util::sync::WaitForCancellationFutureOwned>>,
     /// A request being queued (waiting for room in the writer's queue).
@@ -593,12 +602,12 @@ impl AppendStreamAnswers {
         }
         if let Some(queuing) = self.queuing.as_mut() {
             return match queuing.as_mut().poll(cx) {
-                Poll::Ready(queued) => {
+                Poll::Ready((observer, queued)) => {
                     self.queuing = None;
-                    self.answers.push_back(match queued {
-                        Ok(answer) => Box::pin(async move { answer.await.map_err(Status::from) }),
-                        Err(e) => Box::pin(std::future::ready(Err(e.into()))),
-                    });
+                    self.answers.push_back(Box::pin(async move {
+                        let answer = observer.observe(async move { queued?.await });
+                        answer.await.map_err(Status::from)
+                    }));
                     true
                 }
                 Poll::Pending => false,
@@ -613,15 +622,27 @@ impl AppendStreamAnswers {
         }
         match Pin::new(&mut self.requests).poll_next(cx) {
             Poll::Ready(Some(Ok(req))) => {
-                match admit_streamed(&self.caller, self.budget.as_ref(), req) {
+                if let Err(status) = admit_streamed(&self.caller, self.budget.as_ref(), &req) {
+                    self.answers
+                        .push_back(Box::pin(std::future::ready(Err(status))));
+                    return true;
+                }
+                let observer = self
+                    .span
+                    .in_scope(|| AppendObserver::start(&req, AppendCall::Stream));
+                match validate_append(req) {
                     Ok(op) => {
                         let store = self.store.clone();
-                        self.queuing =
-                            Some(Box::pin(async move { store.enqueue_append(op).await }));
+                        let span = observer.span().clone();
+                        self.queuing = Some(Box::pin(async move {
+                            let queued = store.enqueue_append(op).instrument(span).await;
+                            (observer, queued)
+                        }));
                     }
-                    Err(status) => self
-                        .answers
-                        .push_back(Box::pin(std::future::ready(Err(status)))),
+                    Err(e) => self.answers.push_back(Box::pin(async move {
+                        let refused = observer.observe(std::future::ready(Err(e)));
+                        refused.await.map_err(Status::from)
+                    })),
                 }
                 true
             }
@@ -665,18 +686,17 @@ impl Stream for AppendStreamAnswers {
     }
 }
 
-/// One request of an AppendStream, checked as the auth and limits layers and
-/// [`validate_append`] check a single Append.
+/// One request of an AppendStream, checked as the auth and limits layers check a single
+/// Append (then [`validate_append`] checks it as it checks one).
 fn admit_streamed(
     caller: &Caller,
     budget: Option<&MessageBudget>,
-    req: AppendRequest,
-) -> Result<AppendOp, Status> {
+    req: &AppendRequest,
+) -> Result<(), Status> {
     if let Some(budget) = budget {
         budget.take()?;
     }
-    authorize_append(caller, &req)?;
-    Ok(validate_append(req)?)
+    Ok(authorize_append(caller, req)?)
 }
 
 /// An answer of Append as one response of AppendStream.
@@ -684,11 +704,7 @@ fn streamed(answer: Result<AppendResponse, Status>) -> AppendStreamResponse {
     AppendStreamResponse {
         result: Some(match answer {
             Ok(response) => append_stream_response::Result::Response(response),
-            Err(status) => append_stream_response::Result::Error(AppendError {
-                code: status.code() as i32,
-                message: status.message().to_string(),
-                reason: Reason::of(&status).map_or_else(String::new, |r| r.name().to_string()),
-            }),
+            Err(status) => append_stream_response::Result::Error(AppendError::from(&status)),
         }),
     }
 }

@@ -8,6 +8,8 @@
 use tonic::{Code, Status};
 use tonic_types::{ErrorDetails, StatusExt};
 
+use crate::v1::AppendError;
+
 /// The `ErrorInfo.domain` of every agentlog refusal.
 pub const DOMAIN: &str = "agentlog.dev";
 
@@ -88,6 +90,39 @@ impl Reason {
     }
 }
 
+/// One refused request of an `AppendStream`, as the store sends it: the code, message and
+/// `ErrorInfo` reason of the status a unary `Append` would have failed with.
+impl From<&Status> for AppendError {
+    fn from(status: &Status) -> AppendError {
+        let reason = status
+            .get_details_error_info()
+            .filter(|info| info.domain == DOMAIN)
+            .map_or_else(String::new, |info| info.reason);
+        AppendError {
+            code: status.code() as i32,
+            message: status.message().to_string(),
+            reason,
+        }
+    }
+}
+
+/// The status a unary `Append` would have failed with, from the `AppendStream` answer that
+/// carries it: same code and message, and the reason (any, even one this build does not
+/// know) as the same `ErrorInfo`, so that [`Reason::of`] reads both alike.
+impl From<AppendError> for Status {
+    fn from(error: AppendError) -> Status {
+        let code = Code::from(error.code);
+        if error.reason.is_empty() {
+            return Status::new(code, error.message);
+        }
+        Status::with_error_details(
+            code,
+            error.message,
+            ErrorDetails::with_error_info(error.reason, DOMAIN, std::collections::HashMap::new()),
+        )
+    }
+}
+
 impl std::fmt::Display for Reason {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())
@@ -106,6 +141,34 @@ mod tests {
             assert_eq!(status.message(), "the human explanation");
             assert_eq!(Reason::of(&status), Some(reason));
         }
+    }
+
+    #[test]
+    fn a_refusal_survives_the_append_stream_as_the_unary_status() {
+        let mut refusals: Vec<Status> = Reason::ALL
+            .into_iter()
+            .map(|r| r.status("the human explanation"))
+            .collect();
+        refusals.push(Status::invalid_argument("events: at least one event"));
+        refusals.push(Status::resource_exhausted("over 4 MiB"));
+        for unary in refusals {
+            let streamed = Status::from(AppendError::from(&unary));
+            assert_eq!(streamed.code(), unary.code());
+            assert_eq!(streamed.message(), unary.message());
+            assert_eq!(Reason::of(&streamed), Reason::of(&unary));
+            assert_eq!(streamed.details(), unary.details(), "{unary:?}");
+        }
+        // A reason this build does not know still reaches the caller's ErrorInfo.
+        let newer = Status::from(AppendError {
+            code: Code::FailedPrecondition as i32,
+            message: "x".into(),
+            reason: "SOMETHING_NEW".into(),
+        });
+        assert_eq!(
+            newer.get_details_error_info().map(|i| i.reason),
+            Some("SOMETHING_NEW".into())
+        );
+        assert_eq!(Reason::of(&newer), None);
     }
 
     #[test]
