@@ -122,6 +122,13 @@ async fn counters_follow_a_scripted_session_and_a_fencing_refusal() {
             r#"agentlog_store_append_duration_seconds_count{durability="sync"}"#,
             7.0,
         ),
+        // The user's turn came as a unary Append (this test's client); every runner append
+        // as a request of an AppendStream.
+        (r#"agentlog_store_append_requests_total{rpc="append"}"#, 1.0),
+        (
+            r#"agentlog_store_append_requests_total{rpc="append_stream"}"#,
+            6.0 + deltas,
+        ),
         (r#"agentlog_store_lease_grants_total{how="claim"}"#, 1.0),
         (r#"agentlog_store_lease_grants_total{how="acquire"}"#, 0.0),
         (r#"agentlog_store_fencing_refusals_total{op="append"}"#, 0.0),

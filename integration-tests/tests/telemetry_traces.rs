@@ -1,7 +1,9 @@
 //! OTLP traces of the real binaries, received by an in-test collector (a tonic server of
 //! the OpenTelemetry protocol's `TraceService`): one runner turn is one trace, and it spans
 //! both processes — the store's request spans are children of the runner's spans through
-//! the W3C trace context in gRPC metadata — down to the fsync each append waited for.
+//! the W3C trace context in gRPC metadata — down to the fsync each append waited for. The
+//! runner's appends go on one `AppendStream`, opened in the turn's trace: each is an `append`
+//! span under that call on the store's side.
 
 mod runner_support;
 mod telemetry_support;
@@ -156,26 +158,29 @@ async fn one_turn_is_one_trace_across_runner_and_store() {
     let runner_appends = count("runner", "append");
     assert_eq!(runner_appends, events.len() - 1, "{in_trace:#?}");
 
-    // The store's side, in the same trace: each runner append reached the store as an
-    // Append request whose parent is that runner span, with the seqs it got.
+    // The store's side, in the same trace: the runner's appends reached the store on one
+    // AppendStream call whose parent is a runner span, none as a unary Append, and each is
+    // an `append` span under that call, with the seqs it got.
     let runner_span_ids: Vec<_> = in_trace
         .iter()
         .filter(|s| s.service == "runner")
         .map(|s| &s.span_id)
         .collect();
-    let requests: Vec<_> = in_trace
+    let streams: Vec<_> = in_trace
         .iter()
-        .filter(|s| s.service == "event-store" && s.name == "agentlog.v1.EventStore/Append")
+        .filter(|s| s.service == "event-store" && s.name == "agentlog.v1.EventStore/AppendStream")
         .collect();
-    assert_eq!(requests.len(), runner_appends, "{in_trace:#?}");
-    for request in &requests {
-        assert!(runner_span_ids.contains(&&request.parent_span_id));
-    }
+    assert_eq!(streams.len(), 1, "{in_trace:#?}");
+    assert!(runner_span_ids.contains(&&streams[0].parent_span_id));
+    assert_eq!(count("event-store", "agentlog.v1.EventStore/Append"), 0);
     let store_appends: Vec<_> = in_trace
         .iter()
         .filter(|s| s.service == "event-store" && s.name == "append")
         .collect();
-    assert_eq!(store_appends.len(), runner_appends);
+    assert_eq!(store_appends.len(), runner_appends, "{in_trace:#?}");
+    for append in &store_appends {
+        assert_eq!(append.parent_span_id, streams[0].span_id, "{append:#?}");
+    }
     let mut seqs: Vec<u64> = store_appends
         .iter()
         .map(|s| {

@@ -5,7 +5,9 @@
 //! Promises:
 //! - An append carries the lease epoch and the caller's deterministic `event_id`, so
 //!   retrying it after a lost acknowledgement writes nothing new (the store answers with
-//!   the original seq). A refusal whose reason says the lease is gone (`LEASE_FENCED`,
+//!   the original seq). Every append of a session's clones of its [`Appender`] goes on one
+//!   `AppendStream` ([`AppendStream`]), opened again after it breaks; a request the broken
+//!   stream left unanswered is retried like a unary call that lost its answer. A refusal whose reason says the lease is gone (`LEASE_FENCED`,
 //!   `LEASE_HELD`, `SESSION_NOT_FOUND`) is reported as [`StoreError::LeaseLost`], never
 //!   retried.
 //! - [`SessionLog::catch_up`] decides nothing on a stale log: the fold it returns has seen
@@ -36,6 +38,7 @@ use bytes::Bytes;
 
 use crate::fold::transcript::Form;
 use crate::fold::{snapshot, FoldState};
+use agentlog_client::append_stream::AppendStream;
 use agentlog_client::follow::{follow, Flow, Note, Refusals};
 use agentlog_client::refusal::{is_lease_lost, is_session_not_found};
 use agentlog_client::retry::retry_transient;
@@ -79,10 +82,12 @@ impl From<tonic::Status> for StoreError {
     }
 }
 
-/// Appends to one session under one lease epoch. Cheap to clone (the delta writer has one).
+/// Appends to one session under one lease epoch. Cheap to clone (the delta writer has one);
+/// its appends share one `AppendStream`, closed when the last clone is dropped.
 #[derive(Debug, Clone)]
 pub struct Appender {
     client: StoreClient,
+    appends: AppendStream,
     session_id: String,
     epoch: u64,
     /// The highest seq any clone of this appender was given for a SYNC append: the store
@@ -93,8 +98,11 @@ pub struct Appender {
 }
 
 impl Appender {
+    /// Call it inside a tokio runtime, in the span the session's work is traced in (the
+    /// store's side of the `AppendStream` joins that trace).
     pub fn new(client: StoreClient, session_id: String, epoch: u64) -> Appender {
         Appender {
+            appends: AppendStream::new(client.clone()),
             client,
             session_id,
             epoch,
@@ -129,12 +137,9 @@ impl Appender {
         };
         // A retry carries the same event id: it writes nothing twice.
         let response = retry_transient("Append", STORE_PATIENCE, || {
-            let mut client = self.client.clone();
-            let request = request.clone();
-            async move { client.append(request).await }
+            self.appends.append(request.clone())
         })
-        .await?
-        .into_inner();
+        .await?;
         let seq = response.seqs.first().copied().unwrap_or(response.last_seq);
         if durability == Durability::Sync {
             self.appended.fetch_max(seq, Ordering::SeqCst);
