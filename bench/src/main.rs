@@ -76,6 +76,10 @@ struct Args {
     /// Run only the resume figure (section 5), e.g. after a change to the runner.
     #[arg(long)]
     only_resume: bool,
+    /// Run only the catch-up figure (section 4), agentlog against PostgreSQL (unless
+    /// `--no-baselines`), e.g. after a change to the read path.
+    #[arg(long)]
+    only_catch_up: bool,
     /// Session sizes (events) of the resume figure.
     #[arg(long, value_delimiter = ',', default_value = "10,1000,10000,100000")]
     resume_sizes: Vec<usize>,
@@ -338,6 +342,9 @@ async fn run_suite(
     if args.only_resume {
         return resume_section(plan, dir, report).await;
     }
+    if args.only_catch_up {
+        return only_catch_up(args, plan, dir, report).await;
+    }
     // 1. The limits of the disk, first.
     progress("raw write + fdatasync");
     let mut raw: Vec<(disk::RawFile, usize, Runs, Runs)> = Vec::new();
@@ -359,14 +366,7 @@ async fn run_suite(
 
     // Start everything the append figures compare.
     progress("starting the stores");
-    let fresh = |name: &str| -> anyhow::Result<PathBuf> {
-        let path = dir.join(name);
-        if path.exists() {
-            std::fs::remove_dir_all(&path)?;
-        }
-        std::fs::create_dir_all(&path)?;
-        Ok(path)
-    };
+    let fresh = |name: &str| fresh_dir(dir, name);
     let store = Store::start_in(&fresh("agentlog")?)?;
     let ceiling = match &args.nofsync_store {
         Some(binary) if !args.quick => {
@@ -472,66 +472,14 @@ async fn run_suite(
     }
 
     // 4. Subscribe: catch-up and live fan-out.
-    progress("catch-up");
-    let n = plan.catch_up_events;
-    let url = systems.store.url();
-    agentlog::fill_session(&url, "catchup", n).await?;
-    if let Some(pg) = &systems.postgres {
-        pg.fill("catchup", n as i64).await?;
-    }
-    if let Some(redis) = &systems.redis {
-        redis.fill("catchup", n).await?;
-    }
-    if let Some(etcd) = &systems.etcd {
-        etcd.fill("catchup", n).await?;
-    }
-    let mut catch_up: Vec<(&'static str, Runs)> =
-        vec![("agentlog Subscribe from seq 1", Runs::default())];
-    if systems.postgres.is_some() {
-        catch_up.push(("PostgreSQL SELECT … ORDER BY seq", Runs::default()));
-    }
-    if systems.redis.is_some() {
-        catch_up.push(("Redis XREAD COUNT 1000 from an id", Runs::default()));
-    }
-    if systems.etcd.is_some() {
-        catch_up.push(("etcd Range pages of 1000", Runs::default()));
-    }
-    for _ in 0..plan.runs {
-        for (name, runs) in catch_up.iter_mut() {
-            let rate = if name.starts_with("agentlog") {
-                agentlog::catch_up(&url, "catchup", n).await?
-            } else if name.starts_with("PostgreSQL") {
-                systems
-                    .postgres
-                    .as_ref()
-                    .context("postgres")?
-                    .catch_up("catchup", n)
-                    .await?
-            } else if name.starts_with("Redis") {
-                systems
-                    .redis
-                    .as_ref()
-                    .context("redis")?
-                    .catch_up("catchup", n)
-                    .await?
-            } else {
-                systems
-                    .etcd
-                    .as_ref()
-                    .context("etcd")?
-                    .catch_up("catchup", n)
-                    .await?
-            };
-            runs.push(rate);
-        }
-    }
-    report.catch_up = (n, catch_up);
+    catch_up_section(&systems, plan, report).await?;
     if args.skip_slow {
         report.note("Fan-out, resume and footprint were skipped (`--skip-slow`).".into());
         return Ok(());
     }
 
     progress("fan-out");
+    let url = systems.store.url();
     let mut fan_out: Vec<(&'static str, usize, Vec<Vec<f64>>)> = Vec::new();
     for &followers in &plan.followers {
         let mut ours = Vec::new();
@@ -611,6 +559,156 @@ async fn resume_section(plan: &Plan, dir: &Path, report: &mut Report) -> anyhow:
         plan.runs,
     )
     .await?;
+    Ok(())
+}
+
+/// `dir/name`, empty.
+fn fresh_dir(dir: &Path, name: &str) -> anyhow::Result<PathBuf> {
+    let path = dir.join(name);
+    if path.exists() {
+        std::fs::remove_dir_all(&path)?;
+    }
+    std::fs::create_dir_all(&path)?;
+    Ok(path)
+}
+
+/// The catch-up figure alone: agentlog and, unless `--no-baselines`, PostgreSQL.
+async fn only_catch_up(
+    args: &Args,
+    plan: &Plan,
+    dir: &Path,
+    report: &mut Report,
+) -> anyhow::Result<()> {
+    let fresh = |name: &str| fresh_dir(dir, name);
+    let store = Store::start_in(&fresh("agentlog")?)?;
+    let postgres = if !args.quick && !args.no_baselines {
+        start_or_note(
+            report,
+            "PostgreSQL",
+            Postgres::start(&fresh("postgres")?).await,
+        )
+    } else {
+        None
+    };
+    report
+        .versions
+        .push(("PostgreSQL", postgres.as_ref().map(|p| p.version.clone())));
+    let systems = Systems {
+        store,
+        ceiling: None,
+        postgres,
+        redis: None,
+        etcd: None,
+        naive_dir: fresh("naive")?,
+    };
+    catch_up_section(&systems, plan, report).await
+}
+
+/// Catch-up: each reader reads the same whole session from its start, the readers taking
+/// turns run after run; with the CPU each server and the reading process used.
+async fn catch_up_section(
+    systems: &Systems,
+    plan: &Plan,
+    report: &mut Report,
+) -> anyhow::Result<()> {
+    progress("catch-up");
+    let n = plan.catch_up_events;
+    let url = systems.store.url();
+    agentlog::fill_session(&url, "catchup", n).await?;
+    if let Some(pg) = &systems.postgres {
+        pg.fill("catchup", n as i64).await?;
+    }
+    if let Some(redis) = &systems.redis {
+        redis.fill("catchup", n).await?;
+    }
+    if let Some(etcd) = &systems.etcd {
+        etcd.fill("catchup", n).await?;
+    }
+    progress("catch-up: reading");
+    // (reader, its server's pid, its rates, server and reader CPU seconds of all runs)
+    let mut readers: Vec<(&'static str, u32, Runs, f64, f64)> = vec![(
+        "agentlog Subscribe from seq 1",
+        systems.store.pid(),
+        Runs::default(),
+        0.0,
+        0.0,
+    )];
+    if let Some(pg) = &systems.postgres {
+        readers.push((
+            "PostgreSQL SELECT … ORDER BY seq",
+            pg.pid(),
+            Runs::default(),
+            0.0,
+            0.0,
+        ));
+    }
+    if let Some(redis) = &systems.redis {
+        readers.push((
+            "Redis XREAD COUNT 1000 from an id",
+            redis.pid(),
+            Runs::default(),
+            0.0,
+            0.0,
+        ));
+    }
+    if let Some(etcd) = &systems.etcd {
+        readers.push((
+            "etcd Range pages of 1000",
+            etcd.pid(),
+            Runs::default(),
+            0.0,
+            0.0,
+        ));
+    }
+    for _ in 0..plan.runs {
+        for (name, pid, runs, server_cpu, reader_cpu) in readers.iter_mut() {
+            // A server's CPU includes the children it started and reaped (PostgreSQL's
+            // backend of the reading connection).
+            let server_before = profile::tree_cpu_secs(*pid, &profile::with_children(*pid)[1..]);
+            let reader_before = profile::cpu_secs(std::process::id());
+            let rate = if name.starts_with("agentlog") {
+                agentlog::catch_up(&url, "catchup", n).await?
+            } else if name.starts_with("PostgreSQL") {
+                systems
+                    .postgres
+                    .as_ref()
+                    .context("postgres")?
+                    .catch_up("catchup", n)
+                    .await?
+            } else if name.starts_with("Redis") {
+                systems
+                    .redis
+                    .as_ref()
+                    .context("redis")?
+                    .catch_up("catchup", n)
+                    .await?
+            } else {
+                systems
+                    .etcd
+                    .as_ref()
+                    .context("etcd")?
+                    .catch_up("catchup", n)
+                    .await?
+            };
+            *reader_cpu += profile::cpu_secs(std::process::id()) - reader_before;
+            *server_cpu +=
+                profile::tree_cpu_secs(*pid, &profile::with_children(*pid)[1..]) - server_before;
+            runs.push(rate);
+        }
+    }
+    let events = (n * plan.runs) as f64;
+    report.catch_up = (
+        n,
+        readers
+            .into_iter()
+            .map(|(name, _, runs, server, reader)| report::CatchUpRow {
+                name,
+                rates: runs,
+                server_cpu_us_per_event: server * 1e6 / events,
+                reader_cpu_us_per_event: reader * 1e6 / events,
+            })
+            .collect(),
+    );
     Ok(())
 }
 

@@ -28,6 +28,17 @@ pub struct Profile {
     pub perf: Option<(String, String, String)>,
 }
 
+/// One reader of the catch-up figure.
+pub struct CatchUpRow {
+    pub name: &'static str,
+    /// Events per second, one per run.
+    pub rates: Runs,
+    /// CPU of the server (its child processes included) and of the reading process, over
+    /// all runs, per event read.
+    pub server_cpu_us_per_event: f64,
+    pub reader_cpu_us_per_event: f64,
+}
+
 /// (system, followers, every run's delivery latencies in ms).
 pub type FanOutRows = Vec<(&'static str, usize, Vec<Vec<f64>>)>;
 
@@ -46,7 +57,7 @@ pub struct Report {
     pub raw: Vec<(crate::disk::RawFile, usize, Runs, Runs)>,
     pub loads: LoadResults,
     pub profile: Option<Profile>,
-    pub catch_up: (usize, Vec<(&'static str, Runs)>),
+    pub catch_up: (usize, Vec<CatchUpRow>),
     pub fan_out: (usize, Duration, FanOutRows),
     pub resume: Vec<crate::resume::ResumeRow>,
     pub footprint: Option<Footprint>,
@@ -293,8 +304,8 @@ impl Report {
         let rows = &self.catch_up.1;
         let catch_up = |prefix: &str| {
             rows.iter()
-                .find(|(name, _)| name.starts_with(prefix))
-                .map(|(_, r)| r.median())
+                .find(|row| row.name.starts_with(prefix))
+                .map(|row| row.rates.median())
         };
         let (measured, ok) = rate_goal(
             catch_up("agentlog"),
@@ -533,15 +544,30 @@ impl Report {
             "Catch-up: read a whole session of {} events from the start (events/s):\n",
             fmt_num(*n as f64)
         )?;
-        writeln!(md, "| reader | events/s | agentlog ×  |\n|---|---|---|")?;
-        let ours = rows.first().map(|(_, r)| r.median());
-        for (name, runs) in rows {
+        writeln!(
+            md,
+            "| reader | events/s | agentlog × | server CPU µs per event | reader CPU µs per event |\n\
+             |---|---|---|---|---|"
+        )?;
+        let ours = rows.first().map(|row| row.rates.median());
+        for row in rows {
             let ratio = ours
-                .map(|o| fmt_ratio(o / runs.median()))
+                .map(|o| fmt_ratio(o / row.rates.median()))
                 .unwrap_or_default();
-            writeln!(md, "| {name} | {} | {ratio} |", cell(runs))?;
+            writeln!(
+                md,
+                "| {} | {} | {ratio} | {:.2} | {:.2} |",
+                row.name,
+                cell(&row.rates),
+                row.server_cpu_us_per_event,
+                row.reader_cpu_us_per_event
+            )?;
         }
-        writeln!(md)?;
+        writeln!(
+            md,
+            "\nCPU over all runs (/proc user + system; the server's includes its child \
+             processes; the reader's is the bench process).\n"
+        )?;
         let (events, interval, fan) = &self.fan_out;
         if fan.is_empty() {
             return Ok(());
