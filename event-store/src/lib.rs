@@ -51,7 +51,7 @@ use prost::Message;
 use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 use tokio_util::sync::CancellationToken;
 
-use backend::WireEvent;
+use backend::EventRun;
 pub use error::StoreError;
 use index::{Index, IndexError, Recent};
 use log::storage::{FsStorage, Storage};
@@ -435,7 +435,7 @@ impl Store {
         from_seq: u64,
         follow: bool,
         cancel: CancellationToken,
-    ) -> mpsc::Receiver<Result<Vec<WireEvent>, StoreError>> {
+    ) -> mpsc::Receiver<Result<EventRun, StoreError>> {
         let (tx, rx) = mpsc::channel(subscriptions::QUEUED_RUNS);
         tokio::spawn(subscriptions::run(
             self.source.clone(),

@@ -16,7 +16,7 @@ use agentlog_proto::v1::{
     SnapshotChunk, SubscribeRequest,
 };
 use prost::Message;
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::{Stream, StreamExt};
 use tokio_util::sync::CancellationToken;
@@ -25,7 +25,7 @@ use tracing::Instrument;
 
 use crate::auth::{authorize_append, authorize_snapshot_put, Access, AuthLayer, Caller};
 use crate::backend::{
-    AppendAnswer, Backend, Snapshot, SnapshotPieces, WireEvent, MAX_SNAPSHOT_BYTES,
+    AppendAnswer, Backend, EventRun, Snapshot, SnapshotPieces, MAX_SNAPSHOT_BYTES,
 };
 use crate::error::StoreError;
 use crate::incoming::ConnLimits;
@@ -59,27 +59,18 @@ impl EventStoreService {
             .max_encoding_message_size(MAX_DECODED_FRAME_BYTES)
     }
 
-    /// Subscribe: the backend's runs of events, one message per event.
-    pub(crate) fn subscribe_on_wire(
+    /// Subscribe: the backend's runs of events.
+    pub(crate) fn subscribe_runs(
         &self,
-        request: Request<SubscribeRequest>,
-    ) -> Result<Response<WireStream>, Status> {
-        let req = request.into_inner();
+        req: SubscribeRequest,
+    ) -> Result<mpsc::Receiver<Result<EventRun, StoreError>>, Status> {
         validate_session_id(&req.session_id)?;
-        let runs = self.store.subscribe(
+        Ok(self.store.subscribe(
             req.session_id,
             req.from_seq,
             req.follow,
             self.shutdown.child_token(),
-        );
-        let events = futures::StreamExt::flat_map(ReceiverStream::new(runs), |run| {
-            let items: Vec<Result<WireEvent, Status>> = match run {
-                Ok(events) => events.into_iter().map(Ok).collect(),
-                Err(e) => vec![Err(e.into())],
-            };
-            futures::stream::iter(items)
-        });
-        Ok(Response::new(Box::pin(events)))
+        ))
     }
 }
 
@@ -300,8 +291,6 @@ where
 }
 
 type EventStream = Pin<Box<dyn Stream<Item = Result<Event, Status>> + Send>>;
-/// Subscribe's messages as [`SubscribeOnWire`] sends them.
-pub(crate) type WireStream = Pin<Box<dyn Stream<Item = Result<WireEvent, Status>> + Send>>;
 type SnapshotStream = Pin<Box<dyn Stream<Item = Result<SnapshotChunk, Status>> + Send>>;
 type AppendResponses = Pin<Box<dyn Stream<Item = Result<AppendStreamResponse, Status>> + Send>>;
 /// Requests of one AppendStream queued for the writer and not answered yet, at most.
@@ -349,10 +338,14 @@ impl EventStore for EventStoreService {
         &self,
         request: Request<SubscribeRequest>,
     ) -> Result<Response<EventStream>, Status> {
-        let events = self
-            .subscribe_on_wire(request)?
-            .into_inner()
-            .map(|item| item.and_then(|wire| wire.into_event().map_err(Status::from)));
+        let runs = self.subscribe_runs(request.into_inner())?;
+        let events = futures::StreamExt::flat_map(ReceiverStream::new(runs), |run| {
+            let events: Vec<Result<Event, Status>> = match run.and_then(EventRun::into_events) {
+                Ok(events) => events.into_iter().map(Ok).collect(),
+                Err(e) => vec![Err(e.into())],
+            };
+            futures::stream::iter(events)
+        });
         Ok(Response::new(Box::pin(events)))
     }
 

@@ -8,10 +8,11 @@
 //! other subscribers never slow down. Everything here is already durable: the writer
 //! publishes only after the fsync.
 //!
-//! Events go to the service in runs ([`WireEvent`]s, as many as are at hand), not one by
-//! one: history read from the log stays in the encoding it is stored in and goes out as
-//! those bytes, so catching up costs a read and a checksum per event, not a decode, an
-//! encode and a channel hand-off.
+//! Events go to the service in runs ([`EventRun`]s, as many as are at hand), not one by
+//! one: history read from the log goes out as the buffer it was read into, each stored
+//! event already behind its gRPC message header ([`FramedEvents`]), so catching up costs a
+//! read, a checksum and a move within that buffer per event, not a decode, an encode and a
+//! channel hand-off.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -20,11 +21,11 @@ use agentlog_proto::v1::Event;
 use tokio::sync::{broadcast, mpsc};
 use tokio_util::sync::CancellationToken;
 
-use crate::backend::WireEvent;
+use crate::backend::EventRun;
 use crate::error::StoreError;
 use crate::index::{Index, Recent};
-use crate::log::record::EncodedEvent;
-use crate::log::LogReader;
+use crate::log::{LogReader, Position};
+use crate::subscribe_wire::FramedEvents;
 
 /// Live batches buffered per session before a subscriber counts as lagging.
 const LIVE_BUFFER_BATCHES: usize = 1024;
@@ -81,7 +82,7 @@ pub async fn run(
     session_id: String,
     from_seq: u64,
     follow: bool,
-    tx: mpsc::Sender<Result<Vec<WireEvent>, StoreError>>,
+    tx: mpsc::Sender<Result<EventRun, StoreError>>,
     cancel: CancellationToken,
 ) {
     let _counted = crate::metrics::Subscriber::open();
@@ -109,16 +110,16 @@ pub async fn run(
                         if event.seq > next {
                             // Cannot happen while we hold the receiver, but a gap is never
                             // acceptable: fill it from disk.
-                            send(&tx, std::mem::take(&mut run)).await?;
+                            send(&tx, EventRun::Decoded(std::mem::take(&mut run))).await?;
                             next = catch_up(&source, &session_id, next, &tx).await?;
                             if event.seq < next {
                                 continue;
                             }
                         }
-                        run.push(WireEvent::Decoded(event.clone()));
+                        run.push(event.clone());
                         next = event.seq + 1;
                     }
-                    send(&tx, run).await?;
+                    send(&tx, EventRun::Decoded(run)).await?;
                 }
                 Err(broadcast::error::RecvError::Lagged(skipped)) => {
                     tracing::debug!(
@@ -147,10 +148,7 @@ enum Stop {
 }
 
 /// Hands a run of events to the service (none: nothing to do).
-async fn send(
-    tx: &mpsc::Sender<Result<Vec<WireEvent>, StoreError>>,
-    run: Vec<WireEvent>,
-) -> Result<(), Stop> {
+async fn send(tx: &mpsc::Sender<Result<EventRun, StoreError>>, run: EventRun) -> Result<(), Stop> {
     if run.is_empty() {
         return Ok(());
     }
@@ -162,60 +160,63 @@ async fn catch_up(
     source: &Source,
     session_id: &str,
     mut next: u64,
-    tx: &mpsc::Sender<Result<Vec<WireEvent>, StoreError>>,
+    tx: &mpsc::Sender<Result<EventRun, StoreError>>,
 ) -> Result<u64, Stop> {
     let _counted = crate::metrics::CatchingUp::enter();
     loop {
         let source = source.clone();
         let id = session_id.to_string();
-        let chunk = tokio::task::spawn_blocking(move || read_chunk(&source, &id, next))
+        let (pieces, after) = tokio::task::spawn_blocking(move || read_chunk(&source, &id, next))
             .await
             .map_err(|e| Stop::Failed(StoreError::Internal(e.to_string())))?
             .map_err(Stop::Failed)?;
-        let Some(last) = chunk.last() else {
+        if pieces.is_empty() {
             return Ok(next);
-        };
-        next = last.seq + 1;
-        send(tx, chunk.into_iter().map(WireEvent::Encoded).collect()).await?;
+        }
+        next = after;
+        for piece in pieces {
+            send(tx, EventRun::Framed(piece)).await?;
+        }
     }
 }
 
-/// Reads up to one chunk of consecutive events from `from` on, as stored.
+/// Reads up to one chunk of consecutive events from `from` on, in their wire form (a piece
+/// per read); returns them and the seq after the last.
 fn read_chunk(
     source: &Source,
     session_id: &str,
     from: u64,
-) -> Result<Vec<EncodedEvent>, StoreError> {
+) -> Result<(Vec<FramedEvents>, u64), StoreError> {
     // The recent ones first, then the index: the writer forgets a recent position only
     // after the index holds it, so every durable event is in one or the other.
     let recent = source.recent.positions(session_id, from, HISTORY_CHUNK);
-    let mut positions = source.index.positions(session_id, from, HISTORY_CHUNK)?;
-    for (expected, (seq, _)) in (from..).zip(&positions) {
-        if *seq != expected {
+    let indexed = source.index.positions(session_id, from, HISTORY_CHUNK)?;
+    let mut positions: Vec<Position> = Vec::with_capacity(HISTORY_CHUNK);
+    for (expected, (seq, position)) in (from..).zip(indexed) {
+        if seq != expected {
             return Err(StoreError::Internal(format!(
                 "index of session {session_id} jumps from seq {expected} to {seq}"
             )));
         }
+        positions.push(position);
     }
     let mut next = from + positions.len() as u64;
-    for (seq, pos) in recent {
+    for (seq, position) in recent {
         if positions.len() >= HISTORY_CHUNK || seq > next {
             break;
         }
         if seq == next {
-            positions.push((seq, pos));
+            positions.push(position);
             next += 1;
         }
     }
-    let events = source
-        .log
-        .read_many_encoded(positions.iter().map(|(_, pos)| *pos))?;
-    for ((seq, _), event) in positions.into_iter().zip(&events) {
-        if event.seq != seq || event.session_id != session_id.as_bytes() {
-            return Err(StoreError::Internal(format!(
-                "index entry {session_id}/{seq} points at another record"
-            )));
-        }
-    }
-    Ok(events)
+    let mut pieces = Vec::new();
+    let mut seq = from;
+    source.log.read_runs(&positions, |run| {
+        let count = run.records.len() as u64;
+        pieces.push(FramedEvents::from_stored(run, session_id, seq)?);
+        seq += count;
+        Ok::<_, StoreError>(())
+    })?;
+    Ok((pieces, next))
 }

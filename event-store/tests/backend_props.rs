@@ -96,9 +96,7 @@ async fn read_all(backend: &dyn Backend, session_id: &str) -> Vec<Event> {
     let mut rx = backend.subscribe(session_id.into(), 1, false, CancellationToken::new());
     let mut events = Vec::new();
     while let Some(run) = rx.recv().await {
-        for event in run.unwrap() {
-            events.push(event.into_event().unwrap());
-        }
+        events.extend(run.unwrap().into_events().unwrap());
     }
     events
 }
@@ -173,8 +171,8 @@ async fn follower_sees_everything(replicas: &Replicas, seed: u64) {
         .subscribe(session.clone(), 0, true, cancel.clone());
     tokio::spawn(async move {
         while let Some(run) = stream.recv().await {
-            for event in run.unwrap() {
-                if tx.send(event.into_event().unwrap().seq).await.is_err() {
+            for event in run.unwrap().into_events().unwrap() {
+                if tx.send(event.seq).await.is_err() {
                     return;
                 }
             }

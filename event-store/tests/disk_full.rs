@@ -9,7 +9,7 @@ use std::time::Duration;
 use agentlog_proto::reason::Reason;
 use agentlog_proto::v1::Durability;
 use common::{append_op, history, open_store_with, read_log};
-use event_store::backend::WireEvent;
+use event_store::backend::EventRun;
 use event_store::log::storage::SimStorage;
 use event_store::log::LogConfig;
 use event_store::StoreError;
@@ -110,16 +110,13 @@ async fn a_full_volume_refuses_appends_and_they_resume_once_there_is_room() {
 
 /// The seqs of the next `n` events a subscription delivers.
 async fn next_seqs(
-    follower: &mut mpsc::Receiver<Result<Vec<WireEvent>, StoreError>>,
+    follower: &mut mpsc::Receiver<Result<EventRun, StoreError>>,
     n: usize,
 ) -> Vec<u64> {
     let mut seqs = Vec::new();
     while seqs.len() < n {
         let run = follower.recv().await.expect("open").expect("events");
-        seqs.extend(
-            run.into_iter()
-                .map(|e| e.into_event().expect("decodes").seq),
-        );
+        seqs.extend(run.into_events().expect("decodes").iter().map(|e| e.seq));
     }
     seqs
 }

@@ -601,8 +601,7 @@ fn corruption_in_an_earlier_segment_refuses_to_open() {
             while let Some(item) = rx.recv().await {
                 match item {
                     Ok(run) => {
-                        for e in run {
-                            let e = e.into_event().expect("a read event decodes");
+                        for e in run.into_events().expect("a read event decodes") {
                             assert_eq!(e.seq, last + 1, "{session}: no event is skipped");
                             last = e.seq;
                         }

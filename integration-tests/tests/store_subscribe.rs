@@ -323,3 +323,65 @@ async fn a_stalled_follower_never_blocks_appends_and_catches_up_without_gaps() {
         APPENDS
     );
 }
+
+/// A record damaged on disk after it was acknowledged (a flipped bit, which its checksum
+/// catches) is never sent: the stream ends with INTERNAL before reaching it, and nothing of
+/// it or after it arrives. (The local log only: a PostgreSQL store keeps no such file.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_damaged_on_disk_is_never_sent() {
+    if integration_tests::test_backend_is_postgres() {
+        return;
+    }
+    let store = Store::start().unwrap();
+    let mut client = agentlog_proto::v1::event_store_client::EventStoreClient::connect(store.url())
+        .await
+        .unwrap();
+    let texts = ["first", "second, soon damaged", "third"];
+    for (i, text) in texts.into_iter().enumerate() {
+        client
+            .append(AppendRequest {
+                session_id: "d".into(),
+                events: vec![user_event(&format!("d{i}"), text)],
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+    }
+    assert_eq!(read_log(&mut client, "d").await.len(), 3);
+
+    let segment = store.data_dir.join("log").join(format!("{:020}.seg", 0));
+    let bytes = std::fs::read(&segment).unwrap();
+    let at = bytes
+        .windows(texts[1].len())
+        .position(|w| w == texts[1].as_bytes())
+        .expect("the second event's text is in the log");
+    std::os::unix::fs::FileExt::write_at(
+        &std::fs::OpenOptions::new()
+            .write(true)
+            .open(&segment)
+            .unwrap(),
+        &[bytes[at] ^ 0x20],
+        at as u64,
+    )
+    .unwrap();
+
+    let mut stream = client
+        .subscribe(SubscribeRequest {
+            session_id: "d".into(),
+            from_seq: 1,
+            follow: false,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut seqs = Vec::new();
+    let status = loop {
+        match stream.message().await {
+            Ok(Some(event)) => seqs.push(event.seq),
+            Ok(None) => panic!("the stream ended cleanly after {seqs:?}"),
+            Err(status) => break status,
+        }
+    };
+    assert_eq!(status.code(), tonic::Code::Internal, "{status:?}");
+    assert!(seqs.iter().all(|&seq| seq < 2), "sent {seqs:?}");
+}

@@ -36,26 +36,37 @@ use agentlog_proto::v1::{
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
-use crate::log::record::EncodedEvent;
 use crate::scope::Scope;
+use crate::subscribe_wire::FramedEvents;
 use crate::{AppendOp, StoreError};
 
-/// One event of a subscription, as Subscribe sends it: either the event or its protobuf
-/// encoding read straight from storage, which goes out as it is.
+/// A run of a subscription's events, consecutive and ascending, as Subscribe sends them.
 #[derive(Clone, Debug)]
-pub enum WireEvent {
-    Decoded(Event),
-    Encoded(EncodedEvent),
+pub enum EventRun {
+    /// Events in memory: published live, or read by a backend that decodes them.
+    Decoded(Vec<Event>),
+    /// Events read from the local log, already in their wire form.
+    Framed(FramedEvents),
 }
 
-impl WireEvent {
-    /// The event itself (for callers in this process; the service sends the bytes).
-    pub fn into_event(self) -> Result<Event, StoreError> {
+impl EventRun {
+    /// How many events.
+    pub fn len(&self) -> usize {
         match self {
-            WireEvent::Decoded(event) => Ok(event),
-            WireEvent::Encoded(encoded) => encoded.decode().map_err(|e| {
-                StoreError::Internal(format!("stored event {} is undecodable: {e}", encoded.seq))
-            }),
+            EventRun::Decoded(events) => events.len(),
+            EventRun::Framed(framed) => framed.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The events themselves (for callers in this process; the service sends the bytes).
+    pub fn into_events(self) -> Result<Vec<Event>, StoreError> {
+        match self {
+            EventRun::Decoded(events) => Ok(events),
+            EventRun::Framed(framed) => framed.decode(),
         }
     }
 }
@@ -99,7 +110,7 @@ pub trait Backend: Send + Sync + 'static {
         from_seq: u64,
         follow: bool,
         cancel: CancellationToken,
-    ) -> mpsc::Receiver<Result<Vec<WireEvent>, StoreError>>;
+    ) -> mpsc::Receiver<Result<EventRun, StoreError>>;
 
     /// `NOT_FOUND` if no event was ever appended to the session.
     async fn get_session(&self, session_id: &str) -> Result<SessionInfo, StoreError>;
@@ -187,7 +198,7 @@ impl Backend for crate::Store {
         from_seq: u64,
         follow: bool,
         cancel: CancellationToken,
-    ) -> mpsc::Receiver<Result<Vec<WireEvent>, StoreError>> {
+    ) -> mpsc::Receiver<Result<EventRun, StoreError>> {
         crate::Store::subscribe(self, session_id, from_seq, follow, cancel)
     }
 

@@ -15,8 +15,6 @@ use std::collections::BTreeMap;
 use std::io;
 use std::sync::{Arc, RwLock};
 
-use bytes::Bytes;
-
 pub use record::{LeaseRecord, Record};
 use storage::{SegmentFile, Storage};
 
@@ -118,32 +116,31 @@ impl LogReader {
         &self,
         positions: impl IntoIterator<Item = Position>,
     ) -> Result<Vec<Record>, LogError> {
-        self.read_runs(positions, |frame| record::decode(frame).map(|f| f.record))
+        let positions: Vec<Position> = positions.into_iter().collect();
+        let mut records = Vec::with_capacity(positions.len());
+        self.read_runs(&positions, |run| {
+            for (frame, offset) in run.frames() {
+                let record = record::decode(frame)
+                    .map_err(|reason| LogError::BadRecord { offset, reason })?;
+                records.push(record.record);
+            }
+            Ok::<_, LogError>(())
+        })?;
+        Ok(records)
     }
 
-    /// Like [`LogReader::read_many`] for event records, but each event stays in its
-    /// protobuf encoding (the record's checksum verified), sharing the buffer it was read
-    /// into: what Subscribe sends, with no decoding and encoding again on the way.
-    pub fn read_many_encoded(
+    /// Reads the records at `positions` (ascending), each run of nearby records of one
+    /// segment with a single read, and hands each run to `take` as it was read (nothing
+    /// verified yet: see [`record::decode`] and [`record::StoredEvent::from_frame`]).
+    pub fn read_runs<E: From<LogError>>(
         &self,
-        positions: impl IntoIterator<Item = Position>,
-    ) -> Result<Vec<record::EncodedEvent>, LogError> {
-        self.read_runs(positions, record::EncodedEvent::from_frame)
-    }
-
-    /// Reads the frames at `positions`, each run of nearby records of one segment with a
-    /// single read, and passes each to `parse`.
-    fn read_runs<T>(
-        &self,
-        positions: impl IntoIterator<Item = Position>,
-        mut parse: impl FnMut(&Bytes) -> Result<T, record::FrameError>,
-    ) -> Result<Vec<T>, LogError> {
+        positions: &[Position],
+        mut take: impl FnMut(ReadRun) -> Result<(), E>,
+    ) -> Result<(), E> {
         /// A run is read whole if it is at most this long...
         const MAX_RUN: u64 = 1 << 20;
         /// ...and no two of its records are further apart than this.
         const MAX_GAP: u64 = 64 << 10;
-        let positions: Vec<Position> = positions.into_iter().collect();
-        let mut records = Vec::with_capacity(positions.len());
         let mut i = 0;
         while i < positions.len() {
             let start = positions[i].offset;
@@ -173,20 +170,17 @@ impl LogReader {
                 end = p_end;
                 j += 1;
             }
-            let mut buf = vec![0; (end - start) as usize];
-            file.read_exact_at(&mut buf, start - base)?;
-            let buf = Bytes::from(buf);
-            for p in &positions[i..j] {
-                let at = (p.offset - start) as usize;
-                let frame = buf.slice(at..at + p.len as usize);
-                records.push(parse(&frame).map_err(|reason| LogError::BadRecord {
-                    offset: p.offset,
-                    reason,
-                })?);
-            }
+            let mut bytes = vec![0; (end - start) as usize];
+            file.read_exact_at(&mut bytes, start - base)
+                .map_err(LogError::from)?;
+            take(ReadRun {
+                bytes,
+                start,
+                records: &positions[i..j],
+            })?;
             i = j;
         }
-        Ok(records)
+        Ok(())
     }
 
     fn insert(&self, base: u64, file: Arc<dyn SegmentFile>) {
@@ -194,6 +188,30 @@ impl LogReader {
             .write()
             .unwrap_or_else(|p| p.into_inner())
             .insert(base, file);
+    }
+}
+
+/// Records read with one read: the bytes of the log from offset `start`, and where each
+/// record is in them.
+pub struct ReadRun<'a> {
+    pub bytes: Vec<u8>,
+    pub start: u64,
+    /// Ascending, each within `bytes`.
+    pub records: &'a [Position],
+}
+
+impl ReadRun<'_> {
+    /// Where record `p` (one of `records`) is in `bytes`.
+    pub fn range_of(&self, p: Position) -> std::ops::Range<usize> {
+        let at = (p.offset - self.start) as usize;
+        at..at + p.len as usize
+    }
+
+    /// Each record's frame, with its log offset.
+    pub fn frames(&self) -> impl Iterator<Item = (&[u8], u64)> {
+        self.records
+            .iter()
+            .map(|&p| (&self.bytes[self.range_of(p)], p.offset))
     }
 }
 

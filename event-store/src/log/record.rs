@@ -3,7 +3,6 @@
 //! bit fails the CRC (or the length check) and ends the valid log there.
 
 use agentlog_proto::v1::Event;
-use bytes::Bytes;
 use prost::Message;
 
 pub const HEADER_LEN: usize = 8;
@@ -130,29 +129,20 @@ pub fn decode(frame: &[u8]) -> Result<Frame, FrameError> {
     })
 }
 
-/// An event record's body as it is on disk: the protobuf encoding of its [`Event`],
-/// checksum verified, with the session and seq it names read without decoding the rest.
-/// Subscribe sends these bytes as they are.
-#[derive(Clone, Debug)]
-pub struct EncodedEvent {
-    pub session_id: Bytes,
+/// An event record as it is on disk, checksum verified: where in its frame its body's
+/// protobuf `Event` message is, and the session and seq that message names, read without
+/// decoding the rest. Subscribe sends the message as it is.
+#[derive(Debug, PartialEq)]
+pub struct StoredEvent<'a> {
+    pub session_id: &'a [u8],
     pub seq: u64,
-    /// One whole `Event` message.
-    pub bytes: Bytes,
+    /// The whole `Event` message: `frame[message]`.
+    pub message: std::ops::Range<usize>,
 }
 
-/// The fields of an encoded [`Event`] that place it; decoding skips the others.
-#[derive(Clone, PartialEq, Message)]
-struct EventPlace {
-    #[prost(bytes = "bytes", tag = "1")]
-    session_id: Bytes,
-    #[prost(uint64, tag = "2")]
-    seq: u64,
-}
-
-impl EncodedEvent {
+impl StoredEvent<'_> {
     /// Verifies one framed record (header and body), which must be an event.
-    pub fn from_frame(frame: &Bytes) -> Result<EncodedEvent, FrameError> {
+    pub fn from_frame(frame: &[u8]) -> Result<StoredEvent<'_>, FrameError> {
         let len = body_len(frame)?;
         let body = frame
             .get(HEADER_LEN..HEADER_LEN + len)
@@ -167,20 +157,74 @@ impl EncodedEvent {
                 body[0] & !CONTINUED
             )));
         }
-        let bytes = frame.slice(HEADER_LEN + 1..HEADER_LEN + len);
-        let place =
-            EventPlace::decode(bytes.clone()).map_err(|e| FrameError::Body(e.to_string()))?;
-        Ok(EncodedEvent {
-            session_id: place.session_id,
-            seq: place.seq,
-            bytes,
+        let message = HEADER_LEN + 1..HEADER_LEN + len;
+        let (session_id, seq) = event_place(&frame[message.clone()])?;
+        Ok(StoredEvent {
+            session_id,
+            seq,
+            message,
         })
     }
+}
 
-    /// The event itself.
-    pub fn decode(&self) -> Result<Event, prost::DecodeError> {
-        Event::decode(self.bytes.clone())
+/// The `session_id` (field 1) and `seq` (field 2) of an encoded `Event`, as a decode of the
+/// whole message would give them (the last occurrence of a field wins); every other field
+/// is only stepped over.
+fn event_place(mut message: &[u8]) -> Result<(&[u8], u64), FrameError> {
+    const SESSION_ID: u64 = 1;
+    const SEQ: u64 = 2;
+    let bad = |what: &str| FrameError::Body(format!("undecodable event: {what}"));
+    let (mut session_id, mut seq) = (&message[..0], 0);
+    while !message.is_empty() {
+        let key = varint(&mut message).ok_or_else(|| bad("a field key"))?;
+        let (field, wire_type) = (key >> 3, key & 7);
+        if field == 0 || (field == SESSION_ID && wire_type != 2) || (field == SEQ && wire_type != 0)
+        {
+            return Err(bad(&format!("field {field} of wire type {wire_type}")));
+        }
+        match wire_type {
+            // varint
+            0 => {
+                let value = varint(&mut message).ok_or_else(|| bad("a varint"))?;
+                if field == SEQ {
+                    seq = value;
+                }
+            }
+            // 64-bit, 32-bit
+            1 | 5 => {
+                let n = if wire_type == 1 { 8 } else { 4 };
+                message = message.get(n..).ok_or_else(|| bad("a fixed-size field"))?;
+            }
+            // length-delimited
+            2 => {
+                let len = varint(&mut message).ok_or_else(|| bad("a length"))?;
+                let len = usize::try_from(len).map_err(|_| bad("a length"))?;
+                if len > message.len() {
+                    return Err(bad("a field past the end"));
+                }
+                let (value, rest) = message.split_at(len);
+                if field == SESSION_ID {
+                    session_id = value;
+                }
+                message = rest;
+            }
+            _ => return Err(bad(&format!("wire type {wire_type}"))),
+        }
     }
+    Ok((session_id, seq))
+}
+
+/// Takes one base-128 varint off the front of `bytes`.
+fn varint(bytes: &mut &[u8]) -> Option<u64> {
+    let mut value = 0u64;
+    for (i, &byte) in bytes.iter().enumerate().take(10) {
+        value |= u64::from(byte & 0x7f) << (7 * i);
+        if byte & 0x80 == 0 {
+            *bytes = &bytes[i + 1..];
+            return Some(value);
+        }
+    }
+    None
 }
 
 #[cfg(test)]
@@ -241,25 +285,55 @@ mod tests {
     }
 
     #[test]
-    fn an_encoded_event_is_the_event_message_and_is_verified() {
+    fn a_stored_event_is_the_event_message_and_is_verified() {
         let Record::Event(event) = sample() else {
             unreachable!("sample is an event")
         };
         for continued in [false, true] {
             let mut buf = Vec::new();
             sample().encode_into(&mut buf, continued);
-            let encoded = EncodedEvent::from_frame(&Bytes::from(buf.clone())).expect("valid");
-            assert_eq!((&encoded.session_id[..], encoded.seq), (&b"s1"[..], 7));
-            assert_eq!(encoded.decode(), Ok(event.clone()));
-            assert_eq!(encoded.bytes, event.encode_to_vec());
+            let stored = StoredEvent::from_frame(&buf).expect("valid");
+            assert_eq!((stored.session_id, stored.seq), (&b"s1"[..], 7));
+            assert_eq!(&buf[stored.message.clone()], &event.encode_to_vec()[..]);
             for i in 0..buf.len() {
                 let mut bad = buf.clone();
                 bad[i] ^= 0x10;
-                assert!(EncodedEvent::from_frame(&Bytes::from(bad)).is_err());
+                assert!(StoredEvent::from_frame(&bad).is_err());
             }
         }
         let mut lease = Vec::new();
         Record::Lease(LeaseRecord::default()).encode_into(&mut lease, false);
-        assert!(EncodedEvent::from_frame(&Bytes::from(lease)).is_err());
+        assert!(StoredEvent::from_frame(&lease).is_err());
+    }
+
+    proptest::proptest! {
+        /// The session and seq read without decoding are those of the event, whatever
+        /// its other fields hold (the kind's text among them).
+        #[test]
+        fn the_place_of_a_stored_event_is_the_events(
+            session_id in "[a-z0-9-]{0,40}",
+            seq in proptest::prelude::any::<u64>(),
+            event_id in ".{0,20}",
+            ts_unix_ms in proptest::prelude::any::<i64>(),
+            text in ".{0,300}",
+        ) {
+            let event = Event {
+                session_id: session_id.clone(),
+                seq,
+                event_id,
+                ts_unix_ms,
+                schema_version: 1,
+                kind: Some(event::Kind::UserMessage(UserMessage { text })),
+            };
+            let mut buf = Vec::new();
+            Record::Event(event.clone()).encode_into(&mut buf, false);
+            let stored = StoredEvent::from_frame(&buf).expect("valid");
+            proptest::prop_assert_eq!(stored.session_id, session_id.as_bytes());
+            proptest::prop_assert_eq!(stored.seq, seq);
+            proptest::prop_assert_eq!(
+                Event::decode(&buf[stored.message]).expect("decodes"),
+                event
+            );
+        }
     }
 }

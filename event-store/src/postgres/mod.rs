@@ -51,7 +51,7 @@ use tokio_util::sync::CancellationToken;
 
 use agentlog_proto::reason::Reason;
 
-use crate::backend::{Backend, Snapshot, SnapshotRead, WireEvent};
+use crate::backend::{Backend, EventRun, Snapshot, SnapshotRead};
 use crate::log::LeaseRecord;
 use crate::queries::{long_poll_claim, ClaimAttempt, ListQuery};
 use crate::rules;
@@ -796,7 +796,7 @@ impl Backend for PgBackend {
         from_seq: u64,
         follow: bool,
         cancel: CancellationToken,
-    ) -> mpsc::Receiver<Result<Vec<WireEvent>, StoreError>> {
+    ) -> mpsc::Receiver<Result<EventRun, StoreError>> {
         let (tx, rx) = mpsc::channel(crate::subscriptions::QUEUED_RUNS);
         let follower = Follower {
             connector: self.connector.clone(),
@@ -1048,7 +1048,7 @@ struct Follower {
 }
 
 impl Follower {
-    async fn run(mut self, follow: bool, tx: mpsc::Sender<Result<Vec<WireEvent>, StoreError>>) {
+    async fn run(mut self, follow: bool, tx: mpsc::Sender<Result<EventRun, StoreError>>) {
         let mut backoff = Duration::from_millis(100);
         loop {
             self.wake.borrow_and_update();
@@ -1064,10 +1064,10 @@ impl Follower {
                         if event.seq != self.next {
                             break;
                         }
-                        run.push(WireEvent::Decoded(event));
+                        run.push(event);
                         self.next += 1;
                     }
-                    if !run.is_empty() && tx.send(Ok(run)).await.is_err() {
+                    if !run.is_empty() && tx.send(Ok(EventRun::Decoded(run))).await.is_err() {
                         return;
                     }
                     full

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use agentlog_proto::v1::{event, Durability, Event, UserMessage};
-use event_store::backend::WireEvent;
+use event_store::backend::EventRun;
 use event_store::log::storage::SimStorage;
 use event_store::log::{LogConfig, LogWriter, Record};
 use event_store::{AppendOp, Store, StoreConfig};
@@ -92,11 +92,7 @@ pub async fn history(store: &Store, session_id: &str) -> Vec<Event> {
     let mut rx = store.subscribe(session_id.to_string(), 0, false, CancellationToken::new());
     let mut events = Vec::new();
     while let Some(item) = rx.recv().await {
-        let run = item.and_then(|run| {
-            run.into_iter()
-                .map(WireEvent::into_event)
-                .collect::<Result<Vec<_>, _>>()
-        });
+        let run = item.and_then(EventRun::into_events);
         match run {
             Ok(run) => events.extend(run),
             Err(e) => panic!("reading session {session_id} back failed: {e}"),
