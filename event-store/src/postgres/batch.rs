@@ -30,17 +30,12 @@ const MAX_APPENDS: usize = 256;
 /// Events in one batch at most (a batch always takes at least one append, however large).
 const MAX_EVENTS: usize = 2048;
 
-/// Writes every session of the batch whose state is still the one its write was planned
-/// against; returns those written, with their new row version.
-///
-/// Its plan is made once per connection (a generic plan: the pool's connections run with
-/// `plan_cache_mode = force_generic_plan` and `enable_seqscan` off, see `PgBackend::open`),
-/// so it must stay right however much the tables grow after it was made: the tables are
-/// reached only through lookups by key (`session_id = ANY($1)`, and a `LATERAL … OFFSET 0`
-/// probe of the event-id index per event, which cannot become a join over the whole
-/// table). A plan made while the tables were nearly empty otherwise scans them whole on
-/// every call, which measured 61 ms per batch at 100,000 events against 0.6 ms.
-const WRITE_BATCH: &str = r#"
+/// The batch statement, with `$created` (the CTE that inserts new sessions, or nothing)
+/// and `$written` (the sessions written: the ones updated, and those created).
+macro_rules! write_batch_statement {
+    ($created:literal, $written:literal) => {
+        concat!(
+            r#"
 WITH w AS (
     SELECT session_id COLLATE "C" AS session_id, version, meta, last_seq, updated_unix_ms,
         status, lease_expires_unix_ms, first_user_text
@@ -52,9 +47,6 @@ WITH w AS (
     SELECT session_id COLLATE "C" AS session_id, seq, event_id COLLATE "C" AS event_id, body
     FROM unnest($9::text[], $10::bigint[], $11::text[], $12::bytea[])
         AS ev(session_id, seq, event_id, body)
-), locked AS (
-    SELECT session_id FROM agentlog_sessions WHERE session_id = ANY($1::text[])
-    ORDER BY session_id FOR UPDATE
 ), known AS (
     SELECT DISTINCT ev.session_id FROM ev, LATERAL (
         SELECT 1 FROM agentlog_events e
@@ -65,12 +57,55 @@ WITH w AS (
         last_seq = w.last_seq, updated_unix_ms = w.updated_unix_ms, status = w.status,
         lease_expires_unix_ms = w.lease_expires_unix_ms, first_user_text = w.first_user_text
     FROM w
-    WHERE s.session_id = ANY($1::text[]) AND s.session_id = w.session_id
-        AND s.version = w.version
-        AND (SELECT count(*) FROM locked) >= 0
+    WHERE s.session_id = w.session_id AND s.version = w.version
         AND w.session_id NOT IN (SELECT session_id FROM known)
     RETURNING s.session_id, s.version
-), created AS (
+)"#,
+            $created,
+            r#", written AS (
+    "#,
+            $written,
+            r#"
+), inserted AS (
+    INSERT INTO agentlog_events (session_id, seq, event_id, body)
+    SELECT ev.session_id, ev.seq, ev.event_id, ev.body FROM ev JOIN written USING (session_id)
+)
+SELECT session_id, version FROM written
+"#
+        )
+    };
+}
+
+/// Writes every session of the batch whose state is still the one its write was planned
+/// against; returns those written, with their new row version. The batch's rows come in
+/// `session_id` order (the caller sorts them), one per session.
+///
+/// Its plan is made once per connection (a generic plan: the pool's connections run with
+/// `plan_cache_mode = force_generic_plan` and `enable_seqscan` off, see `PgBackend::open`),
+/// so it must stay right however much the tables grow after it was made: the tables are
+/// reached only through lookups by key (the session row by its key for each of the batch's
+/// rows, and a `LATERAL … OFFSET 0` probe of the event-id index per event, which cannot
+/// become a join over the whole table). A plan made while the tables were nearly empty
+/// otherwise scans them whole on every call, which measured 61 ms per batch at 100,000
+/// events against 0.6 ms.
+///
+/// The update locks the session rows in the order of the batch's rows, each found by its
+/// key (a nested loop over `w`), so two batches that share sessions, on this replica or
+/// another, wait for each other instead of deadlocking. (Should a plan ever lock them in
+/// another order, PostgreSQL detects the deadlock and the batch is retried, see
+/// [`write_batch`].) The update takes the locks itself: a `FOR UPDATE` of the rows before
+/// it (how the order was kept before) read and sorted them once more and wrote one more
+/// WAL record per session.
+///
+/// Batches that create no session use [`WRITE_BATCH`]; [`WRITE_BATCH_CREATING`] also
+/// inserts the rows of the sessions not yet written (`version` 0), which costs one more
+/// table write to start on every call. Both changes together took the statement's
+/// execution from 44 to 34 µs per append at 64 clients (bench/RESULTS.md).
+const WRITE_BATCH: &str = write_batch_statement!("", "SELECT session_id, version FROM updated");
+
+/// [`WRITE_BATCH`] for a batch with sessions to create.
+const WRITE_BATCH_CREATING: &str = write_batch_statement!(
+    r#", created AS (
     INSERT INTO agentlog_sessions (session_id, version, meta, last_seq, updated_unix_ms,
         status, lease_expires_unix_ms, first_user_text)
     SELECT session_id, 1, meta, last_seq, updated_unix_ms, status, lease_expires_unix_ms,
@@ -78,15 +113,9 @@ WITH w AS (
     FROM w WHERE version = 0
     ON CONFLICT (session_id) DO NOTHING
     RETURNING session_id, version
-), written AS (
-    SELECT session_id, version FROM updated
-    UNION ALL SELECT session_id, version FROM created
-), inserted AS (
-    INSERT INTO agentlog_events (session_id, seq, event_id, body)
-    SELECT ev.session_id, ev.seq, ev.event_id, ev.body FROM ev JOIN written USING (session_id)
-)
-SELECT session_id, version FROM written
-"#;
+)"#,
+    "SELECT session_id, version FROM updated UNION ALL SELECT session_id, version FROM created"
+);
 
 /// One append's write: the session's new state and its new events (numbered), to land only
 /// if the row is still at `version` (0: no row yet).
@@ -207,9 +236,14 @@ async fn write_batch(connector: &Connector, health: &Health, mut batch: Vec<Writ
             bodies.push(event.encode_to_vec());
         }
     }
+    let statement = if versions.contains(&0) {
+        WRITE_BATCH_CREATING
+    } else {
+        WRITE_BATCH
+    };
     crate::metrics::pg_batch(writes.len());
     let result = timed("append", async {
-        let stmt = client.prepare_cached(WRITE_BATCH).await?;
+        let stmt = client.prepare_cached(statement).await?;
         client
             .query(
                 &stmt,
@@ -256,5 +290,88 @@ async fn write_batch(connector: &Connector, health: &Health, mut batch: Vec<Writ
         let _ = write
             .answer
             .send(Ok(written.get(&write.session_id).copied()));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use testkit::pg::Postgres;
+
+    /// The plan a pooled connection makes of each batch statement (generic, without seq
+    /// scans), on an empty database, as when a replica starts on a new one, and on one
+    /// with sessions: the update finds each session row by its key in a nested loop over
+    /// the batch's rows, so it locks them in the batch's order, and nothing else locks
+    /// them.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_batch_statements_lock_session_rows_by_key_in_the_batch_order() {
+        let pg = tokio::task::block_in_place(Postgres::start).unwrap();
+        let url = tokio::task::block_in_place(|| pg.create_database()).unwrap();
+        let (mut client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+            .await
+            .unwrap();
+        tokio::spawn(connection);
+        super::super::schema::migrate(&mut client).await.unwrap();
+        for setting in super::super::CONNECTION_SETTINGS {
+            client.batch_execute(setting).await.unwrap();
+        }
+        for filled in [false, true] {
+            if filled {
+                client
+                    .batch_execute(
+                        "INSERT INTO agentlog_sessions (session_id, version, meta, last_seq, \
+                         updated_unix_ms, status, lease_expires_unix_ms, first_user_text) \
+                         SELECT 's' || i, 1, '', 1, i, 2, 0, '' \
+                         FROM generate_series(1, 5000) i; \
+                         INSERT INTO agentlog_events (session_id, seq, event_id, body) \
+                         SELECT 's' || i, 1, 'e' || i, '' FROM generate_series(1, 5000) i; \
+                         ANALYZE; DEALLOCATE ALL",
+                    )
+                    .await
+                    .unwrap();
+            }
+            for (name, statement) in [
+                ("write_batch", WRITE_BATCH),
+                ("write_batch_creating", WRITE_BATCH_CREATING),
+            ] {
+                client
+                    .batch_execute(&format!(
+                        "PREPARE {name} (text[], bigint[], bytea[], bigint[], bigint[], \
+                         integer[], bigint[], text[], text[], bigint[], text[], bytea[]) \
+                         AS {statement}"
+                    ))
+                    .await
+                    .unwrap();
+                let nulls = ["NULL"; 12].join(", ");
+                let plan: Vec<String> = client
+                    .query(&format!("EXPLAIN (COSTS OFF) EXECUTE {name}({nulls})"), &[])
+                    .await
+                    .unwrap()
+                    .iter()
+                    .map(|row| row.get::<_, String>(0).trim().to_string())
+                    .collect();
+                let shown = plan.join("\n");
+                let update = plan
+                    .iter()
+                    .position(|l| l.contains("Update on agentlog_sessions"))
+                    .unwrap_or_else(|| panic!("{name}: no update in\n{shown}"));
+                assert_eq!(plan[update + 1], "->  Nested Loop", "{name}:\n{shown}");
+                let outer: Vec<&str> = plan[update + 2].split_whitespace().collect();
+                assert!(
+                    outer.windows(2).any(|w| w == ["on", "w"]),
+                    "{name}: the loop is not over the batch's rows:\n{shown}"
+                );
+                let inner = plan[update + 3..]
+                    .iter()
+                    .find(|l| l.contains("on agentlog_sessions s"))
+                    .unwrap();
+                assert!(
+                    inner.starts_with("->  Index Scan using agentlog_sessions_pkey"),
+                    "{name}: {inner}\n{shown}"
+                );
+                assert!(!shown.contains("LockRows"), "{name}:\n{shown}");
+                assert!(!shown.contains("Seq Scan"), "{name}:\n{shown}");
+            }
+        }
     }
 }

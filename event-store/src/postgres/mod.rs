@@ -85,6 +85,12 @@ fn batches_in_flight(pool_size: usize) -> usize {
     (pool_size / 4).clamp(1, 2)
 }
 
+/// What every pooled connection runs first (see `PgBackend::open`).
+const CONNECTION_SETTINGS: [&str; 2] = [
+    "SET enable_seqscan = off",
+    "SET plan_cache_mode = force_generic_plan",
+];
+
 /// How to reach the database.
 #[derive(Debug, Clone)]
 pub struct PgConfig {
@@ -124,7 +130,9 @@ pub struct Connector {
 #[derive(Clone)]
 struct Cached {
     version: i64,
-    meta: SessionMeta,
+    /// Shared: reading the cache copies no state, and an append copies it once, to fold
+    /// its events into.
+    meta: Arc<SessionMeta>,
 }
 
 pub struct PgBackend {
@@ -206,10 +214,7 @@ impl PgBackend {
                     // batches are) the batch statement spent 0.3 ms planning each call.
                     // See `batch::WRITE_BATCH`. An engine without these settings plans its
                     // own way.
-                    for setting in [
-                        "SET enable_seqscan = off",
-                        "SET plan_cache_mode = force_generic_plan",
-                    ] {
+                    for setting in CONNECTION_SETTINGS {
                         if let Err(e) = client.batch_execute(setting).await {
                             tracing::debug!(error = %e, setting, "not set");
                         }
@@ -314,7 +319,12 @@ impl PgBackend {
         if cache.len() >= MAX_CACHED && !cache.contains_key(session_id) {
             cache.clear();
         }
-        cache.insert(session_id.to_string(), state.clone());
+        match cache.get_mut(session_id) {
+            Some(cached) => *cached = state.clone(),
+            None => {
+                cache.insert(session_id.to_string(), state.clone());
+            }
+        }
     }
 
     /// Tells followers and claimants here and on the other replicas that the session
@@ -361,11 +371,11 @@ impl PgBackend {
         let state = match row {
             None => Cached {
                 version: 0,
-                meta: SessionMeta::default(),
+                meta: Arc::default(),
             },
             Some(row) => Cached {
                 version: row.get(0),
-                meta: decode_meta(row.get(1))?,
+                meta: Arc::new(decode_meta(row.get(1))?),
             },
         };
         if state.version > 0 {
@@ -470,6 +480,7 @@ impl PgBackend {
                         .write_meta(&client, session_id, current.version, &meta)
                         .await?
                     {
+                        let meta = Arc::new(meta);
                         self.remember(
                             session_id,
                             &Cached {
@@ -574,6 +585,7 @@ impl PgBackend {
         })
         .await;
         let version = written.map_err(|e| self.timed_error(e))?;
+        let meta = Arc::new(meta);
         self.remember(
             &session_id,
             &Cached {
@@ -755,9 +767,9 @@ impl Backend for PgBackend {
         let mut fresh_state = false;
         for _ in 0..MAX_ATTEMPTS {
             let now = now_unix_ms();
-            let current = state.take().unwrap_or(Cached {
+            let current = state.take().unwrap_or_else(|| Cached {
                 version: 0,
-                meta: SessionMeta::default(),
+                meta: Arc::default(),
             });
             match plan(&op, &events, &current.meta, &known, now) {
                 Ok(plan) if plan.fresh.is_empty() && fresh_state => return Ok(plan.response),
@@ -766,14 +778,15 @@ impl Backend for PgBackend {
                         .write_events(&op.session_id, current.version, &plan.meta, plan.fresh)
                         .await?;
                     if let Some(version) = written {
+                        let meta = Arc::new(plan.meta);
                         self.remember(
                             &op.session_id,
                             &Cached {
                                 version,
-                                meta: plan.meta.clone(),
+                                meta: meta.clone(),
                             },
                         );
-                        self.changed(&op.session_id, &plan.meta, now);
+                        self.changed(&op.session_id, &meta, now);
                         return Ok(plan.response);
                     }
                 }

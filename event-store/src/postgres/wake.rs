@@ -139,7 +139,16 @@ pub async fn send_batches(
             continue;
         };
         // Prepared once per connection: a NOTIFY goes out every few milliseconds under load.
-        let notify = match client.prepare_cached("SELECT pg_notify($1, $2)").await {
+        // PostgreSQL gives a transaction that notifies a transaction id, so its commit is
+        // a commit record like an append's; a wake-up is only a hint (a lost one costs
+        // latency, never correctness), so this one transaction does not wait for its
+        // commit to reach the disk (`set_config(…, true)` lasts until its end).
+        let notify = match client
+            .prepare_cached(
+                "SELECT pg_notify($1, $2), set_config('synchronous_commit', 'off', true)",
+            )
+            .await
+        {
             Ok(statement) => statement,
             Err(e) => {
                 tracing::debug!(error = %e, "a wake-up was not sent; the safety poll covers it");
