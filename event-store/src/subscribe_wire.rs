@@ -53,11 +53,9 @@ impl FramedEvents {
         session_id: &str,
         first_seq: u64,
     ) -> Result<FramedEvents, StoreError> {
-        let ReadRun {
-            mut bytes,
-            start,
-            records,
-        } = run;
+        let mut run = run;
+        let (start, records) = (run.start, run.records);
+        let bytes = &mut run.bytes;
         let mut framed = 0;
         for (seq, &position) in (first_seq..).zip(records) {
             let at = (position.offset - start) as usize;
@@ -79,10 +77,9 @@ impl FramedEvents {
             bytes.copy_within(message, framed + MESSAGE_HEADER_LEN);
             framed += MESSAGE_HEADER_LEN + len;
         }
-        bytes.truncate(framed);
         Ok(FramedEvents {
-            bytes: Bytes::from(bytes),
             count: records.len(),
+            bytes: run.into_bytes(framed),
         })
     }
 
@@ -279,11 +276,15 @@ impl Decoder for RequestDecoder {
 
 #[cfg(test)]
 mod tests {
+    use std::os::unix::fs::FileExt;
+    use std::sync::Arc;
+
     use agentlog_proto::v1::{event, UserMessage};
 
     use super::*;
     use crate::log::record::LeaseRecord;
-    use crate::log::{Position, Record};
+    use crate::log::storage::FsStorage;
+    use crate::log::{LogConfig, LogReader, LogWriter, Position, Record};
 
     fn event(session_id: &str, seq: u64, text: &str) -> Event {
         Event {
@@ -296,10 +297,10 @@ mod tests {
         }
     }
 
-    /// A log of session `s`'s events 7, 8, 9 (texts of several sizes) with a lease record
-    /// and another session's event between them, as it is read from offset 100: the
-    /// bytes and the positions of `s`'s events.
-    fn stored() -> (Vec<Event>, Vec<u8>, Vec<Position>) {
+    /// A log in `dir` holding session `s`'s events 7, 8, 9 (texts of several sizes) with a
+    /// lease record and another session's event between them: the events, the log's reader
+    /// and the positions of `s`'s events.
+    fn stored(dir: &std::path::Path) -> (Vec<Event>, Arc<LogReader>, Vec<Position>) {
         let ours = vec![
             event("s", 7, "short"),
             event("s", 8, &"a longer text ".repeat(40)),
@@ -317,40 +318,44 @@ mod tests {
             Record::Event(event("other", 8, "not ours")),
             Record::Event(ours[2].clone()),
         ];
-        let mut bytes = Vec::new();
-        let mut positions = Vec::new();
-        for (i, record) in records.iter().enumerate() {
-            let offset = 100 + bytes.len() as u64;
-            let len = record.encode_into(&mut bytes, false) as u32;
-            if [0, 2, 4].contains(&i) {
-                positions.push(Position { offset, len });
-            }
-        }
-        (ours, bytes, positions)
+        let storage = Arc::new(FsStorage::open_dir(dir).unwrap());
+        let mut log = LogWriter::open(storage, LogConfig::default(), 0, |_| {}).unwrap();
+        let positions = log
+            .write(records.iter().map(|r| (r, false)))
+            .unwrap()
+            .into_iter()
+            .enumerate()
+            .filter(|(i, _)| [0, 2, 4].contains(i))
+            .map(|(_, p)| p)
+            .collect();
+        (ours, log.reader(), positions)
     }
 
-    fn frame(
-        bytes: Vec<u8>,
+    /// The events at `positions` framed, as a subscription reads them.
+    fn framed(
+        log: &LogReader,
         positions: &[Position],
         session_id: &str,
         first_seq: u64,
-    ) -> Result<FramedEvents, StoreError> {
-        FramedEvents::from_stored(
-            ReadRun {
-                bytes,
-                start: 100,
-                records: positions,
-            },
-            session_id,
-            first_seq,
-        )
+    ) -> Result<(Vec<u8>, usize), StoreError> {
+        let (mut bytes, mut count) = (Vec::new(), 0);
+        let mut seq = first_seq;
+        log.read_runs(positions, |run| {
+            let n = run.records.len() as u64;
+            let framed = FramedEvents::from_stored(run, session_id, seq)?;
+            assert_eq!(framed.decode()?.len(), framed.len());
+            bytes.extend_from_slice(&framed.bytes);
+            count += framed.len();
+            seq += n;
+            Ok::<_, StoreError>(())
+        })?;
+        Ok((bytes, count))
     }
 
     #[test]
     fn stored_events_go_out_as_one_grpc_message_each() {
-        let (events, bytes, positions) = stored();
-        let framed = frame(bytes, &positions, "s", 7).expect("valid");
-        assert_eq!(framed.len(), 3);
+        let dir = tempfile::tempdir().unwrap();
+        let (events, log, positions) = stored(dir.path());
         // Each message: flag 0 (uncompressed), its length, the event's own encoding.
         let mut expected = Vec::new();
         for event in &events {
@@ -358,39 +363,44 @@ mod tests {
             expected.extend_from_slice(&(event.encoded_len() as u32).to_be_bytes());
             expected.extend_from_slice(&event.encode_to_vec());
         }
-        assert_eq!(framed.bytes, expected);
-        assert_eq!(framed.decode(), Ok(events.clone()));
+        // Read again and again: the buffers a read leaves behind are used for the next.
+        for _ in 0..3 {
+            assert_eq!(framed(&log, &positions, "s", 7), Ok((expected.clone(), 3)));
+        }
         // Events in memory go out in the same form.
         assert_eq!(encode(&events), expected);
     }
 
     #[test]
     fn a_damaged_or_misplaced_record_is_never_framed() {
-        let (_, bytes, positions) = stored();
+        let dir = tempfile::tempdir().unwrap();
+        let (_, log, positions) = stored(dir.path());
+        let segment = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(dir.path().join(format!("{:020}.seg", 0)))
+            .unwrap();
         for p in &positions {
             for at in p.offset..p.offset + u64::from(p.len) {
-                let mut damaged = bytes.clone();
-                damaged[(at - 100) as usize] ^= 0x04;
+                let mut byte = [0];
+                segment.read_exact_at(&mut byte, at).unwrap();
+                segment.write_all_at(&[byte[0] ^ 0x04], at).unwrap();
                 assert!(
-                    frame(damaged, &positions, "s", 7).is_err(),
+                    framed(&log, &positions, "s", 7).is_err(),
                     "a flipped bit at offset {at} went unnoticed"
                 );
+                segment.write_all_at(&byte, at).unwrap();
             }
         }
-        assert!(
-            frame(bytes.clone(), &positions, "s", 6).is_err(),
-            "seqs shifted"
-        );
-        assert!(
-            frame(bytes.clone(), &positions, "t", 7).is_err(),
-            "another session"
-        );
-        let not_an_event = Position {
+        assert!(framed(&log, &positions, "s", 7).is_ok(), "all restored");
+        assert!(framed(&log, &positions, "s", 6).is_err(), "seqs shifted");
+        assert!(framed(&log, &positions, "t", 7).is_err(), "another session");
+        let lease = Position {
             offset: positions[0].offset + u64::from(positions[0].len),
-            len: positions[1].offset as u32 - positions[0].offset as u32 - positions[0].len,
+            len: (positions[1].offset - positions[0].offset) as u32 - positions[0].len,
         };
         assert!(
-            frame(bytes, &[positions[0], not_an_event], "s", 7).is_err(),
+            framed(&log, &[positions[0], lease], "s", 7).is_err(),
             "a lease record"
         );
     }

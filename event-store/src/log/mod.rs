@@ -13,7 +13,9 @@ pub mod storage;
 
 use std::collections::BTreeMap;
 use std::io;
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
+
+use bytes::Bytes;
 
 pub use record::{LeaseRecord, Record};
 use storage::{SegmentFile, Storage};
@@ -85,6 +87,43 @@ pub struct Position {
 /// The read side of the log, shared by the writer and every subscriber.
 pub struct LogReader {
     segments: RwLock<BTreeMap<u64, Arc<dyn SegmentFile>>>,
+    buffers: Arc<ReadBuffers>,
+}
+
+/// Buffers that reads of runs of records are made into, kept for the next read once the
+/// last user of one (a Subscribe body on its way out) drops it: a read then neither
+/// allocates nor zero-fills. A buffer's bytes past the run being read are left from an
+/// earlier read and are never handed out.
+#[derive(Default)]
+struct ReadBuffers {
+    kept: Mutex<Vec<Vec<u8>>>,
+}
+
+impl ReadBuffers {
+    /// Buffers kept at most, and the largest one kept: a few runs in flight at a time,
+    /// without holding memory for many.
+    const KEPT: usize = 8;
+    const LARGEST: usize = 2 << 20;
+
+    /// A buffer of at least `len` bytes.
+    fn take(&self, len: usize) -> Vec<u8> {
+        let kept = self.kept.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        let mut buf = kept.unwrap_or_default();
+        if buf.len() < len {
+            buf.resize(len, 0);
+        }
+        buf
+    }
+
+    fn give(&self, buf: Vec<u8>) {
+        if buf.capacity() == 0 || buf.capacity() > Self::LARGEST {
+            return;
+        }
+        let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
+        if kept.len() < Self::KEPT {
+            kept.push(buf);
+        }
+    }
 }
 
 impl LogReader {
@@ -170,13 +209,15 @@ impl LogReader {
                 end = p_end;
                 j += 1;
             }
-            let mut bytes = vec![0; (end - start) as usize];
-            file.read_exact_at(&mut bytes, start - base)
+            let len = (end - start) as usize;
+            let mut bytes = self.buffers.take(len);
+            file.read_exact_at(&mut bytes[..len], start - base)
                 .map_err(LogError::from)?;
             take(ReadRun {
                 bytes,
                 start,
                 records: &positions[i..j],
+                buffers: self.buffers.clone(),
             })?;
             i = j;
         }
@@ -192,12 +233,15 @@ impl LogReader {
 }
 
 /// Records read with one read: the bytes of the log from offset `start`, and where each
-/// record is in them.
+/// record is in them. Dropped, or once the [`Bytes`] made of it are, its buffer is kept for
+/// a later read.
 pub struct ReadRun<'a> {
+    /// At least up to the end of the last record (what follows is left from other reads).
     pub bytes: Vec<u8>,
     pub start: u64,
     /// Ascending, each within `bytes`.
     pub records: &'a [Position],
+    buffers: Arc<ReadBuffers>,
 }
 
 impl ReadRun<'_> {
@@ -212,6 +256,43 @@ impl ReadRun<'_> {
         self.records
             .iter()
             .map(|&p| (&self.bytes[self.range_of(p)], p.offset))
+    }
+
+    /// The first `len` bytes, shared; the buffer is kept for a later read once the last
+    /// of them is dropped.
+    pub fn into_bytes(mut self, len: usize) -> Bytes {
+        let buf = std::mem::take(&mut self.bytes);
+        assert!(len <= buf.len(), "{len} bytes of a run of {}", buf.len());
+        Bytes::from_owner(KeptBuffer {
+            buf,
+            len,
+            buffers: self.buffers.clone(),
+        })
+    }
+}
+
+impl Drop for ReadRun<'_> {
+    fn drop(&mut self) {
+        self.buffers.give(std::mem::take(&mut self.bytes));
+    }
+}
+
+/// A read buffer shared as [`Bytes`], given back to [`ReadBuffers`] when dropped.
+struct KeptBuffer {
+    buf: Vec<u8>,
+    len: usize,
+    buffers: Arc<ReadBuffers>,
+}
+
+impl AsRef<[u8]> for KeptBuffer {
+    fn as_ref(&self) -> &[u8] {
+        &self.buf[..self.len]
+    }
+}
+
+impl Drop for KeptBuffer {
+    fn drop(&mut self) {
+        self.buffers.give(std::mem::take(&mut self.buf));
     }
 }
 
@@ -246,6 +327,7 @@ impl LogWriter {
         }
         let reader = Arc::new(LogReader {
             segments: RwLock::new(BTreeMap::new()),
+            buffers: Arc::default(),
         });
         let mut end = bases[0];
         let mut allocated = end;
