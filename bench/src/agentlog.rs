@@ -30,9 +30,15 @@ pub async fn fill_session(url: &str, session_id: &str, events: usize) -> anyhow:
     Ok(())
 }
 
-/// Reads a whole session with a non-follow Subscribe; returns events per second.
+/// Reads a whole session with a non-follow Subscribe, each event decoded; returns events
+/// per second. Connected as the product's programs connect (`agentlog_client`: its HTTP/2
+/// windows and frame size).
 pub async fn catch_up(url: &str, session_id: &str, expected: usize) -> anyhow::Result<f64> {
-    let mut client = EventStoreClient::connect(url.to_string()).await?;
+    let connection = agentlog_client::StoreConnection {
+        url: url.to_string(),
+        ..Default::default()
+    };
+    let mut client = EventStoreClient::new(connection.endpoint()?.connect().await?);
     let start = Instant::now();
     let mut stream = client
         .subscribe(SubscribeRequest {
