@@ -160,6 +160,9 @@ async fn check_after_restart(
     }
 
     let mut reached = 0;
+    // A BUFFERED re-send is acknowledged once written, before its fsync; readers see it
+    // only after: the highest seq of each session acknowledged that way.
+    let mut buffered: HashMap<&'static str, u64> = HashMap::new();
     for attempt in std::mem::take(&mut ledger.unacked) {
         reached += usize::from(attempt.ids.iter().any(|id| found.contains_key(id)));
         let resp = client
@@ -176,7 +179,14 @@ async fn check_after_restart(
                 );
             }
             ledger.acked.insert(id.clone(), (attempt.session, seq));
+            if attempt.durability == Durability::Buffered {
+                let highest = buffered.entry(attempt.session).or_default();
+                *highest = (*highest).max(seq);
+            }
         }
+    }
+    for (session, seq) in buffered {
+        wait_until_readable(client, session, seq, context).await;
     }
 
     let found = read_all(client, context).await;
@@ -193,6 +203,36 @@ async fn check_after_restart(
         );
     }
     reached
+}
+
+/// Waits (a few seconds at most) until `session`'s events through `seq` are readable: the
+/// fsync a BUFFERED acknowledgement promises follows within milliseconds.
+async fn wait_until_readable(
+    client: &mut EventStoreClient<Channel>,
+    session: &str,
+    seq: u64,
+    context: &str,
+) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let info = client
+            .get_session(GetSessionRequest {
+                session_id: session.to_string(),
+            })
+            .await
+            .unwrap_or_else(|e| panic!("{context}: GetSession({session}): {e}"))
+            .into_inner();
+        if info.last_seq >= seq {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{context}: {session} seq {seq} was acknowledged BUFFERED and is still not \
+             readable (last_seq {})",
+            info.last_seq
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
 }
 
 /// Reads every session back: gapless from 1, each event_id once, GetSession in step.
