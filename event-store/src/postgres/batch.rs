@@ -99,8 +99,8 @@ SELECT session_id, version FROM written
 ///
 /// Batches that create no session use [`WRITE_BATCH`]; [`WRITE_BATCH_CREATING`] also
 /// inserts the rows of the sessions not yet written (`version` 0), which costs one more
-/// table write to start on every call. Both changes together took the statement's
-/// execution from 44 to 34 µs per append at 64 clients (bench/RESULTS.md).
+/// table write to start on every call. Both changes together cut the statement's
+/// execution per append by 6–23% at 64 clients (bench/RESULTS.md).
 const WRITE_BATCH: &str = write_batch_statement!("", "SELECT session_id, version FROM updated");
 
 /// [`WRITE_BATCH`] for a batch with sessions to create.
