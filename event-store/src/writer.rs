@@ -48,6 +48,8 @@ use crate::session::{lease_of, now_unix_ms, SessionMeta};
 /// At most this many operations share one fsync, so one batch's latency stays bounded.
 const MAX_BATCH_OPS: usize = 4096;
 /// The index absorbs the durable records once this many wait for it, even under load.
+/// How long the writer looks for the next op before it sleeps (see [`next_op`]).
+const LINGER: Duration = Duration::from_micros(50);
 const INDEX_BATCH_RECORDS: usize = 8192;
 /// When the writer is idle, records that waited this long are absorbed into the index. The
 /// longer, the more appends share each session's metadata write in sled; what waits costs
@@ -175,6 +177,22 @@ enum Pending {
     ),
 }
 
+/// The next op, waiting for one if the queue is empty. It looks again for a short while
+/// ([`LINGER`], yielding the core to any other thread that can run) before it sleeps: a
+/// sleeping writer costs the op that wakes it a thread wake-up on the way in, which at low
+/// load is a large part of an append's latency.
+fn next_op(queue: &mut mpsc::Receiver<Op>) -> Option<Op> {
+    let since = Instant::now();
+    while since.elapsed() < LINGER {
+        match queue.try_recv() {
+            Ok(op) => return Some(op),
+            Err(TryRecvError::Disconnected) => return None,
+            Err(TryRecvError::Empty) => std::thread::yield_now(),
+        }
+    }
+    queue.blocking_recv()
+}
+
 impl Writer {
     pub fn new(
         log: LogWriter,
@@ -213,7 +231,7 @@ impl Writer {
                         self.absorb()?;
                         continue;
                     }
-                    match queue.blocking_recv() {
+                    match next_op(&mut queue) {
                         Some(op) => op,
                         None => break,
                     }
