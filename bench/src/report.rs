@@ -257,11 +257,15 @@ impl Report {
         } else {
             *self.clients().last().unwrap_or(&1)
         };
-        // The best path the store offers: unary Append or AppendStream.
-        let ours64 = [Target::Agentlog, Target::AgentlogStream]
-            .into_iter()
-            .filter_map(|t| self.rate(t, c64).map(|r| r.median()))
-            .reduce(f64::max);
+        // Every goal is for the best path the store offers: unary Append or AppendStream.
+        let paths = [Target::Agentlog, Target::AgentlogStream];
+        let best_rate = |clients: usize| {
+            paths
+                .into_iter()
+                .filter_map(|t| self.rate(t, clients).map(|r| r.median()))
+                .reduce(f64::max)
+        };
+        let ours64 = best_rate(c64);
         for (target, name, goal) in [
             (Target::Postgres, "PostgreSQL", 3.0),
             (Target::Redis, "Redis (appendfsync always)", 1.0),
@@ -317,19 +321,21 @@ impl Report {
             md,
             "| catch-up: ≥ 2× PostgreSQL `SELECT … ORDER BY seq` | {measured} | {ok} |"
         )?;
-        let ours1 = self.rate(Target::Agentlog, 1).map(|r| r.median());
         let naive1 = self.rate(Target::Naive, 1).map(|r| r.median());
-        let (measured, ok) = rate_goal(ours1, naive1, "appends/s", 1.0);
+        let (measured, ok) = rate_goal(best_rate(1), naive1, "appends/s", 1.0);
         writeln!(
             md,
-            "| 1 client: ≥ the naive JSONL loop | {measured} | {ok} |"
+            "| 1 client (Append or AppendStream): ≥ the naive JSONL loop | {measured} | {ok} |"
         )?;
         let raw_sync = self
             .raw
             .iter()
             .find(|(layout, b, _, _)| *layout == crate::disk::RawFile::Preallocated && *b == 1)
             .map(|(_, _, _, ms)| ms.median());
-        let ours1 = self.p50(Target::Agentlog, 1).map(|r| r.median());
+        let ours1 = paths
+            .into_iter()
+            .filter_map(|t| self.p50(t, 1).map(|r| r.median()))
+            .reduce(f64::min);
         let (measured, ok) = match (ours1, raw_sync) {
             (Some(o), Some(r)) => (
                 format!(
@@ -344,7 +350,7 @@ impl Report {
         };
         writeln!(
             md,
-            "| 1 client: latency ≤ 1.5× raw fdatasync | {measured} | {ok} |"
+            "| 1 client (Append or AppendStream): latency ≤ 1.5× raw fdatasync | {measured} | {ok} |"
         )?;
         let ceiling64 = self.rate(Target::Ceiling, c64).map(|r| r.median());
         let (measured, ok) = match (ours64, ceiling64) {
