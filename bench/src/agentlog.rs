@@ -51,7 +51,7 @@ pub async fn catch_up(url: &str, session_id: &str, expected: usize) -> anyhow::R
     let mut n = 0usize;
     while let Some(event) = stream.message().await? {
         n += 1;
-        debug_assert_eq!(event.seq as usize, n);
+        anyhow::ensure!(event.seq as usize == n, "event {n} has seq {}", event.seq);
     }
     let secs = start.elapsed().as_secs_f64();
     anyhow::ensure!(

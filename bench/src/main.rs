@@ -366,56 +366,7 @@ async fn run_suite(
 
     // Start everything the append figures compare.
     progress("starting the stores");
-    let fresh = |name: &str| fresh_dir(dir, name);
-    let store = Store::start_in(&fresh("agentlog")?)?;
-    let ceiling = match &args.nofsync_store {
-        Some(binary) if !args.quick => {
-            Some(Store::start_binary(binary, &fresh("agentlog-nofsync")?)?)
-        }
-        _ => {
-            report.note(if args.quick {
-                "Quick mode measures no fsync-skipped ceiling.".into()
-            } else {
-                "The fsync-skipped ceiling was not measured: no `--nofsync-store` binary \
-                 (bench/run builds one when the event-store has the `unsafe-skip-fsync` feature)."
-                    .into()
-            });
-            None
-        }
-    };
-    let baselines = !args.quick && !args.no_baselines;
-    let postgres = if baselines {
-        start_or_note(
-            report,
-            "PostgreSQL",
-            Postgres::start(&fresh("postgres")?).await,
-        )
-    } else {
-        None
-    };
-    let redis = if baselines {
-        start_or_note(report, "Redis", Redis::start(&fresh("redis")?).await)
-    } else {
-        None
-    };
-    let etcd = if baselines {
-        start_or_note(report, "etcd", Etcd::start(&fresh("etcd")?).await)
-    } else {
-        None
-    };
-    report.versions.extend([
-        ("PostgreSQL", postgres.as_ref().map(|p| p.version.clone())),
-        ("Redis", redis.as_ref().map(|r| r.version.clone())),
-        ("etcd", etcd.as_ref().map(|e| e.version.clone())),
-    ]);
-    let systems = Systems {
-        store,
-        ceiling,
-        postgres,
-        redis,
-        etcd,
-        naive_dir: fresh("naive")?,
-    };
+    let systems = start_systems(args, dir, report, true).await?;
 
     // 2 and 3. Appends: each run goes round every system, so that all of them see the
     // same moments of a noisy machine.
@@ -540,7 +491,7 @@ async fn run_suite(
     progress("footprint");
     let (sessions, per_session) = plan.footprint;
     report.footprint =
-        Some(agentlog::footprint(&fresh("footprint")?, sessions, per_session).await?);
+        Some(agentlog::footprint(&fresh_dir(dir, "footprint")?, sessions, per_session).await?);
     Ok(())
 }
 
@@ -579,9 +530,40 @@ async fn only_catch_up(
     dir: &Path,
     report: &mut Report,
 ) -> anyhow::Result<()> {
+    let systems = start_systems(args, dir, report, false).await?;
+    catch_up_section(&systems, plan, report).await
+}
+
+/// Starts the systems a run compares, each in a fresh directory under `dir`: agentlog and,
+/// unless `--quick` or `--no-baselines`, PostgreSQL; with `all`, also the fsync-skipped
+/// ceiling (unless `--quick`), Redis and etcd. A baseline that does not start is noted in
+/// the report and left out.
+async fn start_systems(
+    args: &Args,
+    dir: &Path,
+    report: &mut Report,
+    all: bool,
+) -> anyhow::Result<Systems> {
     let fresh = |name: &str| fresh_dir(dir, name);
     let store = Store::start_in(&fresh("agentlog")?)?;
-    let postgres = if !args.quick && !args.no_baselines {
+    let ceiling = match &args.nofsync_store {
+        _ if !all => None,
+        Some(binary) if !args.quick => {
+            Some(Store::start_binary(binary, &fresh("agentlog-nofsync")?)?)
+        }
+        _ => {
+            report.note(if args.quick {
+                "Quick mode measures no fsync-skipped ceiling.".into()
+            } else {
+                "The fsync-skipped ceiling was not measured: no `--nofsync-store` binary \
+                 (bench/run builds one when the event-store has the `unsafe-skip-fsync` feature)."
+                    .into()
+            });
+            None
+        }
+    };
+    let baselines = !args.quick && !args.no_baselines;
+    let postgres = if baselines {
         start_or_note(
             report,
             "PostgreSQL",
@@ -593,15 +575,28 @@ async fn only_catch_up(
     report
         .versions
         .push(("PostgreSQL", postgres.as_ref().map(|p| p.version.clone())));
-    let systems = Systems {
-        store,
-        ceiling: None,
-        postgres,
-        redis: None,
-        etcd: None,
-        naive_dir: fresh("naive")?,
+    let (redis, etcd) = if baselines && all {
+        (
+            start_or_note(report, "Redis", Redis::start(&fresh("redis")?).await),
+            start_or_note(report, "etcd", Etcd::start(&fresh("etcd")?).await),
+        )
+    } else {
+        (None, None)
     };
-    catch_up_section(&systems, plan, report).await
+    if all {
+        report.versions.extend([
+            ("Redis", redis.as_ref().map(|r| r.version.clone())),
+            ("etcd", etcd.as_ref().map(|e| e.version.clone())),
+        ]);
+    }
+    Ok(Systems {
+        store,
+        ceiling,
+        postgres,
+        redis,
+        etcd,
+        naive_dir: fresh("naive")?,
+    })
 }
 
 /// Catch-up: each reader reads the same whole session from its start, the readers taking

@@ -168,7 +168,18 @@ impl SessionMeta {
     }
 
     pub fn title(&self) -> String {
-        self.first_user_text.chars().take(TITLE_CHARS).collect()
+        self.first_user_text[..self.title_len()].to_string()
+    }
+
+    /// The bytes of `first_user_text` the title takes: all of it, or its first
+    /// [`TITLE_CHARS`] characters. The state keeps no more than that where the backend keeps
+    /// the whole text beside it (the PostgreSQL backend's `first_user_text` column), and
+    /// since it is not empty, no later user message takes its place.
+    pub fn title_len(&self) -> usize {
+        self.first_user_text
+            .char_indices()
+            .nth(TITLE_CHARS)
+            .map_or(self.first_user_text.len(), |(end, _)| end)
     }
 
     pub fn info(&self, session_id: &str, now_ms: i64) -> SessionInfo {

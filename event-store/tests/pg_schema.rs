@@ -189,3 +189,100 @@ async fn sessions_of_the_previous_schema_version_are_listed_and_appended_to_afte
     after.insert(0, "old-007".into());
     assert_eq!(list_all(SessionStatus::Unspecified).await, after);
 }
+
+/// A long first user message (agents' first turns often are) is written to the session row
+/// once: the appends after it add nothing to the row's TOAST, the state in `meta` keeps the
+/// title only, and the whole text stays queryable. A write as a replica of the previous
+/// version makes it (the title from `meta` written back as the whole text, as during a
+/// rolling update) leaves the whole text in place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_long_first_message_is_written_once_and_survives_a_replica_of_the_previous_version() {
+    let pg = tokio::task::block_in_place(Postgres::start).unwrap();
+    let url = tokio::task::block_in_place(|| pg.create_database()).unwrap();
+    let db = database(&url).to_string();
+    let sql = |query: &str| tokio::task::block_in_place(|| pg.psql(&db, query)).unwrap();
+    let backend = PgBackend::open(config(&url)).await.unwrap();
+
+    // 4,000 letters that do not compress, so that PostgreSQL moves the text to TOAST, and
+    // a word at the end that only a query over the whole text finds.
+    let mut x = 0x2545_f491_u32;
+    let mut text: String = (0..4000)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            char::from(b'a' + (x % 26) as u8)
+        })
+        .collect();
+    text.push_str(" needle");
+    let append = |event: Event| {
+        backend.append(AppendOp {
+            session_id: "long".into(),
+            events: vec![event],
+            expected_last_seq: None,
+            lease_epoch: None,
+            durability: Durability::Sync,
+        })
+    };
+    append(user("first", &text)).await.unwrap();
+    let toast_size = || {
+        sql("SELECT pg_relation_size(reltoastrelid) FROM pg_class \
+             WHERE relname = 'agentlog_sessions'")
+    };
+    let before = toast_size();
+    for i in 0..100 {
+        append(user(&format!("turn-{i}"), "and again"))
+            .await
+            .unwrap();
+    }
+    assert_eq!(
+        toast_size(),
+        before,
+        "appends wrote the first message again"
+    );
+    assert!(
+        sql("SELECT octet_length(meta) FROM agentlog_sessions")
+            .parse::<usize>()
+            .unwrap()
+            < 400
+    );
+
+    let title: String = text.chars().take(80).collect();
+    assert_eq!(
+        found(&backend, "needle").await,
+        vec![("long".to_string(), title.clone())]
+    );
+
+    // A replica of the previous version decodes the state, takes its title as the text,
+    // and writes both back.
+    sql(&format!(
+        "UPDATE agentlog_sessions SET version = version + 1, first_user_text = '{title}'"
+    ));
+    assert_eq!(
+        sql("SELECT octet_length(first_user_text) FROM agentlog_sessions"),
+        text.len().to_string()
+    );
+    append(user("after", "once more")).await.unwrap();
+    assert_eq!(
+        found(&backend, "needle").await,
+        vec![("long".to_string(), title)]
+    );
+    let info = backend.get_session("long").await.unwrap();
+    assert_eq!(info.last_seq, 102);
+}
+
+/// The sessions `ListSessions` finds for `query`, with their titles.
+async fn found(backend: &PgBackend, query: &str) -> Vec<(String, String)> {
+    let request = ListSessionsRequest {
+        query: query.into(),
+        ..ListSessionsRequest::default()
+    };
+    backend
+        .list_sessions(&request, &Scope::everything())
+        .await
+        .unwrap()
+        .sessions
+        .into_iter()
+        .map(|s| (s.session_id, s.title))
+        .collect()
+}

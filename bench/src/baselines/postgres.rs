@@ -90,7 +90,9 @@ impl Postgres {
         Ok(())
     }
 
-    /// Reads a whole session in seq order; returns rows per second.
+    /// Reads a whole session in seq order, each row's seq checked and its body taken (as
+    /// text, without a copy), as agentlog's reader checks and decodes each event; returns
+    /// rows per second.
     pub async fn catch_up(&self, session: &str, expected: usize) -> anyhow::Result<f64> {
         let client = self.client().await?;
         let start = Instant::now();
@@ -100,9 +102,15 @@ impl Postgres {
                 &[&session, &1i64],
             )
             .await?;
+        let mut body_bytes = 0;
+        for (i, row) in rows.iter().enumerate() {
+            let seq: i64 = row.try_get(0)?;
+            anyhow::ensure!(seq == i as i64 + 1, "row {i} has seq {seq}");
+            body_bytes += row.try_get::<_, &str>(1)?.len();
+        }
         let secs = start.elapsed().as_secs_f64();
         anyhow::ensure!(
-            rows.len() == expected,
+            rows.len() == expected && body_bytes > 0,
             "read {} rows, expected {expected}",
             rows.len()
         );

@@ -55,7 +55,9 @@ WITH w AS (
 ), updated AS (
     UPDATE agentlog_sessions s SET version = s.version + 1, meta = w.meta,
         last_seq = w.last_seq, updated_unix_ms = w.updated_unix_ms, status = w.status,
-        lease_expires_unix_ms = w.lease_expires_unix_ms, first_user_text = w.first_user_text
+        lease_expires_unix_ms = w.lease_expires_unix_ms,
+        first_user_text = CASE s.first_user_text WHEN '' THEN w.first_user_text
+            ELSE s.first_user_text END
     FROM w
     WHERE s.session_id = w.session_id AND s.version = w.version
         AND w.session_id NOT IN (SELECT session_id FROM known)

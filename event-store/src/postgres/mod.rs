@@ -403,7 +403,9 @@ impl PgBackend {
                 .prepare_cached(
                     "UPDATE agentlog_sessions SET version = version + 1, meta = $3, \
                      last_seq = $4, updated_unix_ms = $5, status = $6, \
-                     lease_expires_unix_ms = $7, first_user_text = $8 \
+                     lease_expires_unix_ms = $7, \
+                     first_user_text = CASE first_user_text WHEN '' THEN $8 \
+                     ELSE first_user_text END \
                      WHERE session_id = $1 AND version = $2 RETURNING version",
                 )
                 .await?;
@@ -651,6 +653,9 @@ impl Health {
 
 /// The session state's columns, derived from its [`SessionMeta`].
 struct Columns {
+    /// The state, its first user text cut to the title: the whole text is in
+    /// `first_user_text`, written once (see `schema`), so that a long first message is not
+    /// written again, into TOAST, by every append.
     meta: Vec<u8>,
     last_seq: i64,
     updated: i64,
@@ -662,8 +667,16 @@ struct Columns {
 
 impl Columns {
     fn of(meta: &SessionMeta) -> Columns {
+        let title_len = meta.title_len();
+        let meta_bytes = if title_len < meta.first_user_text.len() {
+            let mut short = meta.clone();
+            short.first_user_text.truncate(title_len);
+            short.encode_to_vec()
+        } else {
+            meta.encode_to_vec()
+        };
         Columns {
-            meta: meta.encode_to_vec(),
+            meta: meta_bytes,
             last_seq: meta.last_seq as i64,
             updated: meta.updated_unix_ms,
             status: meta.status,

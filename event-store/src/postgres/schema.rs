@@ -13,9 +13,16 @@
 //!   (a generated column, so replicas of an earlier version keep it right too; adding it
 //!   rewrites the table once, under the migration lock): it changes
 //!   at most once a second per session, so nearly every append's update stays HOT, and
-//!   the query sorts only the sessions of the seconds it reads. `version` grows with
-//!   every write to the session: a write names the version it was computed from and lands
-//!   only if that is still the current one.
+//!   the query sorts only the sessions of the seconds it reads. `first_user_text` is
+//!   written once, when the session's first user message arrives (an update keeps the
+//!   value it finds unless that is empty), and `meta` keeps only the title's part of it
+//!   (version 4): a long first message (above about 2 KB, moved to TOAST) was otherwise
+//!   written again, twice, by every append. A replica of an earlier version reads the
+//!   title from `meta` and writes it back as the whole text; the trigger of version 4
+//!   keeps a shorter text from replacing a longer one, so a rolling update loses none of
+//!   it (the lengths come from the TOAST pointers: the check reads no text). `version`
+//!   grows with every write to the session: a write names the version it was computed
+//!   from and lands only if that is still the current one.
 //! - `agentlog_events`: the events, prost-encoded, keyed by `(session_id, seq)`; the unique
 //!   index on `(session_id, event_id)` makes dedup permanent.
 //! - `agentlog_snapshots` (version 2): the kept snapshot per (session, format), derived
@@ -67,6 +74,18 @@ ALTER TABLE agentlog_snapshots ALTER COLUMN data SET STORAGE EXTERNAL;
 ALTER TABLE agentlog_sessions
     ADD COLUMN updated_second bigint GENERATED ALWAYS AS (updated_unix_ms / 1000) STORED;
 CREATE INDEX agentlog_sessions_recent ON agentlog_sessions (updated_second DESC);
+"#,
+    r#"
+CREATE FUNCTION agentlog_keep_first_user_text() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    NEW.first_user_text := OLD.first_user_text;
+    RETURN NEW;
+END
+$$;
+CREATE TRIGGER agentlog_first_user_text_kept BEFORE UPDATE ON agentlog_sessions
+    FOR EACH ROW
+    WHEN (octet_length(NEW.first_user_text) < octet_length(OLD.first_user_text))
+    EXECUTE FUNCTION agentlog_keep_first_user_text();
 "#,
 ];
 
