@@ -17,6 +17,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     tonic_prost_build::configure()
         // Snapshot data is passed on as slices of the buffers it arrives in, never copied.
         .bytes(".agentlog.v1.SnapshotChunk.data")
+        .codec_path("crate::codec::SliceCodec")
         .build_server(true)
         .build_client(true)
         .compile_fds(descriptors)?;

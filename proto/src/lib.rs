@@ -2,6 +2,7 @@
 //! encoded descriptor set that the store serves through gRPC reflection.
 #![forbid(unsafe_code)]
 
+pub mod codec;
 pub mod reason;
 
 pub mod v1 {
