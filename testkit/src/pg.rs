@@ -120,12 +120,15 @@ impl Postgres {
         };
         // The backends of a server killed with SIGKILL outlive it for a moment and still
         // hold its shared memory, which a new server on the same data dir refuses to start
-        // over: wait for them to go.
+        // over; and the port of a killed server may meanwhile be lent to a listener of a
+        // test running beside this one, for that test's few seconds: wait for both to go.
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             match Postgres::spawn(dir, data.clone(), user, port, settings) {
                 Err(e)
-                    if e.to_string().contains("pre-existing shared memory block")
+                    if ["pre-existing shared memory block", "Address already in use"]
+                        .iter()
+                        .any(|passing| e.to_string().contains(passing))
                         && Instant::now() < deadline =>
                 {
                     std::thread::sleep(Duration::from_millis(100));
