@@ -47,9 +47,14 @@ use crate::session::{lease_of, now_unix_ms, SessionMeta};
 
 /// At most this many operations share one fsync, so one batch's latency stays bounded.
 const MAX_BATCH_OPS: usize = 4096;
-/// The index absorbs the durable records once this many wait for it, even under load.
-/// How long the writer looks for the next op before it sleeps (see [`next_op`]).
+/// How long the writer looks for the next op before it sleeps (see [`next_op`]) after a
+/// batch of several ops: under load the next op is near, and a writer that looks longer
+/// takes the core from the threads that bring it.
 const LINGER: Duration = Duration::from_micros(50);
+/// The same after a batch of one op, the pace of a single caller: about one round trip of
+/// its next append, so that the writer is still awake when it comes.
+const LINGER_ALONE: Duration = Duration::from_micros(200);
+/// The index absorbs the durable records once this many wait for it, even under load.
 const INDEX_BATCH_RECORDS: usize = 8192;
 /// When the writer is idle, records that waited this long are absorbed into the index. The
 /// longer, the more appends share each session's metadata write in sled; what waits costs
@@ -178,12 +183,13 @@ enum Pending {
 }
 
 /// The next op, waiting for one if the queue is empty. It looks again for a short while
-/// ([`LINGER`], yielding the core to any other thread that can run) before it sleeps: a
+/// (`linger`, yielding the core to any other thread that can run) before it sleeps: a
 /// sleeping writer costs the op that wakes it a thread wake-up on the way in, which at low
-/// load is a large part of an append's latency.
-fn next_op(queue: &mut mpsc::Receiver<Op>) -> Option<Op> {
+/// load is a large part of an append's latency (on a virtual machine whose idle cores
+/// halt, as long as the fdatasync).
+fn next_op(queue: &mut mpsc::Receiver<Op>, linger: Duration) -> Option<Op> {
     let since = Instant::now();
-    while since.elapsed() < LINGER {
+    while since.elapsed() < linger {
         match queue.try_recv() {
             Ok(op) => return Some(op),
             Err(TryRecvError::Disconnected) => return None,
@@ -221,6 +227,7 @@ impl Writer {
 
     /// Runs until every sender of the queue is gone (shutdown) or the log fails.
     pub fn run(mut self, mut queue: mpsc::Receiver<Op>) -> Result<(), StoreError> {
+        let mut linger = LINGER;
         loop {
             let first = match queue.try_recv() {
                 Ok(op) => op,
@@ -231,7 +238,7 @@ impl Writer {
                         self.absorb()?;
                         continue;
                     }
-                    match next_op(&mut queue) {
+                    match next_op(&mut queue, linger) {
                         Some(op) => op,
                         None => break,
                     }
@@ -244,6 +251,7 @@ impl Writer {
                     Err(_) => break,
                 }
             }
+            linger = if ops.len() == 1 { LINGER_ALONE } else { LINGER };
             self.commit(ops)?;
             if self.index_due(false) {
                 self.absorb()?;
