@@ -467,12 +467,13 @@ fn granted(outcome: LeaseOutcome) -> Result<Lease, StoreError> {
 /// writer's answer (yielding to any other task) before the worker may sleep: about one
 /// fdatasync. A sleeping worker is woken by the answer, and on a virtual machine whose idle
 /// cores halt, that wake-up costs an append at low load as much as the fdatasync itself.
-/// Under load the workers have other tasks and appends are never alone, so nothing spins.
+/// Under load the workers have other tasks and appends are never alone, so nothing spins;
+/// on fewer than two CPUs nothing spins either ([`writer::may_look_again`]).
 const ANSWER_SPIN: Duration = Duration::from_micros(250);
 
 /// The writer's answer, or `None` if the writer is gone.
 async fn answer_of<T>(mut rx: oneshot::Receiver<T>, alone: bool) -> Option<T> {
-    if alone {
+    if alone && writer::may_look_again() {
         let since = std::time::Instant::now();
         while since.elapsed() < ANSWER_SPIN {
             match rx.try_recv() {

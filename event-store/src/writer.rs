@@ -26,7 +26,7 @@
 //!   process exits and recovery re-reads what is really on disk).
 
 use std::collections::{BTreeSet, HashMap};
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 use std::time::{Duration, Instant};
 
 use agentlog_proto::v1::{AppendResponse, Durability, Event, Lease};
@@ -182,6 +182,22 @@ enum Pending {
     ),
 }
 
+/// Whether a thread that waits for another may look again for a while before it sleeps
+/// ([`next_op`]'s linger, and an append's wait for its answer in [`crate::Store`]): only
+/// with a core to spare. On fewer than two CPUs (a container's CPU quota counts) the
+/// looking would take the core from the very thread that brings what it waits for, and
+/// spend the quota for nothing.
+pub(crate) fn may_look_again() -> bool {
+    static SPARE_CORE: LazyLock<bool> = LazyLock::new(|| {
+        looks_again_on(std::thread::available_parallelism().map_or(1, |n| n.get()))
+    });
+    *SPARE_CORE
+}
+
+fn looks_again_on(cpus: usize) -> bool {
+    cpus >= 2
+}
+
 /// The next op, waiting for one if the queue is empty. It looks again for a short while
 /// (`linger`, yielding the core to any other thread that can run) before it sleeps: a
 /// sleeping writer costs the op that wakes it a thread wake-up on the way in, which at low
@@ -189,7 +205,7 @@ enum Pending {
 /// halt, as long as the fdatasync).
 fn next_op(queue: &mut mpsc::Receiver<Op>, linger: Duration) -> Option<Op> {
     let since = Instant::now();
-    while since.elapsed() < linger {
+    while may_look_again() && since.elapsed() < linger {
         match queue.try_recv() {
             Ok(op) => return Some(op),
             Err(TryRecvError::Disconnected) => return None,
@@ -657,7 +673,14 @@ fn fenced(error: &StoreError, op: &'static str) {
 
 #[cfg(test)]
 mod tests {
-    use super::IdRandomness;
+    use super::{looks_again_on, IdRandomness};
+
+    #[test]
+    fn waiting_threads_look_again_only_with_a_core_to_spare() {
+        assert!(!looks_again_on(1));
+        assert!(looks_again_on(2));
+        assert!(looks_again_on(64));
+    }
 
     #[test]
     fn the_ids_random_parts_are_version_4_uuids_and_never_repeat() {
