@@ -170,6 +170,8 @@ pub enum Target {
     Ceiling,
     /// agentlog with fsync skipped, every client on one session.
     CeilingOneSession,
+    /// agentlog with fsync skipped, through `AppendStream`, one session per client.
+    CeilingStream,
     Naive,
     Postgres,
     Redis,
@@ -178,12 +180,13 @@ pub enum Target {
 
 impl Target {
     /// Every system, in the order the tables list them.
-    pub const ALL: [Target; 9] = [
+    pub const ALL: [Target; 10] = [
         Target::Agentlog,
         Target::AgentlogOneSession,
         Target::AgentlogStream,
         Target::Ceiling,
         Target::CeilingOneSession,
+        Target::CeilingStream,
         Target::Naive,
         Target::Postgres,
         Target::Redis,
@@ -197,6 +200,9 @@ impl Target {
             Target::AgentlogStream => "agentlog AppendStream, one session per client",
             Target::Ceiling => "agentlog, fsync skipped (ceiling), one session per client",
             Target::CeilingOneSession => "agentlog, fsync skipped (ceiling), one session",
+            Target::CeilingStream => {
+                "agentlog AppendStream, fsync skipped (ceiling), one session per client"
+            }
             Target::Naive => "naive JSONL + fsync per event (one process)",
             Target::Postgres => "PostgreSQL 15, INSERT per event, synchronous_commit=on",
             Target::Redis => "Redis Streams XADD, appendfsync always",
@@ -271,6 +277,15 @@ impl Systems {
                         shared
                     };
                     AnyAppender::Agentlog(AgentlogAppender::connect(&ceiling.url(), session).await?)
+                }
+                Target::CeilingStream => {
+                    let Some(ceiling) = &self.ceiling else {
+                        return Ok(None);
+                    };
+                    AnyAppender::AgentlogStream(
+                        AgentlogStreamAppender::connect(&ceiling.url(), format!("{session}-s"))
+                            .await?,
+                    )
                 }
                 Target::Naive => {
                     if clients != 1 {
