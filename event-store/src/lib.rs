@@ -20,6 +20,7 @@
 pub mod auth;
 pub mod backend;
 pub mod error;
+mod ids;
 pub mod incoming;
 pub mod index;
 pub mod limits;

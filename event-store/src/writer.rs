@@ -134,40 +134,6 @@ pub struct Writer {
     recent_ids: HashMap<String, HashMap<String, u64>>,
     /// Why what writes is refused, while the log's volume is full.
     full: Option<String>,
-    /// The random part of the ids the store makes.
-    id_randomness: IdRandomness,
-}
-
-/// Random bytes from the operating system's source, drawn 4 KiB at a time: one
-/// `getrandom` call per 256 ids the store makes rather than one per id (the call was an
-/// eighth of the writer thread's time when every event came without an id).
-struct IdRandomness {
-    pool: Box<[u8; 4096]>,
-    used: usize,
-}
-
-impl Default for IdRandomness {
-    fn default() -> IdRandomness {
-        let pool = Box::new([0; 4096]);
-        // Nothing drawn yet: the first id fills the pool.
-        let used = pool.len();
-        IdRandomness { pool, used }
-    }
-}
-
-impl IdRandomness {
-    /// A random (version 4) UUID.
-    fn uuid_v4(&mut self) -> uuid::Uuid {
-        if self.used + 16 > self.pool.len() {
-            ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut self.pool[..])
-                .expect("the operating system's random source works");
-            self.used = 0;
-        }
-        let mut bytes = [0; 16];
-        bytes.copy_from_slice(&self.pool[self.used..self.used + 16]);
-        self.used += 16;
-        uuid::Builder::from_random_bytes(bytes).into_uuid()
-    }
 }
 
 /// Replies that wait for the batch's fsync.
@@ -237,7 +203,6 @@ impl Writer {
             unindexed_since: None,
             recent_ids: HashMap::new(),
             full: None,
-            id_randomness: IdRandomness::default(),
         }
     }
 
@@ -466,7 +431,7 @@ impl Writer {
                 event.event_id = format!(
                     "{GENERATED_ID_PREFIX}{}-{}",
                     event.seq,
-                    self.id_randomness.uuid_v4().simple()
+                    crate::ids::random_uuid().simple()
                 );
             } else {
                 ids.insert(event.event_id.clone(), event.seq);
@@ -673,22 +638,12 @@ fn fenced(error: &StoreError, op: &'static str) {
 
 #[cfg(test)]
 mod tests {
-    use super::{looks_again_on, IdRandomness};
+    use super::looks_again_on;
 
     #[test]
     fn waiting_threads_look_again_only_with_a_core_to_spare() {
         assert!(!looks_again_on(1));
         assert!(looks_again_on(2));
         assert!(looks_again_on(64));
-    }
-
-    #[test]
-    fn the_ids_random_parts_are_version_4_uuids_and_never_repeat() {
-        let mut randomness = IdRandomness::default();
-        // Several refills of the pool.
-        let ids: Vec<uuid::Uuid> = (0..1_000).map(|_| randomness.uuid_v4()).collect();
-        assert!(ids.iter().all(|id| id.get_version_num() == 4));
-        let distinct: std::collections::HashSet<_> = ids.iter().collect();
-        assert_eq!(distinct.len(), ids.len());
     }
 }

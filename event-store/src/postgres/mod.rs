@@ -772,7 +772,7 @@ impl Backend for PgBackend {
         let mut events = std::mem::take(&mut op.events);
         for event in &mut events {
             if event.event_id.is_empty() {
-                event.event_id = uuid::Uuid::new_v4().to_string();
+                event.event_id = crate::ids::random_uuid().to_string();
             }
         }
         let mut state = self.cached(&op.session_id);

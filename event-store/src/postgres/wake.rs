@@ -25,6 +25,13 @@ use super::Connector;
 const CHANNEL: &str = "agentlog";
 /// PostgreSQL caps a payload below 8000 bytes.
 const MAX_PAYLOAD: usize = 7000;
+/// The NOTIFYs of one replica go out at least this far apart; the wake-ups of the writes in
+/// between gather into the next one. Each NOTIFY is a transaction of its own and wakes every
+/// listening replica, which at one NOTIFY per batch statement cost PostgreSQL about as much
+/// CPU as the appends' own statements at low load (bench/RESULTS.md, "PostgreSQL
+/// backend"). A follower on another replica learns of a write up to this much later; one on
+/// the writing replica is woken at once.
+const NOTIFY_GAP: Duration = Duration::from_millis(2);
 
 /// How replicas learn of each other's writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -105,18 +112,25 @@ fn line(session_id: &str, claimable: bool) -> String {
 }
 
 /// Sends the queued wake-ups of this replica's writes to the other replicas, as few NOTIFYs
-/// as fit them, outside any append transaction. A failed send is dropped: the receivers'
-/// safety poll covers it.
+/// as fit them, outside any append transaction, at most one round of them per
+/// [`NOTIFY_GAP`]. A failed send is dropped: the receivers' safety poll covers it.
 pub async fn send_batches(
     connector: Arc<Connector>,
     mut queue: mpsc::UnboundedReceiver<(String, bool)>,
     shutdown: CancellationToken,
 ) {
+    let mut next_round = tokio::time::Instant::now();
     loop {
         let first = tokio::select! {
             item = queue.recv() => match item { Some(item) => item, None => return },
             _ = shutdown.cancelled() => return,
         };
+        // The writes that come while it waits join this round.
+        tokio::select! {
+            _ = tokio::time::sleep_until(next_round) => {}
+            _ = shutdown.cancelled() => return,
+        }
+        next_round = tokio::time::Instant::now() + NOTIFY_GAP;
         let mut lines: HashMap<String, bool> = HashMap::new();
         lines.insert(first.0, first.1);
         while let Ok((id, claimable)) = queue.try_recv() {
