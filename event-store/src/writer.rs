@@ -170,8 +170,13 @@ fn looks_again_on(cpus: usize) -> bool {
 /// load is a large part of an append's latency (on a virtual machine whose idle cores
 /// halt, as long as the fdatasync).
 fn next_op(queue: &mut mpsc::Receiver<Op>, linger: Duration) -> Option<Op> {
+    let linger = if may_look_again() {
+        linger
+    } else {
+        Duration::ZERO
+    };
     let since = Instant::now();
-    while may_look_again() && since.elapsed() < linger {
+    while since.elapsed() < linger {
         match queue.try_recv() {
             Ok(op) => return Some(op),
             Err(TryRecvError::Disconnected) => return None,
