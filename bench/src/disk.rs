@@ -1,7 +1,10 @@
 //! What the disk allows, and what most agent harnesses do today.
 //!
 //! - the raw rate: `write(batch × 300 B) + fdatasync` in a loop, on a growing file and on
-//!   a zero-filled one, the floor under any durable store on this disk;
+//!   a zero-filled one, the floor under any durable store on this disk; and the same single
+//!   record after the thread has idled as long as a request/answer round trip, which is
+//!   what the disk gives an fdatasync that follows a client's answer rather than the last
+//!   fdatasync;
 //! - the naive baseline: one JSON line per event, `write` + `fsync`, from one process.
 
 use std::fs::{File, OpenOptions};
@@ -34,15 +37,31 @@ pub enum RawFile {
     Preallocated,
 }
 
+/// One case of the raw loop.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RawCase {
+    pub layout: RawFile,
+    /// Records per write + fdatasync.
+    pub batch: usize,
+    /// How long the thread sleeps before each write (zero: back to back).
+    pub idle: Duration,
+}
+
+/// The idle time of [`RawCase::idle`]'s paced case: about one append round trip at one
+/// client (the answer to the client, its next request back), during which a store's
+/// writer has nothing to sync.
+pub const ROUND_TRIP_IDLE: Duration = Duration::from_micros(300);
+
 const PREALLOCATED_BYTES: u64 = 16 << 20;
 
-/// Records per second made durable by `write(batch × 300 B) + fdatasync`, for `secs`.
-pub fn raw_fdatasync(
-    dir: &Path,
-    batch: usize,
-    secs: Duration,
-    layout: RawFile,
-) -> anyhow::Result<RawRun> {
+/// Records per second made durable by `write(batch × 300 B) + fdatasync`, for `secs`; the
+/// time of each write + fdatasync excludes the idle time before it.
+pub fn raw_fdatasync(dir: &Path, case: RawCase, secs: Duration) -> anyhow::Result<RawRun> {
+    let RawCase {
+        layout,
+        batch,
+        idle,
+    } = case;
     use std::os::unix::fs::FileExt;
     let path = dir.join("raw-fdatasync.bin");
     let mut file = OpenOptions::new()
@@ -64,6 +83,9 @@ pub fn raw_fdatasync(
     let mut offset = 0u64;
     let mut syncs_ms = Vec::new();
     while start.elapsed() < secs {
+        if !idle.is_zero() {
+            std::thread::sleep(idle);
+        }
         let t = Instant::now();
         match layout {
             RawFile::Appending => file.write_all(&buf)?,

@@ -362,20 +362,30 @@ async fn run_suite(
     }
     // 1. The limits of the disk, first.
     progress("raw write + fdatasync");
-    let mut raw: Vec<(disk::RawFile, usize, Runs, Runs)> = Vec::new();
+    let back_to_back = |layout, batch| disk::RawCase {
+        layout,
+        batch,
+        idle: Duration::ZERO,
+    };
+    let mut cases = Vec::new();
     for layout in [disk::RawFile::Preallocated, disk::RawFile::Appending] {
-        for batch in [1, 8, 64, 256] {
-            let mut rates = Runs::default();
-            let mut sync_ms = Runs::default();
-            for _ in 0..plan.runs {
-                let run = tokio::task::block_in_place(|| {
-                    disk::raw_fdatasync(dir, batch, plan.raw_secs, layout)
-                })?;
-                rates.push(run.records_per_s);
-                sync_ms.push(run.sync_ms);
-            }
-            raw.push((layout, batch, rates, sync_ms));
+        cases.extend([1, 8, 64, 256].map(|batch| back_to_back(layout, batch)));
+    }
+    cases.push(disk::RawCase {
+        idle: disk::ROUND_TRIP_IDLE,
+        ..back_to_back(disk::RawFile::Preallocated, 1)
+    });
+    let mut raw: Vec<(disk::RawCase, Runs, Runs)> = Vec::new();
+    for case in cases {
+        let mut rates = Runs::default();
+        let mut sync_ms = Runs::default();
+        for _ in 0..plan.runs {
+            let run =
+                tokio::task::block_in_place(|| disk::raw_fdatasync(dir, case, plan.raw_secs))?;
+            rates.push(run.records_per_s);
+            sync_ms.push(run.sync_ms);
         }
+        raw.push((case, rates, sync_ms));
     }
     report.raw = raw;
 
