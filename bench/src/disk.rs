@@ -9,6 +9,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::Write;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -47,6 +48,24 @@ pub struct RawCase {
     pub idle: Duration,
 }
 
+impl RawCase {
+    /// How the report names the file and its pace.
+    pub fn describe(&self) -> String {
+        let file = match self.layout {
+            RawFile::Preallocated => "preallocated",
+            RawFile::Appending => "appending",
+        };
+        if self.idle.is_zero() {
+            file.to_string()
+        } else {
+            format!(
+                "{file}, {} µs asleep before each write",
+                self.idle.as_micros()
+            )
+        }
+    }
+}
+
 /// The idle time of [`RawCase::idle`]'s paced case: about one append round trip at one
 /// client (the answer to the client, its next request back), during which a store's
 /// writer has nothing to sync.
@@ -62,7 +81,6 @@ pub fn raw_fdatasync(dir: &Path, case: RawCase, secs: Duration) -> anyhow::Resul
         batch,
         idle,
     } = case;
-    use std::os::unix::fs::FileExt;
     let path = dir.join("raw-fdatasync.bin");
     let mut file = OpenOptions::new()
         .create(true)

@@ -427,16 +427,10 @@ impl Report {
             "| file | records per fdatasync | records/s | fdatasync p50 ms |\n|---|---|---|---|"
         )?;
         for (case, rates, ms) in &self.raw {
-            let mut file = match case.layout {
-                crate::disk::RawFile::Preallocated => "preallocated".to_string(),
-                crate::disk::RawFile::Appending => "appending".to_string(),
-            };
-            if !case.idle.is_zero() {
-                file += &format!(", {} µs asleep before each write", case.idle.as_micros());
-            }
             writeln!(
                 md,
-                "| {file} | {} | {} | {} |",
+                "| {} | {} | {} | {} |",
+                case.describe(),
                 case.batch,
                 cell(rates),
                 cell_ms(ms)
