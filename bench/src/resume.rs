@@ -296,6 +296,7 @@ fn cycle_events(c: usize) -> Vec<Event> {
             tool_use_id,
             content: crate::event_text(),
             is_error: false,
+            workspace_checkpoint: None,
         })),
         kind(event::Kind::AssistantMessage(AssistantMessage {
             content: vec![ContentBlock {

@@ -10,7 +10,8 @@ use std::time::Duration;
 use agentlog_proto::v1::event_store_server::{EventStore, EventStoreServer};
 use agentlog_proto::v1::{
     append_stream_response, AcquireLeaseRequest, AppendError, AppendRequest, AppendResponse,
-    AppendStreamResponse, ClaimSessionRequest, ClaimSessionResponse, Durability, Event,
+    AppendStreamResponse, ClaimSessionRequest, ClaimSessionResponse, DeleteSessionRequest,
+    DeleteSessionResponse, Durability, Event, ForkSessionRequest, ForkSessionResponse,
     GetSessionRequest, GetSnapshotRequest, Lease, ListSessionsRequest, ListSessionsResponse,
     PutSnapshotResponse, ReleaseLeaseRequest, ReleaseLeaseResponse, RenewLeaseRequest, SessionInfo,
     SnapshotChunk, SubscribeRequest,
@@ -518,6 +519,25 @@ impl EventStore for EventStoreService {
             header,
             snapshot.pieces,
         ))))
+    }
+    async fn delete_session(
+        &self,
+        request: Request<DeleteSessionRequest>,
+    ) -> Result<Response<DeleteSessionResponse>, Status> {
+        validate_session_id(&request.get_ref().session_id)?;
+        Err(Status::unimplemented(
+            "DeleteSession is not served by this build yet",
+        ))
+    }
+
+    async fn fork_session(
+        &self,
+        request: Request<ForkSessionRequest>,
+    ) -> Result<Response<ForkSessionResponse>, Status> {
+        validate_session_id(&request.get_ref().session_id)?;
+        Err(Status::unimplemented(
+            "ForkSession is not served by this build yet",
+        ))
     }
 }
 

@@ -191,6 +191,7 @@ impl SessionMeta {
             status: self.status,
             lease: self.live_lease(now_ms).map(lease_of),
             title: self.title(),
+            forked_from: None,
         }
     }
 }

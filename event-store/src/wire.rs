@@ -36,10 +36,14 @@ pub enum Rpc {
     /// first chunk (see `authorize_snapshot_put`).
     PutSnapshot,
     GetSnapshot,
+    DeleteSession,
+    /// Names two sessions: the parent (field 1, checked by the auth layer) and the fork,
+    /// checked by the service.
+    ForkSession,
 }
 
 impl Rpc {
-    pub const ALL: [Rpc; 11] = [
+    pub const ALL: [Rpc; 13] = [
         Rpc::Append,
         Rpc::AppendStream,
         Rpc::Subscribe,
@@ -51,6 +55,8 @@ impl Rpc {
         Rpc::ReleaseLease,
         Rpc::PutSnapshot,
         Rpc::GetSnapshot,
+        Rpc::DeleteSession,
+        Rpc::ForkSession,
     ];
 
     pub fn from_method(method: &str) -> Option<Rpc> {
@@ -66,6 +72,8 @@ impl Rpc {
             "ReleaseLease" => Rpc::ReleaseLease,
             "PutSnapshot" => Rpc::PutSnapshot,
             "GetSnapshot" => Rpc::GetSnapshot,
+            "DeleteSession" => Rpc::DeleteSession,
+            "ForkSession" => Rpc::ForkSession,
             _ => return None,
         })
     }

@@ -380,6 +380,7 @@ async fn a_half_written_answer_is_finished_by_the_next_runner_without_running_an
                     content: "interrupted by the user (stop) before it started; it never ran"
                         .into(),
                     is_error: true,
+                    workspace_checkpoint: None,
                 }),
             )],
             Some(lease.epoch),

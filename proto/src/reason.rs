@@ -27,6 +27,9 @@ pub enum Reason {
     SeqConflict,
     /// The session does not exist.
     SessionNotFound,
+    /// The session was deleted (`DeleteSession`, or retention): it is gone for good, and
+    /// nothing can write it again.
+    SessionDeleted,
     /// An `approval_decision` answers no pending `approval_requested` (or a second time).
     ApprovalNotPending,
     /// The store's volume is full; appends resume by themselves once there is room.
@@ -35,12 +38,13 @@ pub enum Reason {
 
 impl Reason {
     /// Every reason, for tables and tests.
-    pub const ALL: [Reason; 7] = [
+    pub const ALL: [Reason; 8] = [
         Reason::LeaseFenced,
         Reason::LeaseHeld,
         Reason::LeaseRequired,
         Reason::SeqConflict,
         Reason::SessionNotFound,
+        Reason::SessionDeleted,
         Reason::ApprovalNotPending,
         Reason::DiskFull,
     ];
@@ -53,6 +57,7 @@ impl Reason {
             Reason::LeaseRequired => "LEASE_REQUIRED",
             Reason::SeqConflict => "SEQ_CONFLICT",
             Reason::SessionNotFound => "SESSION_NOT_FOUND",
+            Reason::SessionDeleted => "SESSION_DELETED",
             Reason::ApprovalNotPending => "APPROVAL_NOT_PENDING",
             Reason::DiskFull => "DISK_FULL",
         }
@@ -66,7 +71,7 @@ impl Reason {
             | Reason::LeaseRequired
             | Reason::ApprovalNotPending => Code::FailedPrecondition,
             Reason::SeqConflict => Code::Aborted,
-            Reason::SessionNotFound => Code::NotFound,
+            Reason::SessionNotFound | Reason::SessionDeleted => Code::NotFound,
             Reason::DiskFull => Code::ResourceExhausted,
         }
     }

@@ -397,6 +397,7 @@ impl FoldState {
                         tool_use_id: call.id.clone(),
                         content: MISSING_RESULT.to_string(),
                         is_error: true,
+                        workspace_checkpoint: None,
                     },
                 })
             })
@@ -484,6 +485,7 @@ mod tests {
             tool_use_id: id.into(),
             content: format!("out {id}"),
             is_error: false,
+            workspace_checkpoint: None,
         }))
     }
 
@@ -658,6 +660,7 @@ mod tests {
                     CallState::Finished(ToolResult {
                         tool_use_id: "a".into(),
                         content: "out a".into(),
+                        workspace_checkpoint: None,
                         is_error: false
                     })
                 ),

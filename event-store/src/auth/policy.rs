@@ -56,7 +56,7 @@ pub fn authorize(caller: &Caller, rpc: Rpc, target: &Target) -> Result<(), Denia
         return Ok(());
     }
     let who = &caller.name;
-    let role_may = match (caller.role, rpc) {
+    let refused = match (caller.role, rpc) {
         (
             _,
             Rpc::Append
@@ -65,14 +65,17 @@ pub fn authorize(caller: &Caller, rpc: Rpc, target: &Target) -> Result<(), Denia
             | Rpc::GetSession
             | Rpc::ListSessions
             | Rpc::GetSnapshot,
-        ) => true,
-        (Role::Runner, _) => true,
-        (Role::Client, _) => false,
-        (Role::Admin, _) => true,
+        ) => None,
+        // What a person decides on a session's life is not a runner's to do.
+        (Role::Runner, Rpc::DeleteSession | Rpc::ForkSession) => Some(("runner", "a client")),
+        (Role::Runner, _) => None,
+        (Role::Client, Rpc::DeleteSession | Rpc::ForkSession) => None,
+        (Role::Client, _) => Some(("client", "a runner")),
+        (Role::Admin, _) => None,
     };
-    if !role_may {
+    if let Some((role, needed)) = refused {
         return Err(Denial::Forbidden(format!(
-            "token {who:?} (role client) may not call {rpc:?}; that needs a runner or admin token"
+            "token {who:?} (role {role}) may not call {rpc:?}; that needs {needed} or admin token"
         )));
     }
     if matches!(

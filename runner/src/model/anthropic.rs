@@ -433,6 +433,7 @@ mod tests {
                 tool_use_id: "toolu_1".into(),
                 content: "hi\n".into(),
                 is_error: true,
+                workspace_checkpoint: None,
             })]),
         ]);
         let tools = Toolbox::specs();

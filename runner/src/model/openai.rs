@@ -451,6 +451,7 @@ mod tests {
                     tool_use_id: "call_a".into(),
                     content: "file\n".into(),
                     is_error: false,
+                    workspace_checkpoint: None,
                 }),
                 UserBlock::Text("and then?".into()),
             ]),

@@ -325,6 +325,7 @@ async fn append_result(
                 tool_use_id: id.to_string(),
                 content,
                 is_error,
+                workspace_checkpoint: None,
             }),
             Durability::Sync,
         )
