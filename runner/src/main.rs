@@ -11,7 +11,7 @@ use anyhow::{Context, Result};
 use clap::Parser;
 use runner::model::Model;
 use runner::tools::sandbox::{self, Ids, Sandbox, SandboxMode, ToolNetwork, HELPER_ARG, SELF_EXE};
-use runner::tools::{ToolPolicy, Toolbox};
+use runner::tools::{IgnoreRules, ToolPolicy, Toolbox};
 use runner::turn::TurnContext;
 use runner::worker::{claim_loop, ClaimConfig};
 use tokio::signal::unix::{signal, SignalKind};
@@ -101,6 +101,16 @@ struct Args {
     /// Defaults: bash and edit_file rerun-same-key, the others rerun.
     #[arg(long, env = "AGENTLOG_ON_UNKNOWN_OUTCOME", value_delimiter = ',')]
     on_unknown_outcome: Vec<String>,
+    /// Paths the workspace checkpoints leave out (a fork does not get them back), as
+    /// .gitignore-style globs; repeatable. Giving any replaces the defaults; '' keeps every
+    /// path.
+    #[arg(
+        long,
+        env = "AGENTLOG_CHECKPOINT_IGNORE",
+        value_delimiter = ',',
+        default_values_t = runner::tools::checkpoint::DEFAULT_IGNORE.map(String::from)
+    )]
+    checkpoint_ignore: Vec<String>,
 }
 
 fn main() -> Result<()> {
@@ -220,7 +230,8 @@ async fn run() -> Result<()> {
     );
     let context = Arc::new(TurnContext {
         model,
-        toolbox: Toolbox::new(args.workspace_root, sandbox),
+        toolbox: Toolbox::new(args.workspace_root, sandbox)
+            .with_checkpoint_ignore(IgnoreRules::new(&args.checkpoint_ignore)),
         tools: Toolbox::specs(),
         policy,
         max_tokens: args.max_tokens,
