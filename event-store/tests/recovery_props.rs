@@ -109,6 +109,9 @@ enum Summary {
         epoch: u64,
         released: bool,
     },
+    Fork {
+        session: String,
+    },
 }
 
 fn summary(record: &Record) -> Summary {
@@ -122,6 +125,9 @@ fn summary(record: &Record) -> Summary {
             session: l.session_id.clone(),
             epoch: l.epoch,
             released: l.released,
+        },
+        Record::Fork(f) => Summary::Fork {
+            session: f.session_id.clone(),
         },
     }
 }
@@ -419,6 +425,7 @@ async fn check_index(store: &Store, log: &[Record]) {
             Record::Lease(l) => {
                 epochs.insert(&l.session_id, l.epoch);
             }
+            Record::Fork(_) => {}
         }
     }
     for session in SESSIONS.into_iter().chain(["rp-tail"]) {

@@ -26,13 +26,16 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use agentlog_proto::v1::{
-    AppendResponse, Lease, ListSessionsRequest, ListSessionsResponse, SessionInfo,
+    AppendResponse, ForkSessionResponse, Lease, ListSessionsRequest, ListSessionsResponse,
+    SessionInfo,
 };
 use prost::Message;
 use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 use tokio_util::sync::CancellationToken;
 
-use crate::backend::{self, AppendAnswer, AppendOp, Backend, EventRun, Snapshot, SnapshotRead};
+use crate::backend::{
+    self, AppendAnswer, AppendOp, Backend, EventRun, ForkOp, Snapshot, SnapshotRead,
+};
 use crate::error::StoreError;
 use crate::queries::{self, ClaimAttempt};
 use crate::rules;
@@ -317,6 +320,25 @@ impl Store {
         .await
     }
 
+    /// `ForkSession`: the prefix is read and checked here, then the writer writes the whole
+    /// fork as one atomic append (its records flagged as one, so recovery keeps all of it
+    /// or none), after checking in its own state that the new session does not exist.
+    pub async fn fork(&self, op: ForkOp) -> Result<ForkSessionResponse, StoreError> {
+        if self.shared.get(&op.new_session_id).is_some() {
+            return Err(rules::session_exists(&op.new_session_id));
+        }
+        let prefix = backend::read_fork_prefix(self, &op.parent, op.at_seq).await?;
+        let plan = rules::plan_fork(
+            &op.new_session_id,
+            &op.parent,
+            op.at_seq,
+            prefix,
+            op.events,
+            now_unix_ms(),
+        )?;
+        self.submit(|tx| Op::Fork(Box::new(plan), tx)).await
+    }
+
     /// Keeps a snapshot of the session if the caller holds its live lease of `lease_epoch`
     /// and `seq` is within the log; returns the seq of the snapshot kept.
     pub async fn put_snapshot(
@@ -520,6 +542,10 @@ impl Backend for Store {
 
     async fn enqueue_append(&self, op: AppendOp) -> Result<AppendAnswer, StoreError> {
         Ok(Box::pin(Store::enqueue_append(self, op).await?))
+    }
+
+    async fn fork(&self, op: ForkOp) -> Result<ForkSessionResponse, StoreError> {
+        Store::fork(self, op).await
     }
 }
 

@@ -68,6 +68,7 @@ fn recover(
                     meta.apply_event(event);
                 }
                 Record::Lease(lease) => meta.apply_lease(lease),
+                Record::Fork(fork) => meta.apply_fork(fork),
             }
             batch.add(*pos, record);
             pending += 1;

@@ -29,7 +29,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, LazyLock};
 use std::time::{Duration, Instant};
 
-use agentlog_proto::v1::{AppendResponse, Durability, Lease};
+use agentlog_proto::v1::{AppendResponse, Durability, ForkSessionResponse, Lease};
 use prost::Message;
 use tokio::sync::mpsc::error::TryRecvError;
 use tokio::sync::{mpsc, oneshot};
@@ -71,6 +71,11 @@ pub enum Op {
         tracing::Span,
     ),
     Lease(LeaseOp, oneshot::Sender<Result<LeaseOutcome, StoreError>>),
+    /// A fork planned by [`rules::plan_fork`]: written if its session does not exist yet.
+    Fork(
+        Box<rules::ForkPlan>,
+        oneshot::Sender<Result<ForkSessionResponse, StoreError>>,
+    ),
 }
 
 pub enum LeaseOp {
@@ -137,6 +142,10 @@ enum Pending {
     Lease(
         oneshot::Sender<Result<LeaseOutcome, StoreError>>,
         LeaseOutcome,
+    ),
+    Fork(
+        oneshot::Sender<Result<ForkSessionResponse, StoreError>>,
+        ForkSessionResponse,
     ),
 }
 
@@ -309,6 +318,9 @@ impl Writer {
                 Op::Lease(_, reply) => {
                     let _ = reply.send(Err(refusal()));
                 }
+                Op::Fork(_, reply) => {
+                    let _ = reply.send(Err(refusal()));
+                }
             }
         }
         self.full = Some(reason);
@@ -345,6 +357,12 @@ impl Writer {
                         let _ = reply.send(Ok(outcome));
                     }
                     Ok(outcome) => pending.push(Pending::Lease(reply, outcome)),
+                    Err(e) => {
+                        let _ = reply.send(Err(e));
+                    }
+                },
+                Op::Fork(plan, reply) => match self.prepare_fork(*plan, &mut batch) {
+                    Ok(answer) => pending.push(Pending::Fork(reply, answer)),
                     Err(e) => {
                         let _ = reply.send(Err(e));
                     }
@@ -532,6 +550,51 @@ impl Writer {
         Ok(outcome)
     }
 
+    /// A fork's records, as one atomic append: its start, then every event of its log.
+    fn prepare_fork(
+        &mut self,
+        plan: rules::ForkPlan,
+        batch: &mut Batch,
+    ) -> Result<ForkSessionResponse, StoreError> {
+        let rules::ForkPlan {
+            record,
+            mut events,
+            meta,
+            seqs: _,
+        } = plan;
+        let session_id = record.session_id.clone();
+        if self
+            .sessions
+            .get(&session_id)
+            .is_some_and(|m| m.last_seq > 0)
+        {
+            return Err(rules::session_exists(&session_id));
+        }
+        let ids = self.recent_ids.entry(session_id.clone()).or_default();
+        for event in &mut events {
+            if event.event_id.is_empty() {
+                event.event_id = format!(
+                    "{GENERATED_ID_PREFIX}{}-{}",
+                    event.seq,
+                    crate::ids::random_uuid().simple()
+                );
+            } else if self_named_seq(&event.event_id) != Some(event.seq) {
+                ids.insert(event.event_id.clone(), event.seq);
+            }
+        }
+        let last_seq = meta.last_seq;
+        self.update_session(&session_id, |current| *current = meta);
+        batch.push(Record::Fork(record), !events.is_empty());
+        let count = events.len();
+        for (i, event) in events.into_iter().enumerate() {
+            batch.push(Record::Event(event), i + 1 < count);
+        }
+        Ok(ForkSessionResponse {
+            session_id,
+            last_seq,
+        })
+    }
+
     /// Changes one session's state, keeping the runnable order in step.
     fn update_session<T>(&mut self, session_id: &str, f: impl FnOnce(&mut SessionMeta) -> T) -> T {
         let meta = match self.sessions.get_mut(session_id) {
@@ -583,6 +646,16 @@ impl Op {
             // Session id and owner (each at most 128 bytes, with tags and lengths), epoch,
             // expiry and the released flag.
             Op::Lease(..) => (record::HEADER_LEN + 1 + 2 * 131 + 11 + 11 + 2) as u64,
+            // The fork's start (as a lease record bounds it), then its events, which have
+            // their ids already but may still get a generated one.
+            Op::Fork(plan, _) => {
+                (record::HEADER_LEN + 1 + 2 * 131 + 11 + 11) as u64
+                    + plan
+                        .events
+                        .iter()
+                        .map(|e| e.encoded_len() + PER_EVENT)
+                        .sum::<usize>() as u64
+            }
         }
     }
 }
@@ -595,6 +668,9 @@ impl Pending {
             }
             Pending::Lease(reply, outcome) => {
                 let _ = reply.send(Ok(outcome));
+            }
+            Pending::Fork(reply, answer) => {
+                let _ = reply.send(Ok(answer));
             }
         }
     }

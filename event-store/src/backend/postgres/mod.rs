@@ -36,8 +36,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use agentlog_proto::v1::{
-    AppendResponse, Event, Lease, ListSessionsRequest, ListSessionsResponse, SessionInfo,
-    SessionStatus,
+    AppendResponse, Event, ForkSessionResponse, Lease, ListSessionsRequest, ListSessionsResponse,
+    SessionInfo, SessionStatus,
 };
 use deadpool_postgres::{Hook, Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use prost::Message;
@@ -51,7 +51,7 @@ use tokio_util::sync::CancellationToken;
 
 use agentlog_proto::reason::Reason;
 
-use crate::backend::AppendOp;
+use crate::backend::{AppendOp, ForkOp};
 use crate::backend::{Backend, EventRun, Snapshot, SnapshotRead};
 use crate::queries::{long_poll_claim, ClaimAttempt, ListQuery};
 use crate::rules;
@@ -64,6 +64,8 @@ pub use wake::NotifyMode;
 
 /// Events read per query by a subscription.
 const READ_BATCH: i64 = 500;
+/// A fork's events are inserted this many to a statement, all in its one transaction.
+const FORK_INSERT_BATCH: usize = 2000;
 /// Attempts of an optimistic write before answering UNAVAILABLE (only reached when one
 /// session is written by very many callers at once).
 const MAX_ATTEMPTS: usize = 64;
@@ -728,6 +730,58 @@ async fn timed<T>(
     }
 }
 
+impl PgBackend {
+    /// Writes a planned fork in one transaction: the session's row first (so a session
+    /// that exists, or is being created by an append or another fork, refuses it), then its
+    /// events. `None` if the session exists.
+    async fn write_fork(&self, plan: &rules::ForkPlan) -> Result<Option<i64>, StoreError> {
+        let mut client = self.client().await?;
+        let columns = Columns::of(&plan.meta);
+        let session_id = plan.record.session_id.as_str();
+        let tx = timed("fork", client.transaction())
+            .await
+            .map_err(|e| self.timed_error(e))?;
+        let created = timed(
+            "fork",
+            tx.query_opt(
+                "INSERT INTO agentlog_sessions (session_id, version, meta, last_seq,                  updated_unix_ms, status, lease_expires_unix_ms, first_user_text)                  VALUES ($1, 1, $2, $3, $4, $5, $6, $7)                  ON CONFLICT (session_id) DO NOTHING RETURNING version",
+                &[
+                    &session_id,
+                    &columns.meta,
+                    &columns.last_seq,
+                    &columns.updated,
+                    &columns.status,
+                    &columns.lease_expires,
+                    &columns.first_user_text,
+                ],
+            ),
+        )
+        .await
+        .map_err(|e| self.timed_error(e))?;
+        let Some(created) = created else {
+            return Ok(None);
+        };
+        for chunk in plan.events.chunks(FORK_INSERT_BATCH) {
+            let seqs: Vec<i64> = chunk.iter().map(|e| e.seq as i64).collect();
+            let ids: Vec<&str> = chunk.iter().map(|e| e.event_id.as_str()).collect();
+            let bodies: Vec<Vec<u8>> = chunk.iter().map(Message::encode_to_vec).collect();
+            timed(
+                "fork",
+                tx.execute(
+                    "INSERT INTO agentlog_events (session_id, seq, event_id, body)                      SELECT $1, seq, event_id, body                      FROM unnest($2::bigint[], $3::text[], $4::bytea[]) AS ev(seq, event_id, body)",
+                    &[&session_id, &seqs, &ids, &bodies],
+                ),
+            )
+            .await
+            .map_err(|e| self.timed_error(e))?;
+        }
+        timed("fork", tx.commit())
+            .await
+            .map_err(|e| self.timed_error(e))?;
+        Ok(Some(created.get(0)))
+    }
+}
+
 /// What an append does against one state of the session: the rules of the local writer,
 /// through the same functions.
 struct Plan {
@@ -815,6 +869,47 @@ impl Backend for PgBackend {
             fresh_state = true;
         }
         Err(contended(&op.session_id))
+    }
+
+    async fn fork(&self, op: ForkOp) -> Result<ForkSessionResponse, StoreError> {
+        let client = self.client().await?;
+        let (existing, _) = self.refresh(&client, &op.new_session_id, &[]).await?;
+        drop(client);
+        if existing.meta.last_seq > 0 {
+            return Err(rules::session_exists(&op.new_session_id));
+        }
+        let prefix = crate::backend::read_fork_prefix(self, &op.parent, op.at_seq).await?;
+        let mut events = op.events;
+        for event in &mut events {
+            if event.event_id.is_empty() {
+                event.event_id = crate::ids::random_uuid().to_string();
+            }
+        }
+        let now = now_unix_ms();
+        let plan = rules::plan_fork(
+            &op.new_session_id,
+            &op.parent,
+            op.at_seq,
+            prefix,
+            events,
+            now,
+        )?;
+        let Some(version) = self.write_fork(&plan).await? else {
+            return Err(rules::session_exists(&op.new_session_id));
+        };
+        let meta = Arc::new(plan.meta);
+        self.remember(
+            &op.new_session_id,
+            &Cached {
+                version,
+                meta: meta.clone(),
+            },
+        );
+        self.changed(&op.new_session_id, &meta, now);
+        Ok(ForkSessionResponse {
+            session_id: op.new_session_id,
+            last_seq: meta.last_seq,
+        })
     }
 
     fn subscribe(

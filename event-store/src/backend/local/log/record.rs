@@ -5,7 +5,7 @@
 use agentlog_proto::v1::Event;
 use prost::Message;
 
-use crate::session::LeaseRecord;
+use crate::session::{ForkRecord, LeaseRecord};
 
 pub const HEADER_LEN: usize = 8;
 /// No valid record is larger: an event is at most 1 MiB, plus its envelope.
@@ -13,17 +13,20 @@ pub const MAX_BODY_LEN: usize = 4 << 20;
 
 const KIND_EVENT: u8 = 1;
 const KIND_LEASE: u8 = 2;
+const KIND_FORK: u8 = 3;
 /// Set on every record of a multi-record append but its last: recovery keeps an append
 /// only if its last record survived, so an append is all or nothing even when power is
 /// cut in the middle of its write.
 const CONTINUED: u8 = 0x80;
 
-/// What the log holds: session events, and lease grants (so a lease epoch is durable before
-/// it is handed out and never repeats, even across crashes).
+/// What the log holds: session events, lease grants (so a lease epoch is durable before
+/// it is handed out and never repeats, even across crashes), and the start of a fork (the
+/// first record of its atomic append, before the copied events).
 #[derive(Clone, Debug, PartialEq)]
 pub enum Record {
     Event(Event),
     Lease(LeaseRecord),
+    Fork(ForkRecord),
 }
 
 impl Record {
@@ -31,6 +34,7 @@ impl Record {
         match self {
             Record::Event(e) => &e.session_id,
             Record::Lease(l) => &l.session_id,
+            Record::Fork(f) => &f.session_id,
         }
     }
 
@@ -48,6 +52,10 @@ impl Record {
             Record::Lease(l) => {
                 buf.push(KIND_LEASE | flag);
                 l.encode(buf).expect("Vec grows as needed");
+            }
+            Record::Fork(f) => {
+                buf.push(KIND_FORK | flag);
+                f.encode(buf).expect("Vec grows as needed");
             }
         }
         let body_len = buf.len() - start - HEADER_LEN;
@@ -108,6 +116,7 @@ pub fn decode(frame: &[u8]) -> Result<Frame, FrameError> {
     let record = match body[0] & !CONTINUED {
         KIND_EVENT => Record::Event(Event::decode(payload).map_err(bad)?),
         KIND_LEASE => Record::Lease(LeaseRecord::decode(payload).map_err(bad)?),
+        KIND_FORK => Record::Fork(ForkRecord::decode(payload).map_err(bad)?),
         other => return Err(FrameError::Body(format!("unknown record kind {other}"))),
     };
     Ok(Frame {
@@ -232,17 +241,25 @@ mod tests {
 
     #[test]
     fn round_trips() {
-        for continued in [false, true] {
-            let mut buf = Vec::new();
-            let n = sample().encode_into(&mut buf, continued);
-            assert_eq!(n, buf.len());
-            assert_eq!(
-                decode(&buf),
-                Ok(Frame {
-                    record: sample(),
-                    continued
-                })
-            );
+        let fork = Record::Fork(ForkRecord {
+            session_id: "f".into(),
+            parent: "s1".into(),
+            seq: 7,
+            ts_unix_ms: 9,
+        });
+        for record in [sample(), fork] {
+            for continued in [false, true] {
+                let mut buf = Vec::new();
+                let n = record.encode_into(&mut buf, continued);
+                assert_eq!(n, buf.len());
+                assert_eq!(
+                    decode(&buf),
+                    Ok(Frame {
+                        record: record.clone(),
+                        continued
+                    })
+                );
+            }
         }
     }
 
