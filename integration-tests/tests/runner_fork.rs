@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use agentlog_proto::reason::Reason;
 use agentlog_proto::v1::{event::Kind, Event, ForkSessionRequest, UserMessage};
-use fork_support::{describe, Copies, Counter};
+use fork_support::{describe, ignoring_times, Copies, Counter};
 use integration_tests::anthropic_standin::StandinReply;
 use runner_support::*;
 use serde_json::json;
@@ -199,4 +199,83 @@ async fn a_fork_at_every_settled_seq_has_the_parents_log_and_files_and_reruns_no
         assert_eq!(keys.get(key), Some(n), "{key}");
     }
     assert_eq!(rig.standin.violations(), Vec::<String>::new());
+}
+
+/// A fork made while its parent's call runs starts from the point it names, and the parent
+/// goes on untouched; a fork of that fork starts from its parent's files.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_fork_made_while_the_parent_runs_and_a_fork_of_a_fork() {
+    let counter = Counter::start();
+    let report = counter.report();
+    let script = vec![
+        StandinReply::text("Working.")
+            .tool(
+                "bash",
+                json!({"command": format!(
+                    "printf one > one.txt && mkdir -p d && ln -sfn ../one.txt d/link && sleep 1 && {report}"
+                )}),
+            )
+            .tool("write_file", json!({"path": "two.txt", "content": "two\n"})),
+        StandinReply::text("Done."),
+        StandinReply::text("Continued."),
+    ];
+    let rig = Rig::start(script).await;
+    let copies_dir = tempfile::tempdir().expect("temp dir");
+    let (copies, hook) = Copies::hook(rig.workspaces.path(), copies_dir.path());
+    rig.standin.on_request(hook);
+    let _runner = rig.runner("r1", TTL_MS, &["--tool-network", "all"]);
+    let mut client = rig.client.clone();
+
+    user_says(&mut client, "p", "go").await;
+    wait_for_log(&mut client, "p", IDLE, |events| has(events, "started")).await;
+    client
+        .fork_session(ForkSessionRequest {
+            session_id: "p".into(),
+            at_seq: 1,
+            new_session_id: "f".into(),
+            events: vec![],
+        })
+        .await
+        .expect("a fork while the parent's call runs");
+    let parent = wait_idle(&mut client, "p", 1, IDLE).await;
+    let fork = wait_idle(&mut client, "f", 1, IDLE).await;
+    assert_exactly_once_ending(&parent, "end_turn");
+    assert_exactly_once_ending(&fork, "end_turn");
+    // The fork ran the calls its model asked for, as calls of its own; the parent's ran once.
+    let keys = counter.counts();
+    let expected: Vec<String> = vec!["f/toolu_0_0".into(), "p/toolu_0_0".into()];
+    assert_eq!(keys.keys().cloned().collect::<Vec<_>>(), expected);
+    assert!(keys.values().all(|&n| n == 1), "{keys:?}");
+    let root = rig.workspaces.path();
+    assert_eq!(
+        ignoring_times(describe(&root.join("f"), &[])),
+        ignoring_times(describe(&root.join("p"), &[]))
+    );
+
+    // A fork of the fork, at its final reply: it starts with the fork's files.
+    let at = fork.last().map(|e| e.seq).expect("events");
+    let before = copies.count();
+    client
+        .fork_session(ForkSessionRequest {
+            session_id: "f".into(),
+            at_seq: at,
+            new_session_id: "g".into(),
+            events: vec![user_event("go on")],
+        })
+        .await
+        .expect("a fork of a fork");
+    let request = wait_requests(&copies, before).await;
+    let f_files = describe(&root.join("f"), &[]);
+    assert!(f_files.contains_key("d/link") && f_files.contains_key("two.txt"));
+    assert_eq!(copies.of(request, "g", &[]), f_files);
+    let grandchild = wait_idle(&mut client, "g", at + 1, IDLE).await;
+    assert_eq!(
+        contents(&grandchild[..at as usize]),
+        contents(&fork[..at as usize])
+    );
+    assert_eq!(
+        counter.counts().len(),
+        2,
+        "the fork of a fork reran nothing"
+    );
 }

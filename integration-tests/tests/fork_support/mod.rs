@@ -166,3 +166,19 @@ pub fn describe(dir: &Path, left_out: &[&str]) -> BTreeMap<String, String> {
     walk(dir, dir, left_out, &mut out);
     out
 }
+
+/// [`describe`]'s view without files' mtimes: for trees made by the same calls at other
+/// times.
+pub fn ignoring_times(tree: BTreeMap<String, String>) -> BTreeMap<String, String> {
+    tree.into_iter()
+        .map(|(path, what)| {
+            let what = match what.split_once(" mtime ") {
+                Some((head, rest)) => {
+                    format!("{head} {}", rest.split_once(' ').map_or("", |(_, c)| c))
+                }
+                None => what,
+            };
+            (path, what)
+        })
+        .collect()
+}

@@ -31,7 +31,7 @@
 //!   event names, kept until the session is deleted. The next runner's guard settles the
 //!   call as always (re-run, report or ask), and its checkpoint compares against `last`,
 //!   which names either that checkpoint or the one before: both are true records, so the
-//!   new one is exact either way (`runner/tests/tool_guard.rs`, `fork_crash.rs`).
+//!   new one is exact either way (`runner/tests/tool_guard.rs`, `integration-tests/tests/runner_fork_crash.rs`).
 //! - a restore killed before `restored` is durable: no tool has run in the fork's
 //!   workspace, so the next claim moves what is there aside and restores again.
 //! - the GC killed mid-sweep: it only removes what nothing names; the next run finishes.
