@@ -12,6 +12,7 @@ mod appenders;
 mod baselines;
 mod disk;
 mod fanout;
+mod fork;
 mod load;
 mod profile;
 mod report;
@@ -80,6 +81,18 @@ struct Args {
     /// `--no-baselines`), e.g. after a change to the read path.
     #[arg(long)]
     only_catch_up: bool,
+    /// Run only the fork figures (section 7): checkpoint, restore and ForkSession.
+    #[arg(long)]
+    only_fork: bool,
+    /// Files in the workspace of the checkpoint figures.
+    #[arg(long, default_value_t = 10_000)]
+    fork_files: usize,
+    /// Bytes of those files in all.
+    #[arg(long, default_value_t = 200 << 20)]
+    fork_bytes: u64,
+    /// Events in the session ForkSession copies.
+    #[arg(long, default_value_t = 100_000)]
+    fork_events: usize,
     /// Session sizes (events) of the resume figure.
     #[arg(long, value_delimiter = ',', default_value = "10,1000,10000,100000")]
     resume_sizes: Vec<usize>,
@@ -118,6 +131,7 @@ struct Plan {
     fan_out_interval: Duration,
     resume_sizes: Vec<usize>,
     footprint: (usize, usize),
+    fork: fork::ForkPlan,
 }
 
 impl Plan {
@@ -137,6 +151,13 @@ impl Plan {
                 fan_out_interval: Duration::from_millis(10),
                 resume_sizes: vec![10, 1_000],
                 footprint: (100, 10),
+                fork: fork::ForkPlan {
+                    files: 300,
+                    bytes: 3 << 20,
+                    changed: 10,
+                    events: 2_000,
+                    runs: 1,
+                },
             };
         }
         Plan {
@@ -153,6 +174,13 @@ impl Plan {
             fan_out_interval: Duration::from_millis(20),
             resume_sizes: args.resume_sizes.clone(),
             footprint: (args.footprint_sessions, 100),
+            fork: fork::ForkPlan {
+                files: args.fork_files,
+                bytes: args.fork_bytes,
+                changed: 10,
+                events: args.fork_events,
+                runs: args.runs.max(1),
+            },
         }
     }
 }
@@ -360,6 +388,9 @@ async fn run_suite(
     if args.only_catch_up {
         return only_catch_up(args, plan, dir, report).await;
     }
+    if args.only_fork {
+        return fork_section(plan, dir, report).await;
+    }
     // 1. The limits of the disk, first.
     progress("raw write + fdatasync");
     let back_to_back = |layout, batch| disk::RawCase {
@@ -512,6 +543,9 @@ async fn run_suite(
     // 5. Resume, on a store of its own (the load sessions above are all runnable).
     resume_section(plan, dir, report).await?;
 
+    // 7. Forks: checkpoints, restores and ForkSession.
+    fork_section(plan, dir, report).await?;
+
     // 6. Memory and disk.
     progress("footprint");
     let (sessions, per_session) = plan.footprint;
@@ -535,6 +569,22 @@ async fn resume_section(plan: &Plan, dir: &Path, report: &mut Report) -> anyhow:
         plan.runs,
     )
     .await?;
+    Ok(())
+}
+
+/// Section 7, in a directory and on a store of its own.
+async fn fork_section(plan: &Plan, dir: &Path, report: &mut Report) -> anyhow::Result<()> {
+    progress("forks: checkpoint against git status, restore against cp -a");
+    let fork_dir = fresh_dir(dir, "fork")?;
+    let mut figures = fork::ForkFigures {
+        plan: Some(plan.fork),
+        ..fork::ForkFigures::default()
+    };
+    tokio::task::block_in_place(|| fork::workspace_figures(&fork_dir, plan.fork, &mut figures))?;
+    progress("forks: ForkSession against Subscribe");
+    fork::log_figures(&fork_dir, plan.fork, &mut figures).await?;
+    report.fork = figures;
+    std::fs::remove_dir_all(&fork_dir)?;
     Ok(())
 }
 

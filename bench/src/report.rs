@@ -66,6 +66,7 @@ pub struct Report {
     pub fan_out: (usize, Duration, FanOutRows),
     pub resume: Vec<crate::resume::ResumeRow>,
     pub footprint: Option<Footprint>,
+    pub fork: crate::fork::ForkFigures,
 }
 
 fn shell(program: &str, args: &[&str]) -> String {
@@ -165,6 +166,7 @@ impl Report {
         self.render_subscribe(md)?;
         self.render_resume(md)?;
         self.render_footprint(md)?;
+        self.render_fork(md)?;
         self.render_method(md)?;
         if !self.notes.is_empty() {
             writeln!(md, "## Notes from this run\n")?;
@@ -683,6 +685,62 @@ impl Report {
             )?;
         }
         writeln!(md)?;
+        Ok(())
+    }
+
+    fn render_fork(&self, md: &mut String) -> std::fmt::Result {
+        let f = &self.fork;
+        let Some(plan) = f.plan else {
+            return Ok(());
+        };
+        writeln!(md, "## 7. Forks: workspace checkpoints, restores, ForkSession\n")?;
+        writeln!(
+            md,
+            "A workspace of {} files of random content ({} MB in all, 100 to a directory), \
+             with a git index beside it (`--git-dir` outside the tree). Each run rewrites {} \
+             files (same sizes, new content) as a tool call would, then times the runner's \
+             checkpoint (what the guard records before the `tool_result`) and `git status \
+             --porcelain` on the same tree, in turn. The session's first checkpoint, which \
+             reads and stores every file, took {:.0} ms. The restore is the runner's fork \
+             restore (staged beside the workspaces, every byte synced with one `syncfs`, \
+             moved into place, marked) against `cp -a` of the tree, and `cp -a` then \
+             `sync -f`. The fork is `ForkSession` of a session of {} events (300-byte user \
+             turns) at its last seq, against a `Subscribe` that reads the same events.\n",
+            fmt_int(plan.files),
+            plan.bytes >> 20,
+            plan.changed,
+            f.first_checkpoint_ms,
+            fmt_int(plan.events)
+        )?;
+        writeln!(
+            md,
+            "| figure | agentlog ms | baseline | baseline ms | ratio |\n|---|---|---|---|---|"
+        )?;
+        let rows = [
+            ("checkpoint after a tool call", &f.checkpoint_ms, "git status", &f.git_status_ms),
+            ("restore for a fork", &f.restore_ms, "cp -a", &f.cp_ms),
+            ("restore for a fork", &f.restore_ms, "cp -a && sync -f", &f.cp_sync_ms),
+            ("ForkSession", &f.fork_ms, "Subscribe of the same events", &f.subscribe_ms),
+        ];
+        for (what, ours, baseline, theirs) in rows {
+            let ratio = if ours.is_empty() || theirs.is_empty() {
+                "–".to_string()
+            } else {
+                fmt_ratio(ours.median() / theirs.median())
+            };
+            writeln!(
+                md,
+                "| {what} | {} | {baseline} | {} | {ratio} |",
+                cell_ms(ours),
+                cell_ms(theirs)
+            )?;
+        }
+        writeln!(
+            md,
+            "\nFiles the checkpoint read per run (the changed ones, and any it could not trust \
+             by their metadata): median {:.0}.\n",
+            f.files_read.median()
+        )?;
         Ok(())
     }
 
