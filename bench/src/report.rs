@@ -693,7 +693,10 @@ impl Report {
         let Some(plan) = f.plan else {
             return Ok(());
         };
-        writeln!(md, "## 7. Forks: workspace checkpoints, restores, ForkSession\n")?;
+        writeln!(
+            md,
+            "## 7. Forks: workspace checkpoints, restores, ForkSession\n"
+        )?;
         writeln!(
             md,
             "A workspace of {} files of random content ({} MB in all, 100 to a directory), \
@@ -717,10 +720,25 @@ impl Report {
             "| figure | agentlog ms | baseline | baseline ms | ratio |\n|---|---|---|---|---|"
         )?;
         let rows = [
-            ("checkpoint after a tool call", &f.checkpoint_ms, "git status", &f.git_status_ms),
+            (
+                "checkpoint after a tool call",
+                &f.checkpoint_ms,
+                "git status",
+                &f.git_status_ms,
+            ),
             ("restore for a fork", &f.restore_ms, "cp -a", &f.cp_ms),
-            ("restore for a fork", &f.restore_ms, "cp -a && sync -f", &f.cp_sync_ms),
-            ("ForkSession", &f.fork_ms, "Subscribe of the same events", &f.subscribe_ms),
+            (
+                "restore for a fork",
+                &f.restore_ms,
+                "cp -a && sync -f",
+                &f.cp_sync_ms,
+            ),
+            (
+                "ForkSession",
+                &f.fork_ms,
+                "Subscribe of the same events",
+                &f.subscribe_ms,
+            ),
         ];
         for (what, ours, baseline, theirs) in rows {
             let ratio = if ours.is_empty() || theirs.is_empty() {

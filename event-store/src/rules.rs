@@ -400,27 +400,30 @@ impl ForkPoint {
     }
 }
 
-/// A fork as both backends write it: its first record, then every event of its log (the
-/// parent's prefix with the fork's session id, then the request's new events, numbered),
-/// and the state they make.
+/// A fork as both backends write it: its first record, the parent's prefix (each backend
+/// copies it in its own form, with the fork's session id), then the request's new events,
+/// numbered; and the state they make.
 #[derive(Debug)]
 pub struct ForkPlan {
     pub record: ForkRecord,
-    pub events: Vec<Event>,
+    /// The request's events that are new, numbered after the prefix.
+    pub fresh: Vec<Event>,
     pub meta: SessionMeta,
     /// One per event of the request: its seq (the prefix's, for an id the prefix holds).
     pub seqs: Vec<u64>,
 }
 
 /// The fork `new_id` of `parent` at `at_seq`, from `prefix` (the parent's events 1..at_seq,
-/// checked settled) and `extra` (the request's events: a person's kinds only, as an append
-/// without a lease; an id the prefix holds is answered with its seq and not written again).
-/// The copied events keep their ids, times and contents; only their session id changes.
-pub fn plan_fork(
+/// checked settled: what the session's state needs of each, its seq, id, time and kind; a
+/// user message's text only until one has text, see [`SessionMeta::apply_event`]) and
+/// `extra` (the request's events: a person's kinds only, as an append without a lease; an id
+/// the prefix holds is answered with its seq and not written again). The copied events keep
+/// their ids, times and contents; only their session id changes.
+pub fn plan_fork<'a>(
     new_id: &str,
     parent: &str,
     at_seq: u64,
-    prefix: Vec<Event>,
+    prefix: impl IntoIterator<Item = &'a Event>,
     extra: Vec<Event>,
     now: i64,
 ) -> Result<ForkPlan, StoreError> {
@@ -433,15 +436,12 @@ pub fn plan_fork(
     };
     let mut meta = SessionMeta::default();
     meta.apply_fork(&record);
-    let mut ids = HashMap::with_capacity(prefix.len());
-    let mut events = Vec::with_capacity(prefix.len() + extra.len());
-    for mut event in prefix {
-        event.session_id = new_id.to_string();
-        meta.apply_event(&event);
-        if !event.event_id.is_empty() {
+    let mut ids = HashMap::new();
+    for event in prefix {
+        meta.apply_event(event);
+        if !event.event_id.is_empty() && extra.iter().any(|e| e.event_id == event.event_id) {
             ids.insert(event.event_id.clone(), event.seq);
         }
-        events.push(event);
     }
     let numbered = number(new_id, extra, at_seq, now, |id| {
         Ok::<_, StoreError>(ids.get(id).copied())
@@ -450,10 +450,9 @@ pub fn plan_fork(
     for event in &numbered.fresh {
         meta.apply_event(event);
     }
-    events.extend(numbered.fresh);
     Ok(ForkPlan {
         record,
-        events,
+        fresh: numbered.fresh,
         meta,
         seqs: numbered.seqs,
     })
@@ -775,24 +774,20 @@ mod tests {
     }
 
     #[test]
-    fn a_forks_log_is_the_prefix_as_it_was_then_the_new_events() {
+    fn a_forks_state_is_the_prefix_then_the_new_events() {
         let log = forkable_log();
         let extra = vec![
             with_id("e2", user("a repeat of a prefix id")),
             with_id("x1", user("edited")),
         ];
-        let plan = plan_fork("f", "p", 8, log[..8].to_vec(), extra, NOW).expect("fork");
+        let plan = plan_fork("f", "p", 8, &log[..8], extra, NOW).expect("fork");
         assert_eq!(plan.seqs, vec![2, 9]);
-        assert_eq!(plan.events.len(), 9);
-        for (copied, original) in plan.events.iter().zip(&log[..8]) {
-            assert_eq!(copied.session_id, "f");
-            let same = Event {
-                session_id: original.session_id.clone(),
-                ..copied.clone()
-            };
-            assert_eq!(&same, original, "ids, times and contents are kept");
-        }
-        assert_eq!((plan.events[8].seq, plan.events[8].ts_unix_ms), (9, NOW));
+        assert_eq!(plan.fresh.len(), 1);
+        let fresh = &plan.fresh[0];
+        assert_eq!(
+            (fresh.session_id.as_str(), fresh.seq, fresh.ts_unix_ms),
+            ("f", 9, NOW)
+        );
         assert_eq!(plan.meta.last_seq, 9);
         assert_eq!(plan.meta.created_unix_ms, NOW);
         assert!(plan.meta.is_runnable());
@@ -803,7 +798,7 @@ mod tests {
             0,
             event::Kind::RunError(agentlog_proto::v1::RunError::default()),
         )];
-        let refused = plan_fork("f", "p", 8, log[..8].to_vec(), runner_kind, NOW);
+        let refused = plan_fork("f", "p", 8, &log[..8], runner_kind, NOW);
         assert_eq!(reason(refused), Reason::LeaseRequired);
     }
 }

@@ -129,6 +129,11 @@ fn summary(record: &Record) -> Summary {
         Record::Fork(f) => Summary::Fork {
             session: f.session_id.clone(),
         },
+        Record::Copied(c) => Summary::Event {
+            session: c.session_id.to_string(),
+            event_id: c.event_id.clone(),
+            seq: c.seq,
+        },
     }
 }
 
@@ -425,7 +430,7 @@ async fn check_index(store: &Store, log: &[Record]) {
             Record::Lease(l) => {
                 epochs.insert(&l.session_id, l.epoch);
             }
-            Record::Fork(_) => {}
+            Record::Fork(_) | Record::Copied(_) => {}
         }
     }
     for session in SESSIONS.into_iter().chain(["rp-tail"]) {

@@ -332,3 +332,40 @@ fn grpcurl_forks_as_the_contract_spells_it() {
     assert_eq!(out["sessionId"], "g2");
     assert_eq!(out["lastSeq"], "2");
 }
+
+#[tokio::test]
+async fn a_follower_waiting_for_the_fork_gets_its_whole_log_live() {
+    let store = Store::start().expect("store");
+    let mut client = store.client().await.expect("client");
+    parent(&mut client, "p").await;
+    let mut live = client
+        .subscribe(agentlog_proto::v1::SubscribeRequest {
+            session_id: "f-live".into(),
+            from_seq: 1,
+            follow: true,
+        })
+        .await
+        .expect("follow a session that does not exist yet")
+        .into_inner();
+    // The follow is registered before the fork exists.
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    fork(&mut client, "p", 8, "f-live", vec![user("u3", "third")])
+        .await
+        .expect("fork");
+    let parent_log = read_log(&mut client, "p").await;
+    let mut seen = Vec::new();
+    while seen.len() < 9 {
+        let event = tokio::time::timeout(std::time::Duration::from_secs(10), live.message())
+            .await
+            .expect("the fork's events arrive")
+            .expect("stream")
+            .expect("an event");
+        seen.push(event);
+    }
+    assert!(seen.iter().all(|e| e.session_id == "f-live"));
+    assert_eq!(
+        seen[..8].iter().map(content).collect::<Vec<_>>(),
+        parent_log.iter().map(content).collect::<Vec<_>>()
+    );
+    assert_eq!(seen[8].seq, 9);
+}

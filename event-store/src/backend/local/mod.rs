@@ -320,23 +320,70 @@ impl Store {
         .await
     }
 
-    /// `ForkSession`: the prefix is read and checked here, then the writer writes the whole
-    /// fork as one atomic append (its records flagged as one, so recovery keeps all of it
-    /// or none), after checking in its own state that the new session does not exist.
+    /// `ForkSession`: the parent's prefix is read as it is stored and checked here, each
+    /// event parsed only as far as the settled-point rule and the fork's state need; the
+    /// writer then writes the whole fork as one atomic append of the stored events (each
+    /// with the fork's session id after it, [`log::record::CopiedEvent`]), after checking
+    /// in its own state that the new session does not exist. Nothing is decoded and encoded
+    /// again but what the rules read.
     pub async fn fork(&self, op: ForkOp) -> Result<ForkSessionResponse, StoreError> {
         if self.shared.get(&op.new_session_id).is_some() {
             return Err(rules::session_exists(&op.new_session_id));
         }
-        let prefix = backend::read_fork_prefix(self, &op.parent, op.at_seq).await?;
+        let last_seq = Store::get_session(self, &op.parent)?.last_seq;
+        let fork_id: std::sync::Arc<str> = op.new_session_id.as_str().into();
+        let mut point = rules::ForkPoint::new(op.at_seq);
+        let capacity = op.at_seq.min(last_seq) as usize;
+        let mut copied = Vec::with_capacity(capacity);
+        let mut states = Vec::with_capacity(capacity);
+        let mut want_text = true;
+        let cancel = CancellationToken::new();
+        let _stop = cancel.clone().drop_guard();
+        let mut runs = Store::subscribe(self, op.parent.clone(), 1, false, cancel);
+        let undecodable =
+            |e: log::record::FrameError| StoreError::Internal(format!("a stored event: {e}"));
+        'read: while let Some(run) = runs.recv().await {
+            let messages: Vec<bytes::Bytes> = match run? {
+                EventRun::Framed(framed) => framed.messages().collect::<Result<_, _>>()?,
+                EventRun::Decoded(events) => events
+                    .iter()
+                    .map(|e| bytes::Bytes::from(e.encode_to_vec()))
+                    .collect(),
+            };
+            for message in messages {
+                let state =
+                    log::record::event_for_state(&message, want_text).map_err(undecodable)?;
+                let done = point.apply(&state);
+                if state.seq <= op.at_seq {
+                    if matches!(&state.kind, Some(agentlog_proto::v1::event::Kind::UserMessage(m)) if !m.text.is_empty())
+                    {
+                        want_text = false;
+                    }
+                    copied.push(log::record::CopiedEvent {
+                        session_id: fork_id.clone(),
+                        seq: state.seq,
+                        event_id: state.event_id.clone(),
+                        message,
+                    });
+                    states.push(state);
+                }
+                if done {
+                    break 'read;
+                }
+            }
+        }
+        point.verdict(&op.parent, last_seq)?;
         let plan = rules::plan_fork(
             &op.new_session_id,
             &op.parent,
             op.at_seq,
-            prefix,
+            &states,
             op.events,
             now_unix_ms(),
         )?;
-        self.submit(|tx| Op::Fork(Box::new(plan), tx)).await
+        drop(states);
+        self.submit(|tx| Op::Fork(Box::new(writer::ForkWrite { plan, copied }), tx))
+            .await
     }
 
     /// Keeps a snapshot of the session if the caller holds its live lease of `lease_epoch`

@@ -57,8 +57,20 @@ impl Shared {
         // Each run of one session's events goes to its followers as one slice, in order.
         let mut run: Vec<Event> = Vec::new();
         for record in records {
-            let Record::Event(event) = record else {
-                continue;
+            let event = match record {
+                Record::Event(event) => event,
+                // A fork's copied prefix is decoded only for someone already following the
+                // fork (rare: it is a new session); the others read it from the log.
+                Record::Copied(copied) if self.hub.follows(&copied.session_id) => {
+                    match copied.decode() {
+                        Ok(event) => event,
+                        Err(e) => {
+                            tracing::error!(error = %e, "a copied event does not decode");
+                            continue;
+                        }
+                    }
+                }
+                _ => continue,
             };
             if run.last().is_some_and(|e| e.session_id != event.session_id) {
                 self.hub.publish(std::mem::take(&mut run));

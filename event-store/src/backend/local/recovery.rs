@@ -54,21 +54,29 @@ fn recover(
                 return;
             }
             let meta = sessions.entry(record.session_id().to_string()).or_default();
-            match record {
-                Record::Event(event) => {
-                    if event.seq != meta.last_seq + 1 {
-                        failure = Some(IndexError::SeqGap {
-                            offset: pos.offset,
-                            session: event.session_id.clone(),
-                            seq: event.seq,
-                            expected: meta.last_seq + 1,
-                        });
-                        return;
-                    }
-                    meta.apply_event(event);
+            if let Some((session, seq, _)) = record.event_place() {
+                if seq != meta.last_seq + 1 {
+                    failure = Some(IndexError::SeqGap {
+                        offset: pos.offset,
+                        session: session.to_string(),
+                        seq,
+                        expected: meta.last_seq + 1,
+                    });
+                    return;
                 }
+            }
+            match record {
+                Record::Event(event) => meta.apply_event(event),
                 Record::Lease(lease) => meta.apply_lease(lease),
                 Record::Fork(fork) => meta.apply_fork(fork),
+                // What the log is read into: never a copy (it decodes as an event).
+                Record::Copied(copied) => match copied.decode() {
+                    Ok(event) => meta.apply_event(&event),
+                    Err(e) => {
+                        failure = Some(IndexError::Corrupt(format!("a copied event: {e}")));
+                        return;
+                    }
+                },
             }
             batch.add(*pos, record);
             pending += 1;

@@ -37,6 +37,7 @@ use tokio::sync::{mpsc, oneshot};
 use agentlog_proto::reason::Reason;
 
 use super::index::{self_named_seq, Index, IndexBatch, Recent, GENERATED_ID_PREFIX};
+use super::log::record::CopiedEvent;
 use super::log::{record, LogError, LogReader, LogWriter, Record};
 use super::published::Shared;
 use crate::backend::AppendOp;
@@ -71,11 +72,18 @@ pub enum Op {
         tracing::Span,
     ),
     Lease(LeaseOp, oneshot::Sender<Result<LeaseOutcome, StoreError>>),
-    /// A fork planned by [`rules::plan_fork`]: written if its session does not exist yet.
+    /// A fork: written if its session does not exist yet.
     Fork(
-        Box<rules::ForkPlan>,
+        Box<ForkWrite>,
         oneshot::Sender<Result<ForkSessionResponse, StoreError>>,
     ),
+}
+
+/// A fork as the local log writes it: the plan ([`rules::plan_fork`]) and the parent's
+/// prefix as it was stored ([`CopiedEvent`]s).
+pub struct ForkWrite {
+    pub plan: rules::ForkPlan,
+    pub copied: Vec<CopiedEvent>,
 }
 
 pub enum LeaseOp {
@@ -361,7 +369,7 @@ impl Writer {
                         let _ = reply.send(Err(e));
                     }
                 },
-                Op::Fork(plan, reply) => match self.prepare_fork(*plan, &mut batch) {
+                Op::Fork(fork, reply) => match self.prepare_fork(*fork, &mut batch) {
                     Ok(answer) => pending.push(Pending::Fork(reply, answer)),
                     Err(e) => {
                         let _ = reply.send(Err(e));
@@ -550,15 +558,17 @@ impl Writer {
         Ok(outcome)
     }
 
-    /// A fork's records, as one atomic append: its start, then every event of its log.
+    /// A fork's records, as one atomic append: its start, the copied prefix, then the
+    /// request's new events.
     fn prepare_fork(
         &mut self,
-        plan: rules::ForkPlan,
+        fork: ForkWrite,
         batch: &mut Batch,
     ) -> Result<ForkSessionResponse, StoreError> {
+        let ForkWrite { plan, copied } = fork;
         let rules::ForkPlan {
             record,
-            mut events,
+            mut fresh,
             meta,
             seqs: _,
         } = plan;
@@ -571,23 +581,33 @@ impl Writer {
             return Err(rules::session_exists(&session_id));
         }
         let ids = self.recent_ids.entry(session_id.clone()).or_default();
-        for event in &mut events {
+        ids.reserve(copied.len() + fresh.len());
+        for event in &copied {
+            if self_named_seq(&event.event_id) != Some(event.seq) {
+                ids.insert(event.event_id.clone(), event.seq);
+            }
+        }
+        for event in &mut fresh {
             if event.event_id.is_empty() {
                 event.event_id = format!(
                     "{GENERATED_ID_PREFIX}{}-{}",
                     event.seq,
                     crate::ids::random_uuid().simple()
                 );
-            } else if self_named_seq(&event.event_id) != Some(event.seq) {
+            } else {
                 ids.insert(event.event_id.clone(), event.seq);
             }
         }
         let last_seq = meta.last_seq;
         self.update_session(&session_id, |current| *current = meta);
-        batch.push(Record::Fork(record), !events.is_empty());
-        let count = events.len();
-        for (i, event) in events.into_iter().enumerate() {
-            batch.push(Record::Event(event), i + 1 < count);
+        let count = copied.len() + fresh.len();
+        batch.push(Record::Fork(record), count > 0);
+        let records = copied
+            .into_iter()
+            .map(Record::Copied)
+            .chain(fresh.into_iter().map(Record::Event));
+        for (i, record) in records.enumerate() {
+            batch.push(record, i + 1 < count);
         }
         Ok(ForkSessionResponse {
             session_id,
@@ -648,13 +668,20 @@ impl Op {
             Op::Lease(..) => (record::HEADER_LEN + 1 + 2 * 131 + 11 + 11 + 2) as u64,
             // The fork's start (as a lease record bounds it), then its events, which have
             // their ids already but may still get a generated one.
-            Op::Fork(plan, _) => {
-                (record::HEADER_LEN + 1 + 2 * 131 + 11 + 11) as u64
-                    + plan
-                        .events
-                        .iter()
-                        .map(|e| e.encoded_len() + PER_EVENT)
-                        .sum::<usize>() as u64
+            Op::Fork(fork, _) => {
+                let id = fork.plan.record.session_id.len() + 3;
+                let copied: usize = fork
+                    .copied
+                    .iter()
+                    .map(|c| record::HEADER_LEN + 1 + c.message.len() + id)
+                    .sum();
+                let fresh: usize = fork
+                    .plan
+                    .fresh
+                    .iter()
+                    .map(|e| e.encoded_len() + id + PER_EVENT)
+                    .sum();
+                (record::HEADER_LEN + 1 + 2 * 131 + 11 + 11 + copied + fresh) as u64
             }
         }
     }

@@ -734,7 +734,11 @@ impl PgBackend {
     /// Writes a planned fork in one transaction: the session's row first (so a session
     /// that exists, or is being created by an append or another fork, refuses it), then its
     /// events. `None` if the session exists.
-    async fn write_fork(&self, plan: &rules::ForkPlan) -> Result<Option<i64>, StoreError> {
+    async fn write_fork(
+        &self,
+        plan: &rules::ForkPlan,
+        prefix: &[Event],
+    ) -> Result<Option<i64>, StoreError> {
         let mut client = self.client().await?;
         let columns = Columns::of(&plan.meta);
         let session_id = plan.record.session_id.as_str();
@@ -761,10 +765,11 @@ impl PgBackend {
         let Some(created) = created else {
             return Ok(None);
         };
-        for chunk in plan.events.chunks(FORK_INSERT_BATCH) {
+        let events: Vec<&Event> = prefix.iter().chain(&plan.fresh).collect();
+        for chunk in events.chunks(FORK_INSERT_BATCH) {
             let seqs: Vec<i64> = chunk.iter().map(|e| e.seq as i64).collect();
             let ids: Vec<&str> = chunk.iter().map(|e| e.event_id.as_str()).collect();
-            let bodies: Vec<Vec<u8>> = chunk.iter().map(Message::encode_to_vec).collect();
+            let bodies: Vec<Vec<u8>> = chunk.iter().map(|e| e.encode_to_vec()).collect();
             timed(
                 "fork",
                 tx.execute(
@@ -878,7 +883,10 @@ impl Backend for PgBackend {
         if existing.meta.last_seq > 0 {
             return Err(rules::session_exists(&op.new_session_id));
         }
-        let prefix = crate::backend::read_fork_prefix(self, &op.parent, op.at_seq).await?;
+        let mut prefix = crate::backend::read_fork_prefix(self, &op.parent, op.at_seq).await?;
+        for event in &mut prefix {
+            event.session_id.clone_from(&op.new_session_id);
+        }
         let mut events = op.events;
         for event in &mut events {
             if event.event_id.is_empty() {
@@ -890,11 +898,11 @@ impl Backend for PgBackend {
             &op.new_session_id,
             &op.parent,
             op.at_seq,
-            prefix,
+            &prefix,
             events,
             now,
         )?;
-        let Some(version) = self.write_fork(&plan).await? else {
+        let Some(version) = self.write_fork(&plan, &prefix).await? else {
             return Err(rules::session_exists(&op.new_session_id));
         };
         let meta = Arc::new(plan.meta);

@@ -15,9 +15,13 @@
 //!
 //! Every object is written aside in `tmp/`, `fdatasync`ed and renamed to its hash, so an
 //! object under its final name is always whole; the directories it was renamed into are
-//! fsynced before anything that names it is made durable.
+//! fsynced before anything that names it is made durable. A checkpoint's objects are synced
+//! together ([`Area::sync`]): all their `fdatasync`s at once, so that the file system
+//! commits them in one journal transaction instead of one each (a new file's `fdatasync`
+//! costs a commit: about 4 ms here, and a call that changed ten files makes some twenty
+//! objects).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashSet};
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Write};
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
@@ -82,11 +86,19 @@ pub struct Area {
     dir: PathBuf,
 }
 
-/// Objects renamed into place whose directories still need an fsync.
+/// Objects written aside, to be synced and renamed into place by [`Area::sync`].
 #[derive(Debug, Default)]
 pub struct Pending {
+    objects: Vec<(File, PathBuf, PathBuf)>,
+    names: HashSet<(&'static str, Hash)>,
     dirs: BTreeSet<&'static str>,
 }
+
+/// `fdatasync`s issued at once, at most.
+const PARALLEL_SYNCS: usize = 64;
+/// Past this many objects, one `syncfs` of the area's file system is cheaper than a
+/// `fdatasync` each (a session's first checkpoint of a large workspace).
+const SYNCFS_OBJECTS: usize = 512;
 
 impl Area {
     /// The area of the workspaces under `workspace_root` (created by [`Area::ensure`]).
@@ -136,6 +148,11 @@ impl Area {
         self.object_path(kind, hash).exists()
     }
 
+    /// Whether the object is in place or among `pending`.
+    fn has_or_pending(&self, kind: Kind, hash: &Hash, pending: &Pending) -> bool {
+        pending.names.contains(&(kind.dir(), *hash)) || self.has(kind, hash)
+    }
+
     pub fn tmp_dir(&self) -> PathBuf {
         self.dir.join("tmp")
     }
@@ -169,12 +186,12 @@ impl Area {
     /// Stores `bytes` as an object (if it is not there already); returns its hash.
     pub fn put_bytes(&self, kind: Kind, bytes: &[u8], pending: &mut Pending) -> io::Result<Hash> {
         let hash = sha256(bytes);
-        if self.has(kind, &hash) {
+        if self.has_or_pending(kind, &hash, pending) {
             return Ok(hash);
         }
         let (path, mut file) = self.create_temp()?;
-        let written = file.write_all(bytes).and_then(|()| file.sync_data());
-        self.settle(kind, &hash, path, written, pending)?;
+        let written = file.write_all(bytes);
+        self.settle(kind, &hash, path, file, written, pending)?;
         Ok(hash)
     }
 
@@ -201,12 +218,11 @@ impl Area {
             length += n as u64;
         })();
         let hash = to_hash(context.finish());
-        if copied.is_ok() && self.has(Kind::Blob, &hash) {
+        if copied.is_ok() && self.has_or_pending(Kind::Blob, &hash, pending) {
             let _ = fs::remove_file(&path);
             return Ok((hash, length));
         }
-        let written = copied.and_then(|()| file.sync_data());
-        self.settle(Kind::Blob, &hash, path, written, pending)?;
+        self.settle(Kind::Blob, &hash, path, file, copied, pending)?;
         Ok((hash, length))
     }
 
@@ -215,6 +231,7 @@ impl Area {
         kind: Kind,
         hash: &Hash,
         temp: PathBuf,
+        file: File,
         written: io::Result<()>,
         pending: &mut Pending,
     ) -> io::Result<()> {
@@ -222,18 +239,49 @@ impl Area {
             let _ = fs::remove_file(&temp);
             return Err(e);
         }
-        // Another runner storing the same content renames the same bytes: either wins.
-        fs::rename(&temp, self.object_path(kind, hash))?;
+        pending.names.insert((kind.dir(), *hash));
         pending.dirs.insert(kind.dir());
+        pending
+            .objects
+            .push((file, temp, self.object_path(kind, hash)));
         Ok(())
     }
 
-    /// Makes every rename of `pending` durable.
+    /// Puts every object of `pending` in place, durably: their data synced (all at once),
+    /// then each renamed to its hash, then the directories renamed into synced. (A crash
+    /// before the renames leaves temporary files, which the GC removes.)
     pub fn sync(&self, pending: Pending) -> io::Result<()> {
-        for dir in pending.dirs {
-            sync_dir(&self.dir.join(dir))?;
+        let Pending { objects, dirs, .. } = pending;
+        if objects.len() > SYNCFS_OBJECTS {
+            if let Some((file, _, _)) = objects.first() {
+                nix::unistd::syncfs(file)?;
+            }
+        } else {
+            for batch in objects.chunks(PARALLEL_SYNCS) {
+                all_ok(std::thread::scope(|scope| {
+                    let syncs: Vec<_> = batch
+                        .iter()
+                        .map(|(file, _, _)| scope.spawn(move || file.sync_data()))
+                        .collect();
+                    syncs.into_iter().map(joined).collect::<Vec<_>>()
+                }))?;
+            }
         }
-        Ok(())
+        for (file, temp, path) in objects {
+            drop(file);
+            // Another runner storing the same content renames the same bytes: either wins.
+            fs::rename(&temp, &path)?;
+        }
+        all_ok(std::thread::scope(|scope| {
+            let syncs: Vec<_> = dirs
+                .iter()
+                .map(|dir| {
+                    let path = self.dir.join(dir);
+                    scope.spawn(move || sync_dir(&path))
+                })
+                .collect();
+            syncs.into_iter().map(joined).collect::<Vec<_>>()
+        }))
     }
 
     pub fn read(&self, kind: Kind, hash: &Hash) -> io::Result<Vec<u8>> {
@@ -313,6 +361,16 @@ fn lock_path(path: &Path, how: FlockArg) -> io::Result<Flock<File>> {
         .mode(0o600)
         .open(path)?;
     Flock::lock(file, how).map_err(|(_, errno)| io::Error::from(errno))
+}
+
+fn joined(handle: std::thread::ScopedJoinHandle<'_, io::Result<()>>) -> io::Result<()> {
+    handle
+        .join()
+        .unwrap_or_else(|_| Err(io::Error::other("a sync thread panicked")))
+}
+
+fn all_ok(results: Vec<io::Result<()>>) -> io::Result<()> {
+    results.into_iter().collect()
 }
 
 pub fn sync_dir(dir: &Path) -> io::Result<()> {
