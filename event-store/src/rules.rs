@@ -413,40 +413,75 @@ pub struct ForkPlan {
     pub seqs: Vec<u64>,
 }
 
-/// The fork `new_id` of `parent` at `at_seq`, from `prefix` (the parent's events 1..at_seq,
-/// checked settled: what the session's state needs of each, its seq, id, time and kind; a
-/// user message's text only until one has text, see [`SessionMeta::apply_event`]) and
-/// `extra` (the request's events: a person's kinds only, as an append without a lease; an id
-/// the prefix holds is answered with its seq and not written again). The copied events keep
-/// their ids, times and contents; only their session id changes.
-pub fn plan_fork<'a>(
-    new_id: &str,
-    parent: &str,
-    at_seq: u64,
-    prefix: impl IntoIterator<Item = &'a Event>,
-    extra: Vec<Event>,
-    now: i64,
-) -> Result<ForkPlan, StoreError> {
-    check_writer(&SessionMeta::default(), new_id, None, &extra, now)?;
-    let record = ForkRecord {
-        session_id: new_id.to_string(),
-        parent: parent.to_string(),
-        seq: at_seq,
-        ts_unix_ms: now,
-    };
-    let mut meta = SessionMeta::default();
-    meta.apply_fork(&record);
-    let mut ids = HashMap::new();
-    for event in prefix {
-        meta.apply_event(event);
-        if !event.event_id.is_empty() && extra.iter().any(|e| e.event_id == event.event_id) {
-            ids.insert(event.event_id.clone(), event.seq);
+/// The state of a fork taking its parent's prefix in, event by event (in seq order): what
+/// [`plan_fork`] starts from. A backend feeds it the prefix in whatever form it reads it,
+/// with what the state needs of each event (its seq, id, time and kind; a user message's
+/// text only while [`ForkPrefix::wants_text`]).
+#[derive(Debug)]
+pub struct ForkPrefix {
+    record: ForkRecord,
+    meta: SessionMeta,
+    /// The request's event ids, to be answered with the prefix's seq if it holds them.
+    wanted: HashMap<String, Option<u64>>,
+}
+
+impl ForkPrefix {
+    /// The fork `new_id` of `parent` at `at_seq`, made at `now`; `extra`: the request's
+    /// events.
+    pub fn new(new_id: &str, parent: &str, at_seq: u64, extra: &[Event], now: i64) -> ForkPrefix {
+        let record = ForkRecord {
+            session_id: new_id.to_string(),
+            parent: parent.to_string(),
+            seq: at_seq,
+            ts_unix_ms: now,
+        };
+        let mut meta = SessionMeta::default();
+        meta.apply_fork(&record);
+        let wanted = extra
+            .iter()
+            .filter(|e| !e.event_id.is_empty())
+            .map(|e| (e.event_id.clone(), None))
+            .collect();
+        ForkPrefix {
+            record,
+            meta,
+            wanted,
         }
     }
-    let numbered = number(new_id, extra, at_seq, now, |id| {
-        Ok::<_, StoreError>(ids.get(id).copied())
+
+    /// Takes in the parent's next event of the prefix.
+    pub fn apply(&mut self, event: &Event) {
+        self.meta.apply_event(event);
+        if self.wanted.is_empty() {
+            return;
+        }
+        if let Some(seq) = self.wanted.get_mut(&event.event_id) {
+            *seq = Some(event.seq);
+        }
+    }
+
+    /// Whether the next user message's text matters (the title is not known yet).
+    pub fn wants_text(&self) -> bool {
+        self.meta.first_user_text.is_empty()
+    }
+}
+
+/// The fork planned from its `prefix` (taken in whole, checked settled) and `extra` (the
+/// request's events: a person's kinds only, as an append without a lease; an id the prefix
+/// holds is answered with its seq and not written again). The copied events keep their ids,
+/// times and contents; only their session id changes.
+pub fn plan_fork(prefix: ForkPrefix, extra: Vec<Event>, now: i64) -> Result<ForkPlan, StoreError> {
+    let ForkPrefix {
+        record,
+        mut meta,
+        wanted,
+    } = prefix;
+    let new_id = record.session_id.clone();
+    check_writer(&SessionMeta::default(), &new_id, None, &extra, now)?;
+    let numbered = number(&new_id, extra, record.seq, now, |id| {
+        Ok::<_, StoreError>(wanted.get(id).copied().flatten())
     })?;
-    check_fresh(&meta, new_id, None, &numbered.fresh)?;
+    check_fresh(&meta, &new_id, None, &numbered.fresh)?;
     for event in &numbered.fresh {
         meta.apply_event(event);
     }
@@ -773,6 +808,14 @@ mod tests {
         assert_eq!(SettledPoints::of(&log), vec![1]);
     }
 
+    fn prefix_of(log: &[Event], extra: &[Event]) -> ForkPrefix {
+        let mut prefix = ForkPrefix::new("f", "p", log.len() as u64, extra, NOW);
+        for event in log {
+            prefix.apply(event);
+        }
+        prefix
+    }
+
     #[test]
     fn a_forks_state_is_the_prefix_then_the_new_events() {
         let log = forkable_log();
@@ -780,7 +823,7 @@ mod tests {
             with_id("e2", user("a repeat of a prefix id")),
             with_id("x1", user("edited")),
         ];
-        let plan = plan_fork("f", "p", 8, &log[..8], extra, NOW).expect("fork");
+        let plan = plan_fork(prefix_of(&log[..8], &extra), extra, NOW).expect("fork");
         assert_eq!(plan.seqs, vec![2, 9]);
         assert_eq!(plan.fresh.len(), 1);
         let fresh = &plan.fresh[0];
@@ -798,7 +841,7 @@ mod tests {
             0,
             event::Kind::RunError(agentlog_proto::v1::RunError::default()),
         )];
-        let refused = plan_fork("f", "p", 8, &log[..8], runner_kind, NOW);
+        let refused = plan_fork(prefix_of(&log[..8], &runner_kind), runner_kind, NOW);
         assert_eq!(reason(refused), Reason::LeaseRequired);
     }
 }

@@ -331,12 +331,12 @@ impl Store {
             return Err(rules::session_exists(&op.new_session_id));
         }
         let last_seq = Store::get_session(self, &op.parent)?.last_seq;
+        let now = now_unix_ms();
         let fork_id: std::sync::Arc<str> = op.new_session_id.as_str().into();
         let mut point = rules::ForkPoint::new(op.at_seq);
-        let capacity = op.at_seq.min(last_seq) as usize;
-        let mut copied = Vec::with_capacity(capacity);
-        let mut states = Vec::with_capacity(capacity);
-        let mut want_text = true;
+        let mut state =
+            rules::ForkPrefix::new(&op.new_session_id, &op.parent, op.at_seq, &op.events, now);
+        let mut copied = Vec::with_capacity(op.at_seq.min(last_seq) as usize);
         let cancel = CancellationToken::new();
         let _stop = cancel.clone().drop_guard();
         let mut runs = Store::subscribe(self, op.parent.clone(), 1, false, cancel);
@@ -351,21 +351,17 @@ impl Store {
                     .collect(),
             };
             for message in messages {
-                let state =
-                    log::record::event_for_state(&message, want_text).map_err(undecodable)?;
-                let done = point.apply(&state);
-                if state.seq <= op.at_seq {
-                    if matches!(&state.kind, Some(agentlog_proto::v1::event::Kind::UserMessage(m)) if !m.text.is_empty())
-                    {
-                        want_text = false;
-                    }
+                let event = log::record::event_for_state(&message, state.wants_text())
+                    .map_err(undecodable)?;
+                let done = point.apply(&event);
+                if event.seq <= op.at_seq {
+                    state.apply(&event);
                     copied.push(log::record::CopiedEvent {
                         session_id: fork_id.clone(),
-                        seq: state.seq,
-                        event_id: state.event_id.clone(),
+                        seq: event.seq,
+                        event_id: event.event_id,
                         message,
                     });
-                    states.push(state);
                 }
                 if done {
                     break 'read;
@@ -373,15 +369,7 @@ impl Store {
             }
         }
         point.verdict(&op.parent, last_seq)?;
-        let plan = rules::plan_fork(
-            &op.new_session_id,
-            &op.parent,
-            op.at_seq,
-            &states,
-            op.events,
-            now_unix_ms(),
-        )?;
-        drop(states);
+        let plan = rules::plan_fork(state, op.events, now)?;
         self.submit(|tx| Op::Fork(Box::new(writer::ForkWrite { plan, copied }), tx))
             .await
     }

@@ -56,12 +56,23 @@ impl Shared {
         }
         // Each run of one session's events goes to its followers as one slice, in order.
         let mut run: Vec<Event> = Vec::new();
+        // Whether the session of the copies at hand is followed, asked once per session.
+        let mut followed: Option<(std::sync::Arc<str>, bool)> = None;
         for record in records {
             let event = match record {
                 Record::Event(event) => event,
                 // A fork's copied prefix is decoded only for someone already following the
                 // fork (rare: it is a new session); the others read it from the log.
-                Record::Copied(copied) if self.hub.follows(&copied.session_id) => {
+                Record::Copied(copied)
+                    if match &followed {
+                        Some((session, yes)) if *session == copied.session_id => *yes,
+                        _ => {
+                            let yes = self.hub.follows(&copied.session_id);
+                            followed = Some((copied.session_id.clone(), yes));
+                            yes
+                        }
+                    } =>
+                {
                     match copied.decode() {
                         Ok(event) => event,
                         Err(e) => {

@@ -601,6 +601,8 @@ impl Writer {
         let last_seq = meta.last_seq;
         self.update_session(&session_id, |current| *current = meta);
         let count = copied.len() + fresh.len();
+        batch.records.reserve(count + 1);
+        batch.continued.reserve(count + 1);
         batch.push(Record::Fork(record), count > 0);
         let records = copied
             .into_iter()

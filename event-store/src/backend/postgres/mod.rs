@@ -894,14 +894,12 @@ impl Backend for PgBackend {
             }
         }
         let now = now_unix_ms();
-        let plan = rules::plan_fork(
-            &op.new_session_id,
-            &op.parent,
-            op.at_seq,
-            &prefix,
-            events,
-            now,
-        )?;
+        let mut state =
+            rules::ForkPrefix::new(&op.new_session_id, &op.parent, op.at_seq, &events, now);
+        for event in &prefix {
+            state.apply(event);
+        }
+        let plan = rules::plan_fork(state, events, now)?;
         let Some(version) = self.write_fork(&plan, &prefix).await? else {
             return Err(rules::session_exists(&op.new_session_id));
         };

@@ -251,22 +251,38 @@ impl Area {
     /// then each renamed to its hash, then the directories renamed into synced. (A crash
     /// before the renames leaves temporary files, which the GC removes.)
     pub fn sync(&self, pending: Pending) -> io::Result<()> {
+        self.sync_alongside(pending, || Ok(()))
+    }
+
+    /// [`Area::sync`], running `alongside` (a durable write that may land before the
+    /// objects do, such as a `refs` line: a checkpoint nothing names yet may lack objects
+    /// after a crash) at the same time as the objects' data syncs.
+    pub fn sync_alongside(
+        &self,
+        pending: Pending,
+        alongside: impl FnOnce() -> io::Result<()> + Send,
+    ) -> io::Result<()> {
         let Pending { objects, dirs, .. } = pending;
-        if objects.len() > SYNCFS_OBJECTS {
-            if let Some((file, _, _)) = objects.first() {
-                nix::unistd::syncfs(file)?;
-            }
-        } else {
-            for batch in objects.chunks(PARALLEL_SYNCS) {
-                all_ok(std::thread::scope(|scope| {
-                    let syncs: Vec<_> = batch
-                        .iter()
-                        .map(|(file, _, _)| scope.spawn(move || file.sync_data()))
-                        .collect();
-                    syncs.into_iter().map(joined).collect::<Vec<_>>()
-                }))?;
-            }
-        }
+        std::thread::scope(|scope| {
+            let beside = scope.spawn(alongside);
+            let synced = if objects.len() > SYNCFS_OBJECTS {
+                match objects.first() {
+                    Some((file, _, _)) => nix::unistd::syncfs(file).map_err(io::Error::from),
+                    None => Ok(()),
+                }
+            } else {
+                objects.chunks(PARALLEL_SYNCS).try_for_each(|batch| {
+                    all_ok(std::thread::scope(|inner| {
+                        let syncs: Vec<_> = batch
+                            .iter()
+                            .map(|(file, _, _)| inner.spawn(move || file.sync_data()))
+                            .collect();
+                        syncs.into_iter().map(joined).collect::<Vec<_>>()
+                    }))
+                })
+            };
+            all_ok(vec![synced, joined(beside)])
+        })?;
         for (file, temp, path) in objects {
             drop(file);
             // Another runner storing the same content renames the same bytes: either wins.

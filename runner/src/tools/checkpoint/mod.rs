@@ -157,10 +157,14 @@ impl Checkpoints {
             previous.as_ref(),
             &mut pending,
         )?;
-        self.area.sync(pending)?;
-        if last.map(|(root, _)| root) != Some(recorded.root) {
-            self.area.add_refs(session_id, &[recorded.root])?;
-        }
+        // The refs line and the objects are made durable at once (see `sync_alongside`).
+        let new_root = last.map(|(root, _)| root) != Some(recorded.root);
+        self.area.sync_alongside(pending, || {
+            if new_root {
+                self.area.add_refs(session_id, &[recorded.root])?;
+            }
+            Ok(())
+        })?;
         self.set_last(session_id, &recorded.root)?;
         self.keep(session_id, recorded.root, recorded.trees);
         Ok(Checkpoint {
