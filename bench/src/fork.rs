@@ -40,6 +40,8 @@ pub struct ForkFigures {
     /// The session's first checkpoint, which reads and stores every file.
     pub first_checkpoint_ms: f64,
     pub checkpoint_ms: Runs,
+    /// The checkpoint right after, nothing changed: the walk alone.
+    pub unchanged_ms: Runs,
     pub files_read: Runs,
     pub git_status_ms: Runs,
     pub restore_ms: Runs,
@@ -127,6 +129,9 @@ pub fn workspace_figures(dir: &Path, plan: ForkPlan, out: &mut ForkFigures) -> a
         let started = Instant::now();
         git(&git_dir, &ws, &["status", "--porcelain"])?;
         out.git_status_ms.push(ms(started));
+        let started = Instant::now();
+        checkpoints.record_blocking("s")?;
+        out.unchanged_ms.push(ms(started));
     }
 
     let prefix = PrefixCheckpoints {

@@ -726,6 +726,12 @@ impl Report {
                 "git status",
                 &f.git_status_ms,
             ),
+            (
+                "checkpoint, nothing changed (the walk alone)",
+                &f.unchanged_ms,
+                "git status",
+                &f.git_status_ms,
+            ),
             ("restore for a fork", &f.restore_ms, "cp -a", &f.cp_ms),
             (
                 "restore for a fork",

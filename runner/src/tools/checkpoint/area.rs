@@ -94,6 +94,15 @@ pub struct Pending {
     dirs: BTreeSet<&'static str>,
 }
 
+impl Pending {
+    /// Takes in the objects another scan wrote.
+    pub fn absorb(&mut self, other: Pending) {
+        self.objects.extend(other.objects);
+        self.names.extend(other.names);
+        self.dirs.extend(other.dirs);
+    }
+}
+
 /// `fdatasync`s issued at once, at most.
 const PARALLEL_SYNCS: usize = 64;
 /// Past this many objects, one `syncfs` of the area's file system is cheaper than a

@@ -5,6 +5,10 @@
 //! its previous tree, so a checkpoint after a call that changed ten files writes the trees
 //! on those ten files' paths and nothing else.
 //!
+//! The walk splits across threads (as many as the machine has) at the first directories
+//! with more than one subdirectory; each thread records its subtrees into objects and
+//! trees of its own, merged after.
+//!
 //! Racy entries: a file changed within the file system's clock tick in which the previous
 //! checkpoint's scan ended could keep the ctime recorded for it. So an entry is trusted only
 //! if its ctime is older than that moment ([`Previous::racy_limit_ns`], the mtime of the
@@ -80,15 +84,8 @@ pub fn record(
     previous: Option<&Previous>,
     pending: &mut Pending,
 ) -> io::Result<Recorded> {
-    let mut scan = Scan {
-        area,
-        ignore,
-        previous,
-        pending,
-        trees: Trees::new(),
-        files_read: 0,
-        bytes_read: 0,
-    };
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut scan = Scan::new(area, ignore, previous, threads);
     let root = match Dir::open(workspace, DIR_FLAGS, Mode::empty()) {
         Ok(dir) => {
             let previous_root = previous.and_then(|p| scan.previous_tree(&p.root));
@@ -97,6 +94,7 @@ pub fn record(
         Err(Errno::ENOENT) => scan.store_tree(Tree::default(), None)?,
         Err(e) => return Err(e.into()),
     };
+    pending.absorb(std::mem::take(&mut scan.pending));
     Ok(Recorded {
         root,
         trees: scan.trees,
@@ -109,13 +107,74 @@ struct Scan<'a> {
     area: &'a Area,
     ignore: &'a IgnoreRules,
     previous: Option<&'a Previous<'a>>,
-    pending: &'a mut Pending,
+    pending: Pending,
     trees: Trees,
     files_read: usize,
     bytes_read: u64,
+    /// Threads this scan may still use (itself included).
+    threads: usize,
 }
 
-impl Scan<'_> {
+/// A subdirectory whose tree is still to be recorded: where its entry goes, the entry,
+/// the open directory, its path and its previous tree.
+type Subdir = (usize, Entry, Dir, Vec<u8>, Option<(Hash, Arc<Tree>)>);
+
+impl<'a> Scan<'a> {
+    fn new(
+        area: &'a Area,
+        ignore: &'a IgnoreRules,
+        previous: Option<&'a Previous<'a>>,
+        threads: usize,
+    ) -> Scan<'a> {
+        Scan {
+            area,
+            ignore,
+            previous,
+            pending: Pending::default(),
+            trees: Trees::new(),
+            files_read: 0,
+            bytes_read: 0,
+            threads,
+        }
+    }
+
+    /// Records `subdirs`, on another thread too while the budget allows; returns each
+    /// one's entry, its tree named.
+    fn subdirectories(&mut self, mut subdirs: Vec<Subdir>) -> io::Result<Vec<(usize, Entry)>> {
+        if self.threads < 2 || subdirs.len() < 2 {
+            let mut done = Vec::with_capacity(subdirs.len());
+            for (at, mut entry, dir, mut path, previous) in subdirs {
+                entry.object = self.directory(dir, &mut path, previous)?.to_vec();
+                done.push((at, entry));
+            }
+            return Ok(done);
+        }
+        let theirs = subdirs.split_off(subdirs.len() / 2);
+        let given = self.threads / 2;
+        self.threads -= given;
+        let mut other = Scan::new(self.area, self.ignore, self.previous, given);
+        let (mine, helped) = std::thread::scope(|scope| {
+            let helper = scope.spawn(move || {
+                let done = other.subdirectories(theirs);
+                (other, done)
+            });
+            let mine = self.subdirectories(subdirs);
+            let helped = helper
+                .join()
+                .map_err(|_| io::Error::other("a checkpoint thread panicked"));
+            (mine, helped)
+        });
+        let (other, their_done) = helped?;
+        self.threads += given;
+        self.pending.absorb(other.pending);
+        self.trees.extend(other.trees);
+        self.files_read += other.files_read;
+        self.bytes_read += other.bytes_read;
+        let mut done = mine?;
+        done.extend(their_done?);
+        Ok(done)
+    }
+
     /// A tree of the previous checkpoint: at hand, or read from the area (a missing or
     /// undecodable one only means its files are read again).
     fn previous_tree(&self, hash: &Hash) -> Option<(Hash, Arc<Tree>)> {
@@ -143,7 +202,8 @@ impl Scan<'_> {
             .filter(|name| name.as_bytes() != b"." && name.as_bytes() != b"..")
             .collect();
         names.sort();
-        let mut entries = Vec::with_capacity(names.len());
+        let mut entries: Vec<Option<Entry>> = Vec::with_capacity(names.len());
+        let mut subdirs: Vec<Subdir> = Vec::new();
         for name in names {
             let stat = match fstatat(&dir, name.as_c_str(), AtFlags::AT_SYMLINK_NOFOLLOW) {
                 Ok(stat) => stat,
@@ -157,13 +217,27 @@ impl Scan<'_> {
             }
             path.extend_from_slice(name.as_bytes());
             let prior = previous.as_ref().and_then(|(_, t)| t.find(name.as_bytes()));
-            let entry = self.entry(&dir, &name, &stat, path, prior);
-            path.truncate(before);
-            if let Some(entry) = entry? {
-                entries.push(entry);
+            let visited = self.entry(&dir, &name, &stat, path, prior);
+            match visited {
+                Ok(Visit::Entry(entry)) => entries.push(Some(entry)),
+                Ok(Visit::Gone) => {}
+                Ok(Visit::Dir(entry, child, previous)) => {
+                    subdirs.push((entries.len(), entry, child, path.clone(), previous));
+                    entries.push(None);
+                }
+                Err(e) => {
+                    path.truncate(before);
+                    return Err(e);
+                }
             }
+            path.truncate(before);
         }
-        let tree = Tree { entries };
+        for (at, entry) in self.subdirectories(subdirs)? {
+            entries[at] = Some(entry);
+        }
+        let tree = Tree {
+            entries: entries.into_iter().flatten().collect(),
+        };
         self.store_tree(tree, previous)
     }
 
@@ -174,7 +248,7 @@ impl Scan<'_> {
         }
         let hash = self
             .area
-            .put_bytes(Kind::Tree, &tree.to_bytes(), self.pending)?;
+            .put_bytes(Kind::Tree, &tree.to_bytes(), &mut self.pending)?;
         self.trees.insert(hash, Arc::new(tree));
         Ok(hash)
     }
@@ -184,9 +258,9 @@ impl Scan<'_> {
         dir: &Dir,
         name: &CStr,
         stat: &FileStat,
-        path: &mut Vec<u8>,
+        path: &mut [u8],
         prior: Option<&Entry>,
-    ) -> io::Result<Option<Entry>> {
+    ) -> io::Result<Visit> {
         let kind = file_type(stat);
         let mut entry = Entry {
             name: name.to_bytes().to_vec(),
@@ -200,7 +274,7 @@ impl Scan<'_> {
         let is_dir = kind == SFlag::S_IFDIR;
         if let Some(pattern) = self.ignore.matching(path, name.to_bytes(), is_dir) {
             // Only the name: what is inside may change without the checkpoint changing.
-            return Ok(Some(Entry {
+            return Ok(Visit::Entry(Entry {
                 name: entry.name,
                 kind: EntryKind::LeftOut as i32,
                 note: format!("left out by --checkpoint-ignore {pattern}"),
@@ -208,13 +282,16 @@ impl Scan<'_> {
             }));
         }
         match kind {
-            SFlag::S_IFREG => self.file(dir, name, stat, entry, prior).map(Some),
+            SFlag::S_IFREG => self.file(dir, name, stat, entry, prior).map(Visit::Entry),
             SFlag::S_IFDIR => {
                 let child = match Dir::openat(dir, name, DIR_FLAGS, Mode::empty()) {
                     Ok(child) => child,
-                    Err(Errno::ENOENT) => return Ok(None),
+                    Err(Errno::ENOENT) => return Ok(Visit::Gone),
                     Err(e @ (Errno::EACCES | Errno::EPERM)) => {
-                        return Ok(Some(skipped(entry, &format!("could not be read: {e}"))))
+                        return Ok(Visit::Entry(skipped(
+                            entry,
+                            &format!("could not be read: {e}"),
+                        )))
                     }
                     Err(e) => return Err(e.into()),
                 };
@@ -223,22 +300,24 @@ impl Scan<'_> {
                     .and_then(Entry::object_hash)
                     .and_then(|hash| self.previous_tree(&hash));
                 entry.kind = EntryKind::Dir as i32;
-                entry.object = self.directory(child, path, previous)?.to_vec();
-                Ok(Some(entry))
+                Ok(Visit::Dir(entry, child, previous))
             }
             SFlag::S_IFLNK => match readlinkat(dir, name) {
                 Ok(target) => {
                     entry.kind = EntryKind::Symlink as i32;
                     entry.target = target.as_bytes().to_vec();
                     entry.size = stat.st_size as u64;
-                    Ok(Some(entry))
+                    Ok(Visit::Entry(entry))
                 }
-                Err(Errno::ENOENT) => Ok(None),
+                Err(Errno::ENOENT) => Ok(Visit::Gone),
                 Err(e) => Err(e.into()),
             },
-            SFlag::S_IFIFO => Ok(Some(skipped(entry, "a FIFO, which is not kept"))),
-            SFlag::S_IFSOCK => Ok(Some(skipped(entry, "a socket, which is not kept"))),
-            _ => Ok(Some(skipped(entry, "a device node, which is not kept"))),
+            SFlag::S_IFIFO => Ok(Visit::Entry(skipped(entry, "a FIFO, which is not kept"))),
+            SFlag::S_IFSOCK => Ok(Visit::Entry(skipped(entry, "a socket, which is not kept"))),
+            _ => Ok(Visit::Entry(skipped(
+                entry,
+                "a device node, which is not kept",
+            ))),
         }
     }
 
@@ -285,13 +364,22 @@ impl Scan<'_> {
         entry.ctime_ns = ctime_ns(&opened);
         entry.ino = opened.st_ino;
         let mut file = File::from(fd);
-        let (hash, length) = self.area.put_reader(&mut file, self.pending)?;
+        let (hash, length) = self.area.put_reader(&mut file, &mut self.pending)?;
         self.files_read += 1;
         self.bytes_read += length;
         entry.size = length;
         entry.object = hash.to_vec();
         Ok(entry)
     }
+}
+
+/// What one directory entry turned out to be.
+enum Visit {
+    Entry(Entry),
+    /// A subdirectory, opened, whose tree is still to be recorded (with its previous one).
+    Dir(Entry, Dir, Option<(Hash, Arc<Tree>)>),
+    /// Gone since the listing.
+    Gone,
 }
 
 fn skipped(mut entry: Entry, note: &str) -> Entry {
