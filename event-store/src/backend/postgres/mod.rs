@@ -27,6 +27,7 @@
 //!   by itself.
 
 mod batch;
+mod pipeline;
 pub mod schema;
 pub mod wake;
 
@@ -52,7 +53,7 @@ use tokio_util::sync::CancellationToken;
 use agentlog_proto::reason::Reason;
 
 use crate::backend::AppendOp;
-use crate::backend::{Backend, EventRun, Snapshot, SnapshotRead};
+use crate::backend::{AppendAnswer, Backend, EventRun, Snapshot, SnapshotRead};
 use crate::queries::{long_poll_claim, ClaimAttempt, ListQuery};
 use crate::rules;
 use crate::scope::Scope;
@@ -136,7 +137,20 @@ struct Cached {
     meta: Arc<SessionMeta>,
 }
 
-pub struct PgBackend {
+/// The backend: a handle on one replica's state, cloned into the answers of pipelined
+/// appends ([`pipeline`]); the background tasks stop when the last handle is dropped.
+#[derive(Clone)]
+pub struct PgBackend(Arc<Replica>);
+
+impl std::ops::Deref for PgBackend {
+    type Target = Replica;
+
+    fn deref(&self) -> &Replica {
+        &self.0
+    }
+}
+
+pub struct Replica {
     connector: Arc<Connector>,
     board: Arc<Board>,
     /// Wake-ups for the other replicas (absent in poll mode).
@@ -146,11 +160,13 @@ pub struct PgBackend {
     writes: mpsc::UnboundedSender<batch::Write>,
     health: Arc<Health>,
     poll_interval: Duration,
+    /// Each session's appends queued by AppendStream on this replica, in order.
+    lanes: pipeline::Lanes,
     /// Stops the background tasks when the backend is dropped.
     tasks: CancellationToken,
 }
 
-impl Drop for PgBackend {
+impl Drop for Replica {
     fn drop(&mut self) {
         self.tasks.cancel();
     }
@@ -273,7 +289,7 @@ impl PgBackend {
             schema_version = schema::VERSION,
             "connected to PostgreSQL"
         );
-        Ok(PgBackend {
+        Ok(PgBackend(Arc::new(Replica {
             connector,
             board,
             notify,
@@ -281,8 +297,9 @@ impl PgBackend {
             writes,
             health,
             poll_interval: config.poll_interval,
+            lanes: pipeline::Lanes::default(),
             tasks,
-        })
+        })))
     }
 
     /// The connection pool, for its metrics.
@@ -1055,6 +1072,10 @@ impl Backend for PgBackend {
 
     fn serving(&self) -> watch::Receiver<bool> {
         self.health.serving.subscribe()
+    }
+
+    async fn enqueue_append(&self, op: AppendOp) -> Result<AppendAnswer, StoreError> {
+        Ok(self.enqueue_pipelined(op))
     }
 }
 
