@@ -20,11 +20,16 @@
 //! - **Live tail across replicas** without NOTIFY in the append transaction: see [`wake`].
 //! - **ClaimSession** picks with `FOR UPDATE SKIP LOCKED`: one claimant per session across
 //!   replicas, and claimants never queue behind each other.
-//! - **The database unreachable** (or read-only, during a failover): appends answer
-//!   `UNAVAILABLE`, never an acknowledgement that did not commit; health turns
-//!   NOT_SERVING; the pool reconnects with backoff (a multi-host URL with
-//!   `target_session_attrs=read-write` finds the new primary) and the store serves again
-//!   by itself.
+//! - **AppendStream pipelines**: a stream's appends are queued per session behind the
+//!   ones before them and written together as they arrive ([`pipeline`]), so a stream's
+//!   next request is read while the previous ones commit.
+//! - **The database unreachable** (down, read-only during a failover, or silently cut
+//!   off): a call answers `UNAVAILABLE` within about [`DB_ANSWER`] (2 s), never an
+//!   acknowledgement that did not commit (an append whose commit is in doubt is settled by
+//!   its retry with the same event ids); health turns NOT_SERVING and, until its probe
+//!   finds the database answering again, appends are answered at once; the pool
+//!   reconnects (a multi-host URL with `target_session_attrs=read-write` finds the new
+//!   primary) and the store serves again by itself.
 
 mod batch;
 mod pipeline;
@@ -68,9 +73,18 @@ const READ_BATCH: i64 = 500;
 /// Attempts of an optimistic write before answering UNAVAILABLE (only reached when one
 /// session is written by very many callers at once).
 const MAX_ATTEMPTS: usize = 64;
-/// A database call that takes longer is answered UNAVAILABLE (it may still commit: a
-/// retry with the same event ids is answered with the original seqs).
-const CALL_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long the database may leave us without an answer before a call says UNAVAILABLE
+/// (and health NOT_SERVING): what was sent and not acknowledged by its host's TCP
+/// (`TCP_USER_TIMEOUT`), a connection idle for 1 s whose keepalive probe is not answered
+/// within it (a statement whose answer never comes, the request having arrived), a
+/// connection attempt, a wait for a pooled connection, and the health probe. Together they
+/// answer a silently cut-off database within about this long, however the cut finds a
+/// connection (`integration-tests/tests/pg_network_cut.rs`).
+const DB_ANSWER: Duration = Duration::from_secs(2);
+/// A statement that has not completed by then is answered UNAVAILABLE: the backstop for a
+/// database whose host still acknowledges but which does not answer. Its commit may still
+/// happen: a retry with the same event ids is answered with the original seqs.
+const STATEMENT_DEADLINE: Duration = Duration::from_secs(5);
 /// `SessionStatus::Runnable`, written into the claim queries as a literal so that they use
 /// the partial index over runnable sessions (see [`schema`]).
 const RUNNABLE: i32 = SessionStatus::Runnable as i32;
@@ -204,15 +218,22 @@ impl PgBackend {
     /// is unreachable), and starts the background tasks.
     pub async fn open(config: PgConfig) -> Result<PgBackend, PgOpenError> {
         let mut pg_config: tokio_postgres::Config = config.url.parse().map_err(PgOpenError::Url)?;
+        // A URL's own `connect_timeout` and `tcp_user_timeout` win.
         if pg_config.get_connect_timeout().is_none() {
-            pg_config.connect_timeout(Duration::from_secs(5));
+            pg_config.connect_timeout(DB_ANSWER);
+        }
+        if pg_config.get_tcp_user_timeout().is_none() {
+            pg_config.tcp_user_timeout(DB_ANSWER);
         }
         if pg_config.get_application_name().is_none() {
             pg_config.application_name("agentlog-event-store");
         }
+        // Probes after 1 s of silence; with the user timeout, one unanswered for DB_ANSWER
+        // closes the connection.
         pg_config
             .keepalives(true)
-            .keepalives_idle(Duration::from_secs(10));
+            .keepalives_idle(Duration::from_secs(1))
+            .keepalives_interval(Duration::from_secs(1));
         let tls = tls_config(config.ca_file.as_ref())?;
         let manager = Manager::from_config(
             pg_config.clone(),
@@ -241,9 +262,9 @@ impl PgBackend {
             }))
             .max_size(config.pool_size.max(1))
             .runtime(Runtime::Tokio1)
-            .wait_timeout(Some(CALL_TIMEOUT))
-            .create_timeout(Some(Duration::from_secs(5)))
-            .recycle_timeout(Some(Duration::from_secs(5)))
+            .wait_timeout(Some(DB_ANSWER))
+            .create_timeout(Some(DB_ANSWER))
+            .recycle_timeout(Some(DB_ANSWER))
             .build()
             .map_err(|e| PgOpenError::Pool(e.to_string()))?;
         let connector = Arc::new(Connector {
@@ -627,6 +648,11 @@ struct Health {
 }
 
 impl Health {
+    /// Whether the database answered the last call or probe.
+    fn serving_now(&self) -> bool {
+        *self.serving.borrow()
+    }
+
     /// The database failed us: report NOT_SERVING until the health check passes again.
     fn lost(&self) {
         self.serving
@@ -635,7 +661,11 @@ impl Health {
     }
 
     fn db_error(&self, e: &tokio_postgres::Error) -> StoreError {
-        let unavailable = match e.code() {
+        let contended = matches!(
+            e.code(),
+            Some(&SqlState::T_R_SERIALIZATION_FAILURE) | Some(&SqlState::T_R_DEADLOCK_DETECTED)
+        );
+        let lost = match e.code() {
             None => true,
             Some(code) => {
                 let c = code.code();
@@ -643,11 +673,11 @@ impl Health {
                     || c.starts_with("57P")
                     || c.starts_with("53")
                     || *code == SqlState::READ_ONLY_SQL_TRANSACTION
-                    || *code == SqlState::T_R_SERIALIZATION_FAILURE
-                    || *code == SqlState::T_R_DEADLOCK_DETECTED
             }
         };
-        if unavailable {
+        if contended {
+            StoreError::Unavailable(format!("the database failed the call ({e}); retry"))
+        } else if lost {
             self.lost();
             StoreError::Unavailable(format!("the database failed the call ({e}); retry"))
         } else {
@@ -662,7 +692,7 @@ impl Health {
                 self.lost();
                 StoreError::Unavailable(format!(
                     "the database did not answer within {} s; retry",
-                    CALL_TIMEOUT.as_secs()
+                    STATEMENT_DEADLINE.as_secs()
                 ))
             }
         }
@@ -730,14 +760,14 @@ impl From<tokio_postgres::Error> for Timed {
     }
 }
 
-/// One database round trip, bounded by `CALL_TIMEOUT` and timed for the metrics under
-/// `statement`.
+/// One database round trip, bounded by [`STATEMENT_DEADLINE`] and timed for the metrics
+/// under `statement`.
 async fn timed<T>(
     statement: &'static str,
     call: impl std::future::Future<Output = Result<T, tokio_postgres::Error>>,
 ) -> Result<T, Timed> {
     let started = std::time::Instant::now();
-    let result = tokio::time::timeout(CALL_TIMEOUT, call).await;
+    let result = tokio::time::timeout(STATEMENT_DEADLINE, call).await;
     crate::metrics::pg_statement(statement, started.elapsed().as_secs_f64());
     match result {
         Ok(result) => result.map_err(Timed::Db),
@@ -1207,18 +1237,35 @@ async fn migrate_with_retry(connector: &Connector) -> Result<(), PgOpenError> {
     }
 }
 
-/// Keeps `serving` true while the database answers: checks every few seconds, and at once
-/// (then every half second until it answers) when a call found it gone.
+/// Keeps `serving` true while the database answers: a `SELECT 1` answered within
+/// [`DB_ANSWER`] on a connection of the probe's own (so that a busy pool is not taken for a
+/// lost database, nor a pooled connection for a live one), every second, and at once (then
+/// every half second until it answers) when a call found the database gone.
 async fn watch_health(connector: Arc<Connector>, health: Arc<Health>, shutdown: CancellationToken) {
+    let mut probe: Option<tokio_postgres::Client> = None;
     loop {
-        let up = tokio::time::timeout(Duration::from_secs(3), async {
-            let client = connector.pool.get().await.ok()?;
-            client.simple_query("SELECT 1").await.ok()
+        let answered = tokio::time::timeout(DB_ANSWER, async {
+            let client = match probe.take().filter(|c| !c.is_closed()) {
+                Some(client) => client,
+                None => {
+                    let (client, connection) =
+                        connector.pg_config.connect(connector.tls.clone()).await?;
+                    tokio::spawn(connection);
+                    client
+                }
+            };
+            client.simple_query("SELECT 1").await?;
+            Ok::<_, tokio_postgres::Error>(client)
         })
-        .await
-        .ok()
-        .flatten()
-        .is_some();
+        .await;
+        let up = match answered {
+            Ok(Ok(client)) => {
+                probe = Some(client);
+                true
+            }
+            // Dropped: a connection that did not answer in time is not asked again.
+            Ok(Err(_)) | Err(_) => false,
+        };
         if health
             .serving
             .send_if_modified(|now| std::mem::replace(now, up) != up)
@@ -1232,7 +1279,7 @@ async fn watch_health(connector: Arc<Connector>, health: Arc<Health>, shutdown: 
             }
         }
         let wait = if up {
-            Duration::from_secs(2)
+            Duration::from_secs(1)
         } else {
             Duration::from_millis(500)
         };
