@@ -192,7 +192,11 @@ async fn run(args: Args, secrets: Secrets, non_dumpable: bool) -> Result<()> {
     let table = sandbox.start(&args.workspace_root, non_dumpable).await?;
     // Plain lines, not log events: the table is shown whatever RUST_LOG filters.
     eprint!("{}", table.render(mode, network));
-    let gaps: Vec<&str> = table.gaps().iter().map(|row| row.protection.name()).collect();
+    let gaps: Vec<&str> = table
+        .gaps()
+        .iter()
+        .map(|row| row.protection.name())
+        .collect();
     match (sandbox.mode, gaps.is_empty()) {
         (SandboxMode::Off, _) => tracing::warn!(
             "--sandbox off: tool calls can read and write everything the tool user can, \

@@ -99,7 +99,8 @@ fn read(file: Option<&Path>, flag: &'static str, env: &str) -> Result<Option<Str
 /// the environment no one but this function touches their bytes, and once removed nothing
 /// refers to them (the C library's `environ` array no longer points at them).
 fn wipe_initial_environment(names: &[&str]) -> std::io::Result<()> {
-    let invalid = |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_string());
+    let invalid =
+        |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_string());
     let stat = std::fs::read_to_string("/proc/self/stat")?;
     // Fields after the command name's `)` start at field 3; env_start and env_end are 50, 51.
     let fields: Vec<&str> = stat
@@ -118,7 +119,10 @@ fn wipe_initial_environment(names: &[&str]) -> std::io::Result<()> {
     if end <= start || end - start > 1 << 24 {
         return Err(invalid("implausible environment bounds"));
     }
-    let mem = OpenOptions::new().read(true).write(true).open("/proc/self/mem")?;
+    let mem = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/proc/self/mem")?;
     let mut block = vec![0u8; (end - start) as usize];
     mem.read_exact_at(&mut block, start)?;
     let mut offset = 0;
@@ -141,7 +145,10 @@ fn wipe_initial_environment(names: &[&str]) -> std::io::Result<()> {
 
 /// The length of `NAME=` in `entry`.
 fn names_len(entry: &[u8]) -> usize {
-    entry.iter().position(|&byte| byte == b'=').map_or(entry.len(), |at| at + 1)
+    entry
+        .iter()
+        .position(|&byte| byte == b'=')
+        .map_or(entry.len(), |at| at + 1)
 }
 
 #[cfg(test)]
@@ -160,6 +167,9 @@ mod tests {
         std::fs::write(&file, "\n").expect("write");
         assert!(read(Some(&file), "--x-file", "X").is_err());
         assert!(read(Some(&dir.path().join("missing")), "--x-file", "X").is_err());
-        assert_eq!(read(None, "--x-file", "AGENTLOG_TEST_NO_SUCH_VAR").expect("reads"), None);
+        assert_eq!(
+            read(None, "--x-file", "AGENTLOG_TEST_NO_SUCH_VAR").expect("reads"),
+            None
+        );
     }
 }

@@ -135,8 +135,14 @@ impl Model {
             return Err(ModelSpecError::MissingModel(spec.to_string()));
         }
         match provider {
-            "anthropic" => Ok(Model::Anthropic(anthropic::Anthropic::new(name, keys.anthropic.clone())?)),
-            "openai" => Ok(Model::OpenAi(openai::OpenAi::new(name, keys.openai.clone())?)),
+            "anthropic" => Ok(Model::Anthropic(anthropic::Anthropic::new(
+                name,
+                keys.anthropic.clone(),
+            )?)),
+            "openai" => Ok(Model::OpenAi(openai::OpenAi::new(
+                name,
+                keys.openai.clone(),
+            )?)),
             "scripted" => Ok(Model::Scripted(scripted::Scripted::load(name)?)),
             _ => Err(ModelSpecError::UnknownProvider(spec.to_string())),
         }

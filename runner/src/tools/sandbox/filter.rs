@@ -155,7 +155,10 @@ mod tests {
             truncate: true,
             sigio_owner: true,
         };
-        assert!(refusal_filter(all).expect("compiles").len() > refusal_filter(Refusals::default()).expect("compiles").len());
+        assert!(
+            refusal_filter(all).expect("compiles").len()
+                > refusal_filter(Refusals::default()).expect("compiles").len()
+        );
         let program = signal_filter().expect("compiles");
         assert!(program
             .iter()

@@ -102,7 +102,13 @@ pub fn receive(listener: RawFd) -> Result<Notification, Errno> {
 pub fn still_waiting(listener: RawFd, id: u64) -> bool {
     let mut id = id;
     // SAFETY: the ioctl reads one u64 from the live `id`.
-    unsafe { libc::ioctl(listener, libc::SECCOMP_IOCTL_NOTIF_ID_VALID, &mut id as *mut u64) == 0 }
+    unsafe {
+        libc::ioctl(
+            listener,
+            libc::SECCOMP_IOCTL_NOTIF_ID_VALID,
+            &mut id as *mut u64,
+        ) == 0
+    }
 }
 
 /// Answers the call `id`: let it run as the caller asked (`None`), or fail it with `errno`.

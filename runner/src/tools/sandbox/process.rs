@@ -220,8 +220,12 @@ fn supervise_until_done(tool: Pid, signal_fd: &SignalFd, mut listener: Option<Ow
             (
                 ready(&fds[0], PollFlags::POLLIN),
                 fds.get(1).is_some_and(|fd| ready(fd, PollFlags::POLLIN)),
-                fds.get(1)
-                    .is_some_and(|fd| ready(fd, PollFlags::POLLHUP | PollFlags::POLLERR | PollFlags::POLLNVAL)),
+                fds.get(1).is_some_and(|fd| {
+                    ready(
+                        fd,
+                        PollFlags::POLLHUP | PollFlags::POLLERR | PollFlags::POLLNVAL,
+                    )
+                }),
             )
         };
         if listener_ready {
@@ -407,7 +411,10 @@ fn stage(plan: &Plan) -> Result<Infallible, String> {
         .map(|abi| ruleset(plan, &plan.workspace, abi).map(|ruleset| (ruleset, abi)))
         .transpose()
         .map_err(|e| format!("cannot build the Landlock ruleset: {e}"))?;
-    let refusals = mechanisms.refusals.map(filter::refusal_filter).transpose()?;
+    let refusals = mechanisms
+        .refusals
+        .map(filter::refusal_filter)
+        .transpose()?;
     let signals = mechanisms.notify.then(filter::signal_filter).transpose()?;
     switch_user(plan)?;
     SigSet::empty()
@@ -466,9 +473,9 @@ fn probe(plan: &Plan) -> Result<i32, String> {
         .filter(|&abi| abi >= 1);
     let subreaper = nix::sys::prctl::set_child_subreaper(true).map_err(|e| e.to_string());
     let rlimits = set_limits(1);
-    let separate_uid = plan.user.map(|_| {
-        switch_user(plan).map(|uid| uid.unwrap_or_default())
-    });
+    let separate_uid = plan
+        .user
+        .map(|_| switch_user(plan).map(|uid| uid.unwrap_or_default()));
     let (landlock_enforced, seccomp, notify) = if probe.confine {
         let landlock_enforced = match landlock_requested {
             Some(abi) => restrict_landlock(plan, &plan.workspace, abi).and_then(|()| {
@@ -489,7 +496,12 @@ fn probe(plan: &Plan) -> Result<i32, String> {
         };
         let seccomp = filter::refusal_filter(all).and_then(|program| {
             seccompiler::apply_filter(&program).map_err(|e| e.to_string())?;
-            match socket(AddressFamily::Inet, SockType::Stream, SockFlag::empty(), None) {
+            match socket(
+                AddressFamily::Inet,
+                SockType::Stream,
+                SockFlag::empty(),
+                None,
+            ) {
                 Err(Errno::EPERM) => Ok(()),
                 Err(e) => Err(format!("socket(AF_INET) failed with {e}, not EPERM")),
                 Ok(_) => Err("the filter let socket(AF_INET) through".into()),
@@ -511,8 +523,7 @@ fn probe(plan: &Plan) -> Result<i32, String> {
         .filter(|file| std::fs::File::open(file).is_ok())
         .map(|file| file.display().to_string())
         .collect();
-    let runner_environ_readable =
-        std::fs::read(format!("/proc/{}/environ", plan.runner)).is_ok();
+    let runner_environ_readable = std::fs::read(format!("/proc/{}/environ", plan.runner)).is_ok();
     let report = ProbeReport {
         landlock_kernel,
         landlock_requested,
@@ -534,7 +545,7 @@ fn probe(plan: &Plan) -> Result<i32, String> {
 }
 
 fn errno_name(errno: Errno) -> String {
-    format!("{errno:?}: {}", errno.desc())
+    format!("{errno:?}")
 }
 
 /// Read and execute on the system directories and `--tool-read-path`s, read and write on a

@@ -108,6 +108,8 @@ pub struct Row {
     pub enforced: bool,
     /// When not enforced: what is missing and how to get it.
     pub missing: Option<String>,
+    /// What the mechanism costs ordinary work, if anything.
+    pub note: Option<String>,
 }
 
 /// The table, and the mechanisms each call gets.
@@ -118,16 +120,16 @@ pub struct Table {
     pub gvisor: bool,
 }
 
-const LANDLOCK_HOW: &str = "Landlock (Linux 5.13+, with `landlock` in the lsm= boot parameter; \
-                            deploy/README.md names node images that have it)";
+const LANDLOCK_HOW: &str =
+    "Landlock (Linux 5.13+ with `landlock` among its LSMs; node images: deploy/README.md)";
 
 /// Why Landlock is not in use, in words.
 fn landlock_gap(report: &ProbeReport) -> String {
     match (&report.landlock_kernel, &report.landlock_enforced) {
         (Err(errno), _) if errno.starts_with("EPERM") => format!(
-            "the landlock_* system calls are refused ({errno}), as a container runtime's \
-             seccomp profile does: allow landlock_create_ruleset, landlock_add_rule and \
-             landlock_restrict_self in the pod's profile"
+            "the landlock_* system calls are refused ({errno}), as a seccomp profile that lacks \
+             them does: use one that allows landlock_create_ruleset, landlock_add_rule and \
+             landlock_restrict_self"
         ),
         (Err(errno), _) if errno.starts_with("EOPNOTSUPP") => format!(
             "Landlock is built into this kernel but not enabled ({errno}): add `landlock` to \
@@ -166,7 +168,11 @@ pub fn table(report: &ProbeReport, runner: RunnerFacts) -> Table {
         truncate: landlock.is_none_or(|abi| abi < 3),
         sigio_owner: landlock.is_none_or(|abi| abi < 6),
     });
-    let uid = report.separate_uid.as_ref().and_then(|r| r.as_ref().ok()).copied();
+    let uid = report
+        .separate_uid
+        .as_ref()
+        .and_then(|r| r.as_ref().ok())
+        .copied();
     let off_gap = || "--sandbox off".to_string();
 
     let mut rows = Vec::new();
@@ -197,6 +203,12 @@ pub fn table(report: &ProbeReport, runner: RunnerFacts) -> Table {
             enforced: missing.is_none(),
             mechanisms,
             missing,
+            // ABI 1 has no LANDLOCK_ACCESS_FS_REFER: every reparenting is refused.
+            note: (landlock == Some(1)).then(|| {
+                "at ABI 1 a rename or link into another directory fails (EXDEV): `mv` copies \
+                 instead, `git mv a dir/a` fails"
+                    .to_string()
+            }),
         }
     };
     rows.push(filesystem(Protection::WorkspaceOnly));
@@ -244,23 +256,30 @@ pub fn table(report: &ProbeReport, runner: RunnerFacts) -> Table {
         enforced: gaps.is_empty(),
         mechanisms,
         missing: (!gaps.is_empty()).then(|| gaps.join("; ")),
+        note: None,
     });
 
     // Signals: Landlock's scope (ABI 6), else the helper vetting each signal. A separate
     // uid alone keeps the runner safe, not the other calls (they share the tool user).
-    let (mut mechanisms, missing) = match landlock {
-        Some(abi) if abi >= 6 => (vec![format!("Landlock ABI {abi} (signal scope)")], None),
-        _ if notify => (vec!["seccomp user notification (the helper vets each signal)".into()], None),
-        _ if runner.off => (Vec::new(), Some(off_gap())),
-        _ => (
-            Vec::new(),
-            Some(format!(
+    let (mut mechanisms, missing) =
+        match landlock {
+            Some(abi) if abi >= 6 => (vec![format!("Landlock ABI {abi} (signal scope)")], None),
+            _ if notify => (
+                vec!["seccomp user notification (the helper vets each signal)".into()],
+                None,
+            ),
+            _ if runner.off => (Vec::new(), Some(off_gap())),
+            _ => {
+                (
+                    Vec::new(),
+                    Some(format!(
                 "needs Landlock ABI 6 (Linux 6.12+) or seccomp user notification (Linux 5.5+; \
                  here {})",
                 if seccomp { err(&report.notify) } else { err(&report.seccomp) }
             )),
-        ),
-    };
+                )
+            }
+        };
     if let Some(uid) = uid {
         mechanisms.push(format!("separate uid {uid} (the runner)"));
     }
@@ -269,6 +288,7 @@ pub fn table(report: &ProbeReport, runner: RunnerFacts) -> Table {
         enforced: missing.is_none(),
         mechanisms,
         missing,
+        note: None,
     });
 
     // The network: the refusal filter refuses every socket family but AF_UNIX; Landlock
@@ -279,6 +299,7 @@ pub fn table(report: &ProbeReport, runner: RunnerFacts) -> Table {
             mechanisms: vec!["none: --tool-network all".into()],
             enforced: true,
             missing: None,
+            note: None,
         },
         ToolNetwork::None => {
             let mut mechanisms = Vec::new();
@@ -303,6 +324,7 @@ pub fn table(report: &ProbeReport, runner: RunnerFacts) -> Table {
                 enforced: missing.is_none(),
                 mechanisms,
                 missing,
+                note: None,
             }
         }
     };
@@ -310,9 +332,16 @@ pub fn table(report: &ProbeReport, runner: RunnerFacts) -> Table {
 
     let simple = |protection, result: &Result<(), String>, mechanism: &str| Row {
         protection,
-        mechanisms: result.is_ok().then(|| vec![mechanism.to_string()]).unwrap_or_default(),
+        mechanisms: result
+            .is_ok()
+            .then(|| vec![mechanism.to_string()])
+            .unwrap_or_default(),
         enforced: result.is_ok(),
-        missing: result.as_ref().err().map(|e| format!("{mechanism} failed: {e}")),
+        missing: result
+            .as_ref()
+            .err()
+            .map(|e| format!("{mechanism} failed: {e}")),
+        note: None,
     };
     rows.push(simple(
         Protection::Leftovers,
@@ -370,8 +399,16 @@ impl Table {
                  only through it, and everything inside the pod as the rows say"
             );
         }
-        let width = Protection::ALL.iter().map(|p| p.name().len()).max().unwrap_or(0);
-        let _ = writeln!(out, "sandbox:   {:width$}  {:8}  mechanism", "protection", "enforced");
+        let width = Protection::ALL
+            .iter()
+            .map(|p| p.name().len())
+            .max()
+            .unwrap_or(0);
+        let _ = writeln!(
+            out,
+            "sandbox:   {:width$}  {:8}  mechanism",
+            "protection", "enforced"
+        );
         for row in &self.rows {
             let mechanism = if row.mechanisms.is_empty() {
                 "none".to_string()
@@ -384,8 +421,8 @@ impl Table {
                 row.protection.name(),
                 if row.enforced { "yes" } else { "NO" }
             );
-            if let Some(missing) = &row.missing {
-                let _ = writeln!(out, "sandbox:   {:width$}            {missing}", "");
+            for text in [&row.missing, &row.note].into_iter().flatten() {
+                let _ = writeln!(out, "sandbox:   {:width$}            {text}", "");
             }
         }
         out
@@ -419,7 +456,11 @@ mod tests {
     };
 
     fn mechanisms(table: &Table, protection: Protection) -> String {
-        let row = table.rows.iter().find(|r| r.protection == protection).expect("row");
+        let row = table
+            .rows
+            .iter()
+            .find(|r| r.protection == protection)
+            .expect("row");
         row.mechanisms.join(" + ")
     }
 
@@ -427,11 +468,19 @@ mod tests {
     fn a_full_kernel_enforces_everything_with_landlock() {
         let table = table(&full(), POD);
         assert!(table.gaps().is_empty(), "{table:?}");
-        assert_eq!(mechanisms(&table, Protection::WorkspaceOnly), "Landlock ABI 7");
-        assert_eq!(mechanisms(&table, Protection::Signals), "Landlock ABI 7 (signal scope)");
+        assert_eq!(
+            mechanisms(&table, Protection::WorkspaceOnly),
+            "Landlock ABI 7"
+        );
+        assert_eq!(
+            mechanisms(&table, Protection::Signals),
+            "Landlock ABI 7 (signal scope)"
+        );
         assert!(!table.mechanisms.notify);
         let refusals = table.mechanisms.refusals.expect("seccomp");
-        assert!(refusals.network && !refusals.ptrace && !refusals.truncate && !refusals.sigio_owner);
+        assert!(
+            refusals.network && !refusals.ptrace && !refusals.truncate && !refusals.sigio_owner
+        );
     }
 
     #[test]
@@ -450,7 +499,9 @@ mod tests {
                 abi < 3,
                 "ABI {abi}"
             );
-            assert!(mechanisms(&table, Protection::Signals).starts_with("seccomp user notification"));
+            assert!(
+                mechanisms(&table, Protection::Signals).starts_with("seccomp user notification")
+            );
         }
     }
 
@@ -464,9 +515,15 @@ mod tests {
         };
         let table = table(&report, POD);
         let gaps: Vec<Protection> = table.gaps().iter().map(|r| r.protection).collect();
-        assert_eq!(gaps, [Protection::WorkspaceOnly, Protection::OtherWorkspaces]);
+        assert_eq!(
+            gaps,
+            [Protection::WorkspaceOnly, Protection::OtherWorkspaces]
+        );
         let missing = table.gaps()[0].missing.clone().unwrap_or_default();
-        assert!(missing.contains("refused (EPERM)") && missing.contains("seccomp profile"), "{missing}");
+        assert!(
+            missing.contains("refused (EPERM)") && missing.contains("seccomp profile"),
+            "{missing}"
+        );
         let refusals = table.mechanisms.refusals.expect("seccomp");
         assert!(refusals.ptrace && refusals.truncate && refusals.sigio_owner);
         assert!(mechanisms(&table, Protection::RunnerSecrets).contains("non-dumpable runner"));
@@ -484,10 +541,19 @@ mod tests {
         let table = table(&report, POD);
         let gaps: Vec<Protection> = table.gaps().iter().map(|r| r.protection).collect();
         assert_eq!(gaps, [Protection::RunnerSecrets, Protection::Signals]);
-        assert_eq!(mechanisms(&table, Protection::Signals), "separate uid 65534 (the runner)");
+        assert_eq!(
+            mechanisms(&table, Protection::Signals),
+            "separate uid 65534 (the runner)"
+        );
         let rendered = table.render("require", "none");
-        assert!(rendered.lines().all(|l| l.starts_with("sandbox: ")), "{rendered}");
-        assert!(rendered.contains("2 of 7 protections NOT enforced"), "{rendered}");
+        assert!(
+            rendered.lines().all(|l| l.starts_with("sandbox: ")),
+            "{rendered}"
+        );
+        assert!(
+            rendered.contains("2 of 7 protections NOT enforced"),
+            "{rendered}"
+        );
         assert!(rendered.contains("/etc/key"), "{rendered}");
     }
 

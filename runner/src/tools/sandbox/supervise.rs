@@ -43,9 +43,10 @@ pub fn may_signal(helper: i32, call: &Notification, procs: &impl Processes) -> b
             -1 => false,
             pid => pid.checked_neg().is_some_and(group),
         },
-        libc::SYS_tkill | libc::SYS_tgkill | libc::SYS_rt_sigqueueinfo | libc::SYS_rt_tgsigqueueinfo => {
-            first > 0 && below(first)
-        }
+        libc::SYS_tkill
+        | libc::SYS_tgkill
+        | libc::SYS_rt_sigqueueinfo
+        | libc::SYS_rt_tgsigqueueinfo => first > 0 && below(first),
         libc::SYS_pidfd_send_signal => procs.pidfd_target(caller, first).is_some_and(below),
         _ => false,
     }
@@ -138,7 +139,11 @@ mod tests {
             self.0.get(&pid).map(|p| p.1)
         }
         fn members(&self, pgid: i32) -> Vec<i32> {
-            self.0.iter().filter(|(_, p)| p.1 == pgid).map(|(pid, _)| *pid).collect()
+            self.0
+                .iter()
+                .filter(|(_, p)| p.1 == pgid)
+                .map(|(pid, _)| *pid)
+                .collect()
         }
         fn pidfd_target(&self, pid: i32, fd: i32) -> Option<i32> {
             self.1.get(&(pid, fd)).copied()
@@ -171,7 +176,8 @@ mod tests {
             HashMap::from([((12, 3), 11), ((12, 4), 1)]),
         );
         let helper = 10;
-        let allowed = |syscall, first, caller| may_signal(helper, &call(syscall, first, caller), &procs);
+        let allowed =
+            |syscall, first, caller| may_signal(helper, &call(syscall, first, caller), &procs);
         assert!(allowed(libc::SYS_kill, 12, 11));
         assert!(allowed(libc::SYS_kill, 0, 12), "its own group");
         assert!(allowed(libc::SYS_kill, -11, 12));
@@ -186,7 +192,13 @@ mod tests {
         assert!(!allowed(libc::SYS_kill, 999, 11), "a process that is gone");
         assert!(!allowed(libc::SYS_tkill, 1, 11));
         assert!(!allowed(libc::SYS_rt_sigqueueinfo, 20, 11));
-        assert!(!allowed(libc::SYS_pidfd_send_signal, 4, 12), "a pidfd of the runner");
-        assert!(!allowed(libc::SYS_pidfd_send_signal, 5, 12), "an unknown descriptor");
+        assert!(
+            !allowed(libc::SYS_pidfd_send_signal, 4, 12),
+            "a pidfd of the runner"
+        );
+        assert!(
+            !allowed(libc::SYS_pidfd_send_signal, 5, 12),
+            "an unknown descriptor"
+        );
     }
 }
