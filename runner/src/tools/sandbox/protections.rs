@@ -332,10 +332,11 @@ pub fn table(report: &ProbeReport, runner: RunnerFacts) -> Table {
 
     let simple = |protection, result: &Result<(), String>, mechanism: &str| Row {
         protection,
-        mechanisms: result
-            .is_ok()
-            .then(|| vec![mechanism.to_string()])
-            .unwrap_or_default(),
+        mechanisms: if result.is_ok() {
+            vec![mechanism.to_string()]
+        } else {
+            Vec::new()
+        },
         enforced: result.is_ok(),
         missing: result
             .as_ref()
