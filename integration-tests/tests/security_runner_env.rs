@@ -136,9 +136,15 @@ async fn the_bash_tool_sees_no_secret_of_the_runner() {
     if root {
         let environ = std::fs::read(format!("/proc/{}/environ", runner.id())).expect("environ");
         let environ = String::from_utf8_lossy(&environ);
-        assert!(environ.contains("RUST_LOG="), "the block is readable: {environ}");
+        assert!(
+            environ.contains("RUST_LOG="),
+            "the block is readable: {environ}"
+        );
         for secret in [API_KEY, OPENAI_KEY, RUNNER_TOKEN] {
-            assert!(!environ.contains(secret), "a secret is left in the runner's environ block");
+            assert!(
+                !environ.contains(secret),
+                "a secret is left in the runner's environ block"
+            );
         }
     }
     let _ = runner.kill();
