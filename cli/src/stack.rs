@@ -350,11 +350,15 @@ pub async fn start_runner(
 /// The model the environment asks for, and why.
 pub fn model_from_env(data_dir: &Path) -> Result<(String, String)> {
     let var = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
-    if var("ANTHROPIC_API_KEY").is_some() {
+    // The runner reads the key from the file or the variable (and scrubs the variable).
+    if let Some(source) = ["ANTHROPIC_API_KEY_FILE", "ANTHROPIC_API_KEY"]
+        .into_iter()
+        .find(|name| var(name).is_some())
+    {
         let model = var("ANTHROPIC_MODEL").unwrap_or(DEFAULT_ANTHROPIC_MODEL.into());
         return Ok((
             format!("anthropic:{model}"),
-            "ANTHROPIC_API_KEY is set (ANTHROPIC_MODEL picks another model)".into(),
+            format!("{source} is set (ANTHROPIC_MODEL picks another model)"),
         ));
     }
     if let Some(base) = var("OPENAI_BASE_URL") {
