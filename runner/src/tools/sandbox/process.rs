@@ -508,6 +508,7 @@ fn probe(plan: &Plan) -> Result<i32, String> {
             }
         });
         let notify = filter::signal_filter().and_then(|program| {
+            nix::sys::prctl::set_no_new_privs().map_err(errno_name)?;
             kernel::install_filter_with_listener(&program)
                 .map(drop)
                 .map_err(errno_name)
