@@ -377,12 +377,12 @@ fn switch_user(plan: &Plan) -> Result<Option<u32>, String> {
     Ok(Some(ids.uid))
 }
 
-/// Restricts this process with Landlock at `abi`'s rights and checks that the kernel
-/// enforces all of them: a ruleset only partly enforced (or a blocked syscall) is an error,
-/// never a silent pass.
-fn restrict_landlock(plan: &Plan, workspace: &Path, abi: i32) -> Result<(), String> {
-    let status = ruleset(plan, workspace, abi)
-        .and_then(|ruleset| Ok(ruleset.restrict_self()?))
+/// Restricts this process with `ruleset` and checks that the kernel enforces all of
+/// `abi`'s rights: a ruleset only partly enforced (or a blocked syscall) is an error, never
+/// a silent pass.
+fn restrict(ruleset: RulesetCreated, abi: i32) -> Result<(), String> {
+    let status = ruleset
+        .restrict_self()
         .map_err(|e| format!("Landlock refused the ruleset: {e}"))?;
     match status.ruleset {
         RulesetStatus::FullyEnforced => Ok(()),
@@ -421,15 +421,7 @@ fn stage(plan: &Plan) -> Result<Infallible, String> {
         .thread_set_mask()
         .map_err(|e| format!("cannot reset the signal mask: {e}"))?;
     if let Some((ruleset, abi)) = ruleset {
-        let status = ruleset
-            .restrict_self()
-            .map_err(|e| format!("Landlock refused the ruleset: {e}"))?;
-        if status.ruleset != RulesetStatus::FullyEnforced {
-            return Err(format!(
-                "Landlock enforced the ruleset only {:?} at ABI {abi}",
-                status.ruleset
-            ));
-        }
+        restrict(ruleset, abi)?;
     }
     if let Some(program) = refusals {
         seccompiler::apply_filter(&program)
@@ -448,6 +440,8 @@ fn stage(plan: &Plan) -> Result<Infallible, String> {
             None,
         )
         .map_err(|e| format!("cannot hand the signal filter to the helper: {e}"))?;
+        // The helper holds it now; bash must not (it would answer its own calls).
+        drop(listener);
     }
     let error = Command::new("bash")
         .arg("-c")
@@ -478,14 +472,17 @@ fn probe(plan: &Plan) -> Result<i32, String> {
         .map(|_| switch_user(plan).map(|uid| uid.unwrap_or_default()));
     let (landlock_enforced, seccomp, notify) = if probe.confine {
         let landlock_enforced = match landlock_requested {
-            Some(abi) => restrict_landlock(plan, &plan.workspace, abi).and_then(|()| {
-                // A rule the kernel took but does not apply would leave /proc open.
-                match std::fs::read_dir("/proc/self/fd") {
-                    Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => Ok(()),
-                    Err(e) => Err(format!("/proc/self/fd: {e}")),
-                    Ok(_) => Err("/proc is still readable under the ruleset".into()),
-                }
-            }),
+            Some(abi) => ruleset(plan, &plan.workspace, abi)
+                .map_err(|e| format!("cannot build the Landlock ruleset: {e}"))
+                .and_then(|ruleset| restrict(ruleset, abi))
+                .and_then(|()| {
+                    // A rule the kernel took but does not apply would leave /proc open.
+                    match std::fs::read_dir("/proc/self/fd") {
+                        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => Ok(()),
+                        Err(e) => Err(format!("/proc/self/fd: {e}")),
+                        Ok(_) => Err("/proc is still readable under the ruleset".into()),
+                    }
+                }),
             None => Err("not tried".into()),
         };
         let all = Refusals {
