@@ -1,5 +1,5 @@
 //! A malicious model's tool call cannot read the runner's secrets: the real `runner`, given
-//! a model API key and its store token in its environment (as the manifests give them),
+//! a model API key and its store token in its environment (as the gVisor overlay gives them),
 //! talks to a TLS + tokens store; the model asks the bash tool to dump its environment, the
 //! runner's environment (/proc/$PPID/environ) and command line. None of it shows a secret,
 //! and neither process logs one.
