@@ -201,4 +201,25 @@ mod tests {
             "an unknown descriptor"
         );
     }
+
+    #[test]
+    fn the_live_proc_finds_children_groups_and_pidfds() {
+        use std::os::fd::AsRawFd;
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .expect("sleep");
+        let me = std::process::id() as i32;
+        let kid = child.id() as i32;
+        let parent = Proc.parent(me).expect("our parent");
+        let allowed = |first: i64| may_signal(me, &call(libc::SYS_kill, first, me as u32), &Proc);
+        assert!(allowed(i64::from(kid)), "our child is below us");
+        assert!(!allowed(i64::from(me)), "we are not below ourselves");
+        assert!(!allowed(i64::from(parent)), "our parent is not below us");
+        assert!(Proc.members(Proc.group(me).expect("group")).contains(&me));
+        let pidfd = std::fs::File::open(format!("/proc/{kid}")).expect("a /proc directory");
+        assert_eq!(Proc.pidfd_target(me, pidfd.as_raw_fd()), Some(kid));
+        let _ = child.kill();
+        let _ = child.wait();
+    }
 }
