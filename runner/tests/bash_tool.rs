@@ -18,6 +18,7 @@ async fn bash(root: &Path, input: Value) -> ToolOutput {
         };
     };
     common::toolbox(root)
+        .await
         .run("s1", "bash", input, "s1/toolu_1")
         .await
 }
