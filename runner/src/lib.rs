@@ -3,6 +3,7 @@
 //! a crash at any moment resumes exactly where the log stops.
 #![forbid(unsafe_code)]
 
+pub mod drain;
 pub mod fold;
 pub mod lease;
 pub mod metrics;
