@@ -60,6 +60,12 @@ impl EventStoreService {
             .max_encoding_message_size(MAX_DECODED_FRAME_BYTES)
     }
 
+    /// Fires when the store begins to shut down: a stream that ends from then on ends with
+    /// `UNAVAILABLE`, so that its client subscribes again (elsewhere).
+    pub(crate) fn stopping(&self) -> &CancellationToken {
+        &self.shutdown
+    }
+
     /// Subscribe: the backend's runs of events.
     pub(crate) fn subscribe_runs(
         &self,
@@ -111,8 +117,10 @@ impl ServeOptions {
 }
 
 /// Serves the store, health and (optionally) reflection on `listener` until `shutdown`
-/// fires; then stops accepting, ends streams and long-polls, and waits for in-flight
-/// requests. Every call but health passes the auth layer, then the limits layer.
+/// fires; then stops accepting, ends streams (Subscribe and AppendStream with
+/// `UNAVAILABLE`, so that clients go elsewhere) and long-polls, and answers every request
+/// already received; a connection still open after [`crate::incoming::SHUTDOWN_GRACE`] is
+/// cut. Every call but health passes the auth layer, then the limits layer.
 pub async fn serve(
     store: Arc<dyn Backend>,
     listener: tokio::net::TcpListener,
@@ -340,6 +348,7 @@ impl EventStore for EventStoreService {
         request: Request<SubscribeRequest>,
     ) -> Result<Response<EventStream>, Status> {
         let runs = self.subscribe_runs(request.into_inner())?;
+        let stopping = self.shutdown.clone();
         let events = futures::StreamExt::flat_map(ReceiverStream::new(runs), |run| {
             let events: Vec<Result<Event, Status>> = match run.and_then(EventRun::into_events) {
                 Ok(events) => events.into_iter().map(Ok).collect(),
@@ -347,7 +356,15 @@ impl EventStore for EventStoreService {
             };
             futures::stream::iter(events)
         });
-        Ok(Response::new(Box::pin(events)))
+        let end = futures::stream::once(async move {
+            stopping
+                .is_cancelled()
+                .then(|| Err(stopping_status("Subscribe")))
+        });
+        let end = futures::StreamExt::filter_map(end, |end| async move { end });
+        Ok(Response::new(Box::pin(futures::StreamExt::chain(
+            events, end,
+        ))))
     }
 
     async fn get_session(
@@ -389,16 +406,16 @@ impl EventStore for EventStoreService {
             .into());
         }
         let _waiting = crate::metrics::ClaimWaiting::enter();
-        let lease = self
-            .store
-            .claim(
-                req.owner,
-                req.ttl_ms,
-                Duration::from_millis(req.wait_ms),
-                &self.shutdown,
-                &caller.scope,
-            )
-            .await?;
+        let store = self.store.clone();
+        let shutdown = self.shutdown.clone();
+        let scope = caller.scope.clone();
+        let wait = Duration::from_millis(req.wait_ms);
+        let mut claim = ClaimInFlight::start(self.store.clone(), async move {
+            store
+                .claim(req.owner, req.ttl_ms, wait, &shutdown, &scope)
+                .await
+        });
+        let lease = claim.answer().await?;
         if lease.is_some() {
             crate::metrics::lease_granted("claim");
         }
@@ -541,6 +558,63 @@ impl EventStore for EventStoreService {
     }
 }
 
+/// The status a stream ends with when the store shuts down.
+fn stopping_status(rpc: &str) -> Status {
+    Status::unavailable(format!(
+        "the store is shutting down; call {rpc} again (it reconnects to another replica or to \
+         this one once it is back)"
+    ))
+}
+
+/// A `ClaimSession` long-poll whose caller may go away (a runner that drains cancels its
+/// poll; a cut connection drops the call): the lease it grants then is given back at once,
+/// instead of being left to expire while its session waits. The poll runs in a task of its
+/// own, which keeps the lease until the handler has taken it.
+struct ClaimInFlight {
+    store: Arc<dyn Backend>,
+    task: Option<tokio::task::JoinHandle<Result<Option<Lease>, StoreError>>>,
+}
+
+impl ClaimInFlight {
+    fn start(
+        store: Arc<dyn Backend>,
+        poll: impl std::future::Future<Output = Result<Option<Lease>, StoreError>> + Send + 'static,
+    ) -> ClaimInFlight {
+        ClaimInFlight {
+            store,
+            task: Some(tokio::spawn(poll.in_current_span())),
+        }
+    }
+
+    async fn answer(&mut self) -> Result<Option<Lease>, StoreError> {
+        let Some(task) = self.task.as_mut() else {
+            return Ok(None);
+        };
+        let answer = task
+            .await
+            .unwrap_or_else(|e| Err(StoreError::Internal(format!("the claim stopped: {e}"))));
+        self.task = None;
+        answer
+    }
+}
+
+impl Drop for ClaimInFlight {
+    fn drop(&mut self) {
+        let Some(task) = self.task.take() else {
+            return;
+        };
+        let store = self.store.clone();
+        tokio::spawn(async move {
+            if let Ok(Ok(Some(lease))) = task.await {
+                tracing::info!(session_id = %lease.session_id, epoch = lease.epoch, "the claimant went away; giving its lease back");
+                let _ = store
+                    .release_lease(lease.session_id, lease.owner, lease.epoch)
+                    .await;
+            }
+        });
+    }
+}
+
 /// The chunks of a snapshot read in `pieces`: each piece sent in slices of at most
 /// [`SNAPSHOT_CHUNK_BYTES`] as it comes, the first carrying `header` (an empty snapshot is
 /// the header alone). A failed read ends the stream with its status.
@@ -587,7 +661,8 @@ type Queuing = Pin<
 /// unanswered), and their answers are sent in that same order: one task per call, no
 /// channel between reading a request and sending its answer. A request that breaks the
 /// stream (a bad frame) ends it with that status after the answers before it; shutdown
-/// stops the reading, and the answers already queued still go out. Each request is counted,
+/// stops the reading, the answers already queued still go out, and the stream ends with
+/// `UNAVAILABLE` (a request the store did not read is the client's to send again). Each request is counted,
 /// timed and traced as a unary Append is ([`AppendObserver`]), its span a child of the
 /// call's.
 struct AppendStreamAnswers {
@@ -627,7 +702,7 @@ impl AppendStreamAnswers {
             };
         }
         if std::future::Future::poll(self.shutdown.as_mut(), cx).is_ready() {
-            self.reading_done = Some(None);
+            self.reading_done = Some(Some(stopping_status("AppendStream")));
             return false;
         }
         if self.answers.len() >= APPEND_STREAM_IN_FLIGHT {

@@ -180,6 +180,7 @@ where
                 Ok(runs) => {
                     let mut response = http::Response::new(tonic::body::Body::new(SubscribeBody {
                         runs,
+                        stopping: service.stopping().clone(),
                         ended: false,
                     }));
                     response.headers_mut().insert(
@@ -220,9 +221,12 @@ where
         .ok_or_else(|| Status::internal("Missing request message."))
 }
 
-/// A Subscribe response's body: the subscription's runs as they come, then its status.
+/// A Subscribe response's body: the subscription's runs as they come, then its status:
+/// `UNAVAILABLE` when it ended because the store shuts down (so that the client subscribes
+/// again, elsewhere or later), never an OK that a reader would take for the tail.
 struct SubscribeBody {
     runs: mpsc::Receiver<Result<EventRun, StoreError>>,
+    stopping: tokio_util::sync::CancellationToken,
     ended: bool,
 }
 
@@ -245,6 +249,10 @@ impl http_body::Body for SubscribeBody {
                 return Poll::Ready(Some(Ok(Frame::data(encode(&events)))))
             }
             Some(Err(e)) => Status::from(e),
+            None if self.stopping.is_cancelled() => Status::unavailable(
+                "the store is shutting down; subscribe again from the next seq (it reconnects \
+                 to another replica or to this one once it is back)",
+            ),
             None => Status::ok(""),
         };
         self.ended = true;
