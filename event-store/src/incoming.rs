@@ -34,6 +34,9 @@ const OVER_LIMIT_GRACE: Duration = Duration::from_secs(5);
 /// How long after shutdown began a connection may stay open; then it is cut. Under the
 /// manifests' `terminationGracePeriodSeconds: 60`, with room for the writer's last fsync.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(50);
+/// How long a closing connection drains what its peer still sends (see
+/// `ServerConn::poll_shutdown`); a peer that answers our close closes in a round trip.
+const LINGER: Duration = Duration::from_secs(1);
 
 #[derive(Debug, Clone, Copy)]
 pub struct ConnLimits {
@@ -88,6 +91,8 @@ pub struct ServerConn {
     close_at: Option<Pin<Box<tokio::time::Sleep>>>,
     /// Fires [`SHUTDOWN_GRACE`] after shutdown began.
     cut: Pin<Box<tokio_util::sync::WaitForCancellationFutureOwned>>,
+    /// Set once our side is shut down: until when what the peer still sends is drained.
+    linger: Option<Pin<Box<tokio::time::Sleep>>>,
     _counted: Counted,
 }
 
@@ -160,10 +165,40 @@ impl AsyncWrite for ServerConn {
         }
     }
 
+    /// Ends our side (FIN), then reads and drops what the peer still sends until it closes
+    /// too, for at most [`LINGER`]: closing a socket with unread bytes makes the kernel
+    /// answer with a reset, and a reset can destroy the last answers still on their way to
+    /// the peer (an AppendStream's closing status while its client was still sending).
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        match &mut self.get_mut().io {
-            Io::Plain(s) => Pin::new(s).poll_shutdown(cx),
-            Io::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+        let this = self.get_mut();
+        if this.linger.is_none() {
+            let shut = match &mut this.io {
+                Io::Plain(s) => Pin::new(s).poll_shutdown(cx),
+                Io::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+            };
+            std::task::ready!(shut)?;
+            this.linger = Some(Box::pin(tokio::time::sleep(LINGER)));
+        }
+        let mut scratch = [0u8; 4096];
+        loop {
+            if this.cut(cx).is_some()
+                || this
+                    .linger
+                    .as_mut()
+                    .is_some_and(|l| l.as_mut().poll(cx).is_ready())
+            {
+                return Poll::Ready(Ok(()));
+            }
+            let mut buf = ReadBuf::new(&mut scratch);
+            let read = match &mut this.io {
+                Io::Plain(s) => Pin::new(s).poll_read(cx, &mut buf),
+                Io::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, &mut buf),
+            };
+            match read {
+                Poll::Ready(Ok(())) if !buf.filled().is_empty() => continue,
+                Poll::Ready(_) => return Poll::Ready(Ok(())),
+                Poll::Pending => return Poll::Pending,
+            }
         }
     }
 
@@ -302,6 +337,7 @@ async fn accept_loop(
                     info,
                     close_at,
                     cut: Box::pin(cut.clone().cancelled_owned()),
+                    linger: None,
                     _counted: counted,
                 };
                 if tx.send(Ok(conn)).await.is_err() {
@@ -322,6 +358,7 @@ async fn accept_loop(
                                 info,
                                 close_at,
                                 cut: Box::pin(cut.cancelled_owned()),
+                                linger: None,
                                 _counted: counted,
                             };
                             let _ = tx.send(Ok(conn)).await;

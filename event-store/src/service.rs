@@ -407,12 +407,12 @@ impl EventStore for EventStoreService {
         }
         let _waiting = crate::metrics::ClaimWaiting::enter();
         let store = self.store.clone();
-        let shutdown = self.shutdown.clone();
+        let cancel = self.shutdown.child_token();
         let scope = caller.scope.clone();
         let wait = Duration::from_millis(req.wait_ms);
-        let mut claim = ClaimInFlight::start(self.store.clone(), async move {
+        let mut claim = ClaimInFlight::start(self.store.clone(), cancel.clone(), async move {
             store
-                .claim(req.owner, req.ttl_ms, wait, &shutdown, &scope)
+                .claim(req.owner, req.ttl_ms, wait, &cancel, &scope)
                 .await
         });
         let lease = claim.answer().await?;
@@ -567,21 +567,26 @@ fn stopping_status(rpc: &str) -> Status {
 }
 
 /// A `ClaimSession` long-poll whose caller may go away (a runner that drains cancels its
-/// poll; a cut connection drops the call): the lease it grants then is given back at once,
-/// instead of being left to expire while its session waits. The poll runs in a task of its
-/// own, which keeps the lease until the handler has taken it.
+/// poll; a cut connection drops the call): the poll then ends at once, and a lease it
+/// granted meanwhile is given back instead of being left to expire while its session
+/// waits. The poll runs in a task of its own, which keeps the lease until the handler has
+/// taken it.
 struct ClaimInFlight {
     store: Arc<dyn Backend>,
+    /// Ends the poll.
+    cancel: CancellationToken,
     task: Option<tokio::task::JoinHandle<Result<Option<Lease>, StoreError>>>,
 }
 
 impl ClaimInFlight {
     fn start(
         store: Arc<dyn Backend>,
+        cancel: CancellationToken,
         poll: impl std::future::Future<Output = Result<Option<Lease>, StoreError>> + Send + 'static,
     ) -> ClaimInFlight {
         ClaimInFlight {
             store,
+            cancel,
             task: Some(tokio::spawn(poll.in_current_span())),
         }
     }
@@ -603,6 +608,7 @@ impl Drop for ClaimInFlight {
         let Some(task) = self.task.take() else {
             return;
         };
+        self.cancel.cancel();
         let store = self.store.clone();
         tokio::spawn(async move {
             if let Ok(Ok(Some(lease))) = task.await {
