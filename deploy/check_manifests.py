@@ -9,7 +9,11 @@ usage: check_manifests.py RENDERED.yaml BIN_DIR
   the Services' ports, and the store URL the runners are given;
 - a ServiceMonitor selects the Services of both binaries and scrapes a port they name;
 - the metrics port too: `--metrics-listen` (or AGENTLOG_METRICS_LISTEN), the container port
-  named `metrics`, and the Services' `metrics` ports.
+  named `metrics`, and the Services' `metrics` ports;
+- each pod's `terminationGracePeriodSeconds` covers its SIGTERM drain: a runner's
+  `--drain-timeout` (AGENTLOG_DRAIN_TIMEOUT, else the default its --help shows) plus the 3 s
+  it exits within past it plus room, the store's 50 s before it cuts the connections still
+  open plus room.
 """
 
 import re
@@ -24,6 +28,12 @@ import yaml
 OTHER_ENV = {"ANTHROPIC_API_KEY", "ANTHROPIC_BASE_URL", "OPENAI_API_KEY", "OPENAI_BASE_URL",
              "RUST_LOG", "HOME", "AGENTLOG_TOKEN"}
 BINARIES = {"agentlog/event-store": "event-store", "agentlog/runner": "runner"}
+# After the drain's budget the runner exits within this (runner/src/drain.rs EXIT_MARGIN).
+RUNNER_EXIT_MARGIN_S = 3
+# The store cuts connections still open this long after SIGTERM (event-store/src/incoming.rs).
+STORE_SHUTDOWN_GRACE_S = 50
+# What a pod needs beyond that: the process's last steps, the kubelet's own delays.
+GRACE_ROOM_S = 5
 
 problems = []
 
@@ -50,6 +60,34 @@ def check_cnpg_cluster(cluster):
     for key in spec:
         if key not in allowed:
             fail(f"Cluster/{name}: spec.{key} is not a field this check knows")
+
+
+def seconds(duration):
+    """`20s`, `1500ms`, `2m` or a number of seconds, as `runner --drain-timeout` takes it."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*(ms|s|m)?\s*", duration)
+    if not m:
+        raise ValueError(f"not a duration: {duration!r}")
+    scale = {"ms": 0.001, "s": 1, "m": 60, None: 1}[m.group(2)]
+    return float(m.group(1)) * scale
+
+
+def check_grace(where, pod, binary, args, env, help_text):
+    grace = pod["spec"].get("terminationGracePeriodSeconds", 30)
+    if binary == "runner":
+        drain = (args[args.index("--drain-timeout") + 1] if "--drain-timeout" in args
+                 else env.get("AGENTLOG_DRAIN_TIMEOUT"))
+        if drain is None:
+            m = re.search(r"--drain-timeout[^[]*\[env: AGENTLOG_DRAIN_TIMEOUT=?[^]]*\]\s*\[default: ([^]]+)\]",
+                          help_text)
+            if not m:
+                fail(f"{where}: no default --drain-timeout in `runner --help`")
+                return
+            drain = m.group(1)
+        need = seconds(drain) + RUNNER_EXIT_MARGIN_S + GRACE_ROOM_S
+    else:
+        need = STORE_SHUTDOWN_GRACE_S + GRACE_ROOM_S
+    if grace < need:
+        fail(f"{where}: terminationGracePeriodSeconds {grace} < {need:g} (its SIGTERM drain)")
 
 
 def main(rendered, bin_dir):
@@ -91,6 +129,7 @@ def main(rendered, bin_dir):
                 # clap prints `[env: NAME=value]`, or `[env: NAME]` for a secret's variable.
                 if f"[env: {name}=" not in help_text and f"[env: {name}]" not in help_text:
                     fail(f"{where}: env {name} is not read by {binary} (not in --help)")
+            check_grace(where, pod, binary, args, env, help_text)
             if "AGENTLOG_EVENT_STORE" in env:
                 store_urls.append((where, env["AGENTLOG_EVENT_STORE"]))
             ports = {p.get("name"): p["containerPort"] for p in c.get("ports", [])}
