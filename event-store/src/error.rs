@@ -52,15 +52,3 @@ impl From<StoreError> for Status {
         }
     }
 }
-
-impl From<crate::index::IndexError> for StoreError {
-    fn from(err: crate::index::IndexError) -> StoreError {
-        StoreError::Internal(err.to_string())
-    }
-}
-
-impl From<crate::log::LogError> for StoreError {
-    fn from(err: crate::log::LogError) -> StoreError {
-        StoreError::Internal(err.to_string())
-    }
-}

@@ -17,13 +17,14 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Parser;
 use event_store::auth::{Access, TokensFileWatch};
+use event_store::backend::local::{Store, StoreConfig};
+use event_store::backend::postgres::{NotifyMode, PgBackend, PgConfig};
 use event_store::backend::Backend;
 use event_store::incoming::ConnLimits;
 use event_store::limits::CallerLimits;
-use event_store::postgres::{NotifyMode, PgBackend, PgConfig};
+use event_store::service;
 use event_store::service::ServeOptions;
 use event_store::tls::{self, Reload, ReloadingTls, TlsFiles};
-use event_store::{service, Store, StoreConfig};
 use tokio::signal::unix::{signal, SignalKind};
 use tokio_util::sync::CancellationToken;
 

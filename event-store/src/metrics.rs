@@ -24,7 +24,6 @@ use tracing::Instrument;
 use tonic::Code;
 
 use crate::error::StoreError;
-use crate::log::Position;
 
 type Labels1 = [(&'static str, &'static str); 1];
 type Labels2 = [(&'static str, &'static str); 2];
@@ -297,11 +296,9 @@ pub struct FsyncObserver {
 }
 
 impl FsyncObserver {
-    /// `written`: the positions of the batch's records, just written; `waiting`: the spans
-    /// of the appends that are acknowledged only after this fsync.
-    pub fn start(written: &[Position], waiting: &[tracing::Span]) -> FsyncObserver {
-        let records = written.len();
-        let bytes = written.iter().map(|p| u64::from(p.len)).sum();
+    /// `records` and `bytes`: the batch just written; `waiting`: the spans of the appends
+    /// that are acknowledged only after this fsync.
+    pub fn start(records: usize, bytes: u64, waiting: &[tracing::Span]) -> FsyncObserver {
         let spans = if telemetry::exporting() {
             let batch = |parent| tracing::info_span!(parent: parent, "fsync", records, bytes);
             waiting.iter().map(batch).collect()

@@ -11,7 +11,7 @@ use agentlog_proto::reason::Reason;
 use agentlog_proto::v1::{event, Event};
 
 use crate::error::StoreError;
-use crate::log::LeaseRecord;
+use crate::session::LeaseRecord;
 use crate::session::{is_runner_kind, kind_name, SessionMeta, SCHEMA_VERSION};
 
 /// The session, if any event was ever appended to it (leases exist only on such sessions).

@@ -7,7 +7,21 @@
 use agentlog_proto::v1::{event, ContentBlock, Event, Lease, SessionInfo, SessionStatus};
 use prost::Message;
 
-use crate::log::LeaseRecord;
+/// A lease grant, renewal or release for one session, as the rules decide on it (and as the
+/// local log stores it: its fields are that record's encoding).
+#[derive(Clone, PartialEq, Message)]
+pub struct LeaseRecord {
+    #[prost(string, tag = "1")]
+    pub session_id: String,
+    #[prost(string, tag = "2")]
+    pub owner: String,
+    #[prost(uint64, tag = "3")]
+    pub epoch: u64,
+    #[prost(int64, tag = "4")]
+    pub expires_unix_ms: i64,
+    #[prost(bool, tag = "5")]
+    pub released: bool,
+}
 
 /// The first user message is kept up to this many bytes, for `ListSessions` queries.
 const FIRST_USER_TEXT_BYTES: usize = 4096;

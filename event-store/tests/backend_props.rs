@@ -19,10 +19,12 @@ use std::time::Duration;
 
 use agentlog_proto::reason::Reason;
 use agentlog_proto::v1::{event, Durability, Event, RunError, UserMessage};
+use event_store::backend::local::{Store, StoreConfig};
+use event_store::backend::postgres::{NotifyMode, PgBackend, PgConfig};
+use event_store::backend::AppendOp;
 use event_store::backend::Backend;
-use event_store::postgres::{NotifyMode, PgBackend, PgConfig};
 use event_store::scope::Scope;
-use event_store::{AppendOp, Store, StoreConfig, StoreError};
+use event_store::StoreError;
 use testkit::pg::Postgres;
 use tokio_util::sync::CancellationToken;
 

@@ -7,8 +7,9 @@ mod common;
 
 use agentlog_proto::v1::Durability;
 use common::{append_op, history, open_store, user_event};
-use event_store::log::storage::SimStorage;
-use event_store::{AppendOp, Store};
+use event_store::backend::local::log::storage::SimStorage;
+use event_store::backend::local::Store;
+use event_store::backend::AppendOp;
 
 async fn append_ids(store: &Store, ids: &[&str]) -> Vec<u64> {
     let ids: Vec<String> = ids.iter().map(|s| s.to_string()).collect();

@@ -7,11 +7,11 @@ use std::time::Duration;
 use agentlog_proto::v1::{
     event, Durability, Event, ListSessionsRequest, SessionStatus, UserMessage,
 };
+use event_store::backend::postgres::{schema, NotifyMode, PgBackend, PgConfig};
+use event_store::backend::AppendOp;
 use event_store::backend::Backend;
-use event_store::postgres::{schema, NotifyMode, PgBackend, PgConfig};
 use event_store::scope::Scope;
 use event_store::session::{now_unix_ms, SessionMeta};
-use event_store::AppendOp;
 use prost::Message;
 use testkit::pg::Postgres;
 

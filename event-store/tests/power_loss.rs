@@ -16,9 +16,10 @@ use std::sync::{Arc, Mutex};
 
 use agentlog_proto::v1::Durability;
 use common::{append_op, history, open_store_with};
-use event_store::log::storage::SimStorage;
-use event_store::log::LogConfig;
-use event_store::{Store, StoreError};
+use event_store::backend::local::log::storage::SimStorage;
+use event_store::backend::local::log::LogConfig;
+use event_store::backend::local::Store;
+use event_store::StoreError;
 
 const SESSIONS: [&str; 3] = ["pl-a", "pl-b", "pl-c"];
 /// Its lease is taken over and over while the appends run.

@@ -26,10 +26,12 @@ use common::{
     append_ends, append_op, history, open_store, open_store_with, read_appends, read_log,
     try_open_store,
 };
-use event_store::log::storage::{SimStorage, Storage};
-use event_store::log::LogConfig;
-use event_store::log::{LogError, Record};
-use event_store::{AppendOp, OpenError, Store, StoreError};
+use event_store::backend::local::log::storage::{SimStorage, Storage};
+use event_store::backend::local::log::LogConfig;
+use event_store::backend::local::log::{LogError, Record};
+use event_store::backend::local::{OpenError, Store};
+use event_store::backend::AppendOp;
+use event_store::StoreError;
 use proptest::prelude::*;
 use proptest::sample::Index;
 

@@ -19,7 +19,7 @@ use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
 use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
 use tonic_reflection::pb::v1::ServerReflectionRequest;
 
-const RPCS: [&str; 11] = [
+const RPCS: [&str; 13] = [
     "Append",
     "AppendStream",
     "Subscribe",
@@ -31,6 +31,8 @@ const RPCS: [&str; 11] = [
     "ReleaseLease",
     "PutSnapshot",
     "GetSnapshot",
+    "DeleteSession",
+    "ForkSession",
 ];
 const BOUND: Duration = Duration::from_secs(60);
 

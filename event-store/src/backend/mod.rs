@@ -1,6 +1,6 @@
 //! The storage contract the gRPC service runs over, session by session. Two backends keep
-//! it: the local log ([`crate::Store`], one replica on one volume) and PostgreSQL
-//! ([`crate::postgres::PgBackend`], any number of replicas over one database).
+//! it: the local log ([`local::Store`], one replica on one volume) and PostgreSQL
+//! ([`postgres::PgBackend`], any number of replicas over one database).
 //!
 //! What every backend keeps, whichever replica a call reaches:
 //! - **Appends are atomic.** Every event of an append is written, or none is.
@@ -31,14 +31,29 @@
 use std::time::Duration;
 
 use agentlog_proto::v1::{
-    AppendResponse, Event, Lease, ListSessionsRequest, ListSessionsResponse, SessionInfo,
+    AppendResponse, Durability, Event, Lease, ListSessionsRequest, ListSessionsResponse,
+    SessionInfo,
 };
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
 use crate::scope::Scope;
-use crate::subscribe_wire::FramedEvents;
-use crate::{AppendOp, StoreError};
+use crate::StoreError;
+
+pub mod framed;
+pub mod local;
+pub mod postgres;
+
+pub use framed::FramedEvents;
+
+/// A validated append request (session id syntax and sizes were checked at the edge).
+pub struct AppendOp {
+    pub session_id: String,
+    pub events: Vec<Event>,
+    pub expected_last_seq: Option<u64>,
+    pub lease_epoch: Option<u64>,
+    pub durability: Durability,
+}
 
 /// A run of a subscription's events, consecutive and ascending, as Subscribe sends them.
 #[derive(Clone, Debug)]
@@ -70,6 +85,11 @@ impl EventRun {
         }
     }
 }
+
+/// Runs of events queued between a subscription and the service: enough that the next
+/// chunk of history is read while the service sends the one before, few enough that a
+/// stalled reader holds little memory (a run is at most one chunk).
+pub const QUEUED_RUNS: usize = 4;
 
 /// The largest snapshot a backend keeps.
 pub const MAX_SNAPSHOT_BYTES: usize = 64 << 20;
@@ -184,94 +204,3 @@ pub trait Backend: Send + Sync + 'static {
 /// The answer to a queued append.
 pub type AppendAnswer =
     std::pin::Pin<Box<dyn std::future::Future<Output = Result<AppendResponse, StoreError>> + Send>>;
-
-/// The local log: one replica, its segment files and sled index on a volume.
-#[tonic::async_trait]
-impl Backend for crate::Store {
-    async fn append(&self, op: AppendOp) -> Result<AppendResponse, StoreError> {
-        crate::Store::append(self, op).await
-    }
-
-    fn subscribe(
-        &self,
-        session_id: String,
-        from_seq: u64,
-        follow: bool,
-        cancel: CancellationToken,
-    ) -> mpsc::Receiver<Result<EventRun, StoreError>> {
-        crate::Store::subscribe(self, session_id, from_seq, follow, cancel)
-    }
-
-    async fn get_session(&self, session_id: &str) -> Result<SessionInfo, StoreError> {
-        crate::Store::get_session(self, session_id)
-    }
-
-    async fn list_sessions(
-        &self,
-        req: &ListSessionsRequest,
-        scope: &Scope,
-    ) -> Result<ListSessionsResponse, StoreError> {
-        crate::Store::list_sessions(self, req, scope)
-    }
-
-    async fn acquire_lease(
-        &self,
-        session_id: String,
-        owner: String,
-        ttl_ms: u64,
-    ) -> Result<Lease, StoreError> {
-        crate::Store::acquire_lease(self, session_id, owner, ttl_ms).await
-    }
-
-    async fn renew_lease(
-        &self,
-        session_id: String,
-        owner: String,
-        epoch: u64,
-        ttl_ms: u64,
-    ) -> Result<Lease, StoreError> {
-        crate::Store::renew_lease(self, session_id, owner, epoch, ttl_ms).await
-    }
-
-    async fn release_lease(
-        &self,
-        session_id: String,
-        owner: String,
-        epoch: u64,
-    ) -> Result<(), StoreError> {
-        crate::Store::release_lease(self, session_id, owner, epoch).await
-    }
-
-    async fn claim(
-        &self,
-        owner: String,
-        ttl_ms: u64,
-        wait: Duration,
-        cancel: &CancellationToken,
-        scope: &Scope,
-    ) -> Result<Option<Lease>, StoreError> {
-        crate::Store::claim(self, owner, ttl_ms, wait, cancel, scope).await
-    }
-
-    async fn put_snapshot(&self, snapshot: Snapshot, lease_epoch: u64) -> Result<u64, StoreError> {
-        crate::Store::put_snapshot(self, snapshot, lease_epoch).await
-    }
-
-    async fn get_snapshot(
-        &self,
-        session_id: &str,
-        format: &str,
-    ) -> Result<Option<SnapshotRead>, StoreError> {
-        crate::Store::get_snapshot(self, session_id, format).await
-    }
-
-    /// Not serving while the log's volume is full (appends resume by themselves once there
-    /// is room); a writer that stopped ends the process, and a restart recovers.
-    fn serving(&self) -> watch::Receiver<bool> {
-        crate::Store::serving(self)
-    }
-
-    async fn enqueue_append(&self, op: AppendOp) -> Result<AppendAnswer, StoreError> {
-        Ok(Box::pin(crate::Store::enqueue_append(self, op).await?))
-    }
-}

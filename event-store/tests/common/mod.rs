@@ -7,10 +7,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use agentlog_proto::v1::{event, Durability, Event, UserMessage};
+use event_store::backend::local::log::storage::SimStorage;
+use event_store::backend::local::log::{LogConfig, LogWriter, Record};
+use event_store::backend::local::{Store, StoreConfig};
+use event_store::backend::AppendOp;
 use event_store::backend::EventRun;
-use event_store::log::storage::SimStorage;
-use event_store::log::{LogConfig, LogWriter, Record};
-use event_store::{AppendOp, Store, StoreConfig};
 use tokio_util::sync::CancellationToken;
 
 /// Opens (and recovers) a store whose log lives on `disk` and whose index is in `index_dir`.
@@ -33,7 +34,7 @@ pub fn try_open_store(
     disk: &SimStorage,
     index_dir: &Path,
     segment_bytes: u64,
-) -> Result<Store, event_store::OpenError> {
+) -> Result<Store, event_store::backend::local::OpenError> {
     let log_config = LogConfig {
         segment_bytes,
         preallocate_bytes: 0,
@@ -45,7 +46,7 @@ fn try_open_store_with(
     disk: &SimStorage,
     index_dir: &Path,
     log_config: LogConfig,
-) -> Result<Store, event_store::OpenError> {
+) -> Result<Store, event_store::backend::local::OpenError> {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let result = Store::open(StoreConfig {

@@ -9,7 +9,7 @@
 //!
 //! The index (sled) follows behind the acknowledgements: the writer absorbs many commits
 //! into one sled batch when it has nothing else to do (or when enough piled up). Until
-//! then the positions of those durable records are in [`crate::index::Recent`] for readers
+//! then the positions of those durable records are in [`crate::backend::local::index::Recent`] for readers
 //! and their event ids in the writer's own map for dedup, so neither ever misses them; and
 //! recovery replays whatever the index had not absorbed from the log, as after any crash.
 //!
@@ -29,18 +29,19 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, LazyLock};
 use std::time::{Duration, Instant};
 
-use agentlog_proto::v1::{AppendResponse, Durability, Event, Lease};
+use agentlog_proto::v1::{AppendResponse, Durability, Lease};
 use prost::Message;
 use tokio::sync::mpsc::error::TryRecvError;
 use tokio::sync::{mpsc, oneshot};
 
 use agentlog_proto::reason::Reason;
 
+use super::index::{self_named_seq, Index, IndexBatch, Recent, GENERATED_ID_PREFIX};
+use super::log::{record, LogError, LogReader, LogWriter, Record};
+use super::published::Shared;
+use crate::backend::AppendOp;
 use crate::error::StoreError;
-use crate::index::{self_named_seq, Index, IndexBatch, Recent, GENERATED_ID_PREFIX};
-use crate::log::{record, LogError, LogReader, LogWriter, Record};
 use crate::metrics;
-use crate::published::Shared;
 use crate::rules;
 use crate::scope::Scope;
 use crate::session::{lease_of, now_unix_ms, SessionMeta};
@@ -70,15 +71,6 @@ pub enum Op {
         tracing::Span,
     ),
     Lease(LeaseOp, oneshot::Sender<Result<LeaseOutcome, StoreError>>),
-}
-
-/// A validated append request (session id syntax and sizes were checked at the edge).
-pub struct AppendOp {
-    pub session_id: String,
-    pub events: Vec<Event>,
-    pub expected_last_seq: Option<u64>,
-    pub lease_epoch: Option<u64>,
-    pub durability: Durability,
 }
 
 pub enum LeaseOp {
@@ -149,7 +141,7 @@ enum Pending {
 }
 
 /// Whether a thread that waits for another may look again for a while before it sleeps
-/// ([`next_op`]'s linger, and an append's wait for its answer in [`crate::Store`]): only
+/// ([`next_op`]'s linger, and an append's wait for its answer in [`super::Store`]): only
 /// with a core to spare. On fewer than two CPUs (a container's CPU quota counts) the
 /// looking would take the core from the very thread that brings what it waits for, and
 /// spend the quota for nothing.
@@ -377,7 +369,11 @@ impl Writer {
         for (reply, resp) in buffered {
             let _ = reply.send(Ok(resp));
         }
-        let fsync = metrics::FsyncObserver::start(&positions, &waiting);
+        let fsync = metrics::FsyncObserver::start(
+            positions.len(),
+            positions.iter().map(|p| u64::from(p.len)).sum(),
+            &waiting,
+        );
         self.log.sync()?;
         fsync.done();
 

@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex, RwLock};
 
 use bytes::Bytes;
 
-pub use record::{LeaseRecord, Record};
+pub use record::Record;
 use storage::{SegmentFile, Storage};
 
 /// Roll to a new segment once the current one holds this many bytes.
@@ -75,6 +75,12 @@ pub enum LogError {
         offset: u64,
         reason: record::FrameError,
     },
+}
+
+impl From<LogError> for crate::StoreError {
+    fn from(err: LogError) -> crate::StoreError {
+        crate::StoreError::Internal(err.to_string())
+    }
 }
 
 /// A record's place in the log.

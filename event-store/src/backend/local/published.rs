@@ -9,11 +9,11 @@ use std::sync::{Arc, RwLock};
 use agentlog_proto::v1::Event;
 use tokio::sync::watch;
 
-use crate::index::Recent;
-use crate::log::Record;
+use crate::backend::local::index::Recent;
+use crate::backend::local::log::Record;
+use crate::backend::local::subscriptions::Hub;
 use crate::rules;
 use crate::session::SessionMeta;
-use crate::subscriptions::Hub;
 
 /// What the writer has made durable, as readers see it.
 pub struct Shared {

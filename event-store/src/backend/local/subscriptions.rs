@@ -21,20 +21,16 @@ use agentlog_proto::v1::Event;
 use tokio::sync::{broadcast, mpsc};
 use tokio_util::sync::CancellationToken;
 
+use crate::backend::local::index::{Index, Recent};
+use crate::backend::local::log::{LogReader, Position};
 use crate::backend::EventRun;
+use crate::backend::FramedEvents;
 use crate::error::StoreError;
-use crate::index::{Index, Recent};
-use crate::log::{LogReader, Position};
-use crate::subscribe_wire::FramedEvents;
 
 /// Live batches buffered per session before a subscriber counts as lagging.
 const LIVE_BUFFER_BATCHES: usize = 1024;
 /// Events read from disk per blocking read while catching up.
 const HISTORY_CHUNK: usize = 512;
-/// Runs of events queued between a subscription and the service: enough that the next
-/// chunk of history is read while the service sends the one before, few enough that a
-/// stalled reader holds little memory (a run is at most one chunk).
-pub const QUEUED_RUNS: usize = 4;
 
 /// The live fan-out: one broadcast channel per session that has followers.
 #[derive(Default)]
@@ -214,7 +210,7 @@ fn read_chunk(
     let mut seq = from;
     source.log.read_runs(&positions, |run| {
         let count = run.records.len() as u64;
-        pieces.push(FramedEvents::from_stored(run, session_id, seq)?);
+        pieces.push(super::framed::from_stored(run, session_id, seq)?);
         seq += count;
         Ok::<_, StoreError>(())
     })?;

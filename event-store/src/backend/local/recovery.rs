@@ -3,10 +3,10 @@
 
 use std::collections::HashMap;
 
-use crate::index::{Index, IndexBatch, IndexError};
-use crate::log::{LogError, LogWriter, Record};
+use super::{OpenError, StoreConfig};
+use crate::backend::local::index::{Index, IndexBatch, IndexError};
+use crate::backend::local::log::{LogError, LogWriter, Record};
 use crate::session::SessionMeta;
-use crate::{OpenError, StoreConfig};
 
 /// Recovery writes replayed records into the index in batches of this many.
 const REPLAY_BATCH: usize = 10_000;

@@ -51,13 +51,14 @@ use tokio_util::sync::CancellationToken;
 
 use agentlog_proto::reason::Reason;
 
+use crate::backend::AppendOp;
 use crate::backend::{Backend, EventRun, Snapshot, SnapshotRead};
-use crate::log::LeaseRecord;
 use crate::queries::{long_poll_claim, ClaimAttempt, ListQuery};
 use crate::rules;
 use crate::scope::Scope;
+use crate::session::LeaseRecord;
 use crate::session::{lease_of, now_unix_ms, SessionMeta};
-use crate::{AppendOp, StoreError};
+use crate::StoreError;
 use wake::Board;
 pub use wake::NotifyMode;
 
@@ -823,7 +824,7 @@ impl Backend for PgBackend {
         follow: bool,
         cancel: CancellationToken,
     ) -> mpsc::Receiver<Result<EventRun, StoreError>> {
-        let (tx, rx) = mpsc::channel(crate::subscriptions::QUEUED_RUNS);
+        let (tx, rx) = mpsc::channel(crate::backend::QUEUED_RUNS);
         let follower = Follower {
             connector: self.connector.clone(),
             wake: self.board.follow(&session_id),

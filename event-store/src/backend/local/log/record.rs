@@ -5,6 +5,8 @@
 use agentlog_proto::v1::Event;
 use prost::Message;
 
+use crate::session::LeaseRecord;
+
 pub const HEADER_LEN: usize = 8;
 /// No valid record is larger: an event is at most 1 MiB, plus its envelope.
 pub const MAX_BODY_LEN: usize = 4 << 20;
@@ -22,21 +24,6 @@ const CONTINUED: u8 = 0x80;
 pub enum Record {
     Event(Event),
     Lease(LeaseRecord),
-}
-
-/// A lease grant, renewal or release for one session.
-#[derive(Clone, PartialEq, Message)]
-pub struct LeaseRecord {
-    #[prost(string, tag = "1")]
-    pub session_id: String,
-    #[prost(string, tag = "2")]
-    pub owner: String,
-    #[prost(uint64, tag = "3")]
-    pub epoch: u64,
-    #[prost(int64, tag = "4")]
-    pub expires_unix_ms: i64,
-    #[prost(bool, tag = "5")]
-    pub released: bool,
 }
 
 impl Record {

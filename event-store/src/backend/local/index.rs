@@ -25,7 +25,7 @@ use std::sync::Mutex;
 
 use prost::Message;
 
-use crate::log::{LogError, Position, Record};
+use crate::backend::local::log::{LogError, Position, Record};
 use crate::session::SessionMeta;
 
 // Key prefixes in the one sled tree (one tree, so one batch is atomic across all of them).
@@ -60,6 +60,12 @@ pub enum IndexError {
         seq: u64,
         expected: u64,
     },
+}
+
+impl From<IndexError> for crate::StoreError {
+    fn from(err: IndexError) -> crate::StoreError {
+        crate::StoreError::Internal(err.to_string())
+    }
 }
 
 #[derive(Clone)]

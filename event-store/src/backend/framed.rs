@@ -1,0 +1,78 @@
+//! Events in their wire form: consecutive gRPC messages, each an `Event`, uncompressed, as
+//! Subscribe sends them. A backend that reads its events already encoded (the local log)
+//! hands a run out in this form, so that the edge sends the bytes it read as they are,
+//! without a decode and a re-encode per event.
+
+use agentlog_proto::v1::Event;
+use bytes::{BufMut, Bytes, BytesMut};
+use prost::Message;
+
+use crate::StoreError;
+
+/// A gRPC message's header: the compressed flag (always 0 here) and the length, big-endian.
+pub const MESSAGE_HEADER_LEN: usize = 5;
+
+/// Events as Subscribe sends them: consecutive gRPC messages, each an `Event`, uncompressed.
+#[derive(Clone, Debug)]
+pub struct FramedEvents {
+    bytes: Bytes,
+    count: usize,
+}
+
+impl FramedEvents {
+    /// `bytes` must be `count` whole gRPC messages, each an encoded `Event`.
+    pub(crate) fn new(bytes: Bytes, count: usize) -> FramedEvents {
+        FramedEvents { bytes, count }
+    }
+
+    /// Events in memory, encoded into the same form.
+    pub fn encode(events: &[Event]) -> FramedEvents {
+        let len = events
+            .iter()
+            .map(|e| MESSAGE_HEADER_LEN + e.encoded_len())
+            .sum();
+        let mut buf = BytesMut::with_capacity(len);
+        for event in events {
+            buf.put_u8(0);
+            buf.put_u32(event.encoded_len() as u32);
+            event
+                .encode(&mut buf)
+                .expect("the buffer was sized for the events");
+        }
+        FramedEvents::new(buf.freeze(), events.len())
+    }
+
+    /// How many events.
+    pub fn len(&self) -> usize {
+        self.count
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.count == 0
+    }
+
+    /// The bytes, as they go on the wire.
+    pub fn into_bytes(self) -> Bytes {
+        self.bytes
+    }
+
+    /// The events themselves, decoded (for callers in this process).
+    pub fn decode(&self) -> Result<Vec<Event>, StoreError> {
+        let undecodable =
+            |what: &str| StoreError::Internal(format!("a stored event is undecodable: {what}"));
+        let mut events = Vec::with_capacity(self.count);
+        let mut rest = &self.bytes[..];
+        while !rest.is_empty() {
+            let header = rest
+                .get(..MESSAGE_HEADER_LEN)
+                .ok_or_else(|| undecodable("cut short"))?;
+            let len = u32::from_be_bytes([header[1], header[2], header[3], header[4]]) as usize;
+            let message = rest
+                .get(MESSAGE_HEADER_LEN..MESSAGE_HEADER_LEN + len)
+                .ok_or_else(|| undecodable("cut short"))?;
+            events.push(Event::decode(message).map_err(|e| undecodable(&e.to_string()))?);
+            rest = &rest[MESSAGE_HEADER_LEN + len..];
+        }
+        Ok(events)
+    }
+}

@@ -1,0 +1,194 @@
+//! AppendStream: many appends on one call, each handled as Append handles it, answered in
+//! order.
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use agentlog_proto::v1::{
+    append_stream_response, AppendError, AppendRequest, AppendResponse, AppendStreamResponse,
+};
+use tokio_stream::Stream;
+use tonic::Status;
+use tracing::Instrument;
+
+use super::validate::validate_append;
+use crate::auth::{authorize_append, Caller};
+use crate::backend::{AppendAnswer, Backend};
+use crate::error::StoreError;
+use crate::limits::MessageBudget;
+use crate::metrics::{AppendCall, AppendObserver};
+
+/// Requests of one AppendStream queued for the writer and not answered yet, at most.
+const APPEND_STREAM_IN_FLIGHT: usize = 1024;
+
+type AnswerToCome =
+    Pin<Box<dyn std::future::Future<Output = Result<AppendResponse, Status>> + Send>>;
+
+/// An AppendStream request on its way into the writer's queue, with its observer.
+type Queuing = Pin<
+    Box<
+        dyn std::future::Future<Output = (AppendObserver, Result<AppendAnswer, StoreError>)> + Send,
+    >,
+>;
+
+/// The responses of one AppendStream. Requests are read, checked and queued for the writer
+/// as the response side is polled (so in order, and at most [`APPEND_STREAM_IN_FLIGHT`]
+/// unanswered), and their answers are sent in that same order: one task per call, no
+/// channel between reading a request and sending its answer. A request that breaks the
+/// stream (a bad frame) ends it with that status after the answers before it; shutdown
+/// stops the reading, the answers already queued still go out, and the stream ends with
+/// `UNAVAILABLE` (a request the store did not read is the client's to send again). Each
+/// request is counted,
+/// timed and traced as a unary Append is ([`AppendObserver`]), its span a child of the
+/// call's.
+pub(super) struct AppendStreamAnswers {
+    requests: tonic::Streaming<AppendRequest>,
+    caller: Caller,
+    budget: Option<MessageBudget>,
+    /// The call's span (the responses are polled outside it).
+    span: tracing::Span,
+    store: Arc<dyn Backend>,
+    shutdown: Pin<Box<tokio_util::sync::WaitForCancellationFutureOwned>>,
+    /// A request being queued (waiting for room in the writer's queue).
+    queuing: Option<Queuing>,
+    answers: futures::stream::FuturesOrdered<AnswerToCome>,
+    /// Set once no more requests are read; the status to end with after the answers, if
+    /// the stream broke.
+    reading_done: Option<Option<Status>>,
+}
+
+impl AppendStreamAnswers {
+    pub(super) fn new(
+        requests: tonic::Streaming<AppendRequest>,
+        caller: Caller,
+        budget: Option<MessageBudget>,
+        store: Arc<dyn Backend>,
+        shutdown: &tokio_util::sync::CancellationToken,
+    ) -> AppendStreamAnswers {
+        AppendStreamAnswers {
+            requests,
+            caller,
+            budget,
+            span: tracing::Span::current(),
+            store,
+            shutdown: Box::pin(shutdown.clone().cancelled_owned()),
+            queuing: None,
+            answers: futures::stream::FuturesOrdered::new(),
+            reading_done: None,
+        }
+    }
+
+    /// Reads and queues one request if one is ready and there is room; whether it did.
+    fn read_one(&mut self, cx: &mut std::task::Context<'_>) -> bool {
+        use std::task::Poll;
+        if self.reading_done.is_some() {
+            return false;
+        }
+        if let Some(queuing) = self.queuing.as_mut() {
+            return match queuing.as_mut().poll(cx) {
+                Poll::Ready((observer, queued)) => {
+                    self.queuing = None;
+                    self.answers.push_back(Box::pin(async move {
+                        let answer = observer.observe(async move { queued?.await });
+                        answer.await.map_err(Status::from)
+                    }));
+                    true
+                }
+                Poll::Pending => false,
+            };
+        }
+        if std::future::Future::poll(self.shutdown.as_mut(), cx).is_ready() {
+            self.reading_done = Some(Some(super::stopping_status("AppendStream")));
+            return false;
+        }
+        if self.answers.len() >= APPEND_STREAM_IN_FLIGHT {
+            return false;
+        }
+        match Pin::new(&mut self.requests).poll_next(cx) {
+            Poll::Ready(Some(Ok(req))) => {
+                if let Err(status) = admit_streamed(&self.caller, self.budget.as_ref(), &req) {
+                    self.answers
+                        .push_back(Box::pin(std::future::ready(Err(status))));
+                    return true;
+                }
+                let observer = self
+                    .span
+                    .in_scope(|| AppendObserver::start(&req, AppendCall::Stream));
+                match validate_append(req) {
+                    Ok(op) => {
+                        let store = self.store.clone();
+                        let span = observer.span().clone();
+                        self.queuing = Some(Box::pin(async move {
+                            let queued = store.enqueue_append(op).instrument(span).await;
+                            (observer, queued)
+                        }));
+                    }
+                    Err(e) => self.answers.push_back(Box::pin(async move {
+                        let refused = observer.observe(std::future::ready(Err(e)));
+                        refused.await.map_err(Status::from)
+                    })),
+                }
+                true
+            }
+            Poll::Ready(Some(Err(status))) => {
+                self.reading_done = Some(Some(status));
+                false
+            }
+            Poll::Ready(None) => {
+                self.reading_done = Some(None);
+                false
+            }
+            Poll::Pending => false,
+        }
+    }
+}
+
+impl Stream for AppendStreamAnswers {
+    type Item = Result<AppendStreamResponse, Status>;
+
+    fn poll_next(
+        self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        use std::task::Poll;
+        let this = self.get_mut();
+        loop {
+            let read = this.read_one(cx);
+            match Pin::new(&mut this.answers).poll_next(cx) {
+                Poll::Ready(Some(answer)) => return Poll::Ready(Some(Ok(streamed(answer)))),
+                Poll::Ready(None) if this.queuing.is_none() => {
+                    if let Some(end) = &mut this.reading_done {
+                        return Poll::Ready(end.take().map(Err));
+                    }
+                }
+                _ => {}
+            }
+            if !read {
+                return Poll::Pending;
+            }
+        }
+    }
+}
+
+/// One request of an AppendStream, checked as the auth and limits layers check a single
+/// Append (then [`validate_append`] checks it as it checks one).
+fn admit_streamed(
+    caller: &Caller,
+    budget: Option<&MessageBudget>,
+    req: &AppendRequest,
+) -> Result<(), Status> {
+    if let Some(budget) = budget {
+        budget.take()?;
+    }
+    Ok(authorize_append(caller, req)?)
+}
+
+/// An answer of Append as one response of AppendStream.
+fn streamed(answer: Result<AppendResponse, Status>) -> AppendStreamResponse {
+    AppendStreamResponse {
+        result: Some(match answer {
+            Ok(response) => append_stream_response::Result::Response(response),
+            Err(status) => append_stream_response::Result::Error(AppendError::from(&status)),
+        }),
+    }
+}

@@ -1,0 +1,144 @@
+//! What a request must be before any backend sees it: ids, owners, formats, ttls, and an
+//! append's counts, sizes and kinds. Each refusal names the field and what to fix.
+
+use agentlog_proto::v1::{AppendRequest, Durability};
+use prost::Message;
+
+use crate::backend::AppendOp;
+use crate::error::StoreError;
+use crate::wire::{
+    MAX_APPEND_BYTES, MAX_EVENTS_PER_APPEND, MAX_EVENT_BYTES, MAX_EVENT_ID_LEN, MAX_ID_LEN,
+    MAX_TTL_MS,
+};
+
+const MAX_FORMAT_LEN: usize = 64;
+
+pub(super) fn invalid(message: String) -> StoreError {
+    StoreError::InvalidArgument(message)
+}
+
+/// Quotes a caller's value in an error message without echoing a megabyte back.
+fn shown(value: &str) -> String {
+    let mut s: String = value.chars().take(40).collect();
+    if s.len() < value.len() {
+        s.push('…');
+    }
+    format!("{s:?}")
+}
+
+/// A session id: 1-128 chars of `[A-Za-z0-9._:-]`, starting with a letter or digit.
+pub fn validate_session_id(id: &str) -> Result<(), StoreError> {
+    let ok = !id.is_empty()
+        && id.len() <= MAX_ID_LEN
+        && id.as_bytes()[0].is_ascii_alphanumeric()
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'-'));
+    if ok {
+        Ok(())
+    } else {
+        Err(invalid(format!(
+            "session_id: {} is not valid; use 1-128 characters of [A-Za-z0-9._:-] starting \
+             with a letter or digit",
+            shown(id)
+        )))
+    }
+}
+
+pub(super) fn validate_owner(owner: &str) -> Result<(), StoreError> {
+    if owner.is_empty() || owner.len() > MAX_ID_LEN || owner.chars().any(char::is_control) {
+        return Err(invalid(format!(
+            "owner: {} is not valid; name the lease holder in 1-128 printable characters",
+            shown(owner)
+        )));
+    }
+    Ok(())
+}
+
+/// A snapshot format: 1-64 chars of `[A-Za-z0-9._-]`, starting with a letter or digit.
+pub(super) fn validate_format(format: &str) -> Result<(), StoreError> {
+    let ok = !format.is_empty()
+        && format.len() <= MAX_FORMAT_LEN
+        && format.as_bytes()[0].is_ascii_alphanumeric()
+        && format
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+    if ok {
+        Ok(())
+    } else {
+        Err(invalid(format!(
+            "format: {} is not valid; use 1-{MAX_FORMAT_LEN} characters of [A-Za-z0-9._-] \
+             starting with a letter or digit",
+            shown(format)
+        )))
+    }
+}
+
+pub(super) fn validate_ttl(ttl_ms: u64) -> Result<(), StoreError> {
+    if ttl_ms == 0 || ttl_ms > MAX_TTL_MS {
+        return Err(invalid(format!(
+            "ttl_ms: {ttl_ms} is out of range; use 1 to {MAX_TTL_MS} milliseconds"
+        )));
+    }
+    Ok(())
+}
+
+/// Checks everything about an append that needs no state: ids, counts, sizes, kinds.
+pub fn validate_append(req: AppendRequest) -> Result<AppendOp, StoreError> {
+    validate_session_id(&req.session_id)?;
+    let total = req.encoded_len();
+    if total > MAX_APPEND_BYTES {
+        return Err(StoreError::ResourceExhausted(format!(
+            "the append request is {total} bytes, over the limit of {MAX_APPEND_BYTES} (4 MiB); \
+             split it into several appends"
+        )));
+    }
+    if req.events.is_empty() || req.events.len() > MAX_EVENTS_PER_APPEND {
+        return Err(invalid(format!(
+            "events: {} given; an append carries 1 to {MAX_EVENTS_PER_APPEND} events",
+            req.events.len()
+        )));
+    }
+    let durability = Durability::try_from(req.durability).map_err(|_| {
+        invalid(format!(
+            "durability: {} is not a Durability (use DURABILITY_SYNC or DURABILITY_BUFFERED)",
+            req.durability
+        ))
+    })?;
+    for (i, event) in req.events.iter().enumerate() {
+        let size = event.encoded_len();
+        if size > MAX_EVENT_BYTES {
+            return Err(StoreError::ResourceExhausted(format!(
+                "events[{i}]: {size} bytes, over the limit of {MAX_EVENT_BYTES} (1 MiB) per event"
+            )));
+        }
+        if event.kind.is_none() {
+            return Err(invalid(format!(
+                "events[{i}].kind: an event needs exactly one kind (user_message, \
+                 assistant_message, tool_started, tool_result, assistant_delta, run_error)"
+            )));
+        }
+        if !event.session_id.is_empty() && event.session_id != req.session_id {
+            return Err(invalid(format!(
+                "events[{i}].session_id: {} differs from the request's session_id {}; leave it \
+                 empty",
+                shown(&event.session_id),
+                shown(&req.session_id)
+            )));
+        }
+        if event.event_id.len() > MAX_EVENT_ID_LEN || event.event_id.chars().any(char::is_control) {
+            return Err(invalid(format!(
+                "events[{i}].event_id: {} is not valid; use up to {MAX_EVENT_ID_LEN} bytes of \
+                 printable characters",
+                shown(&event.event_id)
+            )));
+        }
+    }
+    Ok(AppendOp {
+        session_id: req.session_id,
+        events: req.events,
+        expected_last_seq: req.expected_last_seq,
+        lease_epoch: req.lease_epoch,
+        durability,
+    })
+}
