@@ -10,6 +10,11 @@ usage: check_manifests.py RENDERED.yaml BIN_DIR
 - a ServiceMonitor selects the Services of both binaries and scrapes a port they name;
 - the metrics port too: `--metrics-listen` (or AGENTLOG_METRICS_LISTEN), the container port
   named `metrics`, and the Services' `metrics` ports;
+- every workload runs as shipped in a restricted namespace: non-root, every capability
+  dropped, no privilege escalation, RuntimeDefault seccomp, a read-only root filesystem, no
+  privileged container and no host namespace or host path;
+- the runner's secret files are mounted where its tools may not read (Landlock allows the
+  system directories and the workspace root only);
 - each pod's `terminationGracePeriodSeconds` covers its SIGTERM drain: a runner's
   `--drain-timeout` (AGENTLOG_DRAIN_TIMEOUT, else the default its --help shows) plus the 3 s
   it exits within past it plus room, the store's 50 s before it cuts the connections still
@@ -90,6 +95,51 @@ def check_grace(where, pod, binary, args, env, help_text):
         fail(f"{where}: terminationGracePeriodSeconds {grace} < {need:g} (its SIGTERM drain)")
 
 
+# What tools may read (runner/src/tools/sandbox/process.rs, SYSTEM_DIRS).
+TOOL_READABLE = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt")
+SECRET_FILE_ENV = ("AGENTLOG_TOKEN_FILE", "ANTHROPIC_API_KEY_FILE", "OPENAI_API_KEY_FILE",
+                   "AGENTLOG_TLS_CLIENT_KEY")
+
+
+def check_hardening(where, pod, container):
+    """The pod runs as shipped under the restricted Pod Security Standard."""
+    pod_ctx = pod.get("securityContext", {})
+    ctx = container.get("securityContext", {})
+    if not (ctx.get("runAsNonRoot", pod_ctx.get("runAsNonRoot")) and
+            ctx.get("runAsUser", pod_ctx.get("runAsUser", 1)) != 0):
+        fail(f"{where}: does not run as a non-root user")
+    if ctx.get("capabilities", {}).get("drop") != ["ALL"] or ctx.get("capabilities", {}).get("add"):
+        fail(f"{where}: does not drop every capability")
+    if ctx.get("allowPrivilegeEscalation") is not False:
+        fail(f"{where}: allowPrivilegeEscalation is not false")
+    if ctx.get("privileged"):
+        fail(f"{where}: privileged")
+    seccomp = ctx.get("seccompProfile", pod_ctx.get("seccompProfile", {})).get("type")
+    if seccomp != "RuntimeDefault":
+        fail(f"{where}: seccomp profile {seccomp}, not RuntimeDefault")
+    if ctx.get("readOnlyRootFilesystem") is not True:
+        fail(f"{where}: the root filesystem is writable")
+    for field in ("hostNetwork", "hostPID", "hostIPC"):
+        if pod.get(field):
+            fail(f"{where}: {field}")
+    for volume in pod.get("volumes", []):
+        if "hostPath" in volume:
+            fail(f"{where}: hostPath volume {volume['name']}")
+
+
+def check_secret_files(where, env):
+    """The runner's secret files lie outside every path its tools may read."""
+    root = env.get("AGENTLOG_WORKSPACE_ROOT", "").rstrip("/")
+    for name in SECRET_FILE_ENV:
+        path = env.get(name)
+        if not path:
+            continue
+        readable = [d for d in TOOL_READABLE + ((root,) if root else ())
+                    if path == d or path.startswith(d + "/")]
+        if readable:
+            fail(f"{where}: {name} {path} lies under {readable[0]}, which tools may read")
+
+
 def main(rendered, bin_dir):
     docs = [d for d in yaml.safe_load_all(open(rendered)) if d]
     configmaps = {d["metadata"]["name"]: d.get("data", {}) for d in docs if d["kind"] == "ConfigMap"}
@@ -109,6 +159,7 @@ def main(rendered, bin_dir):
             help_text = subprocess.run([f"{bin_dir}/{binary}", "--help"], check=True,
                                        capture_output=True, text=True).stdout
             where = f"{doc['kind']}/{doc['metadata']['name']}"
+            check_hardening(where, pod["spec"], c)
             args = c.get("args", [])
             for a in args:
                 if a.startswith("--") and not re.search(rf"(^|\s){re.escape(a)}(\s|$|=)", help_text, re.M):
@@ -130,6 +181,8 @@ def main(rendered, bin_dir):
                 if f"[env: {name}=" not in help_text and f"[env: {name}]" not in help_text:
                     fail(f"{where}: env {name} is not read by {binary} (not in --help)")
             check_grace(where, pod, binary, args, env, help_text)
+            if binary == "runner":
+                check_secret_files(where, env)
             if "AGENTLOG_EVENT_STORE" in env:
                 store_urls.append((where, env["AGENTLOG_EVENT_STORE"]))
             ports = {p.get("name"): p["containerPort"] for p in c.get("ports", [])}

@@ -356,11 +356,15 @@ pub async fn start_runner(
 /// The model the environment asks for, and why.
 pub fn model_from_env(data_dir: &Path) -> Result<(String, String)> {
     let var = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
-    if var("ANTHROPIC_API_KEY").is_some() {
+    // The runner reads the key from the file or the variable (and scrubs the variable).
+    if let Some(source) = ["ANTHROPIC_API_KEY_FILE", "ANTHROPIC_API_KEY"]
+        .into_iter()
+        .find(|name| var(name).is_some())
+    {
         let model = var("ANTHROPIC_MODEL").unwrap_or(DEFAULT_ANTHROPIC_MODEL.into());
         return Ok((
             format!("anthropic:{model}"),
-            "ANTHROPIC_API_KEY is set (ANTHROPIC_MODEL picks another model)".into(),
+            format!("{source} is set (ANTHROPIC_MODEL picks another model)"),
         ));
     }
     if let Some(base) = var("OPENAI_BASE_URL") {
@@ -453,6 +457,9 @@ pub async fn up(config: UpConfig) -> Result<()> {
         workspaces.display()
     );
     println!("  tool sandbox {}", sandbox_line(&runner));
+    for line in sandbox_table(&runner) {
+        println!("    {line}");
+    }
     println!(
         "  try          agentlog send \"hello\"   (another terminal; add --addr {url} if not the default)"
     );
@@ -522,8 +529,10 @@ fn sandbox_line(runner: &Proc) -> String {
         let mode = field(line, "sandbox=")?;
         let network = field(line, "tool_network=").unwrap_or_else(|| "?".into());
         Some(match mode.as_str() {
-            "require" => format!("require: each tool call confined to its workspace, network {network}"),
-            "best-effort" => format!("best-effort: this kernel does not enforce all of it (see the runner's warning), network {network}"),
+            "require" => format!("require: every protection below enforced, network {network}"),
+            "best-effort" => format!(
+                "best-effort: this node does not enforce all of it (below), network {network}"
+            ),
             _ => format!("{mode}: tools are NOT confined (runner --sandbox {mode})"),
         })
     });
@@ -531,6 +540,21 @@ fn sandbox_line(runner: &Proc) -> String {
         "the runner's start-up line was filtered out (RUST_LOG); it says which mode is in force"
             .to_string()
     })
+}
+
+/// The runner's start-up table of the sandbox's protections (its lines start with
+/// `sandbox: `; the runner prints them whatever RUST_LOG filters), without that prefix.
+fn sandbox_table(runner: &Proc) -> Vec<String> {
+    runner
+        .lines
+        .borrow()
+        .iter()
+        .filter_map(|line| {
+            strip_ansi(line)
+                .strip_prefix("sandbox: ")
+                .map(|rest| rest.trim_end().to_string())
+        })
+        .collect()
 }
 
 /// `text` without ANSI colour sequences (the logs are coloured even into a pipe).

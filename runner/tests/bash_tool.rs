@@ -30,6 +30,7 @@ async fn bash_until(
         });
     };
     common::toolbox(root)
+        .await
         .run("s1", "bash", input, "s1/toolu_1", stop)
         .await
 }

@@ -198,7 +198,7 @@ async fn a_runner_killed_at_every_append_is_finished_by_the_next_with_nothing_tw
                     after_durable,
                 };
                 let root = tempfile::tempdir().expect("temp dir");
-                let toolbox = common::toolbox(root.path());
+                let toolbox = common::toolbox(root.path()).await;
                 let log = two_calls();
                 work(&log, Some(death), &toolbox, &policy).await;
                 work(&log, None, &toolbox, &policy).await;
