@@ -258,7 +258,7 @@ fn started_and_results(events: &[Event], id: &str) -> (usize, usize) {
 #[tokio::test]
 async fn a_drain_finishes_the_call_in_hand_and_starts_no_other() {
     let root = tempfile::tempdir().expect("temp dir");
-    let toolbox = common::toolbox(root.path());
+    let toolbox = common::toolbox(root.path()).await;
     let policy = ToolPolicy::default();
     let log = calls_running("sleep 0.6; ");
     let Frontier::RunTools(calls) = fold_log(&log.events()).frontier else {
@@ -300,7 +300,7 @@ async fn a_drain_finishes_the_call_in_hand_and_starts_no_other() {
 
     // The budget runs out mid-call.
     let root = tempfile::tempdir().expect("temp dir");
-    let toolbox = common::toolbox(root.path());
+    let toolbox = common::toolbox(root.path()).await;
     let log = calls_running("sleep 0.6; ");
     let runner = Runner {
         log: &log,
