@@ -14,7 +14,11 @@ usage: check_manifests.py RENDERED.yaml BIN_DIR
   dropped, no privilege escalation, RuntimeDefault seccomp, a read-only root filesystem, no
   privileged container and no host namespace or host path;
 - the runner's secret files are mounted where its tools may not read (Landlock allows the
-  system directories and the workspace root only).
+  system directories and the workspace root only);
+- each pod's `terminationGracePeriodSeconds` covers its SIGTERM drain: a runner's
+  `--drain-timeout` (AGENTLOG_DRAIN_TIMEOUT, else the default its --help shows) plus the 3 s
+  it exits within past it plus room, the store's 50 s before it cuts the connections still
+  open plus room.
 """
 
 import re
@@ -29,6 +33,12 @@ import yaml
 OTHER_ENV = {"ANTHROPIC_API_KEY", "ANTHROPIC_BASE_URL", "OPENAI_API_KEY", "OPENAI_BASE_URL",
              "RUST_LOG", "HOME", "AGENTLOG_TOKEN"}
 BINARIES = {"agentlog/event-store": "event-store", "agentlog/runner": "runner"}
+# After the drain's budget the runner exits within this (runner/src/drain.rs EXIT_MARGIN).
+RUNNER_EXIT_MARGIN_S = 3
+# The store cuts connections still open this long after SIGTERM (event-store/src/incoming.rs).
+STORE_SHUTDOWN_GRACE_S = 50
+# What a pod needs beyond that: the process's last steps, the kubelet's own delays.
+GRACE_ROOM_S = 5
 
 problems = []
 
@@ -55,6 +65,34 @@ def check_cnpg_cluster(cluster):
     for key in spec:
         if key not in allowed:
             fail(f"Cluster/{name}: spec.{key} is not a field this check knows")
+
+
+def seconds(duration):
+    """`20s`, `1500ms`, `2m` or a number of seconds, as `runner --drain-timeout` takes it."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*(ms|s|m)?\s*", duration)
+    if not m:
+        raise ValueError(f"not a duration: {duration!r}")
+    scale = {"ms": 0.001, "s": 1, "m": 60, None: 1}[m.group(2)]
+    return float(m.group(1)) * scale
+
+
+def check_grace(where, pod, binary, args, env, help_text):
+    grace = pod["spec"].get("terminationGracePeriodSeconds", 30)
+    if binary == "runner":
+        drain = (args[args.index("--drain-timeout") + 1] if "--drain-timeout" in args
+                 else env.get("AGENTLOG_DRAIN_TIMEOUT"))
+        if drain is None:
+            m = re.search(r"--drain-timeout[^[]*\[env: AGENTLOG_DRAIN_TIMEOUT=?[^]]*\]\s*\[default: ([^]]+)\]",
+                          help_text)
+            if not m:
+                fail(f"{where}: no default --drain-timeout in `runner --help`")
+                return
+            drain = m.group(1)
+        need = seconds(drain) + RUNNER_EXIT_MARGIN_S + GRACE_ROOM_S
+    else:
+        need = STORE_SHUTDOWN_GRACE_S + GRACE_ROOM_S
+    if grace < need:
+        fail(f"{where}: terminationGracePeriodSeconds {grace} < {need:g} (its SIGTERM drain)")
 
 
 # What tools may read (runner/src/tools/sandbox/process.rs, SYSTEM_DIRS).
@@ -142,6 +180,7 @@ def main(rendered, bin_dir):
                 # clap prints `[env: NAME=value]`, or `[env: NAME]` for a secret's variable.
                 if f"[env: {name}=" not in help_text and f"[env: {name}]" not in help_text:
                     fail(f"{where}: env {name} is not read by {binary} (not in --help)")
+            check_grace(where, pod, binary, args, env, help_text)
             if binary == "runner":
                 check_secret_files(where, env)
             if "AGENTLOG_EVENT_STORE" in env:

@@ -4,6 +4,7 @@
 // Unsafe code lives only in tools/sandbox/kernel.rs (raw Landlock and seccomp calls).
 #![deny(unsafe_code)]
 
+pub mod drain;
 pub mod fold;
 pub mod lease;
 pub mod metrics;

@@ -9,6 +9,7 @@ use agentlog_client::retry::Backoff;
 use agentlog_client::StoreConnection;
 use anyhow::{Context, Result};
 use clap::Parser;
+use runner::drain::{Drain, EXIT_MARGIN};
 use runner::model::Model;
 use runner::secrets::{SecretFiles, Secrets};
 use runner::tools::sandbox::{self, Ids, Sandbox, SandboxMode, ToolNetwork, HELPER_ARG, SELF_EXE};
@@ -17,6 +18,12 @@ use runner::turn::TurnContext;
 use runner::worker::{claim_loop, ClaimConfig};
 use tokio::signal::unix::{signal, SignalKind};
 use tokio_util::sync::CancellationToken;
+
+/// What the runtime's leftover threads (a file tool stopped mid-call, the exporter) get
+/// once the work is done.
+const RUNTIME_SHUTDOWN: Duration = Duration::from_millis(500);
+/// How long the trace exporter's last batch may take on the way out.
+const TELEMETRY_SHUTDOWN: Duration = Duration::from_secs(1);
 
 /// Works agentlog sessions: claims runnable ones from the event store, calls the model and
 /// runs tools exactly once, resuming any session exactly where its log stops.
@@ -112,6 +119,33 @@ struct Args {
     /// Defaults: bash and edit_file rerun-same-key, the others rerun.
     #[arg(long, env = "AGENTLOG_ON_UNKNOWN_OUTCOME", value_delimiter = ',')]
     on_unknown_outcome: Vec<String>,
+    /// On SIGTERM (or Ctrl-C) the runner drains: it claims nothing more and starts no new
+    /// step, lets every tool call already started run to its end and logs its result (a
+    /// model stream in flight may finish too), then gives its leases back. A call still
+    /// running after this long is stopped (its process tree killed) and left to its tool's
+    /// unknown-outcome policy. The runner exits within this plus 3 s; a second signal ends
+    /// the drain at once. `20s`, `1500ms`, `2m`.
+    #[arg(long, env = "AGENTLOG_DRAIN_TIMEOUT", default_value = "20s", value_parser = parse_duration)]
+    drain_timeout: Duration,
+}
+
+/// `20s`, `1500ms`, `2m`, or a number of seconds.
+fn parse_duration(text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let number: f64 = number
+        .parse()
+        .map_err(|_| format!("{text:?} is not a duration: write 20s, 1500ms or 2m"))?;
+    let seconds = match unit.trim() {
+        "" | "s" => number,
+        "ms" => number / 1000.0,
+        "m" => number * 60.0,
+        other => return Err(format!("{other:?} is not a unit: use ms, s or m")),
+    };
+    Duration::try_from_secs_f64(seconds).map_err(|e| format!("{text:?}: {e}"))
 }
 
 fn main() -> Result<()> {
@@ -132,17 +166,22 @@ fn main() -> Result<()> {
     // ptrace is refused; the sandbox's table counts it as a mechanism only if it held.
     let non_dumpable = nix::sys::prctl::set_dumpable(false).is_ok()
         && nix::sys::prctl::get_dumpable().is_ok_and(|dumpable| !dumpable);
-    tokio::runtime::Builder::new_multi_thread()
+    let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
-        .context("start the async runtime")?
-        .block_on(async {
-            let telemetry = telemetry::init("runner")?;
-            let result = run(args, secrets, non_dumpable).await;
-            // The exporter's last batch goes out (blocking, so off the async threads).
-            let _ = tokio::task::spawn_blocking(move || telemetry.shutdown()).await;
-            result
-        })
+        .context("start the async runtime")?;
+    let result = runtime.block_on(async {
+        let telemetry = telemetry::init("runner")?;
+        let result = run(args, secrets, non_dumpable).await;
+        // The exporter's last batch goes out (blocking, so off the async threads), if it can
+        // in time: the drain's exit bound holds whatever the collector does.
+        let shutdown = tokio::task::spawn_blocking(move || telemetry.shutdown());
+        let _ = tokio::time::timeout(TELEMETRY_SHUTDOWN, shutdown).await;
+        result
+    });
+    // Dropping a runtime would wait for its blocking threads however long they take.
+    runtime.shutdown_timeout(RUNTIME_SHUTDOWN);
+    result
 }
 
 async fn run(args: Args, secrets: Secrets, non_dumpable: bool) -> Result<()> {
@@ -242,13 +281,20 @@ async fn run(args: Args, secrets: Secrets, non_dumpable: bool) -> Result<()> {
     }
     let mut terminate = signal(SignalKind::terminate()).context("install the SIGTERM handler")?;
     let mut interrupt = signal(SignalKind::interrupt()).context("install the SIGINT handler")?;
-    let on_signal = shutdown.clone();
+    let drain = Drain::new(args.drain_timeout);
+    let on_signal = drain.clone();
+    let drain_ms = args.drain_timeout.as_millis() as u64;
     tokio::spawn(async move {
         tokio::select! {
-            _ = terminate.recv() => tracing::info!("SIGTERM: stopping"),
-            _ = interrupt.recv() => tracing::info!("SIGINT: stopping"),
+            _ = terminate.recv() => tracing::info!(drain_ms, "SIGTERM: draining (a second signal stops at once)"),
+            _ = interrupt.recv() => tracing::info!(drain_ms, "SIGINT: draining (a second signal stops at once)"),
         }
-        on_signal.cancel();
+        on_signal.begin();
+        tokio::select! {
+            _ = terminate.recv() => tracing::warn!("SIGTERM again: stopping what still runs"),
+            _ = interrupt.recv() => tracing::warn!("SIGINT again: stopping what still runs"),
+        }
+        on_signal.begin();
     });
 
     tracing::info!(
@@ -270,7 +316,7 @@ async fn run(args: Args, secrets: Secrets, non_dumpable: bool) -> Result<()> {
         max_tokens: args.max_tokens,
         backoff: Backoff::MODEL,
     });
-    claim_loop(
+    let work = claim_loop(
         client,
         ClaimConfig {
             runner_id: args.runner_id,
@@ -279,10 +325,18 @@ async fn run(args: Args, secrets: Secrets, non_dumpable: bool) -> Result<()> {
             snapshot_every: args.snapshot_every,
         },
         context,
-        shutdown,
-    )
-    .await;
-    tracing::info!("runner stopped");
+        drain.clone(),
+    );
+    // The backstop of the exit bound: whatever is still running by then is dropped (a
+    // tool's helper kills its process tree when told, or when this process is gone).
+    tokio::select! {
+        _ = work => tracing::info!("runner stopped"),
+        _ = drain.overrun() => tracing::error!(
+            margin_ms = EXIT_MARGIN.as_millis() as u64,
+            "the drain's budget and margin are spent; exiting with work unfinished"
+        ),
+    }
+    shutdown.cancel();
     Ok(())
 }
 

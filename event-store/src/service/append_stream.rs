@@ -44,12 +44,13 @@ type Queuing = Pin<
 
 /// The responses of one AppendStream. Requests are read, checked and queued for the writer
 /// as the response side is polled (so in order, and at most [`APPEND_STREAM_IN_FLIGHT`]
-/// and [`APPEND_STREAM_IN_FLIGHT_BYTES`] unanswered), and their answers are sent in that same order: one task per call, no
-/// channel between reading a request and sending its answer. A request that breaks the
-/// stream (a bad frame) ends it with that status after the answers before it; shutdown
-/// stops the reading, and the answers already queued still go out. Each request is counted,
-/// timed and traced as a unary Append is ([`AppendObserver`]), its span a child of the
-/// call's.
+/// and [`APPEND_STREAM_IN_FLIGHT_BYTES`] unanswered), and their answers are sent in that
+/// same order: one task per call, no channel between reading a request and sending its
+/// answer. A request that breaks the stream (a bad frame) ends it with that status after
+/// the answers before it; shutdown stops the reading, the answers already queued still go
+/// out, and the stream ends with `UNAVAILABLE` (a request the store did not read is the
+/// client's to send again). Each request is counted, timed and traced as a unary Append is
+/// ([`AppendObserver`]), its span a child of the call's.
 pub(super) struct AppendStreamAnswers {
     requests: tonic::Streaming<AppendRequest>,
     caller: Caller,
@@ -110,7 +111,7 @@ impl AppendStreamAnswers {
             };
         }
         if std::future::Future::poll(self.shutdown.as_mut(), cx).is_ready() {
-            self.reading_done = Some(None);
+            self.reading_done = Some(Some(super::stopping_status("AppendStream")));
             return false;
         }
         if self.answers.len() >= APPEND_STREAM_IN_FLIGHT
