@@ -12,6 +12,7 @@ mod appenders;
 mod baselines;
 mod disk;
 mod fanout;
+mod followers;
 mod fork;
 mod load;
 mod profile;
@@ -68,6 +69,9 @@ struct Args {
     /// Skip the `perf` profile.
     #[arg(long)]
     no_profile: bool,
+    /// Idle Subscribe(follow) streams, one per session, for the followers-at-scale figure.
+    #[arg(long, default_value_t = 10_000)]
+    idle_followers: usize,
     /// Sessions (of 100 events) for the memory and disk figure.
     #[arg(long, default_value_t = 10_000)]
     footprint_sessions: usize,
@@ -129,6 +133,8 @@ struct Plan {
     followers: Vec<usize>,
     fan_out_events: usize,
     fan_out_interval: Duration,
+    /// Idle followers, and events timed alone and among them.
+    idle_followers: (usize, usize),
     resume_sizes: Vec<usize>,
     footprint: (usize, usize),
     fork: fork::ForkPlan,
@@ -149,6 +155,7 @@ impl Plan {
                 followers: vec![1, 10],
                 fan_out_events: 5,
                 fan_out_interval: Duration::from_millis(10),
+                idle_followers: (100, 5),
                 resume_sizes: vec![10, 1_000],
                 footprint: (100, 10),
                 fork: fork::ForkPlan {
@@ -172,6 +179,7 @@ impl Plan {
             followers: vec![1, 100, 1_000],
             fan_out_events: 50,
             fan_out_interval: Duration::from_millis(20),
+            idle_followers: (args.idle_followers, 100),
             resume_sizes: args.resume_sizes.clone(),
             footprint: (args.footprint_sessions, 100),
             fork: fork::ForkPlan {
@@ -539,6 +547,20 @@ async fn run_suite(
 
     // The baselines are done: stop them so that they take no CPU from what follows.
     drop(systems);
+
+    // Followers at scale, on a store of their own.
+    progress("idle followers");
+    let (followers, events) = plan.idle_followers;
+    report.followers = Some(
+        followers::measure(
+            &fresh_dir(dir, "followers")?,
+            followers,
+            events,
+            plan.fan_out_interval,
+        )
+        .await
+        .with_context(|| format!("{followers} idle followers"))?,
+    );
 
     // 5. Resume, on a store of its own (the load sessions above are all runnable).
     resume_section(plan, dir, report).await?;

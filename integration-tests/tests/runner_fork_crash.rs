@@ -19,7 +19,9 @@ use integration_tests::anthropic_standin::StandinReply;
 use runner_support::*;
 use serde_json::json;
 
-const TTL_MS: u64 = 1000;
+/// Long enough that the first runner, cut off from the store, still finishes the call and
+/// records its checkpoint before its lease timer stops it.
+const TTL_MS: u64 = 3000;
 const IDLE: Duration = Duration::from_secs(60);
 
 /// The checkpoint ids the area keeps for `session` (its `refs`).
@@ -41,7 +43,7 @@ async fn a_runner_killed_between_the_checkpoint_and_the_result_is_settled_and_ch
     let script = vec![
         StandinReply::text("Writing.").tool(
             "bash",
-            json!({"command": "echo one > a.txt; mkdir -p d; sleep 1; echo two > d/b.txt; ln -sfn d/b.txt link"}),
+            json!({"command": "echo one > a.txt; mkdir -p d; sleep 0.5; echo two > d/b.txt; ln -sfn d/b.txt link"}),
         ),
         StandinReply::text("More.")
             .tool("write_file", json!({"path": "c.txt", "content": "c\n"}))

@@ -6,6 +6,7 @@
 //! first (`cargo build --workspace --bins`, which `.ci/run` does).
 #![forbid(unsafe_code)]
 
+pub mod netns;
 pub mod pg;
 
 use std::io::{BufRead, BufReader};
@@ -129,12 +130,14 @@ impl Store {
     /// Starts another store process on the same data (after this one stopped, or beside it
     /// on a shared database), on a free port.
     pub fn restart(&self) -> Result<Store> {
-        let mut store = Store::start_backed(
-            &bin_path("event-store"),
-            self.backing.clone(),
-            "127.0.0.1:0",
-            &[],
-        )?;
+        self.restart_on("127.0.0.1:0")
+    }
+
+    /// [`Store::restart`] listening on `listen` (this store's own address, once it has
+    /// stopped, for clients that reconnect to where it was).
+    pub fn restart_on(&self, listen: &str) -> Result<Store> {
+        let mut store =
+            Store::start_backed(&bin_path("event-store"), self.backing.clone(), listen, &[])?;
         store._tmp = self._tmp.clone();
         Ok(store)
     }

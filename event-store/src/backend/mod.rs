@@ -240,13 +240,12 @@ pub trait Backend: Send + Sync + 'static {
     /// it cannot); changes as it loses and regains its storage.
     fn serving(&self) -> watch::Receiver<bool>;
 
-    /// Queues an append and returns its answer to come, for `AppendStream`: appends queued
-    /// one after another are applied in that order, so the next may be queued before the
-    /// previous one is answered. A backend that cannot pipeline answers here, in order.
-    async fn enqueue_append(&self, op: AppendOp) -> Result<AppendAnswer, StoreError> {
-        let answer = self.append(op).await;
-        Ok(Box::pin(std::future::ready(answer)))
-    }
+    /// Queues an append and returns its answer to come, for `AppendStream`: appends to a
+    /// session queued one after another are applied in that order, so the next may be
+    /// queued before the previous one is answered (a stream's requests are read while the
+    /// ones before them commit). Waits only for room in the backend's queue, never for a
+    /// commit.
+    async fn enqueue_append(&self, op: AppendOp) -> Result<AppendAnswer, StoreError>;
 }
 
 /// The answer to a queued append.

@@ -20,13 +20,19 @@
 //! - **Live tail across replicas** without NOTIFY in the append transaction: see [`wake`].
 //! - **ClaimSession** picks with `FOR UPDATE SKIP LOCKED`: one claimant per session across
 //!   replicas, and claimants never queue behind each other.
-//! - **The database unreachable** (or read-only, during a failover): appends answer
-//!   `UNAVAILABLE`, never an acknowledgement that did not commit; health turns
-//!   NOT_SERVING; the pool reconnects with backoff (a multi-host URL with
-//!   `target_session_attrs=read-write` finds the new primary) and the store serves again
-//!   by itself.
+//! - **AppendStream pipelines**: a stream's appends are queued per session behind the
+//!   ones before them and written together as they arrive ([`pipeline`]), so a stream's
+//!   next request is read while the previous ones commit.
+//! - **The database unreachable** (down, read-only during a failover, or silently cut
+//!   off): a call answers `UNAVAILABLE` within about [`DB_ANSWER`] (2 s), never an
+//!   acknowledgement that did not commit (an append whose commit is in doubt is settled by
+//!   its retry with the same event ids); health turns NOT_SERVING and, until its probe
+//!   finds the database answering again, appends are answered at once; the pool
+//!   reconnects (a multi-host URL with `target_session_attrs=read-write` finds the new
+//!   primary) and the store serves again by itself.
 
 mod batch;
+mod pipeline;
 pub mod schema;
 pub mod wake;
 
@@ -51,8 +57,8 @@ use tokio_util::sync::CancellationToken;
 
 use agentlog_proto::reason::Reason;
 
+use crate::backend::{AppendAnswer, Backend, EventRun, Snapshot, SnapshotRead};
 use crate::backend::{AppendOp, ForkOp};
-use crate::backend::{Backend, EventRun, Snapshot, SnapshotRead};
 use crate::queries::{long_poll_claim, ClaimAttempt, ListQuery};
 use crate::rules;
 use crate::scope::Scope;
@@ -69,9 +75,18 @@ const FORK_INSERT_BATCH: usize = 2000;
 /// Attempts of an optimistic write before answering UNAVAILABLE (only reached when one
 /// session is written by very many callers at once).
 const MAX_ATTEMPTS: usize = 64;
-/// A database call that takes longer is answered UNAVAILABLE (it may still commit: a
-/// retry with the same event ids is answered with the original seqs).
-const CALL_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long the database may leave us without an answer before a call says UNAVAILABLE
+/// (and health NOT_SERVING): what was sent and not acknowledged by its host's TCP
+/// (`TCP_USER_TIMEOUT`), a connection idle for 1 s whose keepalive probe is not answered
+/// within it (a statement whose answer never comes, the request having arrived), a
+/// connection attempt, a wait for a pooled connection, and the health probe. Together they
+/// answer a silently cut-off database within about this long, however the cut finds a
+/// connection (`integration-tests/tests/pg_network_cut.rs`).
+const DB_ANSWER: Duration = Duration::from_secs(2);
+/// A statement that has not completed by then is answered UNAVAILABLE: the backstop for a
+/// database whose host still acknowledges but which does not answer. Its commit may still
+/// happen: a retry with the same event ids is answered with the original seqs.
+const STATEMENT_DEADLINE: Duration = Duration::from_secs(5);
 /// `SessionStatus::Runnable`, written into the claim queries as a literal so that they use
 /// the partial index over runnable sessions (see [`schema`]).
 const RUNNABLE: i32 = SessionStatus::Runnable as i32;
@@ -138,7 +153,20 @@ struct Cached {
     meta: Arc<SessionMeta>,
 }
 
-pub struct PgBackend {
+/// The backend: a handle on one replica's state, cloned into the answers of pipelined
+/// appends ([`pipeline`]); the background tasks stop when the last handle is dropped.
+#[derive(Clone)]
+pub struct PgBackend(Arc<Replica>);
+
+impl std::ops::Deref for PgBackend {
+    type Target = Replica;
+
+    fn deref(&self) -> &Replica {
+        &self.0
+    }
+}
+
+pub struct Replica {
     connector: Arc<Connector>,
     board: Arc<Board>,
     /// Wake-ups for the other replicas (absent in poll mode).
@@ -148,11 +176,13 @@ pub struct PgBackend {
     writes: mpsc::UnboundedSender<batch::Write>,
     health: Arc<Health>,
     poll_interval: Duration,
+    /// Each session's appends queued by AppendStream on this replica, in order.
+    lanes: pipeline::Lanes,
     /// Stops the background tasks when the backend is dropped.
     tasks: CancellationToken,
 }
 
-impl Drop for PgBackend {
+impl Drop for Replica {
     fn drop(&mut self) {
         self.tasks.cancel();
     }
@@ -190,15 +220,22 @@ impl PgBackend {
     /// is unreachable), and starts the background tasks.
     pub async fn open(config: PgConfig) -> Result<PgBackend, PgOpenError> {
         let mut pg_config: tokio_postgres::Config = config.url.parse().map_err(PgOpenError::Url)?;
+        // A URL's own `connect_timeout` and `tcp_user_timeout` win.
         if pg_config.get_connect_timeout().is_none() {
-            pg_config.connect_timeout(Duration::from_secs(5));
+            pg_config.connect_timeout(DB_ANSWER);
+        }
+        if pg_config.get_tcp_user_timeout().is_none() {
+            pg_config.tcp_user_timeout(DB_ANSWER);
         }
         if pg_config.get_application_name().is_none() {
             pg_config.application_name("agentlog-event-store");
         }
+        // Probes after 1 s of silence; with the user timeout, one unanswered for DB_ANSWER
+        // closes the connection.
         pg_config
             .keepalives(true)
-            .keepalives_idle(Duration::from_secs(10));
+            .keepalives_idle(Duration::from_secs(1))
+            .keepalives_interval(Duration::from_secs(1));
         let tls = tls_config(config.ca_file.as_ref())?;
         let manager = Manager::from_config(
             pg_config.clone(),
@@ -227,9 +264,9 @@ impl PgBackend {
             }))
             .max_size(config.pool_size.max(1))
             .runtime(Runtime::Tokio1)
-            .wait_timeout(Some(CALL_TIMEOUT))
-            .create_timeout(Some(Duration::from_secs(5)))
-            .recycle_timeout(Some(Duration::from_secs(5)))
+            .wait_timeout(Some(DB_ANSWER))
+            .create_timeout(Some(DB_ANSWER))
+            .recycle_timeout(Some(DB_ANSWER))
             .build()
             .map_err(|e| PgOpenError::Pool(e.to_string()))?;
         let connector = Arc::new(Connector {
@@ -275,7 +312,7 @@ impl PgBackend {
             schema_version = schema::VERSION,
             "connected to PostgreSQL"
         );
-        Ok(PgBackend {
+        Ok(PgBackend(Arc::new(Replica {
             connector,
             board,
             notify,
@@ -283,8 +320,9 @@ impl PgBackend {
             writes,
             health,
             poll_interval: config.poll_interval,
+            lanes: pipeline::Lanes::default(),
             tasks,
-        })
+        })))
     }
 
     /// The connection pool, for its metrics.
@@ -612,6 +650,11 @@ struct Health {
 }
 
 impl Health {
+    /// Whether the database answered the last call or probe.
+    fn serving_now(&self) -> bool {
+        *self.serving.borrow()
+    }
+
     /// The database failed us: report NOT_SERVING until the health check passes again.
     fn lost(&self) {
         self.serving
@@ -620,7 +663,11 @@ impl Health {
     }
 
     fn db_error(&self, e: &tokio_postgres::Error) -> StoreError {
-        let unavailable = match e.code() {
+        let contended = matches!(
+            e.code(),
+            Some(&SqlState::T_R_SERIALIZATION_FAILURE) | Some(&SqlState::T_R_DEADLOCK_DETECTED)
+        );
+        let lost = match e.code() {
             None => true,
             Some(code) => {
                 let c = code.code();
@@ -628,11 +675,11 @@ impl Health {
                     || c.starts_with("57P")
                     || c.starts_with("53")
                     || *code == SqlState::READ_ONLY_SQL_TRANSACTION
-                    || *code == SqlState::T_R_SERIALIZATION_FAILURE
-                    || *code == SqlState::T_R_DEADLOCK_DETECTED
             }
         };
-        if unavailable {
+        if contended {
+            StoreError::Unavailable(format!("the database failed the call ({e}); retry"))
+        } else if lost {
             self.lost();
             StoreError::Unavailable(format!("the database failed the call ({e}); retry"))
         } else {
@@ -647,7 +694,7 @@ impl Health {
                 self.lost();
                 StoreError::Unavailable(format!(
                     "the database did not answer within {} s; retry",
-                    CALL_TIMEOUT.as_secs()
+                    STATEMENT_DEADLINE.as_secs()
                 ))
             }
         }
@@ -715,14 +762,14 @@ impl From<tokio_postgres::Error> for Timed {
     }
 }
 
-/// One database round trip, bounded by `CALL_TIMEOUT` and timed for the metrics under
-/// `statement`.
+/// One database round trip, bounded by [`STATEMENT_DEADLINE`] and timed for the metrics
+/// under `statement`.
 async fn timed<T>(
     statement: &'static str,
     call: impl std::future::Future<Output = Result<T, tokio_postgres::Error>>,
 ) -> Result<T, Timed> {
     let started = std::time::Instant::now();
-    let result = tokio::time::timeout(CALL_TIMEOUT, call).await;
+    let result = tokio::time::timeout(STATEMENT_DEADLINE, call).await;
     crate::metrics::pg_statement(statement, started.elapsed().as_secs_f64());
     match result {
         Ok(result) => result.map_err(Timed::Db),
@@ -1157,6 +1204,10 @@ impl Backend for PgBackend {
     fn serving(&self) -> watch::Receiver<bool> {
         self.health.serving.subscribe()
     }
+
+    async fn enqueue_append(&self, op: AppendOp) -> Result<AppendAnswer, StoreError> {
+        Ok(self.enqueue_pipelined(op))
+    }
 }
 
 fn with_lease(meta: &SessionMeta, record: &LeaseRecord) -> SessionMeta {
@@ -1287,18 +1338,35 @@ async fn migrate_with_retry(connector: &Connector) -> Result<(), PgOpenError> {
     }
 }
 
-/// Keeps `serving` true while the database answers: checks every few seconds, and at once
-/// (then every half second until it answers) when a call found it gone.
+/// Keeps `serving` true while the database answers: a `SELECT 1` answered within
+/// [`DB_ANSWER`] on a connection of the probe's own (so that a busy pool is not taken for a
+/// lost database, nor a pooled connection for a live one), every second, and at once (then
+/// every half second until it answers) when a call found the database gone.
 async fn watch_health(connector: Arc<Connector>, health: Arc<Health>, shutdown: CancellationToken) {
+    let mut probe: Option<tokio_postgres::Client> = None;
     loop {
-        let up = tokio::time::timeout(Duration::from_secs(3), async {
-            let client = connector.pool.get().await.ok()?;
-            client.simple_query("SELECT 1").await.ok()
+        let answered = tokio::time::timeout(DB_ANSWER, async {
+            let client = match probe.take().filter(|c| !c.is_closed()) {
+                Some(client) => client,
+                None => {
+                    let (client, connection) =
+                        connector.pg_config.connect(connector.tls.clone()).await?;
+                    tokio::spawn(connection);
+                    client
+                }
+            };
+            client.simple_query("SELECT 1").await?;
+            Ok::<_, tokio_postgres::Error>(client)
         })
-        .await
-        .ok()
-        .flatten()
-        .is_some();
+        .await;
+        let up = match answered {
+            Ok(Ok(client)) => {
+                probe = Some(client);
+                true
+            }
+            // Dropped: a connection that did not answer in time is not asked again.
+            Ok(Err(_)) | Err(_) => false,
+        };
         if health
             .serving
             .send_if_modified(|now| std::mem::replace(now, up) != up)
@@ -1312,7 +1380,7 @@ async fn watch_health(connector: Arc<Connector>, health: Arc<Health>, shutdown: 
             }
         }
         let wait = if up {
-            Duration::from_secs(2)
+            Duration::from_secs(1)
         } else {
             Duration::from_millis(500)
         };
