@@ -6,13 +6,17 @@
 //! overlap, a gap) is dropped or answered with a fresh subscription from `next`. The
 //! store's own promise (a seq once seen always means the same event) makes that enough.
 //! The next event is asked of the store only once the callback's future is done, so a slow
-//! consumer holds the stream back instead of buffering it.
+//! consumer holds the stream back instead of buffering it. A session that was deleted
+//! (reason `SESSION_DELETED`, on the subscription or in its stream) ends the follow with
+//! [`FollowError::Refused`] whatever [`Refusals`] says: it is gone for good, and nothing
+//! will ever follow.
 
 use std::future::Future;
 
 use agentlog_proto::v1::{Event, SubscribeRequest};
 use tokio_stream::StreamExt;
 
+use crate::refusal::is_session_deleted;
 use crate::retry::{is_transient, Backoff};
 use crate::StoreClient;
 
@@ -29,7 +33,7 @@ pub enum Refusals {
     /// Ends the follow with [`FollowError::Refused`] (a person reads the message).
     End,
     /// Is retried with backoff like an outage (a runner following the session it holds:
-    /// the lease, not the follower, decides when to stop).
+    /// the lease, not the follower, decides when to stop), except a deleted session's.
     Retry,
 }
 
@@ -54,12 +58,18 @@ pub enum Note<'a> {
 
 #[derive(Debug, thiserror::Error)]
 pub enum FollowError<E> {
-    /// The store refused the subscription (with [`Refusals::End`]).
+    /// The store refused the subscription (with [`Refusals::End`], or because the session
+    /// was deleted).
     #[error("the event store refused the subscription: {}", .0.message())]
     Refused(tonic::Status),
     /// The callback failed.
     #[error(transparent)]
     Callback(E),
+}
+
+/// Whether `status` ends the follow rather than being retried.
+fn ends(status: &tonic::Status, refusals: Refusals) -> bool {
+    is_session_deleted(status) || (!is_transient(status) && refusals == Refusals::End)
 }
 
 /// Follows `session_id` from `from_seq` until `on_event` says stop (or forever), waiting
@@ -114,9 +124,7 @@ where
                                 return Ok(());
                             }
                         }
-                        Some(Err(status))
-                            if !is_transient(&status) && refusals == Refusals::End =>
-                        {
+                        Some(Err(status)) if ends(&status, refusals) => {
                             return Err(FollowError::Refused(status));
                         }
                         Some(Err(status)) => {
@@ -135,7 +143,7 @@ where
                     }
                 }
             }
-            Err(status) if !is_transient(&status) && refusals == Refusals::End => {
+            Err(status) if ends(&status, refusals) => {
                 return Err(FollowError::Refused(status));
             }
             Err(status) => {
@@ -150,5 +158,23 @@ where
         }
         failures += 1;
         tokio::time::sleep(Backoff::STORE.delay(failures, None)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use agentlog_proto::reason::Reason;
+    use tonic::Status;
+
+    use super::*;
+
+    #[test]
+    fn a_deleted_session_ends_the_follow_whatever_the_refusals_say() {
+        let deleted = Reason::SessionDeleted.status("deleted");
+        assert!(ends(&deleted, Refusals::Retry) && ends(&deleted, Refusals::End));
+        let not_found = Reason::SessionNotFound.status("none");
+        assert!(!ends(&not_found, Refusals::Retry) && ends(&not_found, Refusals::End));
+        let outage = Status::unavailable("down");
+        assert!(!ends(&outage, Refusals::Retry) && !ends(&outage, Refusals::End));
     }
 }

@@ -13,6 +13,12 @@
 //! budget (`drain.rs`). A runner paused past its lease (GC, SIGSTOP, a partition) sees
 //! [`LeaseGuard::has_margin`] fail on waking and starts nothing more.
 //!
+//! A deleted session stops the same way, at once: the store ends the session's live
+//! subscription with `SESSION_DELETED` (the fast signal, passed on through [`Deletion`]), or
+//! refuses a renewal or an append for that reason (the slow one). The store dropped the
+//! lease with the session, so it is never given back ([`LeaseGuard::release`] says so
+//! quietly); `worker.rs` then removes the session's workspace.
+//!
 //! Guarded by `integration-tests/tests/runner_partition.rs` (a runner cut off mid-call by a
 //! network namespace: no two runs of the call overlap, at several ttls) and this module's
 //! tests of the timer.
@@ -21,7 +27,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use agentlog_client::refusal::is_lease_lost;
+use agentlog_client::refusal::{is_lease_lost, is_session_deleted};
 use agentlog_client::StoreClient;
 use agentlog_proto::v1::{Lease, ReleaseLeaseRequest, RenewLeaseRequest};
 use tokio::sync::watch;
@@ -50,8 +56,10 @@ pub struct LeaseGuard {
     /// Set once the lease is gone or may be: the store said a newer one exists, or its
     /// time ran out before a renewal came back.
     lost: Arc<AtomicBool>,
-    /// Fires on loss of the lease, shortly before it could run out, and when the drain's
-    /// budget is spent.
+    /// Set once the store said the session was deleted (the lease went with it).
+    deleted: Arc<AtomicBool>,
+    /// Fires on loss of the lease, shortly before it could run out, when the session is
+    /// deleted, and when the drain's budget is spent.
     cancel: CancellationToken,
     drain: Drain,
     renewer: tokio::task::JoinHandle<()>,
@@ -71,16 +79,14 @@ impl LeaseGuard {
         renew(&client, &lease, ttl, &until).await?;
         let lost = Arc::new(AtomicBool::new(false));
         let cancel = drain.expired().child_token();
+        let deletion = Deletion {
+            deleted: Arc::new(AtomicBool::new(false)),
+            lost: lost.clone(),
+            cancel: cancel.clone(),
+        };
         let renewer = tokio::spawn(
-            keep_renewing(
-                client.clone(),
-                lease.clone(),
-                ttl,
-                until,
-                lost.clone(),
-                cancel.clone(),
-            )
-            .in_current_span(),
+            keep_renewing(client.clone(), lease.clone(), ttl, until, deletion.clone())
+                .in_current_span(),
         );
         let timer = tokio::spawn(
             stop_before_expiry(
@@ -97,6 +103,7 @@ impl LeaseGuard {
             ttl,
             valid_until,
             lost,
+            deleted: deletion.deleted,
             cancel,
             drain: drain.clone(),
             renewer,
@@ -109,9 +116,23 @@ impl LeaseGuard {
     }
 
     /// Fires when the session's work must stop now: the lease is lost or about to run out,
-    /// or the drain's budget is spent.
+    /// the session was deleted, or the drain's budget is spent.
     pub fn cancelled(&self) -> &CancellationToken {
         &self.cancel
+    }
+
+    /// What the session's log follower tells when the store says the session was deleted.
+    pub fn deletion(&self) -> Deletion {
+        Deletion {
+            deleted: self.deleted.clone(),
+            lost: self.lost.clone(),
+            cancel: self.cancel.clone(),
+        }
+    }
+
+    /// Whether the store said the session was deleted.
+    pub fn is_deleted(&self) -> bool {
+        self.deleted.load(Ordering::SeqCst)
     }
 
     /// Whether the runner is draining: the step in hand may finish, no new one starts.
@@ -136,11 +157,16 @@ impl LeaseGuard {
         self.cancel.cancel();
     }
 
-    /// Stops renewing and gives the lease back, unless it is gone; the release has a
-    /// deadline ([`RELEASE_DEADLINE`]), so a store that does not answer delays nobody.
+    /// Stops renewing and gives the lease back, unless it is gone (lost, or dropped by the
+    /// store with the deleted session); the release has a deadline ([`RELEASE_DEADLINE`]),
+    /// so a store that does not answer delays nobody.
     pub async fn release(self) {
         self.renewer.abort();
         self.timer.abort();
+        if self.is_deleted() {
+            tracing::info!("the session was deleted: its lease went with it");
+            return;
+        }
         if self.lost.load(Ordering::SeqCst) {
             crate::metrics::lease_lost();
             return;
@@ -195,6 +221,7 @@ async fn renew(
             });
             Ok(())
         }
+        Ok(Err(status)) if is_session_deleted(&status) => Err(StoreError::SessionDeleted),
         Ok(Err(status)) if is_lease_lost(&status) => Err(StoreError::LeaseLost),
         Ok(Err(status)) => Err(StoreError::Failed(status)),
         Err(_) => Err(StoreError::Failed(tonic::Status::deadline_exceeded(
@@ -208,24 +235,27 @@ async fn keep_renewing(
     lease: Lease,
     ttl: Duration,
     valid_until: watch::Sender<Instant>,
-    lost: Arc<AtomicBool>,
-    cancel: CancellationToken,
+    deletion: Deletion,
 ) {
     let mut pause = ttl / 3;
     loop {
         tokio::select! {
-            _ = cancel.cancelled() => return,
+            _ = deletion.cancel.cancelled() => return,
             _ = tokio::time::sleep(pause) => {}
         }
         pause = match renew(&client, &lease, ttl, &valid_until).await {
             Ok(()) => ttl / 3,
+            Err(StoreError::SessionDeleted) => {
+                deletion.seen("a lease renewal");
+                return;
+            }
             Err(StoreError::LeaseLost) => {
                 tracing::warn!(
                     epoch = lease.epoch,
                     "lease lost: a newer lease exists; stopping work"
                 );
-                lost.store(true, Ordering::SeqCst);
-                cancel.cancel();
+                deletion.lost.store(true, Ordering::SeqCst);
+                deletion.cancel.cancel();
                 return;
             }
             // Try again soon: the timer, not this loop, decides when the work must stop.
@@ -234,6 +264,28 @@ async fn keep_renewing(
                 ttl / 10
             }
         };
+    }
+}
+
+/// Stops a session's work when the store says the session was deleted; cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Deletion {
+    deleted: Arc<AtomicBool>,
+    lost: Arc<AtomicBool>,
+    cancel: CancellationToken,
+}
+
+impl Deletion {
+    /// The store refused `what` (or ended it) with `SESSION_DELETED`: the work stops now
+    /// (the model stream dropped, a tool's process tree killed) and the lease is not given
+    /// back.
+    pub fn seen(&self, what: &str) {
+        if !self.deleted.swap(true, Ordering::SeqCst) {
+            tracing::info!(by = what, "the session was deleted; stopping its work");
+            crate::metrics::session_deleted();
+        }
+        self.lost.store(true, Ordering::SeqCst);
+        self.cancel.cancel();
     }
 }
 

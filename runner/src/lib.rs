@@ -11,6 +11,7 @@ pub mod metrics;
 pub mod model;
 pub mod secrets;
 pub mod session_log;
+pub mod sweep;
 pub mod tools;
 pub mod turn;
 pub mod worker;

@@ -12,6 +12,7 @@ use clap::Parser;
 use runner::drain::{Drain, EXIT_MARGIN};
 use runner::model::Model;
 use runner::secrets::{SecretFiles, Secrets};
+use runner::sweep::Sweeper;
 use runner::tools::sandbox::{self, Ids, Sandbox, SandboxMode, ToolNetwork, HELPER_ARG, SELF_EXE};
 use runner::tools::{IgnoreRules, ToolPolicy, Toolbox};
 use runner::turn::TurnContext;
@@ -137,6 +138,12 @@ struct Args {
         default_values_t = runner::tools::checkpoint::DEFAULT_IGNORE.map(String::from)
     )]
     checkpoint_ignore: Vec<String>,
+    /// How often the runner sweeps for deleted sessions' workspaces and checkpoints under
+    /// --workspace-root (it also sweeps at start, and after a session it holds is deleted,
+    /// when it removes that workspace at once): a session deleted while no runner held it
+    /// leaves the disk within this. `0` sweeps only then. `5m`, `30s`.
+    #[arg(long, env = "AGENTLOG_SWEEP_EVERY", default_value = "5m", value_parser = parse_duration)]
+    sweep_every: Duration,
 }
 
 /// `20s`, `1500ms`, `2m`, or a number of seconds.
@@ -318,10 +325,26 @@ async fn run(args: Args, secrets: Secrets, non_dumpable: bool) -> Result<()> {
         tool_uid = ?sandbox.user.map(|ids| ids.uid),
         "runner started"
     );
+    let toolbox = Toolbox::new(args.workspace_root.clone(), sandbox)
+        .with_checkpoint_ignore(IgnoreRules::new(&args.checkpoint_ignore));
+    let sweeper = Arc::new(Sweeper::new(
+        args.workspace_root.clone(),
+        toolbox.checkpoints().clone(),
+        client.clone(),
+    ));
+    // At start, every --sweep-every and when kicked; not once the runner drains.
+    let sweeping = sweeper.clone();
+    let sweep_until = drain.clone();
+    let sweep_every = args.sweep_every;
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = sweep_until.begun() => {}
+            _ = sweeping.run(sweep_every) => {}
+        }
+    });
     let context = Arc::new(TurnContext {
         model,
-        toolbox: Toolbox::new(args.workspace_root, sandbox)
-            .with_checkpoint_ignore(IgnoreRules::new(&args.checkpoint_ignore)),
+        toolbox,
         tools: Toolbox::specs(),
         policy,
         max_tokens: args.max_tokens,
@@ -336,6 +359,7 @@ async fn run(args: Args, secrets: Secrets, non_dumpable: bool) -> Result<()> {
             snapshot_every: args.snapshot_every,
         },
         context,
+        sweeper,
         drain.clone(),
     );
     // The backstop of the exit bound: whatever is still running by then is dropped (a

@@ -35,6 +35,9 @@ struct RunnerMetrics {
     interrupted_calls: Family<Labels1, Counter>,
     approval_requests: Counter,
     leases_lost: Counter,
+    sessions_deleted: Counter,
+    workspaces_removed: Counter,
+    sweeps: Family<Labels1, Counter>,
 }
 
 fn seconds_histogram() -> Histogram {
@@ -54,6 +57,9 @@ static METRICS: LazyLock<RunnerMetrics> = LazyLock::new(|| RunnerMetrics {
     interrupted_calls: Family::default(),
     approval_requests: Counter::default(),
     leases_lost: Counter::default(),
+    sessions_deleted: Counter::default(),
+    workspaces_removed: Counter::default(),
+    sweeps: Family::default(),
 });
 
 /// Every runner metric; the usual series of `model`'s provider and of every tool exist from
@@ -82,6 +88,9 @@ pub fn registry(model: &Model) -> Registry {
     }
     for action in ["rerun", "reported", "asked"] {
         let _ = m.interrupted_calls.get_or_create(&[("action", action)]);
+    }
+    for outcome in ["ok", "failed"] {
+        let _ = m.sweeps.get_or_create(&[("outcome", outcome)]);
     }
     let mut r = Registry::default();
     r.register(
@@ -140,6 +149,21 @@ pub fn registry(model: &Model) -> Registry {
         "Sessions dropped because the store fenced this runner off or the lease ran out",
         m.leases_lost.clone(),
     );
+    r.register(
+        "agentlog_runner_sessions_deleted",
+        "Sessions whose work this runner stopped because they were deleted",
+        m.sessions_deleted.clone(),
+    );
+    r.register(
+        "agentlog_runner_workspaces_removed",
+        "Workspaces of deleted sessions this runner removed",
+        m.workspaces_removed.clone(),
+    );
+    r.register(
+        "agentlog_runner_workspace_sweeps",
+        "Sweeps for deleted sessions' workspaces and checkpoints, by outcome (ok, failed)",
+        m.sweeps.clone(),
+    );
     r
 }
 
@@ -161,6 +185,21 @@ impl Drop for SessionHeld {
 
 pub fn lease_lost() {
     METRICS.leases_lost.inc();
+}
+
+/// The store said a session this runner worked was deleted; its work stopped.
+pub fn session_deleted() {
+    METRICS.sessions_deleted.inc();
+}
+
+/// A deleted session's workspace was removed.
+pub fn workspace_removed() {
+    METRICS.workspaces_removed.inc();
+}
+
+/// A sweep for deleted sessions' workspaces ended; `outcome`: "ok" or "failed".
+pub fn sweep(outcome: &'static str) {
+    METRICS.sweeps.get_or_create(&[("outcome", outcome)]).inc();
 }
 
 /// A call found with `tool_started` and no result; `action`: "rerun", "reported" (an error

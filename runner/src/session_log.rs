@@ -7,9 +7,12 @@
 //!   retrying it after a lost acknowledgement writes nothing new (the store answers with
 //!   the original seq). Every append of a session's clones of its [`Appender`] goes on one
 //!   `AppendStream` ([`AppendStream`]), opened again after it breaks; a request the broken
-//!   stream left unanswered is retried like a unary call that lost its answer. A refusal whose reason says the lease is gone (`LEASE_FENCED`,
-//!   `LEASE_HELD`, `SESSION_NOT_FOUND`) is reported as [`StoreError::LeaseLost`], never
-//!   retried.
+//!   stream left unanswered is retried like a unary call that lost its answer. A refusal
+//!   whose reason says the lease is gone (`LEASE_FENCED`, `LEASE_HELD`, `SESSION_NOT_FOUND`)
+//!   is reported as [`StoreError::LeaseLost`], one saying the session was deleted
+//!   (`SESSION_DELETED`) as [`StoreError::SessionDeleted`]; neither is retried.
+//! - The session's deletion is told at once ([`Deletion::seen`]): the store ends the live
+//!   subscription with `SESSION_DELETED`, and the follower stops there.
 //! - [`SessionLog::catch_up`] decides nothing on a stale log: the fold it returns has seen
 //!   the whole log as it was when the session was claimed, our own last SYNC append, and
 //!   every `interrupt` the subscription has shown. Events are applied once each, in seq
@@ -38,9 +41,10 @@ use bytes::Bytes;
 
 use crate::fold::transcript::Form;
 use crate::fold::{snapshot, FoldState};
+use crate::lease::Deletion;
 use agentlog_client::append_stream::AppendStream;
-use agentlog_client::follow::{follow, Flow, Note, Refusals};
-use agentlog_client::refusal::{is_lease_lost, is_session_not_found};
+use agentlog_client::follow::{follow, Flow, FollowError, Note, Refusals};
+use agentlog_client::refusal::{is_lease_lost, is_session_deleted, is_session_not_found};
 use agentlog_client::retry::retry_transient;
 use agentlog_client::StoreClient;
 use agentlog_proto::v1::{
@@ -67,6 +71,8 @@ const SNAPSHOT_CHUNK_BYTES: usize = 1 << 20;
 pub enum StoreError {
     #[error("the lease was lost: a newer lease exists or it expired")]
     LeaseLost,
+    #[error("the session was deleted")]
+    SessionDeleted,
     #[error("the event store failed: {0}")]
     Failed(tonic::Status),
 }
@@ -74,7 +80,9 @@ pub enum StoreError {
 impl From<tonic::Status> for StoreError {
     /// Decided on the refusal's reason, never on its status code.
     fn from(status: tonic::Status) -> StoreError {
-        if is_lease_lost(&status) {
+        if is_session_deleted(&status) {
+            StoreError::SessionDeleted
+        } else if is_lease_lost(&status) {
             StoreError::LeaseLost
         } else {
             StoreError::Failed(status)
@@ -301,9 +309,14 @@ impl Drop for SessionLog {
 
 impl SessionLog {
     /// Starts following the session's log (call it after the lease is held): from the fold
-    /// `cache` kept for it, else from the store's snapshot of it, else from seq 1.
-    pub async fn open(appender: Appender, cache: &FoldCache) -> Result<SessionLog, StoreError> {
-        let (claimed_tail, forked_from) = retry_transient("GetSession", STORE_PATIENCE, || {
+    /// `cache` kept for it, else from the store's snapshot of it, else from seq 1. The
+    /// session's deletion, once the subscription shows it, is told to `deletion`.
+    pub async fn open(
+        appender: Appender,
+        cache: &FoldCache,
+        deletion: Deletion,
+    ) -> Result<SessionLog, StoreError> {
+        let asked = retry_transient("GetSession", STORE_PATIENCE, || {
             let mut client = appender.client.clone();
             let session_id = appender.session_id.clone();
             async move {
@@ -317,8 +330,12 @@ impl SessionLog {
                 }
             }
         })
-        .await
-        .map_err(StoreError::Failed)?;
+        .await;
+        let (claimed_tail, forked_from) = match asked {
+            Ok(found) => found,
+            Err(status) if is_session_deleted(&status) => return Err(StoreError::SessionDeleted),
+            Err(status) => return Err(StoreError::Failed(status)),
+        };
         let fresh = || Start {
             fold: cache.form.map(FoldState::rendering).unwrap_or_default(),
             ..Start::default()
@@ -352,6 +369,7 @@ impl SessionLog {
                 applied_through + 1,
                 sender,
                 publish,
+                deletion,
             )
             .instrument(tracing::Span::current()),
         );
@@ -550,15 +568,16 @@ async fn restore_snapshot(
 }
 
 /// Follows the session's log from `next` for as long as the receiver lives, resubscribing
-/// from the next seq after any failure (the lease, not the follower, decides when to stop).
-/// Non-delta events go to `sender` in seq order, each once; `publish` says how far the log
-/// has been shown.
+/// from the next seq after any failure (the lease, not the follower, decides when to stop),
+/// until the session is deleted: that is told to `deletion`. Non-delta events go to
+/// `sender` in seq order, each once; `publish` says how far the log has been shown.
 async fn follow_log(
     client: StoreClient,
     session_id: String,
     next: u64,
     sender: mpsc::Sender<Event>,
     publish: watch::Sender<Seen>,
+    deletion: Deletion,
 ) {
     let note = |note: Note<'_>| match note {
         Note::Unreachable { next, status } => {
@@ -589,5 +608,10 @@ async fn follow_log(
             Ok(Flow::Continue)
         }
     };
-    let _ = follow(&client, &session_id, next, Refusals::Retry, note, on_event).await;
+    let followed = follow(&client, &session_id, next, Refusals::Retry, note, on_event).await;
+    if let Err(FollowError::Refused(status)) = followed {
+        if is_session_deleted(&status) {
+            deletion.seen("the log's subscription");
+        }
+    }
 }

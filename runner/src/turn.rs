@@ -8,7 +8,9 @@
 //! answered before anything else: every open call of the turn is closed and `interrupted`
 //! ends the turn. When the runner drains (`drain.rs`) no new step starts; the step in hand
 //! (a started tool call, a model stream) runs to its end and is logged, unless the budget
-//! runs out first (the stream is then dropped, the tool stopped). Every append carries a deterministic `event_id`, so an append retried
+//! runs out first (the stream is then dropped, the tool stopped). A session deleted meanwhile
+//! stops at once, the same way as a lost lease (`lease.rs`). Every append carries a
+//! deterministic `event_id`, so an append retried
 //! after a lost acknowledgement, or repeated by a runner that resumed the session, writes
 //! nothing twice:
 //!
@@ -230,7 +232,9 @@ async fn call_model(
         drop(sink);
         // The deltas land before the reply, so a reader never sees text after its turn ended.
         match deltas.await {
-            Ok(Err(StoreError::LeaseLost)) => return Err(StoreError::LeaseLost.into()),
+            Ok(Err(e @ (StoreError::LeaseLost | StoreError::SessionDeleted))) => {
+                return Err(e.into())
+            }
             Ok(Err(e)) => tracing::warn!(error = %e, "some streamed text was not logged"),
             Ok(Ok(())) | Err(_) => {}
         }

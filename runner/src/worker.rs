@@ -1,5 +1,8 @@
 //! The claim/lease worker: claims runnable sessions, holds each one's lease, and works it
 //! through the agent loop (`turn.rs`) until it is idle, waits for a person, or must stop.
+//! A session the store says was deleted (while held, or as it was claimed) stops at once;
+//! its lease is not given back (the store dropped it), its fold is not kept, and once its
+//! work has stopped its workspace is removed and a sweep asked for (`sweep.rs`).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,6 +17,7 @@ use tracing::Instrument;
 use crate::drain::{Drain, APPEND_GRACE};
 use crate::lease::{self, LeaseGuard};
 use crate::session_log::{Appender, FoldCache, SessionLog, StoreError};
+use crate::sweep::Sweeper;
 use crate::turn::{self, Outcome, TurnContext, TurnError};
 
 /// How long one `ClaimSession` long-poll waits for a runnable session.
@@ -47,6 +51,7 @@ pub async fn claim_loop(
     client: StoreClient,
     config: ClaimConfig,
     context: Arc<TurnContext>,
+    sweeper: Arc<Sweeper>,
     drain: Drain,
 ) {
     let permits = Arc::new(Semaphore::new(config.max_sessions.max(1)));
@@ -115,10 +120,15 @@ pub async fn claim_loop(
         let context = context.clone();
         let drain = drain.clone();
         let folds = folds.clone();
+        let sweeper = sweeper.clone();
         let ttl = config.lease_ttl;
         sessions.spawn(
             async move {
-                work_session(client, lease, ttl, &context, &folds, &drain).await;
+                let session_id = lease.session_id.clone();
+                let ended = work_session(client, lease, ttl, &context, &folds, &drain).await;
+                if ended == Ended::Deleted {
+                    remove_deleted(&sweeper, &session_id).await;
+                }
                 drop(permit);
             }
             .instrument(span),
@@ -131,6 +141,28 @@ pub async fn claim_loop(
     while sessions.join_next().await.is_some() {}
 }
 
+/// How a session's work ended, for what follows it.
+#[derive(Debug, PartialEq, Eq)]
+enum Ended {
+    /// The lease was given back, or lost.
+    LetGo,
+    /// The store said the session was deleted; its work has stopped.
+    Deleted,
+}
+
+/// Removes the workspace of a deleted session whose work has stopped here, and asks for a
+/// sweep so that its checkpoints go too. A failure is left for a later sweep.
+async fn remove_deleted(sweeper: &Sweeper, session_id: &str) {
+    match sweeper.remove_workspace(session_id).await {
+        Ok(true) => tracing::info!("removed the deleted session's workspace"),
+        Ok(false) => {}
+        Err(e) => {
+            tracing::warn!(error = %e, "could not remove the deleted session's workspace; a later sweep will")
+        }
+    }
+    sweeper.kick();
+}
+
 /// Works one claimed session until it is idle or must stop, then lets the lease go.
 async fn work_session(
     client: StoreClient,
@@ -139,7 +171,7 @@ async fn work_session(
     context: &TurnContext,
     folds: &FoldCache,
     drain: &Drain,
-) {
+) -> Ended {
     let _held = crate::metrics::SessionHeld::enter();
     let hold = LeaseGuard::hold(client.clone(), lease.clone(), ttl, drain);
     let held = tokio::select! {
@@ -149,34 +181,45 @@ async fn work_session(
     };
     let guard = match held {
         Some(Ok(guard)) => guard,
+        Some(Err(StoreError::SessionDeleted)) => {
+            tracing::info!("the claimed session was deleted; leaving it");
+            crate::metrics::session_deleted();
+            return Ended::Deleted;
+        }
         Some(Err(e)) => {
             tracing::warn!(error = %e, "could not confirm the claimed lease; leaving the session");
-            return;
+            return Ended::LetGo;
         }
         None => {
             tracing::info!("draining before any step; releasing the session");
             lease::release(&client, &lease).await;
-            return;
+            return Ended::LetGo;
         }
     };
     tracing::info!("claimed");
+    let deletion = guard.deletion();
     let appender = Appender::new(client, lease.session_id.clone(), lease.epoch);
     let opened = tokio::select! {
         biased;
         _ = drain.begun() => None,
-        opened = SessionLog::open(appender, folds) => Some(opened),
+        opened = SessionLog::open(appender, folds, deletion.clone()) => Some(opened),
     };
     let mut log = match opened {
         Some(Ok(log)) => log,
+        Some(Err(StoreError::SessionDeleted)) => {
+            deletion.seen("GetSession");
+            guard.release().await;
+            return Ended::Deleted;
+        }
         Some(Err(e)) => {
             tracing::warn!(error = %e, "cannot read the session's log; leaving the session");
             guard.release().await;
-            return;
+            return Ended::LetGo;
         }
         None => {
             tracing::info!("draining before any step; releasing the session");
             guard.release().await;
-            return;
+            return Ended::LetGo;
         }
     };
     // Past the budget the step in hand is stopped (a tool's process tree killed); an append
@@ -189,6 +232,15 @@ async fn work_session(
             Ok(Outcome::Stopped)
         }
     };
+    if let Err(TurnError::Store(StoreError::SessionDeleted)) = outcome {
+        deletion.seen("an append");
+    }
+    if guard.is_deleted() {
+        // Stopped already: the model stream dropped, a tool's process tree killed and reaped.
+        drop(log);
+        guard.release().await;
+        return Ended::Deleted;
+    }
     match outcome {
         Ok(Outcome::Idle) => {
             // The snapshot only saves a later claim some reading: not worth a drain's time.
@@ -219,4 +271,5 @@ async fn work_session(
     }
     log.keep_in(folds);
     guard.release().await;
+    Ended::LetGo
 }

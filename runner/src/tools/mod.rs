@@ -10,6 +10,7 @@ mod bash;
 pub mod checkpoint;
 mod files;
 pub mod guard;
+mod remove;
 pub mod sandbox;
 mod workspace;
 

@@ -12,6 +12,7 @@
 //! | `sessions/<id>/note` | that note, until a tool result has carried it to the model |
 //! | `sessions/<id>/last` | the session's newest checkpoint, whose metadata the next one compares against; its mtime is the file system's clock after that checkpoint's scan |
 //! | `tmp/` | objects being written and restores being staged |
+//! | `removing/` | workspaces of deleted sessions, moved here to be removed ([`super::Checkpoints::remove_workspace_blocking`]) |
 //!
 //! Every object is written aside in `tmp/`, `fdatasync`ed and renamed to its hash, so an
 //! object under its final name is always whole; the directories it was renamed into are
@@ -164,6 +165,11 @@ impl Area {
 
     pub fn tmp_dir(&self) -> PathBuf {
         self.dir.join("tmp")
+    }
+
+    /// Where deleted sessions' workspaces are moved to be removed.
+    pub fn removing_dir(&self) -> PathBuf {
+        self.dir.join("removing")
     }
 
     pub fn sessions_dir(&self) -> PathBuf {

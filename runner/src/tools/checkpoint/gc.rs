@@ -18,9 +18,9 @@
 //! Crash points: each step only adds references (adoption) or removes what nothing names,
 //! so a GC killed anywhere leaves the area correct and the next run finishes the job.
 //!
-//! A runner's periodic sweep calls [`collect_garbage`] (the store client and the toolbox's
-//! [`Checkpoints`] are all it needs) and may then remove the workspaces of the sessions in
-//! [`Collected::forgotten`].
+//! A runner's sweep (`runner/src/sweep.rs`) calls [`collect_garbage`] (the store client and
+//! the toolbox's [`Checkpoints`] are all it needs) and then removes the workspaces of the
+//! sessions in [`Collected::forgotten`].
 
 use std::collections::HashSet;
 use std::fs;
@@ -32,9 +32,9 @@ use agentlog_proto::reason::Reason;
 use agentlog_proto::v1::{GetSessionRequest, ListSessionsRequest, SessionInfo};
 
 use super::area::{parse_hex, Hash, Kind};
-use super::restore::remove_tree;
 use super::tree::{EntryKind, Tree};
 use super::{CheckpointError, Checkpoints, PrefixCheckpoints};
+use crate::tools::remove::remove_tree;
 
 /// ListSessions pages of this size.
 const PAGE: u32 = 1000;

@@ -21,6 +21,10 @@
 //!   the fork's next tool result, to the model.
 //! - Checkpoints go when the session whose log names them is deleted, and not before every
 //!   session naming them is: see `gc.rs`.
+//! - A deleted session's workspace is removed ([`Checkpoints::remove_workspace_blocking`])
+//!   only once no restore of it is half-way, and a restore whose runner stopped waiting for
+//!   it ([`prepare_fork`] dropped) writes nothing after that: a deleted fork's files never
+//!   come back.
 //!
 //! Crash points, and what the next runner finds:
 //! - a checkpoint killed before its objects are renamed into place: temporary files, which
@@ -48,6 +52,7 @@ use std::fs;
 use std::io;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 pub use area::AREA_DIR;
@@ -56,6 +61,7 @@ pub use ignore::{IgnoreRules, DEFAULT_IGNORE};
 use area::{hex, parse_hex, Area, Hash, Pending};
 use scan::{Previous, Trees};
 
+use super::remove;
 use super::sandbox::Ids;
 
 /// Sessions whose last checkpoint's trees are kept in memory for the next checkpoint.
@@ -281,7 +287,26 @@ impl Checkpoints {
         fork_seq: u64,
         prefix: &PrefixCheckpoints,
     ) -> Result<Option<String>, CheckpointError> {
-        self.restore_fork_inner(session_id, parent, fork_seq, prefix)
+        self.restore_fork_unless(
+            session_id,
+            parent,
+            fork_seq,
+            prefix,
+            &AtomicBool::new(false),
+        )
+    }
+
+    /// [`Checkpoints::restore_fork_blocking`], unless `abandoned` is set by the time the
+    /// restore holds the session's `restoring` lock (then it writes nothing and fails).
+    fn restore_fork_unless(
+        &self,
+        session_id: &str,
+        parent: &str,
+        fork_seq: u64,
+        prefix: &PrefixCheckpoints,
+        abandoned: &AtomicBool,
+    ) -> Result<Option<String>, CheckpointError> {
+        self.restore_fork_inner(session_id, parent, fork_seq, prefix, abandoned)
             .map_err(|e| self.io_error(e))
     }
 
@@ -291,15 +316,23 @@ impl Checkpoints {
         parent: &str,
         fork_seq: u64,
         prefix: &PrefixCheckpoints,
+        abandoned: &AtomicBool,
     ) -> io::Result<Option<String>> {
         check_session_id(session_id)?;
         self.area.ensure()?;
         let _lock = self.area.lock_shared()?;
-        // One restore of a session at a time, even by a runner whose lease ran out mid-way.
+        // One restore of a session at a time, even by a runner whose lease ran out mid-way;
+        // a removal of the workspace waits for this lock too.
         let dir = self.area.ensure_session_dir(session_id)?;
         let _restoring = area::lock_file(&dir.join("restoring"))?;
         if self.is_restored(session_id) {
             return Ok(None);
+        }
+        if abandoned.load(Ordering::SeqCst) {
+            return Err(io::Error::new(
+                io::ErrorKind::Interrupted,
+                "the restore was abandoned before it began (the session's work stopped)",
+            ));
         }
         self.adopt_locked(session_id, &prefix.named)?;
         let mut missing = Vec::new();
@@ -361,7 +394,7 @@ impl Checkpoints {
                 .tmp_dir()
                 .join(format!("aside-{:016x}", fastrand::u64(..)));
             fs::rename(&workspace, &aside)?;
-            let _ = restore::remove_tree(&aside);
+            let _ = remove::remove_tree(&aside);
         }
         fs::rename(&staging, &workspace)?;
         area::sync_dir(&self.root)?;
@@ -415,6 +448,68 @@ impl Checkpoints {
         inner().map_err(|e| self.io_error(e))
     }
 
+    /// Removes the workspace of `session_id`, a deleted session, if there is one (returns
+    /// whether there was). It is first moved aside, into the area's `removing/`, while no
+    /// restore of the session is half-way (its `restoring` lock held), so the name is free at
+    /// once and nothing can restore into it after; then removed without following a link
+    /// ([`remove::remove_tree`]). A removal that fails half-way leaves the rest in
+    /// `removing/`, which [`Checkpoints::empty_removing_blocking`] empties. Blocking.
+    pub fn remove_workspace_blocking(&self, session_id: &str) -> Result<bool, CheckpointError> {
+        self.remove_workspace_inner(session_id)
+            .map_err(|e| self.io_error(e))
+    }
+
+    fn remove_workspace_inner(&self, session_id: &str) -> io::Result<bool> {
+        check_session_id(session_id)?;
+        let workspace = self.root.join(session_id);
+        let aside = {
+            self.area.ensure()?;
+            let _lock = self.area.lock_shared()?;
+            let dir = self.area.session_dir(session_id);
+            let _restoring = if dir.is_dir() {
+                Some(area::lock_file(&dir.join("restoring"))?)
+            } else {
+                None
+            };
+            if fs::symlink_metadata(&workspace).is_err() {
+                return Ok(false);
+            }
+            let removing = self.area.removing_dir();
+            fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(&removing)?;
+            let aside = removing.join(format!("{session_id}.{:016x}", fastrand::u64(..)));
+            match fs::rename(&workspace, &aside) {
+                Ok(()) => aside,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
+                // Another file system (the workspace is a mount): removed where it is.
+                Err(e) if e.raw_os_error() == Some(nix::libc::EXDEV) => workspace,
+                Err(e) => return Err(e),
+            }
+        };
+        remove::remove_tree(&aside)?;
+        Ok(true)
+    }
+
+    /// Removes what removals that failed or were cut short left in `removing/`. Blocking.
+    pub fn empty_removing_blocking(&self) -> Result<usize, CheckpointError> {
+        let inner = || -> io::Result<usize> {
+            let entries = match fs::read_dir(self.area.removing_dir()) {
+                Ok(entries) => entries,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(0),
+                Err(e) => return Err(e),
+            };
+            let mut removed = 0;
+            for entry in entries {
+                remove::remove_tree(&entry?.path())?;
+                removed += 1;
+            }
+            Ok(removed)
+        };
+        inner().map_err(|e| self.io_error(e))
+    }
+
     /// The sessions the area keeps anything for.
     pub fn sessions(&self) -> Result<Vec<String>, CheckpointError> {
         let list = || -> io::Result<Vec<String>> {
@@ -449,11 +544,16 @@ pub async fn prepare_fork(
         forked_from.session_id.clone(),
         forked_from.seq,
     );
+    // Dropped with this future (the session's work stopped), it tells a restore that has
+    // not begun to write nothing; one already writing holds the lock a removal waits for.
+    let abandon = Abandon(Arc::new(AtomicBool::new(false)));
+    let abandoned = abandon.0.clone();
     let report = tokio::task::spawn_blocking(move || {
-        this.restore_fork_blocking(&session, &parent, seq, &prefix)
+        this.restore_fork_unless(&session, &parent, seq, &prefix, &abandoned)
     })
     .await
     .map_err(|e| CheckpointError::Task(e.to_string()))??;
+    drop(abandon);
     if let Some(report) = report {
         if report.contains("Not restored") {
             tracing::warn!(%report, "restored the fork's workspace, not all of it");
@@ -462,6 +562,15 @@ pub async fn prepare_fork(
         }
     }
     Ok(())
+}
+
+/// Sets its flag when dropped.
+struct Abandon(Arc<AtomicBool>);
+
+impl Drop for Abandon {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
 }
 
 #[derive(Debug, thiserror::Error)]

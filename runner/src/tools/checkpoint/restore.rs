@@ -254,13 +254,3 @@ pub fn open_dir(path: &std::path::Path) -> io::Result<OwnedFd> {
     let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
     Ok(nix::fcntl::open(path, flags, Mode::empty())?)
 }
-
-/// Removes `path` and everything under it, never following a link out of it.
-pub fn remove_tree(path: &std::path::Path) -> io::Result<()> {
-    match std::fs::symlink_metadata(path) {
-        Ok(meta) if meta.is_dir() => std::fs::remove_dir_all(path),
-        Ok(_) => std::fs::remove_file(path),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(e),
-    }
-}

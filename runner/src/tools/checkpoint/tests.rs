@@ -291,3 +291,65 @@ fn the_gc_keeps_what_existing_sessions_name_and_sweeps_the_rest() {
         );
     }
 }
+
+#[test]
+fn a_deleted_sessions_workspace_goes_aside_then_away_and_links_lead_nowhere() {
+    let root = tempfile::tempdir().expect("temp dir");
+    let outside = root.path().join("p");
+    write(&outside.join("keep.txt"), "another session's");
+    let ws = root.path().join("gone");
+    write(&ws.join("src/a.txt"), "a");
+    symlink(&outside, ws.join("escape")).expect("symlink");
+    symlink(outside.join("keep.txt"), ws.join("src/file_link")).expect("symlink");
+    let cps = checkpoints(root.path(), &[]);
+    cps.record_blocking("gone").expect("record");
+    assert!(cps.remove_workspace_blocking("gone").expect("removed"));
+    assert!(!ws.exists());
+    assert_eq!(
+        fs::read_to_string(outside.join("keep.txt")).expect("kept"),
+        "another session's"
+    );
+    assert!(!cps
+        .remove_workspace_blocking("gone")
+        .expect("nothing there"));
+    assert!(cps.remove_workspace_blocking("../p").is_err());
+    // What a removal cut short left aside is emptied later.
+    write(&cps.area_dir().join("removing/gone.1/x/y"), "left");
+    assert_eq!(cps.empty_removing_blocking().expect("emptied"), 1);
+    assert_eq!(
+        fs::read_dir(cps.area_dir().join("removing"))
+            .expect("removing")
+            .count(),
+        0
+    );
+    assert!(outside.join("keep.txt").exists());
+}
+
+#[test]
+fn a_removal_waits_for_a_restore_in_flight_and_an_abandoned_restore_writes_nothing() {
+    let root = tempfile::tempdir().expect("temp dir");
+    let cps = Arc::new(checkpoints(root.path(), &[]));
+    // A restore half-way holds the session's `restoring` lock: the removal waits for it.
+    cps.area.ensure().expect("area");
+    let dir = cps.area.ensure_session_dir("f").expect("session dir");
+    let restoring = area::lock_file(&dir.join("restoring")).expect("lock");
+    write(&root.path().join("f/restored.txt"), "restored");
+    let remover = {
+        let cps = cps.clone();
+        std::thread::spawn(move || cps.remove_workspace_blocking("f"))
+    };
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        root.path().join("f/restored.txt").exists(),
+        "not removed while the restore holds the lock"
+    );
+    drop(restoring);
+    assert!(remover.join().expect("thread").expect("removed"));
+    assert!(!root.path().join("f").exists());
+
+    // A restore whose runner stopped waiting before it began writes nothing.
+    let abandoned = AtomicBool::new(true);
+    let refused = cps.restore_fork_unless("f", "p", 1, &PrefixCheckpoints::default(), &abandoned);
+    assert!(refused.is_err(), "{refused:?}");
+    assert!(!root.path().join("f").exists() && !cps.is_restored("f"));
+}
