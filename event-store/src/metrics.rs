@@ -1,4 +1,5 @@
-//! The store's Prometheus metrics: appends, the group commit, subscribers and leases.
+//! The store's Prometheus metrics: appends, the group commit, subscribers, leases, and
+//! deletions with the reclamation of their space.
 //!
 //! Promise: every label value comes from a fixed, small set (a durability, an outcome, a
 //! lease operation); no session id, owner or event text ever becomes a label. Recording is
@@ -41,6 +42,7 @@ struct StoreMetrics {
     lease_renewals: Counter,
     fencing_refusals: Family<Labels1, Counter>,
     claims_waiting: Gauge,
+    sessions_deleted: Family<Labels1, Counter>,
     pg_statement_seconds: Family<Labels1, Histogram>,
     pg_batch_appends: Histogram,
 }
@@ -60,6 +62,7 @@ static METRICS: LazyLock<StoreMetrics> = LazyLock::new(|| StoreMetrics {
     lease_renewals: Counter::default(),
     fencing_refusals: Family::default(),
     claims_waiting: Gauge::default(),
+    sessions_deleted: Family::default(),
     pg_statement_seconds: Family::new_with_constructor(|| {
         Histogram::new(exponential_buckets(0.000_1, 2.0, 16))
     }),
@@ -89,6 +92,9 @@ pub fn registry(log_dir: Option<PathBuf>) -> Registry {
     }
     for op in ["append", "renew"] {
         let _ = m.fencing_refusals.get_or_create(&[("op", op)]);
+    }
+    for how in ["request", "retention"] {
+        let _ = m.sessions_deleted.get_or_create(&[("how", how)]);
     }
     let mut r = Registry::default();
     r.register(
@@ -152,6 +158,12 @@ pub fn registry(log_dir: Option<PathBuf>) -> Registry {
         "agentlog_store_claims_waiting",
         "ClaimSession long-polls waiting for a runnable session",
         m.claims_waiting.clone(),
+    );
+    r.register(
+        "agentlog_store_sessions_deleted",
+        "Sessions deleted (tombstones made), by how: request (DeleteSession) or retention \
+         (--retain-idle)",
+        m.sessions_deleted.clone(),
     );
     r.register(
         "agentlog_store_pg_statement_duration_seconds",
@@ -395,6 +407,17 @@ pub fn lease_renewed() {
 /// "renew").
 pub fn fencing_refused(op: &'static str) {
     METRICS.fencing_refusals.get_or_create(&[("op", op)]).inc();
+}
+
+/// `count` sessions deleted (`how`: "request" or "retention"); a repeated deletion, which
+/// changes nothing, counts 0.
+pub fn sessions_deleted(how: &'static str, count: usize) {
+    if count > 0 {
+        METRICS
+            .sessions_deleted
+            .get_or_create(&[("how", how)])
+            .inc_by(count as u64);
+    }
 }
 
 /// One database round trip of the PostgreSQL backend (`statement`: what it does, from a

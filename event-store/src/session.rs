@@ -3,6 +3,10 @@
 //! approvals still pending, the title from the first user
 //! message, and the lease from the last lease record. Recovery and the live writer apply
 //! records through the same functions, so both always agree.
+//!
+//! A deleted session is a tombstone ([`SessionMeta::tombstone`]): the time of its deletion
+//! and nothing else (no title, no text, no lease, `last_seq` 0), kept for good so that its
+//! id stays dead.
 
 use agentlog_proto::v1::{event, ContentBlock, Event, Lease, SessionInfo, SessionStatus};
 use prost::Message;
@@ -55,6 +59,9 @@ pub struct SessionMeta {
     /// runnable.
     #[prost(bool, tag = "8")]
     pub user_since_interrupt: bool,
+    /// When the session was deleted (0: it was not). A deleted session keeps nothing else.
+    #[prost(int64, tag = "9")]
+    pub deleted_unix_ms: i64,
 }
 
 /// Who writes an event kind. Runner-written kinds need the session's current lease; the
@@ -83,6 +90,18 @@ pub fn kind_name(kind: &event::Kind) -> &'static str {
 }
 
 impl SessionMeta {
+    /// The tombstone of a session deleted at `deleted_unix_ms`: the deletion time alone.
+    pub fn tombstone(deleted_unix_ms: i64) -> SessionMeta {
+        SessionMeta {
+            deleted_unix_ms: deleted_unix_ms.max(1),
+            ..SessionMeta::default()
+        }
+    }
+
+    pub fn is_deleted(&self) -> bool {
+        self.deleted_unix_ms > 0
+    }
+
     pub fn is_runnable(&self) -> bool {
         self.status() == SessionStatus::Runnable
     }

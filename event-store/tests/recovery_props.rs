@@ -123,6 +123,7 @@ fn summary(record: &Record) -> Summary {
             epoch: l.epoch,
             released: l.released,
         },
+        Record::Tombstone(t) => panic!("these tests delete no session, yet {t:?} is logged"),
     }
 }
 
@@ -419,6 +420,7 @@ async fn check_index(store: &Store, log: &[Record]) {
             Record::Lease(l) => {
                 epochs.insert(&l.session_id, l.epoch);
             }
+            Record::Tombstone(t) => panic!("these tests delete no session, yet {t:?} is logged"),
         }
     }
     for session in SESSIONS.into_iter().chain(["rp-tail"]) {

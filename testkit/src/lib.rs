@@ -103,6 +103,8 @@ pub struct Store {
     /// The data dir (a PostgreSQL-backed store has none: an empty path).
     pub data_dir: PathBuf,
     pub backing: Backing,
+    /// The arguments it was started with beyond the backend's (kept for [`Store::restart`]).
+    pub extra: Vec<String>,
     _tmp: Option<Arc<tempfile::TempDir>>,
 }
 
@@ -110,6 +112,11 @@ impl Store {
     /// Starts a store on a fresh temp data dir, or on a fresh database when
     /// [`test_backend_is_postgres`].
     pub fn start() -> Result<Store> {
+        Store::start_with(&[])
+    }
+
+    /// [`Store::start`] with `extra` arguments (e.g. `--retain-idle 30d`).
+    pub fn start_with(extra: &[&str]) -> Result<Store> {
         if test_backend_is_postgres() {
             let pg = pg::shared()?;
             let url = pg.create_database()?;
@@ -117,23 +124,34 @@ impl Store {
                 &bin_path("event-store"),
                 Backing::Database(url, Some(pg)),
                 "127.0.0.1:0",
-                &[],
+                extra,
             );
         }
         let tmp = tempfile::tempdir()?;
-        let mut store = Store::start_in(tmp.path())?;
+        let mut store = Store::start_backed(
+            &bin_path("event-store"),
+            Backing::Dir(tmp.path().to_path_buf()),
+            "127.0.0.1:0",
+            extra,
+        )?;
         store._tmp = Some(Arc::new(tmp));
         Ok(store)
     }
 
     /// Starts another store process on the same data (after this one stopped, or beside it
-    /// on a shared database), on a free port.
+    /// on a shared database), on a free port, with the same arguments.
     pub fn restart(&self) -> Result<Store> {
+        let extra: Vec<&str> = self.extra.iter().map(String::as_str).collect();
+        self.restart_with(&extra)
+    }
+
+    /// [`Store::restart`] with other arguments.
+    pub fn restart_with(&self, extra: &[&str]) -> Result<Store> {
         let mut store = Store::start_backed(
             &bin_path("event-store"),
             self.backing.clone(),
             "127.0.0.1:0",
-            &[],
+            extra,
         )?;
         store._tmp = self._tmp.clone();
         Ok(store)
@@ -194,6 +212,7 @@ impl Store {
             addr,
             data_dir,
             backing,
+            extra: extra.iter().map(|a| a.to_string()).collect(),
             _tmp: None,
         })
     }

@@ -43,7 +43,7 @@ use log::storage::{FsStorage, Storage};
 use log::LogError;
 use published::Shared;
 use subscriptions::{Hub, Source};
-use writer::{LeaseOp, LeaseOutcome, Op, Writer};
+use writer::{DeleteOp, LeaseOp, LeaseOutcome, Op, Writer};
 
 /// Pending operations the writer may have queued; beyond this, callers wait (backpressure).
 const QUEUE_DEPTH: usize = 8192;
@@ -113,11 +113,17 @@ impl Store {
             serving: watch::channel(true).0,
         });
         let source = Source {
-            hub: shared.hub.clone(),
+            shared: shared.clone(),
             index: index.clone(),
-            recent: shared.recent.clone(),
             log: log.reader(),
         };
+        let snapshots = Arc::new(snapshots::SnapshotDir::new(config.snapshot_dir.clone()));
+        // A deletion whose tombstone was durable when the store stopped may not have removed
+        // the session's snapshots yet.
+        let deleted = sessions.iter().filter(|(_, m)| m.is_deleted());
+        snapshots
+            .remove_sessions(deleted.map(|(id, _)| id.as_str()))
+            .map_err(|e| OpenError::DataDir(config.snapshot_dir.display().to_string(), e))?;
         let (queue, rx) = mpsc::channel(QUEUE_DEPTH);
         let (done_tx, writer_done) = watch::channel(false);
         let writer = Writer::new(log, index, sessions, shared.clone());
@@ -139,7 +145,7 @@ impl Store {
             source,
             writer: Some(writer),
             writer_done,
-            snapshots: Arc::new(snapshots::SnapshotDir::new(config.snapshot_dir.clone())),
+            snapshots,
         })
     }
 
@@ -324,19 +330,46 @@ impl Store {
         snapshot: backend::Snapshot,
         lease_epoch: u64,
     ) -> Result<u64, StoreError> {
-        let meta = self.shared.get(&snapshot.session_id);
-        let meta = rules::existing(meta.as_ref(), &snapshot.session_id)?;
-        rules::check_snapshot(
-            meta,
-            &snapshot.session_id,
-            lease_epoch,
-            snapshot.seq,
-            now_unix_ms(),
-        )?;
         let snapshots = self.snapshots.clone();
-        tokio::task::spawn_blocking(move || snapshots.put(&snapshot))
+        let shared = self.shared.clone();
+        tokio::task::spawn_blocking(move || {
+            // Checked while puts are held off: a deletion that removes the session's
+            // snapshots after its tombstone is published either comes after this put (and
+            // removes what it wrote) or before it (and this check sees the tombstone).
+            snapshots.put(&snapshot, || {
+                let meta = shared.get(&snapshot.session_id);
+                let meta = rules::existing(meta.as_ref(), &snapshot.session_id)?;
+                rules::check_snapshot(
+                    meta,
+                    &snapshot.session_id,
+                    lease_epoch,
+                    snapshot.seq,
+                    now_unix_ms(),
+                )
+            })
+        })
+        .await
+        .map_err(|e| StoreError::Internal(format!("the snapshot write stopped: {e}")))?
+    }
+
+    /// Deletes the session for good (see [`crate::backend`]'s head): its tombstone is durable
+    /// on return, and its snapshots are gone; its records leave the log with the next
+    /// reclamation of the segments that hold them.
+    pub async fn delete_session(&self, session_id: &str) -> Result<(), StoreError> {
+        let id = session_id.to_string();
+        let deleted = self
+            .submit(|tx| Op::Delete(DeleteOp::Session(id), tx))
+            .await?;
+        crate::metrics::sessions_deleted("request", deleted);
+        // Again when it was deleted before: the first call may have stopped short of this.
+        let snapshots = self.snapshots.clone();
+        let id = session_id.to_string();
+        tokio::task::spawn_blocking(move || snapshots.remove_sessions([id.as_str()]))
             .await
-            .map_err(|e| StoreError::Internal(format!("the snapshot write stopped: {e}")))?
+            .map_err(|e| StoreError::Internal(format!("the snapshot removal stopped: {e}")))?
+            .map_err(|e| {
+                StoreError::Internal(format!("removing the snapshots of {session_id}: {e}"))
+            })
     }
 
     /// The kept snapshot of `format` for the session, if any: its file is read a piece at a
@@ -348,6 +381,9 @@ impl Store {
     ) -> Result<Option<backend::SnapshotRead>, StoreError> {
         const PIECE_BYTES: usize = 1 << 20;
         const PIECES_AHEAD: usize = 2;
+        if self.shared.is_deleted(session_id) {
+            return Err(rules::session_deleted(session_id));
+        }
         let snapshots = self.snapshots.clone();
         let (session_id, format) = (session_id.to_string(), format.to_string());
         let opened = tokio::task::spawn_blocking(move || snapshots.open(&session_id, &format))
@@ -374,15 +410,8 @@ impl Store {
     }
 
     pub fn get_session(&self, session_id: &str) -> Result<SessionInfo, StoreError> {
-        self.shared
-            .get(session_id)
-            .map(|m| m.info(session_id, now_unix_ms()))
-            .ok_or_else(|| {
-                StoreError::Refused(
-                    agentlog_proto::reason::Reason::SessionNotFound,
-                    format!("session {session_id} does not exist"),
-                )
-            })
+        let meta = self.shared.get(session_id);
+        rules::existing(meta.as_ref(), session_id).map(|m| m.info(session_id, now_unix_ms()))
     }
 
     /// Sessions in `scope`, most recently updated first; `page_token` is where the
@@ -510,6 +539,10 @@ impl Backend for Store {
         format: &str,
     ) -> Result<Option<SnapshotRead>, StoreError> {
         Store::get_snapshot(self, session_id, format).await
+    }
+
+    async fn delete_session(&self, session_id: &str) -> Result<(), StoreError> {
+        Store::delete_session(self, session_id).await
     }
 
     /// Not serving while the log's volume is full (appends resume by themselves once there

@@ -1,7 +1,7 @@
-//! What the writer has made durable, as readers see it: the published session states, the
-//! positions the index has not absorbed yet, the live hub, and the signals (a session may
-//! have become claimable; the volume is full). The writer is its only writer, and only
-//! after the fsync that covers what it publishes.
+//! What the writer has made durable, as readers see it: the published session states
+//! (tombstones included), the positions the index has not absorbed yet, the live hub, and
+//! the signals (a session may have become claimable; the volume is full). The writer is its
+//! only writer, and only after the fsync that covers what it publishes.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, RwLock};
@@ -54,11 +54,21 @@ impl Shared {
                 }
             }
         }
-        // Each run of one session's events goes to its followers as one slice, in order.
+        // Each run of one session's events goes to its followers as one slice, in order; a
+        // tombstone ends its session's followers (after the state above says it is deleted,
+        // so that a subscription that registers later sees the tombstone instead).
         let mut run: Vec<Event> = Vec::new();
         for record in records {
-            let Record::Event(event) = record else {
-                continue;
+            let event = match record {
+                Record::Event(event) => event,
+                Record::Tombstone(t) => {
+                    if run.last().is_some_and(|e| e.session_id == t.session_id) {
+                        self.hub.publish(std::mem::take(&mut run));
+                    }
+                    self.hub.end(&t.session_id);
+                    continue;
+                }
+                Record::Lease(_) => continue,
             };
             if run.last().is_some_and(|e| e.session_id != event.session_id) {
                 self.hub.publish(std::mem::take(&mut run));
@@ -79,8 +89,17 @@ impl Shared {
         self.full.send_replace(reason);
     }
 
+    /// The session's published state (a tombstone if it was deleted), if it has one.
     pub(crate) fn get(&self, session_id: &str) -> Option<SessionMeta> {
         let sessions = self.sessions.read().unwrap_or_else(|p| p.into_inner());
-        sessions.get(session_id).filter(|m| m.last_seq > 0).cloned()
+        sessions.get(session_id).cloned()
+    }
+
+    /// Whether the session's deletion is durable.
+    pub(crate) fn is_deleted(&self, session_id: &str) -> bool {
+        let sessions = self.sessions.read().unwrap_or_else(|p| p.into_inner());
+        sessions
+            .get(session_id)
+            .is_some_and(SessionMeta::is_deleted)
     }
 }

@@ -68,6 +68,7 @@ fn recover(
                     meta.apply_event(event);
                 }
                 Record::Lease(lease) => meta.apply_lease(lease),
+                Record::Tombstone(t) => *meta = SessionMeta::tombstone(t.deleted_unix_ms),
             }
             batch.add(*pos, record);
             pending += 1;

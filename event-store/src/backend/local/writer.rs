@@ -21,6 +21,11 @@
 //!   index has not absorbed yet, and the index;
 //! - a full volume refuses what would write (`RESOURCE_EXHAUSTED`, saying why) before
 //!   anything of the batch is written, and appends resume by themselves once there is room;
+//!   a deletion's tombstone still goes in, into the room kept free for the index, so that
+//!   deleting sessions is how an operator frees a full volume;
+//! - a deletion is answered only after its tombstone's fsync, and from the moment it is
+//!   decided the session refuses every later op of the queue (and of the batch in hand);
+//!   readers see the tombstone, and live subscribers are ended, only after that fsync;
 //! - any other I/O error on the log stops the writer for good: after a failed fsync the
 //!   kernel may have dropped the dirty pages, so nothing more may be acknowledged (the
 //!   process exits and recovery re-reads what is really on disk).
@@ -37,12 +42,13 @@ use tokio::sync::{mpsc, oneshot};
 use agentlog_proto::reason::Reason;
 
 use super::index::{self_named_seq, Index, IndexBatch, Recent, GENERATED_ID_PREFIX};
+use super::log::record::Tombstone;
 use super::log::{record, LogError, LogReader, LogWriter, Record};
 use super::published::Shared;
 use crate::backend::AppendOp;
 use crate::error::StoreError;
 use crate::metrics;
-use crate::rules;
+use crate::rules::{self, Deletion};
 use crate::scope::Scope;
 use crate::session::{lease_of, now_unix_ms, SessionMeta};
 
@@ -71,6 +77,13 @@ pub enum Op {
         tracing::Span,
     ),
     Lease(LeaseOp, oneshot::Sender<Result<LeaseOutcome, StoreError>>),
+    /// Answered with the number of sessions it deleted (0: the session was deleted before).
+    Delete(DeleteOp, oneshot::Sender<Result<usize, StoreError>>),
+}
+
+pub enum DeleteOp {
+    /// DeleteSession.
+    Session(String),
 }
 
 pub enum LeaseOp {
@@ -138,6 +151,7 @@ enum Pending {
         oneshot::Sender<Result<LeaseOutcome, StoreError>>,
         LeaseOutcome,
     ),
+    Delete(oneshot::Sender<Result<usize, StoreError>>, usize),
 }
 
 /// Whether a thread that waits for another may look again for a while before it sleeps
@@ -269,9 +283,10 @@ impl Writer {
     }
 
     /// Makes room in the log for everything `ops` may write and hands them back. While the
-    /// volume is full, every op of the batch is answered `RESOURCE_EXHAUSTED` here instead,
-    /// before anything of it is written or any state changes (nothing torn), and none is
-    /// handed back.
+    /// volume is full, every op of the batch but the deletions is answered
+    /// `RESOURCE_EXHAUSTED` here instead, before anything of it is written or any state
+    /// changes (nothing torn), and is not handed back; the deletions get their few bytes from
+    /// the room kept free for the index (a tombstone is how space comes back).
     fn make_room(&mut self, ops: Vec<Op>) -> Result<Vec<Op>, StoreError> {
         let bound: u64 = ops.iter().map(Op::max_log_bytes).sum();
         let reason = match self.log.reserve(bound) {
@@ -288,7 +303,8 @@ impl Writer {
         if self.full.is_none() {
             tracing::warn!(
                 %reason,
-                "the log's volume is full: refusing appends until there is room (reads go on)"
+                "the log's volume is full: refusing appends until there is room (reads and \
+                 deletions go on)"
             );
             self.shared.set_full(Some(reason.clone()));
         }
@@ -297,22 +313,28 @@ impl Writer {
                 Reason::DiskFull,
                 format!(
                     "the store's disk is full ({reason}); nothing was written. Appends resume by \
-                 themselves once there is room; retry later"
+                 themselves once there is room (deleting sessions makes room); retry later"
                 ),
             )
         };
-        for op in ops {
-            match op {
-                Op::Append(_, reply, _) => {
-                    let _ = reply.send(Err(refusal()));
-                }
-                Op::Lease(_, reply) => {
-                    let _ = reply.send(Err(refusal()));
-                }
-            }
+        let (deletions, refused): (Vec<Op>, Vec<Op>) =
+            ops.into_iter().partition(|op| matches!(op, Op::Delete(..)));
+        for op in refused {
+            op.refuse(refusal());
         }
+        let bound: u64 = deletions.iter().map(Op::max_log_bytes).sum();
+        let kept = match self.log.reserve_in_headroom(bound) {
+            Ok(()) => deletions,
+            Err(LogError::NoSpace(_)) => {
+                for op in deletions {
+                    op.refuse(refusal());
+                }
+                Vec::new()
+            }
+            Err(e) => return Err(e.into()),
+        };
         self.full = Some(reason);
-        Ok(Vec::new())
+        Ok(kept)
     }
 
     fn commit(&mut self, ops: Vec<Op>) -> Result<(), StoreError> {
@@ -345,6 +367,12 @@ impl Writer {
                         let _ = reply.send(Ok(outcome));
                     }
                     Ok(outcome) => pending.push(Pending::Lease(reply, outcome)),
+                    Err(e) => {
+                        let _ = reply.send(Err(e));
+                    }
+                },
+                Op::Delete(req, reply) => match self.prepare_delete(req, now, &mut batch) {
+                    Ok(deleted) => pending.push(Pending::Delete(reply, deleted)),
                     Err(e) => {
                         let _ = reply.send(Err(e));
                     }
@@ -532,6 +560,40 @@ impl Writer {
         Ok(outcome)
     }
 
+    fn prepare_delete(
+        &mut self,
+        req: DeleteOp,
+        now: i64,
+        batch: &mut Batch,
+    ) -> Result<usize, StoreError> {
+        match req {
+            DeleteOp::Session(session_id) => {
+                match rules::delete(self.sessions.get(&session_id), &session_id, now)? {
+                    Deletion::Tombstone(tombstone) => {
+                        self.tombstone(&session_id, tombstone, batch);
+                        Ok(1)
+                    }
+                    Deletion::AlreadyDeleted => Ok(0),
+                }
+            }
+        }
+    }
+
+    /// Replaces the session's state by its tombstone (from now on every op refuses it) and
+    /// writes the tombstone record.
+    fn tombstone(&mut self, session_id: &str, tombstone: SessionMeta, batch: &mut Batch) {
+        let deleted_unix_ms = tombstone.deleted_unix_ms;
+        self.update_session(session_id, |meta| *meta = tombstone);
+        self.recent_ids.remove(session_id);
+        batch.push(
+            Record::Tombstone(Tombstone {
+                session_id: session_id.to_string(),
+                deleted_unix_ms,
+            }),
+            false,
+        );
+    }
+
     /// Changes one session's state, keeping the runnable order in step.
     fn update_session<T>(&mut self, session_id: &str, f: impl FnOnce(&mut SessionMeta) -> T) -> T {
         let meta = match self.sessions.get_mut(session_id) {
@@ -583,9 +645,29 @@ impl Op {
             // Session id and owner (each at most 128 bytes, with tags and lengths), epoch,
             // expiry and the released flag.
             Op::Lease(..) => (record::HEADER_LEN + 1 + 2 * 131 + 11 + 11 + 2) as u64,
+            Op::Delete(DeleteOp::Session(_), _) => TOMBSTONE_BYTES,
+        }
+    }
+
+    /// Answers the op with `error`, having done nothing.
+    fn refuse(self, error: StoreError) {
+        match self {
+            Op::Append(_, reply, _) => {
+                let _ = reply.send(Err(error));
+            }
+            Op::Lease(_, reply) => {
+                let _ = reply.send(Err(error));
+            }
+            Op::Delete(_, reply) => {
+                let _ = reply.send(Err(error));
+            }
         }
     }
 }
+
+/// The most bytes of log one tombstone takes: frame and kind byte, the session id (at most
+/// 128 bytes, with tag and length) and the time.
+const TOMBSTONE_BYTES: u64 = (record::HEADER_LEN + 1 + 131 + 11) as u64;
 
 impl Pending {
     fn send(self) {
@@ -595,6 +677,9 @@ impl Pending {
             }
             Pending::Lease(reply, outcome) => {
                 let _ = reply.send(Ok(outcome));
+            }
+            Pending::Delete(reply, deleted) => {
+                let _ = reply.send(Ok(deleted));
             }
         }
     }

@@ -20,6 +20,14 @@
 //! - **Live tail across replicas** without NOTIFY in the append transaction: see [`wake`].
 //! - **ClaimSession** picks with `FOR UPDATE SKIP LOCKED`: one claimant per session across
 //!   replicas, and claimants never queue behind each other.
+//! - **Deletion**: the session row becomes its tombstone (version-checked, like every
+//!   write, so no append planned against the state before lands after it; a trigger keeps
+//!   the row from changing again, see [`schema`]) with an entry in `agentlog_erasures`, in
+//!   one statement; then its events and snapshots are deleted in transactions of at most
+//!   [`ERASE_BATCH`] rows ([`erase`]), by the replica that deleted it, or by any replica's
+//!   sweep of `agentlog_erasures` if that one stopped first. What PostgreSQL keeps after
+//!   that (dead tuples until vacuum, WAL and backups) is the cluster's own retention
+//!   (ARCHITECTURE.md).
 //! - **The database unreachable** (or read-only, during a failover): appends answer
 //!   `UNAVAILABLE`, never an acknowledgement that did not commit; health turns
 //!   NOT_SERVING; the pool reconnects with backoff (a multi-host URL with
@@ -49,12 +57,10 @@ use tokio_rustls::rustls::pki_types::pem::PemObject;
 use tokio_rustls::rustls::pki_types::CertificateDer;
 use tokio_util::sync::CancellationToken;
 
-use agentlog_proto::reason::Reason;
-
 use crate::backend::AppendOp;
 use crate::backend::{Backend, EventRun, Snapshot, SnapshotRead};
 use crate::queries::{long_poll_claim, ClaimAttempt, ListQuery};
-use crate::rules;
+use crate::rules::{self, Deletion};
 use crate::scope::Scope;
 use crate::session::LeaseRecord;
 use crate::session::{lease_of, now_unix_ms, SessionMeta};
@@ -75,6 +81,12 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(10);
 const RUNNABLE: i32 = SessionStatus::Runnable as i32;
 /// Sessions a replica keeps in its cache; beyond this it starts over.
 const MAX_CACHED: usize = 100_000;
+/// Rows one transaction of an erasure deletes at most, so that it never holds many locks
+/// or writes much WAL at once.
+const ERASE_BATCH: i64 = 5_000;
+/// How often every replica looks for erasures left unfinished (by a replica that stopped
+/// in the middle of one), and how old one must be to be taken up.
+const ERASURE_SWEEP: Duration = Duration::from_secs(30);
 
 /// Batches of appends in flight at once ([`batch`]), out of a pool of `pool_size`
 /// connections: two, so that one commits while the next is written, and the appends
@@ -267,6 +279,7 @@ impl PgBackend {
             batches_in_flight(config.pool_size),
             tasks.clone(),
         );
+        tokio::spawn(sweep_erasures(connector.clone(), tasks.clone()));
         tracing::info!(
             pool_size = config.pool_size,
             notify = ?config.notify,
@@ -468,14 +481,16 @@ impl PgBackend {
         let mut state = self.cached(session_id);
         let mut fresh = false;
         for _ in 0..MAX_ATTEMPTS {
-            let Some(current) = state.take().filter(|s| s.meta.last_seq > 0) else {
+            let current = state.take();
+            if let Err(e) = rules::existing(current.as_ref().map(|s| &*s.meta), session_id) {
                 if fresh {
-                    return Err(rules::session_not_found(session_id));
+                    return Err(e);
                 }
                 state = Some(self.refresh(&client, session_id, &[]).await?.0);
                 fresh = true;
                 continue;
-            };
+            }
+            let current = current.expect("checked above");
             let now = now_unix_ms();
             match rule(&current.meta, now) {
                 Ok((Some(meta), answer)) => {
@@ -503,6 +518,42 @@ impl PgBackend {
             fresh = true;
         }
         Err(contended(session_id))
+    }
+
+    /// Writes the session's tombstone over its row if it is still at `version`, with its
+    /// entry in `agentlog_erasures`; the new version, or `None` if someone wrote in between.
+    async fn write_tombstone(
+        &self,
+        client: &deadpool_postgres::Object,
+        session_id: &str,
+        version: i64,
+        tombstone: &SessionMeta,
+    ) -> Result<Option<i64>, StoreError> {
+        let meta = tombstone.encode_to_vec();
+        let result = timed("delete_session", async {
+            let stmt = client
+                .prepare_cached(
+                    "WITH t AS (UPDATE agentlog_sessions SET version = version + 1, meta = $3, \
+                     last_seq = 0, status = 0, lease_expires_unix_ms = 0, \
+                     first_user_text = '', deleted_unix_ms = $4 \
+                     WHERE session_id = $1 AND version = $2 RETURNING version), \
+                     e AS (INSERT INTO agentlog_erasures (session_id, deleted_unix_ms) \
+                     SELECT $1, $4 FROM t ON CONFLICT (session_id) DO NOTHING) \
+                     SELECT version FROM t",
+                )
+                .await?;
+            client
+                .query_opt(
+                    &stmt,
+                    &[&session_id, &version, &meta, &tombstone.deleted_unix_ms],
+                )
+                .await
+        })
+        .await;
+        match result {
+            Ok(row) => Ok(row.map(|r| r.get(0))),
+            Err(e) => Err(self.timed_error(e)),
+        }
     }
 
     /// One attempt at a claim: the oldest runnable, unleased session in `scope`, locked
@@ -847,13 +898,8 @@ impl Backend for PgBackend {
     async fn get_session(&self, session_id: &str) -> Result<SessionInfo, StoreError> {
         let client = self.client().await?;
         let (state, _) = self.refresh(&client, session_id, &[]).await?;
-        if state.meta.last_seq == 0 {
-            return Err(StoreError::Refused(
-                Reason::SessionNotFound,
-                format!("session {session_id} does not exist"),
-            ));
-        }
-        Ok(state.meta.info(session_id, now_unix_ms()))
+        let meta = rules::existing(Some(&state.meta), session_id)?;
+        Ok(meta.info(session_id, now_unix_ms()))
     }
 
     async fn list_sessions(
@@ -991,11 +1037,9 @@ impl Backend for PgBackend {
         let seq = snapshot.seq as i64;
         for _ in 0..MAX_ATTEMPTS {
             let (state, _) = self.refresh(&client, &snapshot.session_id, &[]).await?;
-            if state.meta.last_seq == 0 {
-                return Err(rules::session_not_found(&snapshot.session_id));
-            }
+            let meta = rules::existing(Some(&state.meta), &snapshot.session_id)?;
             rules::check_snapshot(
-                &state.meta,
+                meta,
                 &snapshot.session_id,
                 lease_epoch,
                 snapshot.seq,
@@ -1034,27 +1078,152 @@ impl Backend for PgBackend {
         format: &str,
     ) -> Result<Option<SnapshotRead>, StoreError> {
         let client = self.client().await?;
+        // The snapshot and whether the session was deleted, as of one moment.
         let row = timed("get_snapshot", async {
             let statement = client
                 .prepare_cached(
-                    "SELECT seq, data FROM agentlog_snapshots \
-                     WHERE session_id = $1 AND format = $2",
+                    "SELECT (SELECT deleted_unix_ms FROM agentlog_sessions \
+                     WHERE session_id = $1), seq, data FROM agentlog_snapshots \
+                     RIGHT JOIN (SELECT 1) one ON session_id = $1 AND format = $2",
                 )
                 .await?;
-            client.query_opt(&statement, &[&session_id, &format]).await
+            client.query_one(&statement, &[&session_id, &format]).await
         })
         .await
         .map_err(|e| self.timed_error(e))?;
-        Ok(row.map(|row| SnapshotRead {
-            seq: row.get::<_, i64>(0) as u64,
+        if row
+            .get::<_, Option<i64>>(0)
+            .is_some_and(|deleted| deleted > 0)
+        {
+            return Err(rules::session_deleted(session_id));
+        }
+        let seq: Option<i64> = row.get(1);
+        let data: Option<Vec<u8>> = row.get(2);
+        let (Some(seq), Some(data)) = (seq, data) else {
+            return Ok(None);
+        };
+        Ok(Some(SnapshotRead {
+            seq: seq as u64,
             pieces: Box::pin(futures::stream::once(std::future::ready(Ok(
-                bytes::Bytes::from(row.get::<_, Vec<u8>>(1)),
+                bytes::Bytes::from(data),
             )))),
         }))
     }
 
+    async fn delete_session(&self, session_id: &str) -> Result<(), StoreError> {
+        let client = self.client().await?;
+        for _ in 0..MAX_ATTEMPTS {
+            let (state, _) = self.refresh(&client, session_id, &[]).await?;
+            let now = now_unix_ms();
+            let tombstone = match rules::delete(Some(&state.meta), session_id, now)? {
+                Deletion::AlreadyDeleted => return Ok(()),
+                Deletion::Tombstone(tombstone) => tombstone,
+            };
+            let Some(version) = self
+                .write_tombstone(&client, session_id, state.version, &tombstone)
+                .await?
+            else {
+                continue; // Written in between: decide again on what is there now.
+            };
+            let tombstone = Arc::new(tombstone);
+            self.remember(
+                session_id,
+                &Cached {
+                    version,
+                    meta: tombstone.clone(),
+                },
+            );
+            // Followers here and on every replica look again and find the tombstone.
+            self.changed(session_id, &tombstone, now);
+            crate::metrics::sessions_deleted("request", 1);
+            let connector = self.connector.clone();
+            let id = session_id.to_string();
+            tokio::spawn(async move {
+                if let Err(e) = erase(&connector, &id).await {
+                    tracing::warn!(session_id = %id, error = %e, "erasing a deleted session's rows stopped; the sweep takes it up again");
+                }
+            });
+            return Ok(());
+        }
+        Err(contended(session_id))
+    }
+
     fn serving(&self) -> watch::Receiver<bool> {
         self.health.serving.subscribe()
+    }
+}
+
+/// Deletes a deleted session's events and snapshots, in transactions of at most
+/// [`ERASE_BATCH`] rows, then its `agentlog_erasures` entry. Safe to run twice at once
+/// (two replicas, or a sweep beside the deleting replica): each deletes what is left.
+async fn erase(connector: &Connector, session_id: &str) -> Result<(), String> {
+    let client = connector.pool.get().await.map_err(|e| e.to_string())?;
+    let run = |statement: &'static str, with_limit: bool| {
+        let client = &client;
+        async move {
+            timed("erase", async {
+                let stmt = client.prepare_cached(statement).await?;
+                if with_limit {
+                    client.execute(&stmt, &[&session_id, &ERASE_BATCH]).await
+                } else {
+                    client.execute(&stmt, &[&session_id]).await
+                }
+            })
+            .await
+            .map_err(|e| match e {
+                Timed::Db(e) => e.to_string(),
+                Timed::Elapsed => "the database did not answer".to_string(),
+            })
+        }
+    };
+    loop {
+        let deleted = run(
+            "DELETE FROM agentlog_events WHERE session_id = $1 AND seq IN \
+             (SELECT seq FROM agentlog_events WHERE session_id = $1 ORDER BY seq LIMIT $2)",
+            true,
+        )
+        .await?;
+        if deleted < ERASE_BATCH as u64 {
+            break;
+        }
+    }
+    run(
+        "DELETE FROM agentlog_snapshots WHERE session_id = $1",
+        false,
+    )
+    .await?;
+    run("DELETE FROM agentlog_erasures WHERE session_id = $1", false).await?;
+    Ok(())
+}
+
+/// Every [`ERASURE_SWEEP`], finishes the erasures that a replica left behind (it stopped,
+/// or lost the database, in the middle of one).
+async fn sweep_erasures(connector: Arc<Connector>, stop: CancellationToken) {
+    loop {
+        let left: Result<Vec<String>, String> = async {
+            let client = connector.pool.get().await.map_err(|e| e.to_string())?;
+            let before = now_unix_ms() - ERASURE_SWEEP.as_millis() as i64;
+            let rows = client
+                .query(
+                    "SELECT session_id FROM agentlog_erasures WHERE deleted_unix_ms < $1 \
+                     ORDER BY deleted_unix_ms LIMIT 100",
+                    &[&before],
+                )
+                .await
+                .map_err(|e| e.to_string())?;
+            Ok(rows.iter().map(|r| r.get(0)).collect())
+        }
+        .await;
+        for session_id in left.unwrap_or_default() {
+            if let Err(e) = erase(&connector, &session_id).await {
+                tracing::debug!(%session_id, error = %e, "an erasure sweep stopped; retrying later");
+                break;
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(ERASURE_SWEEP) => {}
+            _ = stop.cancelled() => return,
+        }
     }
 }
 
@@ -1099,8 +1268,9 @@ impl Follower {
                     }
                     full
                 }
-                // A follower rides out an outage; a one-off read reports it.
-                Err(e) if !follow => {
+                // A follower rides out an outage; a one-off read reports it, and a refusal
+                // (the session was deleted) ends either.
+                Err(e) if !follow || e.reason().is_some() => {
                     let _ = tx.send(Err(e)).await;
                     return;
                 }
@@ -1128,6 +1298,8 @@ impl Follower {
         }
     }
 
+    /// The next events, or the refusal of a deleted session: none is read once its tombstone
+    /// is committed (the erasure of its rows may still be under way).
     async fn read(&self) -> Result<Vec<Event>, StoreError> {
         let unavailable = |e: String| StoreError::Unavailable(format!("reading events: {e}"));
         let client = self
@@ -1136,10 +1308,16 @@ impl Follower {
             .get()
             .await
             .map_err(|e| unavailable(e.to_string()))?;
+        let failed = |e| match e {
+            Timed::Db(e) => unavailable(e.to_string()),
+            Timed::Elapsed => unavailable("the database did not answer".into()),
+        };
         let rows = timed("read_events", async {
             let stmt = client
                 .prepare_cached(
                     "SELECT body FROM agentlog_events WHERE session_id = $1 AND seq >= $2 \
+                     AND NOT EXISTS (SELECT 1 FROM agentlog_sessions \
+                     WHERE session_id = $1 AND deleted_unix_ms > 0) \
                      ORDER BY seq LIMIT $3",
                 )
                 .await?;
@@ -1148,10 +1326,23 @@ impl Follower {
                 .await
         })
         .await
-        .map_err(|e| match e {
-            Timed::Db(e) => unavailable(e.to_string()),
-            Timed::Elapsed => unavailable("the database did not answer".into()),
-        })?;
+        .map_err(failed)?;
+        if rows.is_empty() {
+            let deleted = timed("read_events", async {
+                let stmt = client
+                    .prepare_cached(
+                        "SELECT 1 FROM agentlog_sessions WHERE session_id = $1 \
+                         AND deleted_unix_ms > 0",
+                    )
+                    .await?;
+                client.query_opt(&stmt, &[&self.session_id]).await
+            })
+            .await
+            .map_err(failed)?;
+            if deleted.is_some() {
+                return Err(rules::session_deleted(&self.session_id));
+            }
+        }
         rows.iter()
             .map(|row| {
                 Event::decode(row.get::<_, &[u8]>(0))

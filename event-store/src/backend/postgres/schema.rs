@@ -27,6 +27,14 @@
 //!   index on `(session_id, event_id)` makes dedup permanent.
 //! - `agentlog_snapshots` (version 2): the kept snapshot per (session, format), derived
 //!   data the store never reads; stored uncompressed (the writer chose its encoding).
+//! - Deletion (version 5): a deleted session's row stays as its tombstone
+//!   (`deleted_unix_ms` set, `meta` the tombstone, `last_seq` and `status` 0, no lease, no
+//!   text), and a trigger keeps every later update off it, so that no replica, not even
+//!   one of an earlier version during a rolling update, can write the session again (its
+//!   write finds no row to update, re-reads and is refused or gives up). The text trigger
+//!   of version 4 lets the tombstone clear the text. `agentlog_erasures` lists the deleted
+//!   sessions whose rows (events, snapshots) are still being deleted; the tombstone and its
+//!   entry are written in one statement, the rows go afterwards in bounded transactions.
 //!
 //! [`SessionMeta`]: crate::session::SessionMeta
 
@@ -86,6 +94,28 @@ CREATE TRIGGER agentlog_first_user_text_kept BEFORE UPDATE ON agentlog_sessions
     FOR EACH ROW
     WHEN (octet_length(NEW.first_user_text) < octet_length(OLD.first_user_text))
     EXECUTE FUNCTION agentlog_keep_first_user_text();
+"#,
+    r#"
+ALTER TABLE agentlog_sessions ADD COLUMN deleted_unix_ms bigint NOT NULL DEFAULT 0;
+DROP TRIGGER agentlog_first_user_text_kept ON agentlog_sessions;
+CREATE TRIGGER agentlog_first_user_text_kept BEFORE UPDATE ON agentlog_sessions
+    FOR EACH ROW
+    WHEN (octet_length(NEW.first_user_text) < octet_length(OLD.first_user_text)
+        AND NEW.deleted_unix_ms = 0)
+    EXECUTE FUNCTION agentlog_keep_first_user_text();
+CREATE FUNCTION agentlog_keep_tombstone() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    RETURN NULL;
+END
+$$;
+CREATE TRIGGER agentlog_tombstone_kept BEFORE UPDATE ON agentlog_sessions
+    FOR EACH ROW
+    WHEN (OLD.deleted_unix_ms > 0)
+    EXECUTE FUNCTION agentlog_keep_tombstone();
+CREATE TABLE agentlog_erasures (
+    session_id text COLLATE "C" PRIMARY KEY,
+    deleted_unix_ms bigint NOT NULL
+);
 "#,
 ];
 

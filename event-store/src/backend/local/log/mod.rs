@@ -440,6 +440,13 @@ impl LogWriter {
         if let Some(reason) = self.storage.low_space()? {
             return Err(LogError::NoSpace(reason));
         }
+        self.reserve_in_headroom(bytes)
+    }
+
+    /// [`LogWriter::reserve`] without asking whether the volume is running out of room: for
+    /// the few bytes of a tombstone, which go into the room kept free for the index even when
+    /// appends are refused (a deletion is how space comes back).
+    pub fn reserve_in_headroom(&mut self, bytes: u64) -> Result<(), LogError> {
         let active_len = self.end - self.active_base;
         if active_len > 0 && active_len + bytes > self.config.segment_bytes {
             self.roll()?;

@@ -13,17 +13,30 @@ pub const MAX_BODY_LEN: usize = 4 << 20;
 
 const KIND_EVENT: u8 = 1;
 const KIND_LEASE: u8 = 2;
+const KIND_TOMBSTONE: u8 = 3;
 /// Set on every record of a multi-record append but its last: recovery keeps an append
 /// only if its last record survived, so an append is all or nothing even when power is
 /// cut in the middle of its write.
 const CONTINUED: u8 = 0x80;
 
-/// What the log holds: session events, and lease grants (so a lease epoch is durable before
-/// it is handed out and never repeats, even across crashes).
+/// What the log holds: session events, lease grants (so a lease epoch is durable before
+/// it is handed out and never repeats, even across crashes), and the tombstones of deleted
+/// sessions (kept for good: the segment rewrite drops a deleted session's other records,
+/// never its tombstone).
 #[derive(Clone, Debug, PartialEq)]
 pub enum Record {
     Event(Event),
     Lease(LeaseRecord),
+    Tombstone(Tombstone),
+}
+
+/// The session was deleted: everything before this record about it is dead.
+#[derive(Clone, PartialEq, Message)]
+pub struct Tombstone {
+    #[prost(string, tag = "1")]
+    pub session_id: String,
+    #[prost(int64, tag = "2")]
+    pub deleted_unix_ms: i64,
 }
 
 impl Record {
@@ -31,6 +44,7 @@ impl Record {
         match self {
             Record::Event(e) => &e.session_id,
             Record::Lease(l) => &l.session_id,
+            Record::Tombstone(t) => &t.session_id,
         }
     }
 
@@ -48,6 +62,10 @@ impl Record {
             Record::Lease(l) => {
                 buf.push(KIND_LEASE | flag);
                 l.encode(buf).expect("Vec grows as needed");
+            }
+            Record::Tombstone(t) => {
+                buf.push(KIND_TOMBSTONE | flag);
+                t.encode(buf).expect("Vec grows as needed");
             }
         }
         let body_len = buf.len() - start - HEADER_LEN;
@@ -108,6 +126,7 @@ pub fn decode(frame: &[u8]) -> Result<Frame, FrameError> {
     let record = match body[0] & !CONTINUED {
         KIND_EVENT => Record::Event(Event::decode(payload).map_err(bad)?),
         KIND_LEASE => Record::Lease(LeaseRecord::decode(payload).map_err(bad)?),
+        KIND_TOMBSTONE => Record::Tombstone(Tombstone::decode(payload).map_err(bad)?),
         other => return Err(FrameError::Body(format!("unknown record kind {other}"))),
     };
     Ok(Frame {
@@ -232,17 +251,23 @@ mod tests {
 
     #[test]
     fn round_trips() {
-        for continued in [false, true] {
-            let mut buf = Vec::new();
-            let n = sample().encode_into(&mut buf, continued);
-            assert_eq!(n, buf.len());
-            assert_eq!(
-                decode(&buf),
-                Ok(Frame {
-                    record: sample(),
-                    continued
-                })
-            );
+        let tombstone = Record::Tombstone(Tombstone {
+            session_id: "s1".into(),
+            deleted_unix_ms: 1_700_000_000_000,
+        });
+        for record in [sample(), tombstone] {
+            for continued in [false, true] {
+                let mut buf = Vec::new();
+                let n = record.encode_into(&mut buf, continued);
+                assert_eq!(n, buf.len());
+                assert_eq!(
+                    decode(&buf),
+                    Ok(Frame {
+                        record: record.clone(),
+                        continued
+                    })
+                );
+            }
         }
     }
 
