@@ -6,6 +6,10 @@
 //! nothing more can be acknowledged safely, and a restart recovers from what is really on
 //! disk. The database being unreachable is not fatal: the store answers UNAVAILABLE and
 //! reports NOT_SERVING until it is back.
+//!
+//! Test-only: `AGENTLOG_TEST_CLOCK_FILE=PATH` runs the store's clock ahead of the system's
+//! by the milliseconds in that file (see `event_store::clock`), so that a test can make
+//! sessions idle for a month in a second.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -19,6 +23,7 @@ use event_store::backend::postgres::{NotifyMode, PgBackend, PgConfig};
 use event_store::backend::Backend;
 use event_store::incoming::ConnLimits;
 use event_store::limits::CallerLimits;
+use event_store::retention::{self, Retention};
 use event_store::service;
 use event_store::service::ServeOptions;
 use event_store::tls::{self, Reload, ReloadingTls, TlsFiles};
@@ -69,6 +74,20 @@ struct Args {
     /// `--notify listen`, 100 with `--notify poll`).
     #[arg(long, env = "AGENTLOG_POLL_INTERVAL_MS")]
     poll_interval_ms: Option<u64>,
+    /// Delete every session whose last event is older than this and that holds no live
+    /// lease, as DeleteSession does (e.g. 30d, 12h; units d, h, m, s, ms). Off by default:
+    /// sessions are kept for good. With PostgreSQL one replica at a time runs it.
+    #[arg(long, env = "AGENTLOG_RETAIN_IDLE", value_parser = retention::parse_duration)]
+    retain_idle: Option<Duration>,
+    /// How long retention waits after one pass before the next.
+    #[arg(
+        long,
+        env = "AGENTLOG_RETENTION_INTERVAL",
+        value_parser = retention::parse_duration,
+        default_value = "1m",
+        requires = "retain_idle"
+    )]
+    retention_interval: Duration,
     /// Close each client connection gracefully after this many seconds (0: never), so that
     /// long-lived HTTP/2 clients reconnect and rebalance.
     #[arg(long, env = "AGENTLOG_MAX_CONNECTION_AGE_SECS", default_value_t = 0)]
@@ -145,6 +164,9 @@ struct Args {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    if let Some(path) = std::env::var_os("AGENTLOG_TEST_CLOCK_FILE") {
+        event_store::clock::follow_offset_file(path.into());
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
@@ -163,6 +185,10 @@ enum Opened {
 }
 
 async fn open_backend(args: &Args) -> anyhow::Result<Opened> {
+    let retention = args.retain_idle.map(|idle| Retention {
+        idle,
+        interval: args.retention_interval,
+    });
     if let Some(url) = &args.database_url {
         let poll_ms = args.poll_interval_ms.unwrap_or(match args.notify {
             NotifyMode::Listen => 1000,
@@ -174,6 +200,7 @@ async fn open_backend(args: &Args) -> anyhow::Result<Opened> {
             pool_size: args.database_pool_size,
             notify: args.notify,
             poll_interval: Duration::from_millis(poll_ms.max(10)),
+            retention,
         })
         .await
         .context("opening the PostgreSQL backend")?;
@@ -185,7 +212,11 @@ async fn open_backend(args: &Args) -> anyhow::Result<Opened> {
         .context("give --data-dir DIR or --database-url URL")?;
     std::fs::create_dir_all(data_dir)
         .with_context(|| format!("creating --data-dir {}", data_dir.display()))?;
-    let store = Store::open(StoreConfig::in_dir(data_dir)?)
+    let config = StoreConfig {
+        retention,
+        ..StoreConfig::in_dir(data_dir)?
+    };
+    let store = Store::open(config)
         .with_context(|| format!("opening the store in {}", data_dir.display()))?;
     Ok(Opened::Local(Arc::new(store)))
 }

@@ -249,14 +249,6 @@ fn truncate_chars_to_bytes(text: &str, max: usize) -> String {
     text[..end].to_string()
 }
 
-/// Milliseconds since the Unix epoch, by the store's wall clock (lease expiry and event
-/// timestamps).
-pub fn now_unix_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as i64)
-}
-
 /// Events for the unit tests of the session rules here and in `rules.rs`.
 #[cfg(test)]
 pub(crate) mod test_events {

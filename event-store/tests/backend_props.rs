@@ -66,6 +66,7 @@ async fn postgres() -> Replicas {
             pool_size: 8,
             notify: NotifyMode::Listen,
             poll_interval: Duration::from_millis(500),
+            retention: None,
         })
     };
     let a: Arc<dyn Backend> = Arc::new(open().await.unwrap());

@@ -10,8 +10,9 @@ use agentlog_proto::v1::{
 use event_store::backend::postgres::{schema, NotifyMode, PgBackend, PgConfig};
 use event_store::backend::AppendOp;
 use event_store::backend::Backend;
+use event_store::clock::now_unix_ms;
 use event_store::scope::Scope;
-use event_store::session::{now_unix_ms, SessionMeta};
+use event_store::session::SessionMeta;
 use prost::Message;
 use testkit::pg::Postgres;
 
@@ -25,6 +26,7 @@ fn config(url: &str) -> PgConfig {
         pool_size: 4,
         notify: NotifyMode::Listen,
         poll_interval: Duration::from_millis(500),
+        retention: None,
     }
 }
 

@@ -54,6 +54,7 @@ fn try_open_store_with(
             index_dir: index_dir.to_path_buf(),
             snapshot_dir: index_dir.with_extension("snapshots"),
             log_config,
+            retention: None,
         });
         match result {
             Err(e)

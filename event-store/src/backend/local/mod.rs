@@ -12,6 +12,7 @@
 //!
 //! [`Store`] is the facade the gRPC service runs over (through [`super::Backend`]).
 
+mod background;
 pub mod framed;
 pub mod index;
 pub mod log;
@@ -33,11 +34,12 @@ use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use crate::backend::{self, AppendAnswer, AppendOp, Backend, EventRun, Snapshot, SnapshotRead};
+use crate::clock::now_unix_ms;
 use crate::error::StoreError;
 use crate::queries::{self, ClaimAttempt};
+use crate::retention::Retention;
 use crate::rules;
 use crate::scope::{self, Scope};
-use crate::session::now_unix_ms;
 use index::{Index, IndexError, Recent};
 use log::storage::{FsStorage, Storage};
 use log::LogError;
@@ -70,6 +72,8 @@ pub struct StoreConfig {
     /// Snapshot files ([`snapshots`]); created when the first snapshot is written.
     pub snapshot_dir: std::path::PathBuf,
     pub log_config: log::LogConfig,
+    /// `--retain-idle`, if set.
+    pub retention: Option<Retention>,
 }
 
 impl StoreConfig {
@@ -83,6 +87,7 @@ impl StoreConfig {
             index_dir: data_dir.join("index"),
             snapshot_dir: data_dir.join("snapshots"),
             log_config: log::LogConfig::default(),
+            retention: None,
         })
     }
 }
@@ -96,6 +101,9 @@ pub struct Store {
     writer: Option<std::thread::JoinHandle<Result<(), StoreError>>>,
     writer_done: watch::Receiver<bool>,
     snapshots: Arc<snapshots::SnapshotDir>,
+    /// Stops the background threads (retention), which hold senders of `queue`.
+    background: background::Stop,
+    background_threads: Vec<std::thread::JoinHandle<()>>,
 }
 
 impl Store {
@@ -126,7 +134,13 @@ impl Store {
             .map_err(|e| OpenError::DataDir(config.snapshot_dir.display().to_string(), e))?;
         let (queue, rx) = mpsc::channel(QUEUE_DEPTH);
         let (done_tx, writer_done) = watch::channel(false);
-        let writer = Writer::new(log, index, sessions, shared.clone());
+        let writer = Writer::new(
+            log,
+            index,
+            sessions,
+            shared.clone(),
+            config.retention.is_some(),
+        );
         let writer = std::thread::Builder::new()
             .name("log-writer".into())
             .spawn(move || {
@@ -138,6 +152,16 @@ impl Store {
                 result
             })
             .map_err(|e| OpenError::DataDir("writer thread".into(), e))?;
+        let stop = background::Stop::default();
+        let mut background_threads = Vec::new();
+        if let Some(retention) = config.retention {
+            let (queue, snapshots, stop) = (queue.clone(), snapshots.clone(), stop.clone());
+            let thread = std::thread::Builder::new()
+                .name("retention".into())
+                .spawn(move || background::run_retention(queue, retention, snapshots, stop))
+                .map_err(|e| OpenError::DataDir("retention thread".into(), e))?;
+            background_threads.push(thread);
+        }
         Ok(Store {
             queue,
             queued_kib: Arc::new(Semaphore::new(QUEUED_KIB)),
@@ -146,6 +170,8 @@ impl Store {
             writer: Some(writer),
             writer_done,
             snapshots,
+            background: stop,
+            background_threads,
         })
     }
 
@@ -172,6 +198,10 @@ impl Store {
     /// Stops taking operations, lets the writer finish and fsync what it has queued, and
     /// waits for it. Returns the writer's error, if the log failed.
     pub fn close(mut self) -> Result<(), StoreError> {
+        self.background.stop();
+        for thread in std::mem::take(&mut self.background_threads) {
+            let _ = thread.join();
+        }
         let writer = self.writer.take();
         drop(self);
         match writer.map(|w| w.join()) {
@@ -360,7 +390,7 @@ impl Store {
         let deleted = self
             .submit(|tx| Op::Delete(DeleteOp::Session(id), tx))
             .await?;
-        crate::metrics::sessions_deleted("request", deleted);
+        crate::metrics::sessions_deleted("request", deleted.len());
         // Again when it was deleted before: the first call may have stopped short of this.
         let snapshots = self.snapshots.clone();
         let id = session_id.to_string();
@@ -458,6 +488,14 @@ impl Store {
             cancel,
         ));
         rx
+    }
+}
+
+impl Drop for Store {
+    /// The background threads let go of the writer's queue (a store dropped without
+    /// [`Store::close`] still lets its writer finish).
+    fn drop(&mut self) {
+        self.background.stop();
     }
 }
 

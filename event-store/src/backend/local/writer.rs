@@ -46,11 +46,12 @@ use super::log::record::Tombstone;
 use super::log::{record, LogError, LogReader, LogWriter, Record};
 use super::published::Shared;
 use crate::backend::AppendOp;
+use crate::clock::now_unix_ms;
 use crate::error::StoreError;
 use crate::metrics;
 use crate::rules::{self, Deletion};
 use crate::scope::Scope;
-use crate::session::{lease_of, now_unix_ms, SessionMeta};
+use crate::session::{lease_of, SessionMeta};
 
 /// At most this many operations share one fsync, so one batch's latency stays bounded.
 const MAX_BATCH_OPS: usize = 4096;
@@ -77,13 +78,16 @@ pub enum Op {
         tracing::Span,
     ),
     Lease(LeaseOp, oneshot::Sender<Result<LeaseOutcome, StoreError>>),
-    /// Answered with the number of sessions it deleted (0: the session was deleted before).
-    Delete(DeleteOp, oneshot::Sender<Result<usize, StoreError>>),
+    /// Answered with the sessions it deleted (none: the session was deleted before).
+    Delete(DeleteOp, oneshot::Sender<Result<Vec<String>, StoreError>>),
 }
 
 pub enum DeleteOp {
     /// DeleteSession.
     Session(String),
+    /// A step of retention: up to `max` sessions whose last event is before `idle_before`
+    /// and that hold no live lease ([`rules::expired`]).
+    Idle { idle_before: i64, max: usize },
 }
 
 pub enum LeaseOp {
@@ -129,6 +133,9 @@ pub struct Writer {
     sessions: HashMap<String, SessionMeta>,
     /// Runnable sessions, oldest update first: the order `ClaimSession` hands them out.
     runnable: BTreeSet<(i64, String)>,
+    /// Live sessions, oldest last event first: the order retention takes them in (kept only
+    /// when retention is on).
+    idle: Option<BTreeSet<(i64, String)>>,
     shared: Arc<Shared>,
     /// Durable records the index has not absorbed yet.
     unindexed: IndexBatch,
@@ -151,7 +158,10 @@ enum Pending {
         oneshot::Sender<Result<LeaseOutcome, StoreError>>,
         LeaseOutcome,
     ),
-    Delete(oneshot::Sender<Result<usize, StoreError>>, usize),
+    Delete(
+        oneshot::Sender<Result<Vec<String>, StoreError>>,
+        Vec<String>,
+    ),
 }
 
 /// Whether a thread that waits for another may look again for a while before it sleeps
@@ -193,22 +203,33 @@ fn next_op(queue: &mut mpsc::Receiver<Op>, linger: Duration) -> Option<Op> {
 }
 
 impl Writer {
+    /// `retention`: whether [`DeleteOp::Idle`] will come (then the writer keeps its
+    /// sessions in the order of their last event).
     pub fn new(
         log: LogWriter,
         index: Index,
         sessions: HashMap<String, SessionMeta>,
         shared: Arc<Shared>,
+        retention: bool,
     ) -> Writer {
         let runnable = sessions
             .iter()
             .filter(|(_, m)| m.is_runnable())
             .map(|(id, m)| (m.updated_unix_ms, id.clone()))
             .collect();
+        let idle = retention.then(|| {
+            sessions
+                .iter()
+                .filter(|(_, m)| retained(m))
+                .map(|(id, m)| (m.updated_unix_ms, id.clone()))
+                .collect()
+        });
         Writer {
             log,
             index,
             sessions,
             runnable,
+            idle,
             shared,
             unindexed: IndexBatch::default(),
             unindexed_since: None,
@@ -565,16 +586,41 @@ impl Writer {
         req: DeleteOp,
         now: i64,
         batch: &mut Batch,
-    ) -> Result<usize, StoreError> {
+    ) -> Result<Vec<String>, StoreError> {
         match req {
             DeleteOp::Session(session_id) => {
                 match rules::delete(self.sessions.get(&session_id), &session_id, now)? {
                     Deletion::Tombstone(tombstone) => {
                         self.tombstone(&session_id, tombstone, batch);
-                        Ok(1)
+                        Ok(vec![session_id])
                     }
-                    Deletion::AlreadyDeleted => Ok(0),
+                    Deletion::AlreadyDeleted => Ok(Vec::new()),
                 }
+            }
+            DeleteOp::Idle { idle_before, max } => {
+                let Some(idle) = &self.idle else {
+                    return Ok(Vec::new());
+                };
+                // Looks at a bounded prefix, so that one step stays short even when many of
+                // the oldest sessions are leased (a later pass looks again).
+                let expired: Vec<String> = idle
+                    .iter()
+                    .take_while(|(updated, _)| *updated < idle_before)
+                    .take(max.saturating_mul(8))
+                    .filter(|(_, id)| {
+                        let meta = self.sessions.get(id);
+                        meta.is_some_and(|m| rules::expired(m, idle_before, now))
+                    })
+                    .map(|(_, id)| id.clone())
+                    .take(max)
+                    .collect();
+                for session_id in &expired {
+                    let meta = self.sessions.get(session_id);
+                    if let Deletion::Tombstone(tombstone) = rules::delete(meta, session_id, now)? {
+                        self.tombstone(session_id, tombstone, batch);
+                    }
+                }
+                Ok(expired)
             }
         }
     }
@@ -594,21 +640,29 @@ impl Writer {
         );
     }
 
-    /// Changes one session's state, keeping the runnable order in step.
+    /// Changes one session's state, keeping the runnable and idle orders in step.
     fn update_session<T>(&mut self, session_id: &str, f: impl FnOnce(&mut SessionMeta) -> T) -> T {
         let meta = match self.sessions.get_mut(session_id) {
             Some(meta) => meta,
             None => self.sessions.entry(session_id.to_string()).or_default(),
         };
-        let before = (meta.is_runnable(), meta.updated_unix_ms);
+        let before = (meta.is_runnable(), meta.updated_unix_ms, retained(meta));
         let out = f(meta);
-        let after = (meta.is_runnable(), meta.updated_unix_ms);
+        let after = (meta.is_runnable(), meta.updated_unix_ms, retained(meta));
         if before != after {
             if before.0 {
                 self.runnable.remove(&(before.1, session_id.to_string()));
             }
             if after.0 {
                 self.runnable.insert((after.1, session_id.to_string()));
+            }
+            if let Some(idle) = &mut self.idle {
+                if before.2 {
+                    idle.remove(&(before.1, session_id.to_string()));
+                }
+                if after.2 {
+                    idle.insert((after.1, session_id.to_string()));
+                }
             }
         }
         out
@@ -646,6 +700,7 @@ impl Op {
             // expiry and the released flag.
             Op::Lease(..) => (record::HEADER_LEN + 1 + 2 * 131 + 11 + 11 + 2) as u64,
             Op::Delete(DeleteOp::Session(_), _) => TOMBSTONE_BYTES,
+            Op::Delete(DeleteOp::Idle { max, .. }, _) => TOMBSTONE_BYTES * *max as u64,
         }
     }
 
@@ -663,6 +718,11 @@ impl Op {
             }
         }
     }
+}
+
+/// Whether retention may ever take the session (it has events and was not deleted).
+fn retained(meta: &SessionMeta) -> bool {
+    meta.last_seq > 0 && !meta.is_deleted()
 }
 
 /// The most bytes of log one tombstone takes: frame and kind byte, the session id (at most

@@ -59,11 +59,13 @@ use tokio_util::sync::CancellationToken;
 
 use crate::backend::AppendOp;
 use crate::backend::{Backend, EventRun, Snapshot, SnapshotRead};
+use crate::clock::now_unix_ms;
 use crate::queries::{long_poll_claim, ClaimAttempt, ListQuery};
+use crate::retention::{Retention, BATCH};
 use crate::rules::{self, Deletion};
 use crate::scope::Scope;
 use crate::session::LeaseRecord;
-use crate::session::{lease_of, now_unix_ms, SessionMeta};
+use crate::session::{lease_of, SessionMeta};
 use crate::StoreError;
 use wake::Board;
 pub use wake::NotifyMode;
@@ -79,6 +81,8 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(10);
 /// `SessionStatus::Runnable`, written into the claim queries as a literal so that they use
 /// the partial index over runnable sessions (see [`schema`]).
 const RUNNABLE: i32 = SessionStatus::Runnable as i32;
+/// Retention's advisory lock: the replica that holds it runs the pass, the others skip it.
+pub const RETENTION_LOCK: i64 = 0x6167_656e_745f_7265; // "agent_re"
 /// Sessions a replica keeps in its cache; beyond this it starts over.
 const MAX_CACHED: usize = 100_000;
 /// Rows one transaction of an erasure deletes at most, so that it never holds many locks
@@ -117,6 +121,8 @@ pub struct PgConfig {
     pub notify: NotifyMode,
     /// How often followers and claimants re-read without a wake-up.
     pub poll_interval: Duration,
+    /// `--retain-idle`, if set (run by one replica at a time).
+    pub retention: Option<Retention>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -280,6 +286,15 @@ impl PgBackend {
             tasks.clone(),
         );
         tokio::spawn(sweep_erasures(connector.clone(), tasks.clone()));
+        if let Some(retention) = config.retention {
+            tokio::spawn(run_retention(
+                connector.clone(),
+                board.clone(),
+                notify.clone(),
+                retention,
+                tasks.clone(),
+            ));
+        }
         tracing::info!(
             pool_size = config.pool_size,
             notify = ?config.notify,
@@ -1139,7 +1154,11 @@ impl Backend for PgBackend {
             let connector = self.connector.clone();
             let id = session_id.to_string();
             tokio::spawn(async move {
-                if let Err(e) = erase(&connector, &id).await {
+                let erased = match connector.pool.get().await {
+                    Ok(client) => erase(&client, std::slice::from_ref(&id)).await,
+                    Err(e) => Err(e.to_string()),
+                };
+                if let Err(e) = erased {
                     tracing::warn!(session_id = %id, error = %e, "erasing a deleted session's rows stopped; the sweep takes it up again");
                 }
             });
@@ -1153,47 +1172,170 @@ impl Backend for PgBackend {
     }
 }
 
-/// Deletes a deleted session's events and snapshots, in transactions of at most
-/// [`ERASE_BATCH`] rows, then its `agentlog_erasures` entry. Safe to run twice at once
+/// Deletes deleted sessions' events and snapshots, in transactions of at most
+/// [`ERASE_BATCH`] rows, then their `agentlog_erasures` entries. Safe to run twice at once
 /// (two replicas, or a sweep beside the deleting replica): each deletes what is left.
-async fn erase(connector: &Connector, session_id: &str) -> Result<(), String> {
-    let client = connector.pool.get().await.map_err(|e| e.to_string())?;
-    let run = |statement: &'static str, with_limit: bool| {
-        let client = &client;
-        async move {
-            timed("erase", async {
-                let stmt = client.prepare_cached(statement).await?;
-                if with_limit {
-                    client.execute(&stmt, &[&session_id, &ERASE_BATCH]).await
-                } else {
-                    client.execute(&stmt, &[&session_id]).await
+async fn erase(client: &tokio_postgres::Client, session_ids: &[String]) -> Result<(), String> {
+    if session_ids.is_empty() {
+        return Ok(());
+    }
+    let failed = |e: Timed| match e {
+        Timed::Db(e) => e.to_string(),
+        Timed::Elapsed => "the database did not answer".to_string(),
+    };
+    loop {
+        let deleted = timed("erase", async {
+            client
+                .execute(
+                    "DELETE FROM agentlog_events WHERE (session_id, seq) IN \
+                     (SELECT session_id, seq FROM agentlog_events \
+                     WHERE session_id = ANY($1) LIMIT $2)",
+                    &[&session_ids, &ERASE_BATCH],
+                )
+                .await
+        })
+        .await
+        .map_err(failed)?;
+        if deleted < ERASE_BATCH as u64 {
+            break;
+        }
+    }
+    for statement in [
+        "DELETE FROM agentlog_snapshots WHERE session_id = ANY($1)",
+        "DELETE FROM agentlog_erasures WHERE session_id = ANY($1)",
+    ] {
+        timed("erase", async {
+            client.execute(statement, &[&session_ids]).await
+        })
+        .await
+        .map_err(failed)?;
+    }
+    Ok(())
+}
+
+/// Retention: every `retention.interval`, the replica that gets [`RETENTION_LOCK`] runs a
+/// pass; the others skip it.
+async fn run_retention(
+    connector: Arc<Connector>,
+    board: Arc<Board>,
+    notify: Option<mpsc::UnboundedSender<(String, bool)>>,
+    retention: Retention,
+    stop: CancellationToken,
+) {
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(retention.interval) => {}
+            _ = stop.cancelled() => return,
+        }
+        let pass = retention_pass(&connector, &board, notify.as_ref(), retention);
+        let result = tokio::select! {
+            result = pass => result,
+            _ = stop.cancelled() => return,
+        };
+        if let Err(e) = result {
+            tracing::warn!(error = %e, "a retention pass stopped; the next one tries again");
+        }
+    }
+}
+
+/// One pass of retention, on a connection of its own (the advisory lock is the
+/// connection's: it goes with it, should this replica die in the middle): steps of at most
+/// [`BATCH`] sessions, each read, decided by [`rules::expired`], tombstoned in one
+/// version-checked statement (a session written since it was read is left for the next
+/// pass) and erased, until no idle session is left.
+async fn retention_pass(
+    connector: &Connector,
+    board: &Board,
+    notify: Option<&mpsc::UnboundedSender<(String, bool)>>,
+    retention: Retention,
+) -> Result<(), String> {
+    let (client, connection) = connector
+        .pg_config
+        .connect(connector.tls.clone())
+        .await
+        .map_err(|e| e.to_string())?;
+    let driver = tokio::spawn(connection);
+    let locked: bool = client
+        .query_one("SELECT pg_try_advisory_lock($1)", &[&RETENTION_LOCK])
+        .await
+        .map_err(|e| e.to_string())?
+        .get(0);
+    if !locked {
+        driver.abort();
+        return Ok(());
+    }
+    let result = async {
+        loop {
+            let now = now_unix_ms();
+            let idle_before = retention.idle_before(now);
+            let rows = client
+                .query(
+                    "SELECT session_id, version, meta FROM agentlog_sessions \
+                     WHERE updated_second <= $1 AND updated_unix_ms < $2 AND last_seq > 0 \
+                     AND lease_expires_unix_ms <= $3 ORDER BY updated_second LIMIT $4",
+                    &[&(idle_before / 1000), &idle_before, &now, &(BATCH as i64)],
+                )
+                .await
+                .map_err(|e| e.to_string())?;
+            let mut expired: Vec<(String, i64)> = Vec::with_capacity(rows.len());
+            for row in &rows {
+                let meta = decode_meta(row.get(2)).map_err(|e| e.to_string())?;
+                if rules::expired(&meta, idle_before, now) {
+                    expired.push((row.get(0), row.get(1)));
                 }
+            }
+            if expired.is_empty() {
+                return Ok(());
+            }
+            // Locked in session_id order, as the append batches lock them.
+            expired.sort_unstable();
+            let (ids, versions): (Vec<String>, Vec<i64>) = expired.into_iter().unzip();
+            let tombstone = SessionMeta::tombstone(now);
+            let deleted: Vec<String> = timed("retention", async {
+                client
+                    .query(
+                        "WITH w AS (SELECT * FROM unnest($1::text[], $2::bigint[]) \
+                         AS w(session_id, version)), \
+                         t AS (UPDATE agentlog_sessions s SET version = s.version + 1, \
+                         meta = $3, last_seq = 0, status = 0, lease_expires_unix_ms = 0, \
+                         first_user_text = '', deleted_unix_ms = $4 FROM w \
+                         WHERE s.session_id = w.session_id COLLATE \"C\" \
+                         AND s.version = w.version RETURNING s.session_id), \
+                         e AS (INSERT INTO agentlog_erasures (session_id, deleted_unix_ms) \
+                         SELECT session_id, $4 FROM t ON CONFLICT (session_id) DO NOTHING) \
+                         SELECT session_id FROM t",
+                        &[&ids, &versions, &tombstone.encode_to_vec(), &now],
+                    )
+                    .await
             })
             .await
             .map_err(|e| match e {
                 Timed::Db(e) => e.to_string(),
                 Timed::Elapsed => "the database did not answer".to_string(),
-            })
-        }
-    };
-    loop {
-        let deleted = run(
-            "DELETE FROM agentlog_events WHERE session_id = $1 AND seq IN \
-             (SELECT seq FROM agentlog_events WHERE session_id = $1 ORDER BY seq LIMIT $2)",
-            true,
-        )
-        .await?;
-        if deleted < ERASE_BATCH as u64 {
-            break;
+            })?
+            .iter()
+            .map(|row| row.get(0))
+            .collect();
+            for session_id in &deleted {
+                board.wake(session_id, false);
+                if let Some(notify) = notify {
+                    let _ = notify.send((session_id.clone(), false));
+                }
+            }
+            crate::metrics::sessions_deleted("retention", deleted.len());
+            tracing::info!(sessions = deleted.len(), "retention deleted idle sessions");
+            erase(&client, &deleted).await?;
+            if rows.len() < BATCH || deleted.is_empty() {
+                return Ok(());
+            }
         }
     }
-    run(
-        "DELETE FROM agentlog_snapshots WHERE session_id = $1",
-        false,
-    )
-    .await?;
-    run("DELETE FROM agentlog_erasures WHERE session_id = $1", false).await?;
-    Ok(())
+    .await;
+    let _ = client
+        .execute("SELECT pg_advisory_unlock($1)", &[&RETENTION_LOCK])
+        .await;
+    driver.abort();
+    result
 }
 
 /// Every [`ERASURE_SWEEP`], finishes the erasures that a replica left behind (it stopped,
@@ -1214,10 +1356,14 @@ async fn sweep_erasures(connector: Arc<Connector>, stop: CancellationToken) {
             Ok(rows.iter().map(|r| r.get(0)).collect())
         }
         .await;
-        for session_id in left.unwrap_or_default() {
-            if let Err(e) = erase(&connector, &session_id).await {
-                tracing::debug!(%session_id, error = %e, "an erasure sweep stopped; retrying later");
-                break;
+        let left = left.unwrap_or_default();
+        if !left.is_empty() {
+            let erased = match connector.pool.get().await {
+                Ok(client) => erase(&client, &left).await,
+                Err(e) => Err(e.to_string()),
+            };
+            if let Err(e) = erased {
+                tracing::debug!(error = %e, "an erasure sweep stopped; retrying later");
             }
         }
         tokio::select! {

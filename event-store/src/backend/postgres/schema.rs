@@ -158,7 +158,7 @@ pub async fn migrate_to(client: &mut Client, target: i32) -> Result<(), SchemaEr
         tx.batch_execute(migration).await?;
         tx.execute(
             "INSERT INTO agentlog_schema (version, applied_unix_ms) VALUES ($1, $2)",
-            &[&(i as i32 + 1), &crate::session::now_unix_ms()],
+            &[&(i as i32 + 1), &crate::clock::now_unix_ms()],
         )
         .await?;
         tracing::info!(version = i + 1, "migrated the database schema");
