@@ -18,6 +18,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Parser;
 use event_store::auth::{Access, TokensFileWatch};
+use event_store::backend::local::reclaim::ReclaimConfig;
 use event_store::backend::local::{Store, StoreConfig};
 use event_store::backend::postgres::{NotifyMode, PgBackend, PgConfig};
 use event_store::backend::Backend;
@@ -88,6 +89,19 @@ struct Args {
         requires = "retain_idle"
     )]
     retention_interval: Duration,
+    /// The local backend: a deleted session's records are rewritten out of the log at the
+    /// latest this long after its deletion (sooner once a quarter of a segment is dead).
+    #[arg(
+        long,
+        env = "AGENTLOG_RECLAIM_AFTER",
+        value_parser = retention::parse_duration,
+        default_value = "30s"
+    )]
+    reclaim_after: Duration,
+    /// The local backend: roll to a new segment file once the current one holds this many
+    /// bytes (for tests that want many segments; the default suits production).
+    #[arg(long, env = "AGENTLOG_SEGMENT_BYTES", hide = true)]
+    segment_bytes: Option<u64>,
     /// Close each client connection gracefully after this many seconds (0: never), so that
     /// long-lived HTTP/2 clients reconnect and rebalance.
     #[arg(long, env = "AGENTLOG_MAX_CONNECTION_AGE_SECS", default_value_t = 0)]
@@ -212,9 +226,22 @@ async fn open_backend(args: &Args) -> anyhow::Result<Opened> {
         .context("give --data-dir DIR or --database-url URL")?;
     std::fs::create_dir_all(data_dir)
         .with_context(|| format!("creating --data-dir {}", data_dir.display()))?;
-    let config = StoreConfig {
+    let mut config = StoreConfig {
         retention,
         ..StoreConfig::in_dir(data_dir)?
+    };
+    if let Some(segment_bytes) = args.segment_bytes {
+        anyhow::ensure!(
+            segment_bytes >= 64 << 10,
+            "--segment-bytes {segment_bytes} is below the smallest segment, 64 KiB"
+        );
+        config.log_config.segment_bytes = segment_bytes;
+        config.log_config.preallocate_bytes =
+            config.log_config.preallocate_bytes.min(segment_bytes / 4);
+    }
+    config.reclaim = ReclaimConfig {
+        after: args.reclaim_after,
+        ..ReclaimConfig::for_segments(config.log_config.segment_bytes)
     };
     let store = Store::open(config)
         .with_context(|| format!("opening the store in {}", data_dir.display()))?;

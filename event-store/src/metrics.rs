@@ -43,6 +43,10 @@ struct StoreMetrics {
     fencing_refusals: Family<Labels1, Counter>,
     claims_waiting: Gauge,
     sessions_deleted: Family<Labels1, Counter>,
+    reclaim_dead_bytes: Gauge,
+    reclaim_runs: Counter,
+    reclaimed_bytes: Counter,
+    reclaim_seconds: Counter<f64, std::sync::atomic::AtomicU64>,
     pg_statement_seconds: Family<Labels1, Histogram>,
     pg_batch_appends: Histogram,
 }
@@ -63,6 +67,10 @@ static METRICS: LazyLock<StoreMetrics> = LazyLock::new(|| StoreMetrics {
     fencing_refusals: Family::default(),
     claims_waiting: Gauge::default(),
     sessions_deleted: Family::default(),
+    reclaim_dead_bytes: Gauge::default(),
+    reclaim_runs: Counter::default(),
+    reclaimed_bytes: Counter::default(),
+    reclaim_seconds: Counter::default(),
     pg_statement_seconds: Family::new_with_constructor(|| {
         Histogram::new(exponential_buckets(0.000_1, 2.0, 16))
     }),
@@ -164,6 +172,28 @@ pub fn registry(log_dir: Option<PathBuf>) -> Registry {
         "Sessions deleted (tombstones made), by how: request (DeleteSession) or retention \
          (--retain-idle)",
         m.sessions_deleted.clone(),
+    );
+    r.register(
+        "agentlog_store_reclaim_dead_bytes",
+        "Local backend: bytes of deleted sessions' events still in the log, awaiting \
+         reclamation",
+        m.reclaim_dead_bytes.clone(),
+    );
+    r.register(
+        "agentlog_store_reclaim_runs",
+        "Local backend: reclamation passes run (segments rewritten without deleted \
+         sessions' records)",
+        m.reclaim_runs.clone(),
+    );
+    r.register(
+        "agentlog_store_reclaimed_bytes",
+        "Local backend: bytes of disk given back by reclamation",
+        m.reclaimed_bytes.clone(),
+    );
+    r.register(
+        "agentlog_store_reclaim_seconds",
+        "Local backend: seconds spent in reclamation passes",
+        m.reclaim_seconds.clone(),
     );
     r.register(
         "agentlog_store_pg_statement_duration_seconds",
@@ -418,6 +448,21 @@ pub fn sessions_deleted(how: &'static str, count: usize) {
             .get_or_create(&[("how", how)])
             .inc_by(count as u64);
     }
+}
+
+/// Bytes of deleted sessions' events still in the log.
+pub fn reclaim_dead_bytes(bytes: u64) {
+    METRICS
+        .reclaim_dead_bytes
+        .set(bytes.min(i64::MAX as u64) as i64);
+}
+
+/// One reclamation pass: the disk bytes it gave back and how long it took.
+pub fn reclaimed(bytes: u64, seconds: f64) {
+    let m = &*METRICS;
+    m.reclaim_runs.inc();
+    m.reclaimed_bytes.inc_by(bytes);
+    m.reclaim_seconds.inc_by(seconds);
 }
 
 /// One database round trip of the PostgreSQL backend (`statement`: what it does, from a

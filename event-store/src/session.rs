@@ -62,6 +62,11 @@ pub struct SessionMeta {
     /// When the session was deleted (0: it was not). A deleted session keeps nothing else.
     #[prost(int64, tag = "9")]
     pub deleted_unix_ms: i64,
+    /// The seq of the user message `first_user_text` was taken from (0: none yet). Set
+    /// with the text, once: the local index keeps this and not the text, which is read back
+    /// from the log (so that no session's text is ever written into the index's files).
+    #[prost(uint64, tag = "10")]
+    pub first_user_seq: u64,
 }
 
 /// Who writes an event kind. Runner-written kinds need the session's current lease; the
@@ -116,8 +121,8 @@ impl SessionMeta {
         let Some(kind) = &event.kind else { return };
         match kind {
             event::Kind::UserMessage(m) => {
-                if self.first_user_text.is_empty() {
-                    self.first_user_text = truncate_chars_to_bytes(&m.text, FIRST_USER_TEXT_BYTES);
+                if self.first_user_seq == 0 && self.first_user_text.is_empty() {
+                    self.set_first_user_text(event.seq, &m.text);
                 }
                 self.user_since_interrupt = true;
                 self.status = self.runnable_unless_waiting();
@@ -171,6 +176,14 @@ impl SessionMeta {
             }
             // Streamed text says nothing about who has work.
             event::Kind::AssistantDelta(_) => {}
+        }
+    }
+
+    /// Takes `text`, the user message at `seq`, as the first one (what is kept of it).
+    pub fn set_first_user_text(&mut self, seq: u64, text: &str) {
+        self.first_user_text = truncate_chars_to_bytes(text, FIRST_USER_TEXT_BYTES);
+        if !self.first_user_text.is_empty() {
+            self.first_user_seq = seq;
         }
     }
 

@@ -3,7 +3,12 @@
 //! `NOT_FOUND`/`SESSION_DELETED`, a live subscription on it ends with that status, lists and
 //! claims never show it, and nothing brings it back (a retried append with its old event
 //! ids, the holder of its old epoch, a restart between the tombstone and the reclamation).
-//! Deleting it again succeeds; a session that never existed is `NOT_FOUND`.
+//! Deleting it again succeeds; a session that never existed is `NOT_FOUND`. And its bytes
+//! leave the disk: after the reclamation no file under the data directory holds any of
+//! its text (on PostgreSQL: none of its rows is left, and the tombstone holds no text).
+//!
+//! The local stores here reclaim 100 ms after a deletion (`--reclaim-after`) instead of
+//! 30 s, in segments of 64 KiB, so that the sessions span several.
 
 use std::time::Duration;
 
@@ -15,12 +20,16 @@ use agentlog_proto::v1::{
     ReleaseLeaseRequest, RenewLeaseRequest, SnapshotChunk, SubscribeRequest, ToolStarted,
 };
 use anyhow::{ensure, Context, Result};
-use integration_tests::{read_log, test_backend_is_postgres, user_event, Store};
+use integration_tests::{read_log, test_backend_is_postgres, user_event, Backing, Store};
 use tonic::transport::Channel;
 use tonic::{Code, Status};
 
 /// A bound for what must happen eventually (never an assertion on speed).
 const BOUND: Duration = Duration::from_secs(20);
+/// The local store reclaims soon after a deletion, in small segments.
+const RECLAIM_SOON: [&str; 4] = ["--reclaim-after", "100ms", "--segment-bytes", "65536"];
+/// The local store does not reclaim for the length of a test.
+const RECLAIM_LATER: [&str; 2] = ["--reclaim-after", "1h"];
 
 type Client = EventStoreClient<Channel>;
 
@@ -342,7 +351,7 @@ async fn a_claim_long_poll_never_gets_a_session_deleted_while_it_waits() -> Resu
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restart_between_the_tombstone_and_the_reclamation_keeps_the_session_deleted(
 ) -> Result<()> {
-    let mut store = Store::start()?;
+    let mut store = Store::start_with(&RECLAIM_LATER)?;
     let mut client = store.client().await?;
     let (gone, kept) = ("del-restart", "del-restart-kept");
     append(&mut client, gone, vec![user_event("u1", "to be deleted")]).await?;
@@ -358,7 +367,8 @@ async fn a_restart_between_the_tombstone_and_the_reclamation_keeps_the_session_d
     delete(&mut client, gone).await?;
     store.kill9();
 
-    let store = store.restart()?;
+    // Restarted reclaiming soon: the deletion's reclamation is taken up again.
+    let store = store.restart_with(&RECLAIM_SOON)?;
     let mut client = store.client().await?;
     deleted(
         "GetSession after a restart",
@@ -384,6 +394,113 @@ async fn a_restart_between_the_tombstone_and_the_reclamation_keeps_the_session_d
     assert_eq!(seqs, (1..=5).collect::<Vec<_>>());
     assert_eq!(listed(&mut client).await?, vec![kept.to_string()]);
     delete(&mut client, gone).await?;
+    erased(&store, gone, "to be deleted").await?;
+    Ok(())
+}
+
+/// Waits until nothing of the deleted session `id` whose text held `text` is left: no file
+/// under the local store's data directory holds `text`; on PostgreSQL no event or snapshot
+/// row of it is left and its row holds no text.
+async fn erased(store: &Store, id: &str, text: &str) -> Result<()> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(40);
+    loop {
+        let left = match &store.backing {
+            Backing::Dir(dir) => holding(dir, text.as_bytes()),
+            Backing::Database(url, Some(pg)) => {
+                let db = url.rsplit('/').next().unwrap_or_default();
+                let rows = pg.psql(
+                    db,
+                    &format!(
+                        "SELECT (SELECT count(*) FROM agentlog_events WHERE session_id = '{id}') \
+                         + (SELECT count(*) FROM agentlog_snapshots WHERE session_id = '{id}') \
+                         + (SELECT count(*) FROM agentlog_sessions WHERE session_id = '{id}' \
+                         AND (first_user_text <> '' OR position('{text}'::bytea IN meta) > 0))"
+                    ),
+                )?;
+                if rows == "0" {
+                    Vec::new()
+                } else {
+                    vec![format!("{rows} rows")]
+                }
+            }
+            Backing::Database(_, None) => anyhow::bail!("no server to look into"),
+        };
+        if left.is_empty() {
+            return Ok(());
+        }
+        ensure!(
+            std::time::Instant::now() < deadline,
+            "{id}'s text is still on disk: {left:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Every file under `dir` that holds `needle`.
+fn holding(dir: &std::path::Path, needle: &[u8]) -> Vec<String> {
+    let mut found = Vec::new();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return found;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            found.extend(holding(&path, needle));
+        } else if std::fs::read(&path).is_ok_and(|b| b.windows(needle.len()).any(|w| w == needle)) {
+            found.push(path.display().to_string());
+        }
+    }
+    found
+}
+
+/// A deleted session's events, title, first message and snapshot leave the disk; the live
+/// session whose records shared its segments is whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_sessions_text_leaves_the_disk() -> Result<()> {
+    let store = Store::start_with(&RECLAIM_SOON)?;
+    let mut client = store.client().await?;
+    let (gone, kept) = ("del-erased", "del-erased-kept");
+    // Unique to this run, so that nothing else on disk can hold it by chance.
+    let secret = format!("erase-me-{:016x}", fastrand::u64(..));
+    for i in 0..120 {
+        let text = format!("{secret} {i} {}", "x".repeat(1000));
+        append(&mut client, gone, vec![user_event(&format!("g{i}"), &text)]).await?;
+        let text = format!("kept {i} {}", "y".repeat(1000));
+        append(&mut client, kept, vec![user_event(&format!("k{i}"), &text)]).await?;
+    }
+    let epoch = acquire(&mut client, gone, "runner-a", 60_000).await?;
+    client
+        .put_snapshot(tokio_stream::iter(vec![SnapshotChunk {
+            session_id: gone.into(),
+            lease_epoch: epoch,
+            seq: 120,
+            format: "fold".into(),
+            data: format!("snapshot of {secret}").into_bytes().into(),
+        }]))
+        .await?;
+    if let Backing::Dir(dir) = &store.backing {
+        ensure!(
+            !holding(dir, secret.as_bytes()).is_empty(),
+            "the text is there first"
+        );
+    }
+
+    delete(&mut client, gone).await?;
+    erased(&store, gone, &secret).await?;
+    let seqs: Vec<u64> = read_log(&mut client, kept)
+        .await
+        .iter()
+        .map(|e| e.seq)
+        .collect();
+    assert_eq!(seqs, (1..=120).collect::<Vec<_>>());
+    deleted(
+        "GetSession after the reclamation",
+        client
+            .get_session(GetSessionRequest {
+                session_id: gone.into(),
+            })
+            .await,
+    );
     Ok(())
 }
 

@@ -1,6 +1,6 @@
 //! The store's own background threads (retention, and the reclamation of deleted sessions'
 //! space): each sends its work through the writer's queue like any caller, paces itself,
-//! and stops when the store closes ([`Stop`]), letting go of the queue so that the writer
+//! and stops when the store closes ([`Signal`]), letting go of the queue so that the writer
 //! can finish.
 
 use std::sync::{Arc, Condvar, Mutex};
@@ -14,29 +14,43 @@ use crate::clock::now_unix_ms;
 use crate::error::StoreError;
 use crate::retention::{Retention, BATCH};
 
-/// Tells the background threads to stop, and waits for it between their steps.
+/// Wakes one background thread: to stop (for good), or to look for work now.
 #[derive(Clone, Default)]
-pub struct Stop(Arc<(Mutex<bool>, Condvar)>);
+pub struct Signal(Arc<(Mutex<Woken>, Condvar)>);
 
-impl Stop {
+#[derive(Default)]
+struct Woken {
+    stopped: bool,
+    nudged: bool,
+}
+
+impl Signal {
     pub fn stop(&self) {
-        let (stopped, wake) = &*self.0;
-        *stopped.lock().unwrap_or_else(|p| p.into_inner()) = true;
+        let (woken, wake) = &*self.0;
+        woken.lock().unwrap_or_else(|p| p.into_inner()).stopped = true;
         wake.notify_all();
     }
 
-    /// Waits up to `wait`; whether the store is stopping.
+    /// There may be work: the thread's wait ends now.
+    pub fn nudge(&self) {
+        let (woken, wake) = &*self.0;
+        woken.lock().unwrap_or_else(|p| p.into_inner()).nudged = true;
+        wake.notify_all();
+    }
+
+    /// Waits up to `wait`, or until nudged or stopped; whether the store is stopping.
     pub fn wait(&self, wait: Duration) -> bool {
-        let (stopped, wake) = &*self.0;
-        let guard = stopped.lock().unwrap_or_else(|p| p.into_inner());
-        let (guard, _) = wake
-            .wait_timeout_while(guard, wait, |stopped| !*stopped)
+        let (woken, wake) = &*self.0;
+        let guard = woken.lock().unwrap_or_else(|p| p.into_inner());
+        let (mut guard, _) = wake
+            .wait_timeout_while(guard, wait, |w| !w.stopped && !w.nudged)
             .unwrap_or_else(|p| p.into_inner());
-        *guard
+        guard.nudged = false;
+        guard.stopped
     }
 
     pub fn is_stopped(&self) -> bool {
-        *self.0 .0.lock().unwrap_or_else(|p| p.into_inner())
+        self.0 .0.lock().unwrap_or_else(|p| p.into_inner()).stopped
     }
 }
 
@@ -58,7 +72,7 @@ pub fn run_retention(
     queue: mpsc::Sender<Op>,
     retention: Retention,
     snapshots: Arc<SnapshotDir>,
-    stop: Stop,
+    stop: Signal,
 ) {
     while !stop.wait(retention.interval) {
         loop {

@@ -9,6 +9,8 @@
 //! - [`subscriptions`]: history then live, with disk catch-up for slow readers, history
 //!   handed out in its wire form ([`framed`]).
 //! - [`snapshots`]: the snapshot files.
+//! - [`reclaim`]: deleted sessions' space given back, by rewriting the segments that hold
+//!   their records; [`background`]: the store's own threads (retention, reclamation).
 //!
 //! [`Store`] is the facade the gRPC service runs over (through [`super::Backend`]).
 
@@ -17,6 +19,7 @@ pub mod framed;
 pub mod index;
 pub mod log;
 pub mod published;
+pub mod reclaim;
 mod recovery;
 pub mod snapshots;
 pub mod subscriptions;
@@ -44,6 +47,7 @@ use index::{Index, IndexError, Recent};
 use log::storage::{FsStorage, Storage};
 use log::LogError;
 use published::Shared;
+use reclaim::{ReclaimConfig, Reclaimer};
 use subscriptions::{Hub, Source};
 use writer::{DeleteOp, LeaseOp, LeaseOutcome, Op, Writer};
 
@@ -74,6 +78,7 @@ pub struct StoreConfig {
     pub log_config: log::LogConfig,
     /// `--retain-idle`, if set.
     pub retention: Option<Retention>,
+    pub reclaim: ReclaimConfig,
 }
 
 impl StoreConfig {
@@ -88,6 +93,7 @@ impl StoreConfig {
             snapshot_dir: data_dir.join("snapshots"),
             log_config: log::LogConfig::default(),
             retention: None,
+            reclaim: ReclaimConfig::for_segments(log::DEFAULT_SEGMENT_BYTES),
         })
     }
 }
@@ -101,8 +107,9 @@ pub struct Store {
     writer: Option<std::thread::JoinHandle<Result<(), StoreError>>>,
     writer_done: watch::Receiver<bool>,
     snapshots: Arc<snapshots::SnapshotDir>,
-    /// Stops the background threads (retention), which hold senders of `queue`.
-    background: background::Stop,
+    /// Stops the background threads (retention, reclamation), which hold senders of
+    /// `queue`.
+    background: Vec<background::Signal>,
     background_threads: Vec<std::thread::JoinHandle<()>>,
 }
 
@@ -110,7 +117,7 @@ impl Store {
     /// Opens (and recovers) the store: replays the log past what the index absorbed,
     /// dropping a torn tail, then starts the writer.
     pub fn open(config: StoreConfig) -> Result<Store, OpenError> {
-        let index = Index::open(&config.index_dir)?;
+        let index = Index::open_current(&config.index_dir)?;
         let (log, sessions) = recovery::open(&config, &index)?;
         let shared = Arc::new(Shared {
             sessions: RwLock::new(sessions.clone()),
@@ -119,7 +126,13 @@ impl Store {
             claimable: watch::channel(0).0,
             full: watch::channel(None).0,
             serving: watch::channel(true).0,
+            erasing: Default::default(),
+            reclaimer: background::Signal::default(),
+            absorbed: log.end().into(),
         });
+        // Deletions whose records may still be in the log (their reclamation had not
+        // finished when the store stopped).
+        shared.erase(index.erasing()?);
         let source = Source {
             shared: shared.clone(),
             index: index.clone(),
@@ -134,6 +147,14 @@ impl Store {
             .map_err(|e| OpenError::DataDir(config.snapshot_dir.display().to_string(), e))?;
         let (queue, rx) = mpsc::channel(QUEUE_DEPTH);
         let (done_tx, writer_done) = watch::channel(false);
+        let reclaimer = Reclaimer::new(
+            log.rewriter(),
+            log.reader(),
+            index.clone(),
+            shared.clone(),
+            queue.clone(),
+            config.reclaim,
+        );
         let writer = Writer::new(
             log,
             index,
@@ -152,10 +173,16 @@ impl Store {
                 result
             })
             .map_err(|e| OpenError::DataDir("writer thread".into(), e))?;
-        let stop = background::Stop::default();
-        let mut background_threads = Vec::new();
+        let mut background = vec![shared.reclaimer.clone()];
+        let signal = shared.reclaimer.clone();
+        let mut background_threads = vec![std::thread::Builder::new()
+            .name("log-reclaimer".into())
+            .spawn(move || reclaimer.run(signal))
+            .map_err(|e| OpenError::DataDir("reclaimer thread".into(), e))?];
         if let Some(retention) = config.retention {
-            let (queue, snapshots, stop) = (queue.clone(), snapshots.clone(), stop.clone());
+            let stop = background::Signal::default();
+            background.push(stop.clone());
+            let (queue, snapshots) = (queue.clone(), snapshots.clone());
             let thread = std::thread::Builder::new()
                 .name("retention".into())
                 .spawn(move || background::run_retention(queue, retention, snapshots, stop))
@@ -170,7 +197,7 @@ impl Store {
             writer: Some(writer),
             writer_done,
             snapshots,
-            background: stop,
+            background,
             background_threads,
         })
     }
@@ -198,7 +225,7 @@ impl Store {
     /// Stops taking operations, lets the writer finish and fsync what it has queued, and
     /// waits for it. Returns the writer's error, if the log failed.
     pub fn close(mut self) -> Result<(), StoreError> {
-        self.background.stop();
+        self.background.iter().for_each(background::Signal::stop);
         for thread in std::mem::take(&mut self.background_threads) {
             let _ = thread.join();
         }
@@ -495,7 +522,7 @@ impl Drop for Store {
     /// The background threads let go of the writer's queue (a store dropped without
     /// [`Store::close`] still lets its writer finish).
     fn drop(&mut self) {
-        self.background.stop();
+        self.background.iter().for_each(background::Signal::stop);
     }
 }
 

@@ -3,12 +3,15 @@
 //! the signals (a session may have become claimable; the volume is full). The writer is its
 //! only writer, and only after the fsync that covers what it publishes.
 
-use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, RwLock};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Instant;
 
 use agentlog_proto::v1::Event;
 use tokio::sync::watch;
 
+use crate::backend::local::background::Signal;
 use crate::backend::local::index::Recent;
 use crate::backend::local::log::Record;
 use crate::backend::local::subscriptions::Hub;
@@ -28,6 +31,23 @@ pub struct Shared {
     /// Whether appends can be acknowledged now (false while the volume is full): what
     /// health reports for `agentlog.v1.EventStore`.
     pub(crate) serving: watch::Sender<bool>,
+    /// Deleted sessions whose records may still be in the log: the reclaimer's work
+    /// (`reclaim`), filled by the writer as tombstones become durable (and at open).
+    pub(crate) erasing: Mutex<BTreeMap<String, Erasing>>,
+    /// Woken when a tombstone becomes durable.
+    pub(crate) reclaimer: Signal,
+    /// The log offset the index has absorbed up to.
+    pub(crate) absorbed: AtomicU64,
+}
+
+/// A deleted session awaiting the erasure of its records.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Erasing {
+    /// Where its tombstone ends in the log: once the index has absorbed this far, nothing
+    /// of the session is written to it again.
+    pub tombstone_end: u64,
+    /// Since when it waits (at open, for one deleted before).
+    pub since: Instant,
 }
 
 impl Shared {
@@ -81,6 +101,32 @@ impl Shared {
         if newly_claimable {
             self.claimable.send_modify(|n| *n = n.wrapping_add(1));
         }
+    }
+
+    /// Tombstones made durable (session, where its tombstone ends in the log): the
+    /// sessions' records await reclamation.
+    pub(crate) fn erase(&self, tombstones: impl IntoIterator<Item = (String, u64)>) {
+        let now = Instant::now();
+        let mut erasing = self.erasing.lock().unwrap_or_else(|p| p.into_inner());
+        let before = erasing.len();
+        for (session_id, tombstone_end) in tombstones {
+            erasing.entry(session_id).or_insert(Erasing {
+                tombstone_end,
+                since: now,
+            });
+        }
+        if erasing.len() > before {
+            self.reclaimer.nudge();
+        }
+    }
+
+    /// The index has absorbed the log up to `end`.
+    pub(crate) fn absorbed_to(&self, end: u64) {
+        self.absorbed.store(end, Ordering::Release);
+    }
+
+    pub(crate) fn absorbed(&self) -> u64 {
+        self.absorbed.load(Ordering::Acquire)
     }
 
     /// The log's volume is full (`Some(why)`) or has room again (`None`).

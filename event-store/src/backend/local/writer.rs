@@ -80,6 +80,9 @@ pub enum Op {
     Lease(LeaseOp, oneshot::Sender<Result<LeaseOutcome, StoreError>>),
     /// Answered with the sessions it deleted (none: the session was deleted before).
     Delete(DeleteOp, oneshot::Sender<Result<Vec<String>, StoreError>>),
+    /// Seal the active segment, if it holds any record, so that it can be rewritten;
+    /// answered with the base of the active segment after it.
+    Seal(oneshot::Sender<Result<u64, StoreError>>),
 }
 
 pub enum DeleteOp {
@@ -300,6 +303,7 @@ impl Writer {
         // Only now: a reader that missed them in `recent` finds them in the index.
         self.shared.recent.clear();
         self.recent_ids.clear();
+        self.shared.absorbed_to(self.log.end());
         Ok(())
     }
 
@@ -358,8 +362,33 @@ impl Writer {
         Ok(kept)
     }
 
+    /// Seals the active segment for the [`Op::Seal`]s among `ops` (before anything of the
+    /// batch is written, so the batch goes to the new segment) and hands back the others.
+    fn seal_first(&mut self, ops: Vec<Op>) -> Result<Vec<Op>, StoreError> {
+        let (seals, ops): (Vec<Op>, Vec<Op>) =
+            ops.into_iter().partition(|op| matches!(op, Op::Seal(_)));
+        if seals.is_empty() {
+            return Ok(ops);
+        }
+        let sealed = match self.log.seal() {
+            Ok(base) => Ok(base),
+            Err(LogError::NoSpace(reason)) => Err(StoreError::Refused(
+                Reason::DiskFull,
+                format!("no room for a new segment: {reason}"),
+            )),
+            Err(e) => return Err(e.into()),
+        };
+        for op in seals {
+            if let Op::Seal(reply) = op {
+                let _ = reply.send(sealed.clone());
+            }
+        }
+        Ok(ops)
+    }
+
     fn commit(&mut self, ops: Vec<Op>) -> Result<(), StoreError> {
         let now = now_unix_ms();
+        let ops = self.seal_first(ops)?;
         let ops = self.make_room(ops)?;
         let mut batch = Batch::default();
         let mut pending = Vec::new();
@@ -398,6 +427,10 @@ impl Writer {
                         let _ = reply.send(Err(e));
                     }
                 },
+                // Answered by `seal_first`, which takes every seal out of the batch.
+                Op::Seal(reply) => {
+                    let _ = reply.send(Ok(self.log.reader().active_base()));
+                }
             }
         }
         if batch.records.is_empty() {
@@ -428,11 +461,22 @@ impl Writer {
 
         // Durable: readers find these records in `recent` until the index absorbs them.
         self.shared.recent.add(&positions, &batch.records);
-        for (pos, record) in positions.into_iter().zip(&batch.records) {
-            self.unindexed.add(pos, record);
+        for (pos, record) in positions.iter().zip(&batch.records) {
+            self.unindexed.add(*pos, record);
         }
         self.unindexed_since.get_or_insert_with(Instant::now);
+        let tombstones: Vec<(String, u64)> = positions
+            .iter()
+            .zip(&batch.records)
+            .filter_map(|(pos, record)| match record {
+                Record::Tombstone(t) => Some((t.session_id.clone(), pos.offset + pos.len as u64)),
+                _ => None,
+            })
+            .collect();
         self.shared.publish(batch.records, &self.sessions, now);
+        if !tombstones.is_empty() {
+            self.shared.erase(tombstones);
+        }
         for p in pending {
             p.send();
         }
@@ -701,6 +745,7 @@ impl Op {
             Op::Lease(..) => (record::HEADER_LEN + 1 + 2 * 131 + 11 + 11 + 2) as u64,
             Op::Delete(DeleteOp::Session(_), _) => TOMBSTONE_BYTES,
             Op::Delete(DeleteOp::Idle { max, .. }, _) => TOMBSTONE_BYTES * *max as u64,
+            Op::Seal(_) => 0,
         }
     }
 
@@ -714,6 +759,9 @@ impl Op {
                 let _ = reply.send(Err(error));
             }
             Op::Delete(_, reply) => {
+                let _ = reply.send(Err(error));
+            }
+            Op::Seal(reply) => {
                 let _ = reply.send(Err(error));
             }
         }

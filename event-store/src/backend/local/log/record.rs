@@ -135,6 +135,26 @@ pub fn decode(frame: &[u8]) -> Result<Frame, FrameError> {
     })
 }
 
+/// The session a framed record (header and body) belongs to, checksum verified, and
+/// whether it is a tombstone (kept for good). Reads the session id without decoding the
+/// rest: it is field 1 of every record kind's message.
+pub fn session_of(frame: &[u8]) -> Result<(&[u8], bool), FrameError> {
+    let len = body_len(frame)?;
+    let body = frame
+        .get(HEADER_LEN..HEADER_LEN + len)
+        .ok_or(FrameError::Truncated)?;
+    let crc = u32::from_le_bytes([frame[4], frame[5], frame[6], frame[7]]);
+    if crc32c::crc32c(body) != crc {
+        return Err(FrameError::Checksum);
+    }
+    let kind = body[0] & !CONTINUED;
+    if !matches!(kind, KIND_EVENT | KIND_LEASE | KIND_TOMBSTONE) {
+        return Err(FrameError::Body(format!("unknown record kind {kind}")));
+    }
+    let (session_id, _) = place(&body[1..], kind == KIND_EVENT)?;
+    Ok((session_id, kind == KIND_TOMBSTONE))
+}
+
 /// An event record as it is on disk, checksum verified: where in its frame its body's
 /// protobuf `Event` message is, and the session and seq that message names, read without
 /// decoding the rest. Subscribe sends the message as it is.
@@ -176,15 +196,23 @@ impl StoredEvent<'_> {
 /// The `session_id` (field 1) and `seq` (field 2) of an encoded `Event`, as a decode of the
 /// whole message would give them (the last occurrence of a field wins); every other field
 /// is only stepped over.
-fn event_place(mut message: &[u8]) -> Result<(&[u8], u64), FrameError> {
+fn event_place(message: &[u8]) -> Result<(&[u8], u64), FrameError> {
+    place(message, true)
+}
+
+/// The `session_id` (field 1) of a record's message, whatever its kind; `with_seq`: field 2
+/// is an event's seq, read too.
+fn place(mut message: &[u8], with_seq: bool) -> Result<(&[u8], u64), FrameError> {
     const SESSION_ID: u64 = 1;
-    const SEQ: u64 = 2;
+    let seq_field = if with_seq { 2 } else { 0 };
     let bad = |what: &str| FrameError::Body(format!("undecodable event: {what}"));
     let (mut session_id, mut seq) = (&message[..0], 0);
     while !message.is_empty() {
         let key = varint(&mut message).ok_or_else(|| bad("a field key"))?;
         let (field, wire_type) = (key >> 3, key & 7);
-        if field == 0 || (field == SESSION_ID && wire_type != 2) || (field == SEQ && wire_type != 0)
+        if field == 0
+            || (field == SESSION_ID && wire_type != 2)
+            || (field == seq_field && wire_type != 0)
         {
             return Err(bad(&format!("field {field} of wire type {wire_type}")));
         }
@@ -192,7 +220,7 @@ fn event_place(mut message: &[u8]) -> Result<(&[u8], u64), FrameError> {
             // varint
             0 => {
                 let value = varint(&mut message).ok_or_else(|| bad("a varint"))?;
-                if field == SEQ {
+                if field == seq_field {
                     seq = value;
                 }
             }

@@ -1,7 +1,10 @@
 //! Where segment bytes live. The log only needs a few things from a disk: list, create,
-//! allocate, append, read, `fdatasync`, and whether the volume is running out of room. Behind this trait sit the real filesystem and a
-//! power-loss simulator that forgets every byte not covered by the last `sync_data`, so the
-//! same durability tests run against both (the way redb tests crash consistency).
+//! allocate, append, read, `fdatasync`, whether the volume is running out of room, and
+//! for the rewrite of a segment a file beside it that is put in its place atomically.
+//! Behind this trait sit the real filesystem and a power-loss simulator that forgets every
+//! byte not covered by the last `sync_data`, so the same durability tests run against both
+//! (the way redb tests crash consistency); the simulator can also cut the power at the
+//! named [`CrashPoint`]s of a rewrite.
 
 use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
@@ -39,6 +42,34 @@ pub trait Storage: Send + Sync {
     /// Why the log should not grow now, if the volume is (nearly) full: the last of its
     /// room is kept for the index, which must never fail a write of its own.
     fn low_space(&self) -> io::Result<Option<String>>;
+    /// Creates, empty, the file a rewrite of segment `base` is written into (replacing one
+    /// left from before). It is no segment: [`Storage::list`] never names it.
+    fn create_rewrite(&self, base: u64) -> io::Result<Arc<dyn SegmentFile>>;
+    /// Puts the rewrite of `base` (written and synced) in place of the segment: atomically
+    /// (a crash leaves the old segment or the new one, each whole) and durably on return.
+    fn install_rewrite(&self, base: u64) -> io::Result<()>;
+    /// Removes the rewrite of `base`, or every rewrite left behind (`None`, at open).
+    fn remove_rewrite(&self, base: Option<u64>) -> io::Result<()>;
+    /// A moment of a rewrite where a crash may cut it: the simulator cuts the power here
+    /// when told to (and fails, as a machine that is gone would); the real disk goes on.
+    fn crash_point(&self, _point: CrashPoint) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// The moments of the reclamation of deleted sessions' space where a crash may cut it
+/// (`backend::local::reclaim` states what each leaves behind).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CrashPoint {
+    /// A segment's rewrite is written but not synced.
+    RewriteWritten,
+    /// It is synced, not yet in place of the segment.
+    RewriteSynced,
+    /// Every rewrite of the pass is in place; the index still holds the deleted sessions'
+    /// entries.
+    Installed,
+    /// The index no longer holds them but still marks the sessions as awaiting erasure.
+    Purged,
 }
 
 /// Bytes kept free on the log's volume for the index: 1/32 of the volume, between 1 MiB
@@ -63,7 +94,18 @@ impl FsStorage {
     fn path(&self, base: u64) -> PathBuf {
         self.dir.join(format!("{base:020}.seg"))
     }
+
+    fn rewrite_path(&self, base: u64) -> PathBuf {
+        self.dir.join(format!("{base:020}.seg{REWRITE_SUFFIX}"))
+    }
+
+    fn sync_dir(&self) -> io::Result<()> {
+        File::open(&self.dir)?.sync_all()
+    }
 }
+
+/// A rewrite of `X.seg` is written as `X.seg.rewrite`.
+const REWRITE_SUFFIX: &str = ".rewrite";
 
 impl Storage for FsStorage {
     fn list(&self) -> io::Result<Vec<u64>> {
@@ -97,6 +139,43 @@ impl Storage for FsStorage {
         // A new file's name is durable only once its directory is fsync'd.
         File::open(&self.dir)?.sync_all()?;
         Ok(Arc::new(FsSegment { file }))
+    }
+
+    fn create_rewrite(&self, base: u64) -> io::Result<Arc<dyn SegmentFile>> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(self.rewrite_path(base))?;
+        Ok(Arc::new(FsSegment { file }))
+    }
+
+    fn install_rewrite(&self, base: u64) -> io::Result<()> {
+        std::fs::rename(self.rewrite_path(base), self.path(base))?;
+        self.sync_dir()
+    }
+
+    fn remove_rewrite(&self, base: Option<u64>) -> io::Result<()> {
+        let paths = match base {
+            Some(base) => vec![self.rewrite_path(base)],
+            None => std::fs::read_dir(&self.dir)?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.to_str().is_some_and(|p| p.ends_with(REWRITE_SUFFIX)))
+                .collect(),
+        };
+        let mut removed = false;
+        for path in paths {
+            match std::fs::remove_file(&path) {
+                Ok(()) => removed = true,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(e),
+            }
+        }
+        if removed {
+            self.sync_dir()?;
+        }
+        Ok(())
     }
 
     fn low_space(&self) -> io::Result<Option<String>> {
@@ -163,8 +242,12 @@ impl SegmentFile for FsSegment {
 #[derive(Clone, Default)]
 pub struct SimStorage {
     files: Arc<Mutex<BTreeMap<u64, Arc<SimSegment>>>>,
+    /// Rewrites of segments, not yet in place.
+    rewrites: Arc<Mutex<BTreeMap<u64, Arc<SimSegment>>>>,
     health: Arc<AtomicU8>,
     full: Arc<AtomicBool>,
+    /// Cut the power when a rewrite reaches this point for the n-th time (1 = the first).
+    crash_at: Arc<Mutex<Option<(CrashPoint, usize)>>>,
 }
 
 const HEALTHY: u8 = 0;
@@ -193,11 +276,12 @@ impl SimStorage {
     /// off (every operation fails) until [`SimStorage::power_on`].
     pub fn power_loss(&self, mut torn: impl FnMut(usize) -> usize, garble: Option<u8>) {
         let files = lock(&self.files);
+        let rewrites = lock(&self.rewrites);
         // Off before any file is cut: a write or sync that takes a file's lock after this
         // sees the disk off, and one that took it before is either cut away (unsynced) or
         // was synced before the cut, so its acknowledgement was true.
         self.health.store(POWERED_OFF, Ordering::SeqCst);
-        for segment in files.values() {
+        for segment in files.values().chain(rewrites.values()) {
             let mut bytes = lock(&segment.state);
             let unsynced = bytes.data.len() - bytes.synced;
             let keep = bytes.synced + torn(unsynced).min(unsynced);
@@ -216,6 +300,11 @@ impl SimStorage {
         self.health.store(SYNCS_FAIL, Ordering::SeqCst);
     }
 
+    /// Whether the power is off (after [`SimStorage::power_loss`], or a crash point).
+    pub fn is_off(&self) -> bool {
+        self.health.load(Ordering::SeqCst) == POWERED_OFF
+    }
+
     /// Power (or a healthy disk) is back: the bytes are what the fault left.
     pub fn power_on(&self) {
         let _files = lock(&self.files);
@@ -225,6 +314,23 @@ impl SimStorage {
     /// The volume is full (`true`: allocations fail) or has room again (`false`).
     pub fn set_full(&self, full: bool) {
         self.full.store(full, Ordering::SeqCst);
+    }
+
+    /// Cuts the power (every unsynced byte forgotten) the `nth` time (from 1) a rewrite
+    /// reaches `point`; the rewrite then fails there, as on a machine that is gone.
+    pub fn crash_at(&self, point: CrashPoint, nth: usize) {
+        *lock(&self.crash_at) = Some((point, nth.max(1)));
+    }
+
+    /// Every byte of every file, segments and rewrites alike (to look for what must be gone).
+    pub fn all_bytes(&self) -> Vec<u8> {
+        let files = lock(&self.files);
+        let rewrites = lock(&self.rewrites);
+        let mut all = Vec::new();
+        for segment in files.values().chain(rewrites.values()) {
+            all.extend_from_slice(&lock(&segment.state).data);
+        }
+        all
     }
 
     /// Total bytes across all files (for tests that corrupt a chosen byte).
@@ -305,6 +411,62 @@ impl Storage for SimStorage {
         let _files = lock(&self.files);
         check_health(&self.health, false)?;
         Ok(None)
+    }
+    fn create_rewrite(&self, base: u64) -> io::Result<Arc<dyn SegmentFile>> {
+        let mut rewrites = lock(&self.rewrites);
+        check_health(&self.health, false)?;
+        if self.full.load(Ordering::SeqCst) {
+            return Err(io::ErrorKind::StorageFull.into());
+        }
+        let segment = Arc::new(SimSegment {
+            state: Mutex::default(),
+            health: self.health.clone(),
+            full: self.full.clone(),
+        });
+        rewrites.insert(base, segment.clone());
+        Ok(segment)
+    }
+    /// The rename and the directory's fsync, as one step: a cut before it leaves the old
+    /// segment, a cut after it the new one (a real disk may show either until the directory
+    /// is synced; both are whole, so both are tested through the points around it).
+    fn install_rewrite(&self, base: u64) -> io::Result<()> {
+        let mut files = lock(&self.files);
+        let mut rewrites = lock(&self.rewrites);
+        check_health(&self.health, true)?;
+        let segment = rewrites.remove(&base).ok_or(io::ErrorKind::NotFound)?;
+        files.insert(base, segment);
+        Ok(())
+    }
+    fn remove_rewrite(&self, base: Option<u64>) -> io::Result<()> {
+        let mut rewrites = lock(&self.rewrites);
+        check_health(&self.health, true)?;
+        match base {
+            Some(base) => {
+                rewrites.remove(&base);
+            }
+            None => rewrites.clear(),
+        }
+        Ok(())
+    }
+    fn crash_point(&self, point: CrashPoint) -> io::Result<()> {
+        let cut = {
+            let mut armed = lock(&self.crash_at);
+            match armed.as_mut() {
+                Some((at, n)) if *at == point => {
+                    *n -= 1;
+                    let cut = *n == 0;
+                    if cut {
+                        *armed = None;
+                    }
+                    cut
+                }
+                _ => false,
+            }
+        };
+        if cut {
+            self.power_loss(|_| 0, None);
+        }
+        check_health(&self.health, false)
     }
 }
 
