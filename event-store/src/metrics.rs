@@ -526,7 +526,11 @@ impl Collector for LogOnDisk {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let (mut segments, mut bytes) = (0i64, 0i64);
         if let Ok(entries) = std::fs::read_dir(&self.dir) {
-            for meta in entries.flatten().filter_map(|e| e.metadata().ok()) {
+            // Segment files only: not the reserve, nor a rewrite in progress.
+            let segment_files = entries
+                .flatten()
+                .filter(|e| e.file_name().to_string_lossy().ends_with(".seg"));
+            for meta in segment_files.filter_map(|e| e.metadata().ok()) {
                 if meta.is_file() {
                     segments += 1;
                     bytes += meta.len() as i64;

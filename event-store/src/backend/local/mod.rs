@@ -117,6 +117,10 @@ impl Store {
     /// Opens (and recovers) the store: replays the log past what the index absorbed,
     /// dropping a torn tail, then starts the writer.
     pub fn open(config: StoreConfig) -> Result<Store, OpenError> {
+        config
+            .log
+            .keep_reserve(reclaim::reserve_bytes(config.log_config.segment_bytes))
+            .map_err(|e| OpenError::DataDir("the log's reserve".into(), e))?;
         let index = Index::open_current(&config.index_dir)?;
         let (log, sessions) = recovery::open(&config, &index)?;
         let shared = Arc::new(Shared {

@@ -72,6 +72,13 @@ impl ReclaimConfig {
     }
 }
 
+/// The reserve the log's volume keeps for deletions and their reclamation
+/// ([`super::log::storage::Storage::keep_reserve`]): room to rewrite one segment (its kept
+/// records are at most the segment), and a MiB for the tombstones and the index.
+pub fn reserve_bytes(segment_bytes: u64) -> u64 {
+    segment_bytes.saturating_add(1 << 20)
+}
+
 pub(crate) struct Reclaimer {
     pub rewriter: SegmentRewriter,
     pub reader: Arc<LogReader>,
@@ -107,6 +114,9 @@ impl Reclaimer {
     /// stops. A failed pass is retried at the next look.
     pub fn run(mut self, signal: Signal) {
         while !signal.wait(self.config.check_every) {
+            if let Err(Failed::WriterGone) = self.restore_reserve() {
+                return;
+            }
             match self.step() {
                 Ok(()) => {}
                 Err(Failed::WriterGone) => return,
@@ -115,6 +125,23 @@ impl Reclaimer {
                 }
             }
         }
+    }
+
+    /// Puts the volume's reserve back once there is room for it (it was released for a
+    /// deletion or a rewrite on a full volume), and then tells the writer, so that appends
+    /// resume without waiting for one to find out.
+    fn restore_reserve(&self) -> Result<(), Failed> {
+        let storage = self.rewriter.storage();
+        let full = self.shared.full.borrow().is_some();
+        match storage.restore_reserve() {
+            Ok(true) if full => {
+                // Refused while the volume is still short of its headroom: the writer says so.
+                let _ = ask(&self.queue, Op::Room).ok_or(Failed::WriterGone)?;
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "putting the volume's reserve back failed"),
+        }
+        Ok(())
     }
 
     /// Counts the dead bytes and runs a pass if one is due.
@@ -191,17 +218,27 @@ impl Reclaimer {
             ask(&self.queue, Op::Seal).ok_or(Failed::WriterGone)??;
         }
         let active = self.reader.active_base();
-        let mut order: Vec<(u64, u64)> = by_segment
-            .iter()
-            .filter(|(base, _)| **base < active)
-            .map(|(base, bytes)| (*base, *bytes))
-            .collect();
-        order.sort_unstable_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        // The segments with the fewest live bytes first: on a full volume their rewrites
+        // need the least room and free the most.
+        let mut order: Vec<(u64, u64)> = Vec::new();
+        for (base, dead) in by_segment.range(..active) {
+            let live = self.reader.file_bytes(*base)?.saturating_sub(*dead);
+            order.push((*base, live));
+        }
+        order.sort_unstable_by_key(|(base, live)| (*live, *base));
         let mut reclaimed = 0u64;
+        let storage = self.rewriter.storage().clone();
         for (base, _) in order {
-            let rewritten = self.rewriter.rewrite(base, |session| {
-                std::str::from_utf8(session).is_ok_and(|s| dead.contains(s))
-            })?;
+            let is_dead =
+                |session: &[u8]| std::str::from_utf8(session).is_ok_and(|s| dead.contains(s));
+            let mut rewritten = self.rewriter.rewrite(base, is_dead);
+            // A full volume: the reserve is there for this.
+            if matches!(rewritten, Err(LogError::NoSpace(_)))
+                && storage.release_reserve().map_err(LogError::from)? > 0
+            {
+                rewritten = self.rewriter.rewrite(base, is_dead);
+            }
+            let rewritten = rewritten?;
             if let Some(r) = rewritten {
                 reclaimed += r.file_bytes_before.saturating_sub(r.file_bytes_after);
                 tracing::debug!(
@@ -212,7 +249,6 @@ impl Reclaimer {
                 );
             }
         }
-        let storage = self.rewriter.storage().clone();
         storage
             .crash_point(CrashPoint::Installed)
             .map_err(LogError::from)?;
@@ -246,6 +282,7 @@ impl Reclaimer {
                 erasing.remove(*session_id);
             }
         }
+        self.restore_reserve()?;
         let seconds = started.elapsed().as_secs_f64();
         metrics::reclaimed(reclaimed, seconds);
         tracing::info!(

@@ -83,6 +83,9 @@ pub enum Op {
     /// Seal the active segment, if it holds any record, so that it can be rewritten;
     /// answered with the base of the active segment after it.
     Seal(oneshot::Sender<Result<u64, StoreError>>),
+    /// Look whether the volume has room again (after a reclamation freed some): appends
+    /// resume, and health says so, without waiting for an append to find out.
+    Room(oneshot::Sender<Result<(), StoreError>>),
 }
 
 pub enum DeleteOp {
@@ -348,7 +351,11 @@ impl Writer {
             op.refuse(refusal());
         }
         let bound: u64 = deletions.iter().map(Op::max_log_bytes).sum();
-        let kept = match self.log.reserve_in_headroom(bound) {
+        let mut room = self.log.reserve_in_headroom(bound);
+        if matches!(room, Err(LogError::NoSpace(_))) && self.log.release_reserve()? > 0 {
+            room = self.log.reserve_in_headroom(bound);
+        }
+        let kept = match room {
             Ok(()) => deletions,
             Err(LogError::NoSpace(_)) => {
                 for op in deletions {
@@ -370,7 +377,11 @@ impl Writer {
         if seals.is_empty() {
             return Ok(ops);
         }
-        let sealed = match self.log.seal() {
+        let mut sealed = self.log.seal();
+        if matches!(sealed, Err(LogError::NoSpace(_))) && self.log.release_reserve()? > 0 {
+            sealed = self.log.seal();
+        }
+        let sealed = match sealed {
             Ok(base) => Ok(base),
             Err(LogError::NoSpace(reason)) => Err(StoreError::Refused(
                 Reason::DiskFull,
@@ -430,6 +441,10 @@ impl Writer {
                 // Answered by `seal_first`, which takes every seal out of the batch.
                 Op::Seal(reply) => {
                     let _ = reply.send(Ok(self.log.reader().active_base()));
+                }
+                // `make_room` looked.
+                Op::Room(reply) => {
+                    let _ = reply.send(Ok(()));
                 }
             }
         }
@@ -745,7 +760,7 @@ impl Op {
             Op::Lease(..) => (record::HEADER_LEN + 1 + 2 * 131 + 11 + 11 + 2) as u64,
             Op::Delete(DeleteOp::Session(_), _) => TOMBSTONE_BYTES,
             Op::Delete(DeleteOp::Idle { max, .. }, _) => TOMBSTONE_BYTES * *max as u64,
-            Op::Seal(_) => 0,
+            Op::Seal(_) | Op::Room(_) => 0,
         }
     }
 
@@ -762,6 +777,9 @@ impl Op {
                 let _ = reply.send(Err(error));
             }
             Op::Seal(reply) => {
+                let _ = reply.send(Err(error));
+            }
+            Op::Room(reply) => {
                 let _ = reply.send(Err(error));
             }
         }

@@ -658,6 +658,12 @@ impl LogWriter {
         Ok(self.active_base)
     }
 
+    /// Frees the volume's reserve (see [`Storage::keep_reserve`]) for a deletion or a new
+    /// segment that found no room; the bytes it freed.
+    pub fn release_reserve(&self) -> Result<u64, LogError> {
+        Ok(self.storage.release_reserve()?)
+    }
+
     /// What rewrites sealed segments (it shares this log's reader and storage).
     pub fn rewriter(&self) -> SegmentRewriter {
         SegmentRewriter {

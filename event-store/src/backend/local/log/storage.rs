@@ -55,6 +55,25 @@ pub trait Storage: Send + Sync {
     fn crash_point(&self, _point: CrashPoint) -> io::Result<()> {
         Ok(())
     }
+    /// Keeps `bytes` of the volume taken by a file of its own (the reserve), so that a
+    /// deletion's tombstone and the reclamation of its space can run on a volume that is
+    /// full (whoever filled it); put in place now if there is room, else later
+    /// ([`Storage::restore_reserve`]). While it is not in place the volume counts as full
+    /// for appends ([`Storage::low_space`]), so appends never eat into it. (The simulator
+    /// keeps none.)
+    fn keep_reserve(&self, _bytes: u64) -> io::Result<()> {
+        Ok(())
+    }
+    /// Gives the reserve's room back to the volume, for a deletion or a rewrite that found
+    /// none; the bytes it freed.
+    fn release_reserve(&self) -> io::Result<u64> {
+        Ok(0)
+    }
+    /// Puts the reserve back if the volume has room for it and the headroom above it;
+    /// whether it is in place.
+    fn restore_reserve(&self) -> io::Result<bool> {
+        Ok(true)
+    }
 }
 
 /// The moments of the reclamation of deleted sessions' space where a crash may cut it
@@ -81,14 +100,29 @@ pub fn headroom(volume_bytes: u64) -> u64 {
 /// Segment files in a directory on the real filesystem.
 pub struct FsStorage {
     dir: PathBuf,
+    /// The reserve's size (0: none kept) and whether its file is in place.
+    reserve: Mutex<(u64, bool)>,
 }
+
+/// The reserve's file in the log directory.
+const RESERVE_FILE: &str = "reserve";
 
 impl FsStorage {
     pub fn open_dir(dir: &Path) -> io::Result<FsStorage> {
         std::fs::create_dir_all(dir)?;
         Ok(FsStorage {
             dir: dir.to_path_buf(),
+            reserve: Mutex::new((0, false)),
         })
+    }
+
+    /// The volume's free bytes, and what is kept free for the index.
+    fn room(&self) -> io::Result<(u64, u64, u64)> {
+        let stat = nix::sys::statvfs::statvfs(&self.dir).map_err(io::Error::from)?;
+        let unit = stat.fragment_size() as u64;
+        let volume = stat.blocks() as u64 * unit;
+        let free = stat.blocks_available() as u64 * unit;
+        Ok((free, headroom(volume), volume))
     }
 
     fn path(&self, base: u64) -> PathBuf {
@@ -179,16 +213,102 @@ impl Storage for FsStorage {
     }
 
     fn low_space(&self) -> io::Result<Option<String>> {
-        let stat = nix::sys::statvfs::statvfs(&self.dir).map_err(io::Error::from)?;
-        let unit = stat.fragment_size() as u64;
-        let free = stat.blocks_available() as u64 * unit;
-        let keep = headroom(stat.blocks() as u64 * unit);
+        let (free, keep, _) = self.room()?;
+        let (reserve, in_place) = *lock(&self.reserve);
+        if reserve > 0 && !in_place {
+            return Ok(Some(format!(
+                "{} has no room for the {reserve} bytes kept in reserve for deletions and \
+                 their reclamation ({free} bytes free)",
+                self.dir.display()
+            )));
+        }
         Ok((free < keep).then(|| {
             format!(
                 "{} has {free} bytes free, less than the {keep} kept free for the index",
                 self.dir.display()
             )
         }))
+    }
+
+    fn keep_reserve(&self, bytes: u64) -> io::Result<()> {
+        let (_, _, volume) = self.room()?;
+        // Never more than an eighth of the volume.
+        let bytes = bytes.min(volume / 8);
+        let path = self.dir.join(RESERVE_FILE);
+        let in_place = std::fs::metadata(&path).is_ok_and(|m| m.len() == bytes);
+        *lock(&self.reserve) = (bytes, in_place);
+        if !in_place {
+            let _ = std::fs::remove_file(&path);
+            if !self.restore_reserve()? {
+                tracing::warn!(
+                    reserve_bytes = bytes,
+                    "no room on the log's volume for the reserve kept for deletions; \
+                     appends wait until there is"
+                );
+            }
+        }
+        Ok(())
+    }
+
+    fn release_reserve(&self) -> io::Result<u64> {
+        let mut reserve = lock(&self.reserve);
+        if !reserve.1 {
+            return Ok(0);
+        }
+        std::fs::remove_file(self.dir.join(RESERVE_FILE))?;
+        reserve.1 = false;
+        tracing::warn!(
+            bytes = reserve.0,
+            "the log's volume is full: the reserve is released for deletions and their \
+             reclamation; appends wait until it is back"
+        );
+        Ok(reserve.0)
+    }
+
+    fn restore_reserve(&self) -> io::Result<bool> {
+        let mut reserve = lock(&self.reserve);
+        let (bytes, in_place) = *reserve;
+        if bytes == 0 || in_place {
+            return Ok(true);
+        }
+        let (free, keep, _) = self.room()?;
+        if free < bytes + keep {
+            return Ok(false);
+        }
+        let path = self.dir.join(RESERVE_FILE);
+        let file = File::create(&path)?;
+        let flags = nix::fcntl::FallocateFlags::empty();
+        let len = i64::try_from(bytes).map_err(io::Error::other)?;
+        match nix::fcntl::fallocate(&file, flags, 0, len) {
+            Ok(()) => {}
+            // A filesystem without fallocate: zeros take the room instead.
+            Err(nix::errno::Errno::EOPNOTSUPP) => {
+                let zeros = vec![0u8; 1 << 20];
+                let mut at = 0;
+                while at < bytes {
+                    let n = zeros.len().min((bytes - at) as usize);
+                    if let Err(e) = FileExt::write_all_at(&file, &zeros[..n], at) {
+                        drop(file);
+                        let _ = std::fs::remove_file(&path);
+                        return if e.kind() == io::ErrorKind::StorageFull {
+                            Ok(false)
+                        } else {
+                            Err(e)
+                        };
+                    }
+                    at += n as u64;
+                }
+            }
+            Err(nix::errno::Errno::ENOSPC) => {
+                drop(file);
+                std::fs::remove_file(&path)?;
+                return Ok(false);
+            }
+            Err(e) => return Err(e.into()),
+        }
+        file.sync_all()?;
+        reserve.1 = true;
+        Ok(true)
     }
 }
 
