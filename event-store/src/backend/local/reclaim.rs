@@ -144,7 +144,8 @@ impl Reclaimer {
         Ok(())
     }
 
-    /// Counts the dead bytes and runs a pass if one is due.
+    /// Counts the dead bytes, rewrites the segments that hold them if a pass is due, and
+    /// makes the index forget the sessions whose records are gone.
     fn step(&mut self) -> Result<(), Failed> {
         let erasing: Vec<(String, Erasing)> = {
             let erasing = self
@@ -169,10 +170,15 @@ impl Reclaimer {
         let oldest = erasing.iter().map(|(_, e)| e.since).min();
         let due = oldest.is_some_and(|since| since.elapsed() >= self.config.after)
             || by_segment.values().any(|b| *b >= self.config.dead_bytes);
-        if due {
-            self.pass(&erasing, &by_segment)?;
+        if due && !by_segment.is_empty() {
+            self.rewrite(&erasing, &by_segment)?;
+            // Their records are gone from the log: only the index is left to forget them.
+            for (session_id, _) in &erasing {
+                self.dead.insert(session_id.clone(), Vec::new());
+            }
+            metrics::reclaim_dead_bytes(0);
         }
-        Ok(())
+        self.forget(&erasing)
     }
 
     /// Where a deleted session's events are (segment, bytes), from the index's positions,
@@ -203,8 +209,9 @@ impl Reclaimer {
         Ok(dead)
     }
 
-    /// One pass over `erasing`, whose records are in the segments of `by_segment`.
-    fn pass(
+    /// A pass: rewrites every segment of `by_segment` without the records of `erasing`'s
+    /// sessions (sealing the active segment first if it is one of them).
+    fn rewrite(
         &mut self,
         erasing: &[(String, Erasing)],
         by_segment: &BTreeMap<u64, u64>,
@@ -238,8 +245,7 @@ impl Reclaimer {
             {
                 rewritten = self.rewriter.rewrite(base, is_dead);
             }
-            let rewritten = rewritten?;
-            if let Some(r) = rewritten {
+            if let Some(r) = rewritten? {
                 reclaimed += r.file_bytes_before.saturating_sub(r.file_bytes_after);
                 tracing::debug!(
                     segment = base,
@@ -252,19 +258,38 @@ impl Reclaimer {
         storage
             .crash_point(CrashPoint::Installed)
             .map_err(LogError::from)?;
-        // Only sessions whose tombstones the index holds: nothing of them is written to it
-        // again. The others wait for the next pass.
+        self.restore_reserve()?;
+        let seconds = started.elapsed().as_secs_f64();
+        metrics::reclaimed(reclaimed, seconds);
+        tracing::info!(
+            sessions = erasing.len(),
+            reclaimed_bytes = reclaimed,
+            seconds,
+            "reclaimed deleted sessions' space"
+        );
+        Ok(())
+    }
+
+    /// Makes the index forget the sessions whose records are gone from the log and whose
+    /// tombstones it holds (nothing of them is written to it again); the others wait.
+    fn forget(&mut self, erasing: &[(String, Erasing)]) -> Result<(), Failed> {
         let absorbed = self.shared.absorbed();
         let done: Vec<&str> = erasing
             .iter()
-            .filter(|(_, e)| e.tombstone_end <= absorbed)
+            .filter(|(id, e)| {
+                e.tombstone_end <= absorbed && self.dead.get(id).is_some_and(Vec::is_empty)
+            })
             .map(|(id, _)| id.as_str())
             .collect();
+        if done.is_empty() {
+            return Ok(());
+        }
         for session_id in &done {
             self.index
                 .purge_entries(session_id)
                 .map_err(StoreError::from)?;
         }
+        let storage = self.rewriter.storage().clone();
         storage
             .crash_point(CrashPoint::Purged)
             .map_err(LogError::from)?;
@@ -272,25 +297,14 @@ impl Reclaimer {
             self.index.erased(session_id).map_err(StoreError::from)?;
             self.dead.remove(*session_id);
         }
-        {
-            let mut erasing = self
-                .shared
-                .erasing
-                .lock()
-                .unwrap_or_else(|p| p.into_inner());
-            for session_id in &done {
-                erasing.remove(*session_id);
-            }
+        let mut erasing = self
+            .shared
+            .erasing
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        for session_id in &done {
+            erasing.remove(*session_id);
         }
-        self.restore_reserve()?;
-        let seconds = started.elapsed().as_secs_f64();
-        metrics::reclaimed(reclaimed, seconds);
-        tracing::info!(
-            sessions = done.len(),
-            reclaimed_bytes = reclaimed,
-            seconds,
-            "reclaimed deleted sessions' space"
-        );
         Ok(())
     }
 }
