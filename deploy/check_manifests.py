@@ -9,7 +9,16 @@ usage: check_manifests.py RENDERED.yaml BIN_DIR
   the Services' ports, and the store URL the runners are given;
 - a ServiceMonitor selects the Services of both binaries and scrapes a port they name;
 - the metrics port too: `--metrics-listen` (or AGENTLOG_METRICS_LISTEN), the container port
-  named `metrics`, and the Services' `metrics` ports.
+  named `metrics`, and the Services' `metrics` ports;
+- every workload runs as shipped in a restricted namespace: non-root, every capability
+  dropped, no privilege escalation, RuntimeDefault seccomp, a read-only root filesystem, no
+  privileged container and no host namespace or host path;
+- the runner's secret files are mounted where its tools may not read (Landlock allows the
+  system directories and the workspace root only);
+- each pod's `terminationGracePeriodSeconds` covers its SIGTERM drain: a runner's
+  `--drain-timeout` (AGENTLOG_DRAIN_TIMEOUT, else the default its --help shows) plus the 3 s
+  it exits within past it plus room, the store's 50 s before it cuts the connections still
+  open plus room.
 """
 
 import re
@@ -24,6 +33,12 @@ import yaml
 OTHER_ENV = {"ANTHROPIC_API_KEY", "ANTHROPIC_BASE_URL", "OPENAI_API_KEY", "OPENAI_BASE_URL",
              "RUST_LOG", "HOME", "AGENTLOG_TOKEN"}
 BINARIES = {"agentlog/event-store": "event-store", "agentlog/runner": "runner"}
+# After the drain's budget the runner exits within this (runner/src/drain.rs EXIT_MARGIN).
+RUNNER_EXIT_MARGIN_S = 3
+# The store cuts connections still open this long after SIGTERM (event-store/src/incoming.rs).
+STORE_SHUTDOWN_GRACE_S = 50
+# What a pod needs beyond that: the process's last steps, the kubelet's own delays.
+GRACE_ROOM_S = 5
 
 problems = []
 
@@ -52,6 +67,79 @@ def check_cnpg_cluster(cluster):
             fail(f"Cluster/{name}: spec.{key} is not a field this check knows")
 
 
+def seconds(duration):
+    """`20s`, `1500ms`, `2m` or a number of seconds, as `runner --drain-timeout` takes it."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*(ms|s|m)?\s*", duration)
+    if not m:
+        raise ValueError(f"not a duration: {duration!r}")
+    scale = {"ms": 0.001, "s": 1, "m": 60, None: 1}[m.group(2)]
+    return float(m.group(1)) * scale
+
+
+def check_grace(where, pod, binary, args, env, help_text):
+    grace = pod["spec"].get("terminationGracePeriodSeconds", 30)
+    if binary == "runner":
+        drain = (args[args.index("--drain-timeout") + 1] if "--drain-timeout" in args
+                 else env.get("AGENTLOG_DRAIN_TIMEOUT"))
+        if drain is None:
+            m = re.search(r"--drain-timeout[^[]*\[env: AGENTLOG_DRAIN_TIMEOUT=?[^]]*\]\s*\[default: ([^]]+)\]",
+                          help_text)
+            if not m:
+                fail(f"{where}: no default --drain-timeout in `runner --help`")
+                return
+            drain = m.group(1)
+        need = seconds(drain) + RUNNER_EXIT_MARGIN_S + GRACE_ROOM_S
+    else:
+        need = STORE_SHUTDOWN_GRACE_S + GRACE_ROOM_S
+    if grace < need:
+        fail(f"{where}: terminationGracePeriodSeconds {grace} < {need:g} (its SIGTERM drain)")
+
+
+# What tools may read (runner/src/tools/sandbox/process.rs, SYSTEM_DIRS).
+TOOL_READABLE = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt")
+SECRET_FILE_ENV = ("AGENTLOG_TOKEN_FILE", "ANTHROPIC_API_KEY_FILE", "OPENAI_API_KEY_FILE",
+                   "AGENTLOG_TLS_CLIENT_KEY")
+
+
+def check_hardening(where, pod, container):
+    """The pod runs as shipped under the restricted Pod Security Standard."""
+    pod_ctx = pod.get("securityContext", {})
+    ctx = container.get("securityContext", {})
+    if not (ctx.get("runAsNonRoot", pod_ctx.get("runAsNonRoot")) and
+            ctx.get("runAsUser", pod_ctx.get("runAsUser", 1)) != 0):
+        fail(f"{where}: does not run as a non-root user")
+    if ctx.get("capabilities", {}).get("drop") != ["ALL"] or ctx.get("capabilities", {}).get("add"):
+        fail(f"{where}: does not drop every capability")
+    if ctx.get("allowPrivilegeEscalation") is not False:
+        fail(f"{where}: allowPrivilegeEscalation is not false")
+    if ctx.get("privileged"):
+        fail(f"{where}: privileged")
+    seccomp = ctx.get("seccompProfile", pod_ctx.get("seccompProfile", {})).get("type")
+    if seccomp != "RuntimeDefault":
+        fail(f"{where}: seccomp profile {seccomp}, not RuntimeDefault")
+    if ctx.get("readOnlyRootFilesystem") is not True:
+        fail(f"{where}: the root filesystem is writable")
+    for field in ("hostNetwork", "hostPID", "hostIPC"):
+        if pod.get(field):
+            fail(f"{where}: {field}")
+    for volume in pod.get("volumes", []):
+        if "hostPath" in volume:
+            fail(f"{where}: hostPath volume {volume['name']}")
+
+
+def check_secret_files(where, env):
+    """The runner's secret files lie outside every path its tools may read."""
+    root = env.get("AGENTLOG_WORKSPACE_ROOT", "").rstrip("/")
+    for name in SECRET_FILE_ENV:
+        path = env.get(name)
+        if not path:
+            continue
+        readable = [d for d in TOOL_READABLE + ((root,) if root else ())
+                    if path == d or path.startswith(d + "/")]
+        if readable:
+            fail(f"{where}: {name} {path} lies under {readable[0]}, which tools may read")
+
+
 def main(rendered, bin_dir):
     docs = [d for d in yaml.safe_load_all(open(rendered)) if d]
     configmaps = {d["metadata"]["name"]: d.get("data", {}) for d in docs if d["kind"] == "ConfigMap"}
@@ -71,6 +159,7 @@ def main(rendered, bin_dir):
             help_text = subprocess.run([f"{bin_dir}/{binary}", "--help"], check=True,
                                        capture_output=True, text=True).stdout
             where = f"{doc['kind']}/{doc['metadata']['name']}"
+            check_hardening(where, pod["spec"], c)
             args = c.get("args", [])
             for a in args:
                 if a.startswith("--") and not re.search(rf"(^|\s){re.escape(a)}(\s|$|=)", help_text, re.M):
@@ -91,6 +180,9 @@ def main(rendered, bin_dir):
                 # clap prints `[env: NAME=value]`, or `[env: NAME]` for a secret's variable.
                 if f"[env: {name}=" not in help_text and f"[env: {name}]" not in help_text:
                     fail(f"{where}: env {name} is not read by {binary} (not in --help)")
+            check_grace(where, pod, binary, args, env, help_text)
+            if binary == "runner":
+                check_secret_files(where, env)
             if "AGENTLOG_EVENT_STORE" in env:
                 store_urls.append((where, env["AGENTLOG_EVENT_STORE"]))
             ports = {p.get("name"): p["containerPort"] for p in c.get("ports", [])}

@@ -17,7 +17,7 @@ use tokio::sync::mpsc;
 
 use crate::follow::{follow, Flow};
 use crate::render::{ends_turn, Transcript};
-use crate::stack::{start_runner, start_store, LogView};
+use crate::stack::{start_runner, start_store, LogView, RUNNER_STOP_GRACE, STORE_STOP_GRACE};
 use crate::store;
 
 const SESSION: &str = "demo";
@@ -167,10 +167,10 @@ pub async fn demo(keep: Option<PathBuf>) -> Result<()> {
     let ok = evidence(&log, &ledger, killed);
 
     if let Some(mut second) = second {
-        second.stop().await?;
+        second.stop(RUNNER_STOP_GRACE).await?;
     }
     first.kill9().await;
-    store_proc.stop().await?;
+    store_proc.stop(STORE_STOP_GRACE).await?;
     if !ok {
         bail!("a side effect was not applied exactly once: see the evidence above");
     }

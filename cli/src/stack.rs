@@ -1,10 +1,13 @@
 //! `agentlog up`: the local stack (one event store, one runner) as child processes.
 //!
 //! Promise: `up` reports ready only once the store answers its gRPC health check SERVING
-//! and the runner has started; on Ctrl-C or SIGTERM it stops the runner (which gives its
-//! leases back) and then the store (which fsyncs in-flight appends), each with SIGTERM,
-//! and waits for both. The children run in their own process groups, so a terminal's
-//! Ctrl-C reaches only `up`, which stops them in that order.
+//! and the runner has started; on Ctrl-C or SIGTERM it drains the runner (which claims
+//! nothing more, lets the tool calls it started finish and logs their results, within its
+//! `--drain-timeout`, and gives its leases back) and then stops the store (which answers
+//! every request it received and fsyncs), each with SIGTERM, and waits for both. A second
+//! Ctrl-C passes on to the runner, which then stops what still runs at once. The children
+//! run in their own process groups, so a terminal's Ctrl-C reaches only `up`, which stops
+//! them in that order.
 
 use std::io::IsTerminal;
 use std::net::{SocketAddr, ToSocketAddrs};
@@ -25,8 +28,11 @@ use tonic_health::pb::HealthCheckRequest;
 
 use crate::store;
 
-/// How long a child gets to exit after SIGTERM before it is killed.
-const STOP_GRACE: Duration = Duration::from_secs(30);
+/// How long the runner gets to exit after SIGTERM before it is killed: its drain budget
+/// (`runner --drain-timeout`, 20 s by default) and the margin it exits within, with room.
+pub const RUNNER_STOP_GRACE: Duration = Duration::from_secs(30);
+/// How long the store gets: it cuts connections still open 50 s after SIGTERM.
+pub const STORE_STOP_GRACE: Duration = Duration::from_secs(60);
 /// How long start-up (the store's log replay included) may take.
 const START_BOUND: Duration = Duration::from_secs(60);
 /// How long a runner that logs no start-up line must stay up to count as started.
@@ -163,14 +169,14 @@ impl Proc {
         }
     }
 
-    /// SIGTERM, then waits; SIGKILL if it takes longer than [`STOP_GRACE`].
-    pub async fn stop(&mut self) -> Result<ExitStatus> {
+    /// SIGTERM, then waits; SIGKILL if it takes longer than `grace`.
+    pub async fn stop(&mut self, grace: Duration) -> Result<ExitStatus> {
         self.send(Signal::SIGTERM);
-        match tokio::time::timeout(STOP_GRACE, self.child.wait()).await {
+        match tokio::time::timeout(grace, self.child.wait()).await {
             Ok(status) => Ok(status?),
             Err(_) => {
                 eprintln!(
-                    "agentlog: {} did not exit within {STOP_GRACE:?} of SIGTERM; killing it",
+                    "agentlog: {} did not exit within {grace:?} of SIGTERM; killing it",
                     self.name
                 );
                 self.child.kill().await?;
@@ -350,11 +356,15 @@ pub async fn start_runner(
 /// The model the environment asks for, and why.
 pub fn model_from_env(data_dir: &Path) -> Result<(String, String)> {
     let var = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
-    if var("ANTHROPIC_API_KEY").is_some() {
+    // The runner reads the key from the file or the variable (and scrubs the variable).
+    if let Some(source) = ["ANTHROPIC_API_KEY_FILE", "ANTHROPIC_API_KEY"]
+        .into_iter()
+        .find(|name| var(name).is_some())
+    {
         let model = var("ANTHROPIC_MODEL").unwrap_or(DEFAULT_ANTHROPIC_MODEL.into());
         return Ok((
             format!("anthropic:{model}"),
-            "ANTHROPIC_API_KEY is set (ANTHROPIC_MODEL picks another model)".into(),
+            format!("{source} is set (ANTHROPIC_MODEL picks another model)"),
         ));
     }
     if let Some(base) = var("OPENAI_BASE_URL") {
@@ -435,7 +445,7 @@ pub async fn up(config: UpConfig) -> Result<()> {
     {
         Ok(runner) => runner,
         Err(e) => {
-            let _ = store.stop().await;
+            let _ = store.stop(STORE_STOP_GRACE).await;
             return Err(e);
         }
     };
@@ -447,6 +457,9 @@ pub async fn up(config: UpConfig) -> Result<()> {
         workspaces.display()
     );
     println!("  tool sandbox {}", sandbox_line(&runner));
+    for line in sandbox_table(&runner) {
+        println!("    {line}");
+    }
     println!(
         "  try          agentlog send \"hello\"   (another terminal; add --addr {url} if not the default)"
     );
@@ -460,9 +473,25 @@ pub async fn up(config: UpConfig) -> Result<()> {
     };
     match outcome {
         Ok(why) => {
-            eprintln!("agentlog: {why}: stopping the runner, then the event store");
-            let runner_status = runner.stop().await?;
-            let store_status = store.stop().await?;
+            eprintln!(
+                "agentlog: {why}: draining the runner (the tool calls it started finish; Ctrl-C \
+                 again to stop them now), then stopping the event store"
+            );
+            let runner_pid = runner.pid();
+            let stopping = runner.stop(RUNNER_STOP_GRACE);
+            tokio::pin!(stopping);
+            let runner_status = loop {
+                tokio::select! {
+                    status = &mut stopping => break status?,
+                    _ = sigint.recv() => {}
+                    _ = sigterm.recv() => {}
+                }
+                eprintln!("agentlog: stopping what the runner still runs");
+                if let Some(pid) = runner_pid {
+                    let _ = kill(Pid::from_raw(pid as i32), Signal::SIGTERM);
+                }
+            };
+            let store_status = store.stop(STORE_STOP_GRACE).await?;
             if runner_status.success() && store_status.success() {
                 eprintln!("agentlog: stopped cleanly");
                 Ok(())
@@ -476,9 +505,9 @@ pub async fn up(config: UpConfig) -> Result<()> {
             let status = status.map(|s| s.to_string()).unwrap_or_default();
             eprintln!("agentlog: {which} exited unexpectedly ({status}); stopping the rest");
             if which == "runner" {
-                let _ = store.stop().await;
+                let _ = store.stop(STORE_STOP_GRACE).await;
             } else {
-                let _ = runner.stop().await;
+                let _ = runner.stop(RUNNER_STOP_GRACE).await;
             }
             bail!("{which} exited unexpectedly ({status}); its log is above")
         }
@@ -500,8 +529,10 @@ fn sandbox_line(runner: &Proc) -> String {
         let mode = field(line, "sandbox=")?;
         let network = field(line, "tool_network=").unwrap_or_else(|| "?".into());
         Some(match mode.as_str() {
-            "require" => format!("require: each tool call confined to its workspace, network {network}"),
-            "best-effort" => format!("best-effort: this kernel does not enforce all of it (see the runner's warning), network {network}"),
+            "require" => format!("require: every protection below enforced, network {network}"),
+            "best-effort" => format!(
+                "best-effort: this node does not enforce all of it (below), network {network}"
+            ),
             _ => format!("{mode}: tools are NOT confined (runner --sandbox {mode})"),
         })
     });
@@ -509,6 +540,21 @@ fn sandbox_line(runner: &Proc) -> String {
         "the runner's start-up line was filtered out (RUST_LOG); it says which mode is in force"
             .to_string()
     })
+}
+
+/// The runner's start-up table of the sandbox's protections (its lines start with
+/// `sandbox: `; the runner prints them whatever RUST_LOG filters), without that prefix.
+fn sandbox_table(runner: &Proc) -> Vec<String> {
+    runner
+        .lines
+        .borrow()
+        .iter()
+        .filter_map(|line| {
+            strip_ansi(line)
+                .strip_prefix("sandbox: ")
+                .map(|rest| rest.trim_end().to_string())
+        })
+        .collect()
 }
 
 /// `text` without ANSI colour sequences (the logs are coloured even into a pipe).

@@ -34,6 +34,9 @@ pub struct StoreConnection {
     pub client_cert: Option<PathBuf>,
     pub client_key: Option<PathBuf>,
     pub token_file: Option<PathBuf>,
+    /// A token the caller already read (the runner reads its secrets at start); it wins
+    /// over `token_file` and `AGENTLOG_TOKEN`.
+    pub token: Option<BearerToken>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -179,6 +182,9 @@ impl StoreConnection {
     /// The token, from `--token-file` or `AGENTLOG_TOKEN` (then removed from this process's
     /// environment, so nothing spawned later could inherit it).
     fn token(&self) -> Result<Option<MetadataValue<Ascii>>, ConnectError> {
+        if let Some(BearerToken(token)) = &self.token {
+            return Ok(token.clone());
+        }
         let raw = match &self.token_file {
             Some(path) => Some(String::from_utf8(read(path, "--token-file")?).map_err(|_| {
                 ConnectError::Config(format!("--token-file {} is not text", path.display()))

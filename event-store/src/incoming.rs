@@ -4,6 +4,11 @@
 //! Limits: beyond `max_connections` in all a new connection is closed at once; beyond
 //! `max_per_peer` from one address it is served just long enough for every call on it to
 //! be answered `RESOURCE_EXHAUSTED` (by [`crate::limits`]), then closed.
+//!
+//! Shutdown: accepting stops at once, and the server lets every connection finish the
+//! calls it has; a connection still open [`SHUTDOWN_GRACE`] later (a peer that stopped
+//! reading, so its last answer cannot be sent) is cut, so that the store exits within its
+//! pod's grace period whatever its clients do.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -26,6 +31,12 @@ use crate::tls::ReloadingTls;
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// An over-limit connection is closed this long after it was accepted.
 const OVER_LIMIT_GRACE: Duration = Duration::from_secs(5);
+/// How long after shutdown began a connection may stay open; then it is cut. Under the
+/// manifests' `terminationGracePeriodSeconds: 60`, with room for the writer's last fsync.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(50);
+/// How long a closing connection drains what its peer still sends (see
+/// `ServerConn::poll_shutdown`); a peer that answers our close closes in a round trip.
+const LINGER: Duration = Duration::from_secs(1);
 
 #[derive(Debug, Clone, Copy)]
 pub struct ConnLimits {
@@ -78,7 +89,23 @@ pub struct ServerConn {
     io: Io,
     info: PeerInfo,
     close_at: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// Fires [`SHUTDOWN_GRACE`] after shutdown began.
+    cut: Pin<Box<tokio_util::sync::WaitForCancellationFutureOwned>>,
+    /// Set once our side is shut down: until when what the peer still sends is drained.
+    linger: Option<Pin<Box<tokio::time::Sleep>>>,
     _counted: Counted,
+}
+
+impl ServerConn {
+    /// The error every read and write returns once the connection is cut.
+    fn cut(&mut self, cx: &mut Context<'_>) -> Option<std::io::Error> {
+        self.cut.as_mut().poll(cx).is_ready().then(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::ConnectionAborted,
+                "the store's shutdown grace is over",
+            )
+        })
+    }
 }
 
 impl Connected for ServerConn {
@@ -96,6 +123,9 @@ impl AsyncRead for ServerConn {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
         let this = self.get_mut();
+        if let Some(cut) = this.cut(cx) {
+            return Poll::Ready(Err(cut));
+        }
         if let Some(close_at) = this.close_at.as_mut() {
             if close_at.as_mut().poll(cx).is_ready() {
                 return Poll::Ready(Ok(())); // end of stream: hyper closes the connection
@@ -114,23 +144,61 @@ impl AsyncWrite for ServerConn {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<std::io::Result<usize>> {
-        match &mut self.get_mut().io {
+        let this = self.get_mut();
+        if let Some(cut) = this.cut(cx) {
+            return Poll::Ready(Err(cut));
+        }
+        match &mut this.io {
             Io::Plain(s) => Pin::new(s).poll_write(cx, buf),
             Io::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
         }
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        match &mut self.get_mut().io {
+        let this = self.get_mut();
+        if let Some(cut) = this.cut(cx) {
+            return Poll::Ready(Err(cut));
+        }
+        match &mut this.io {
             Io::Plain(s) => Pin::new(s).poll_flush(cx),
             Io::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
         }
     }
 
+    /// Ends our side (FIN), then reads and drops what the peer still sends until it closes
+    /// too, for at most [`LINGER`]: closing a socket with unread bytes makes the kernel
+    /// answer with a reset, and a reset can destroy the last answers still on their way to
+    /// the peer (an AppendStream's closing status while its client was still sending).
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        match &mut self.get_mut().io {
-            Io::Plain(s) => Pin::new(s).poll_shutdown(cx),
-            Io::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+        let this = self.get_mut();
+        if this.linger.is_none() {
+            let shut = match &mut this.io {
+                Io::Plain(s) => Pin::new(s).poll_shutdown(cx),
+                Io::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+            };
+            std::task::ready!(shut)?;
+            this.linger = Some(Box::pin(tokio::time::sleep(LINGER)));
+        }
+        let mut scratch = [0u8; 4096];
+        loop {
+            if this.cut(cx).is_some()
+                || this
+                    .linger
+                    .as_mut()
+                    .is_some_and(|l| l.as_mut().poll(cx).is_ready())
+            {
+                return Poll::Ready(Ok(()));
+            }
+            let mut buf = ReadBuf::new(&mut scratch);
+            let read = match &mut this.io {
+                Io::Plain(s) => Pin::new(s).poll_read(cx, &mut buf),
+                Io::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, &mut buf),
+            };
+            match read {
+                Poll::Ready(Ok(())) if !buf.filled().is_empty() => continue,
+                Poll::Ready(_) => return Poll::Ready(Ok(())),
+                Poll::Pending => return Poll::Pending,
+            }
         }
     }
 
@@ -139,7 +207,11 @@ impl AsyncWrite for ServerConn {
         cx: &mut Context<'_>,
         bufs: &[std::io::IoSlice<'_>],
     ) -> Poll<std::io::Result<usize>> {
-        match &mut self.get_mut().io {
+        let this = self.get_mut();
+        if let Some(cut) = this.cut(cx) {
+            return Poll::Ready(Err(cut));
+        }
+        match &mut this.io {
             Io::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
             Io::Tls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
         }
@@ -153,7 +225,8 @@ impl AsyncWrite for ServerConn {
     }
 }
 
-/// The stream of connections `tonic` serves: accepted on `listener` until `shutdown`.
+/// The stream of connections `tonic` serves: accepted on `listener` until `shutdown`; those
+/// still open [`SHUTDOWN_GRACE`] after it are cut.
 pub fn accept(
     listener: TcpListener,
     tls: Option<Arc<ReloadingTls>>,
@@ -161,8 +234,35 @@ pub fn accept(
     shutdown: CancellationToken,
 ) -> ReceiverStream<Result<ServerConn, std::io::Error>> {
     let (tx, rx) = mpsc::channel(256);
-    tokio::spawn(accept_loop(listener, tls, limits, shutdown, tx));
+    let counts = Arc::new(Mutex::new(Counts::default()));
+    let cut = CancellationToken::new();
+    tokio::spawn(cut_after_grace(
+        shutdown.clone(),
+        cut.clone(),
+        counts.clone(),
+    ));
+    tokio::spawn(accept_loop(
+        listener, tls, limits, shutdown, cut, counts, tx,
+    ));
     ReceiverStream::new(rx)
+}
+
+async fn cut_after_grace(
+    shutdown: CancellationToken,
+    cut: CancellationToken,
+    counts: Arc<Mutex<Counts>>,
+) {
+    shutdown.cancelled().await;
+    tokio::time::sleep(SHUTDOWN_GRACE).await;
+    let open = counts.lock().unwrap_or_else(|p| p.into_inner()).total;
+    if open > 0 {
+        tracing::warn!(
+            open,
+            grace_secs = SHUTDOWN_GRACE.as_secs(),
+            "connections still open after the shutdown grace; cutting them"
+        );
+    }
+    cut.cancel();
 }
 
 async fn accept_loop(
@@ -170,9 +270,10 @@ async fn accept_loop(
     tls: Option<Arc<ReloadingTls>>,
     limits: ConnLimits,
     shutdown: CancellationToken,
+    cut: CancellationToken,
+    counts: Arc<Mutex<Counts>>,
     tx: mpsc::Sender<Result<ServerConn, std::io::Error>>,
 ) {
-    let counts = Arc::new(Mutex::new(Counts::default()));
     let mut last_full_warning: Option<tokio::time::Instant> = None;
     loop {
         let (stream, remote) = tokio::select! {
@@ -235,6 +336,8 @@ async fn accept_loop(
                     io: Io::Plain(stream),
                     info,
                     close_at,
+                    cut: Box::pin(cut.clone().cancelled_owned()),
+                    linger: None,
                     _counted: counted,
                 };
                 if tx.send(Ok(conn)).await.is_err() {
@@ -244,6 +347,7 @@ async fn accept_loop(
             Some(tls) => {
                 let acceptor = tls.acceptor();
                 let tx = tx.clone();
+                let cut = cut.clone();
                 tokio::spawn(async move {
                     let handshake =
                         tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await;
@@ -253,6 +357,8 @@ async fn accept_loop(
                                 io: Io::Tls(Box::new(stream)),
                                 info,
                                 close_at,
+                                cut: Box::pin(cut.cancelled_owned()),
+                                linger: None,
                                 _counted: counted,
                             };
                             let _ = tx.send(Ok(conn)).await;

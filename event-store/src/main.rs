@@ -1,8 +1,11 @@
 //! `event-store --listen HOST:PORT (--data-dir DIR | --database-url URL)`: serves
 //! agentlog.v1.EventStore over the local log or over PostgreSQL.
 //!
-//! SIGTERM (or Ctrl-C): stop accepting, end streams and long-polls, let in-flight appends
-//! finish and be fsync'd (or committed), then exit 0. A failure of the log's disk exits 1:
+//! SIGTERM (or Ctrl-C): stop accepting, end streams (with UNAVAILABLE, so that clients
+//! subscribe again elsewhere) and long-polls, answer every request already received (an
+//! append acknowledged once fsync'd or committed, or refused), then exit 0. A connection
+//! that is still open 50 s on (a client that stopped reading) is cut, so the store is gone
+//! within its pod's 60 s grace period whatever its clients do. A failure of the log's disk exits 1:
 //! nothing more can be acknowledged safely, and a restart recovers from what is really on
 //! disk. The database being unreachable is not fatal: the store answers UNAVAILABLE and
 //! reports NOT_SERVING until it is back.
@@ -351,8 +354,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let disk_failed = disk_failed.await.unwrap_or(true);
     match opened {
         Opened::Local(store) => {
-            let store =
-                Arc::into_inner(store).context("requests still hold the store after shutdown")?;
+            let store = sole_owner(store)
+                .await
+                .context("requests still hold the store after shutdown")?;
             store.close().context("the log writer failed")?;
             if disk_failed {
                 anyhow::bail!(
@@ -364,6 +368,19 @@ async fn run(args: Args) -> anyhow::Result<()> {
         Opened::Postgres(_) => tracing::info!("every acknowledged append is committed; exiting"),
     }
     Ok(())
+}
+
+/// The store once no task holds it any more: a task that gives back the lease of a claimant
+/// that went away may finish just after the last connection closed.
+async fn sole_owner<T>(mut shared: Arc<T>) -> Option<T> {
+    for _ in 0..200 {
+        match Arc::try_unwrap(shared) {
+            Ok(owned) => return Some(owned),
+            Err(still_shared) => shared = still_shared,
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    None
 }
 
 /// Transport security and authentication, checked against where the store listens: on a

@@ -42,6 +42,15 @@ async fn up_send_tail_ls_show_on_a_fresh_data_dir() {
         .and_then(|rest| rest.split_whitespace().next())
         .expect("the ready line names the address")
         .to_string();
+    // `up` shows the runner's table of the tool sandbox's protections.
+    up.wait_for("resource limits", Duration::from_secs(10));
+    for row in [
+        "workspace only (read and write)",
+        "the runner's secrets",
+        "network egress",
+    ] {
+        assert!(up.stdout().contains(row), "no row {row:?}: {}", up.stdout());
+    }
     assert!(
         up.stderr().contains("built-in scripted demo model"),
         "up announces the demo model: {}",

@@ -1,9 +1,8 @@
-//! `runner --sandbox require|best-effort|off` and `--tool-network all`: on a kernel without
-//! Landlock (forced with the test-only AGENTLOG_TEST_SANDBOX_PROBE=unsupported) `require`
-//! refuses to start naming the kernel feature and the flag, `best-effort` starts, warns and
-//! marks every tool result, `off` warns; `--tool-network all` lets a tool reach a loopback
-//! listener; `--tool-read-path` opens one more directory, read-only; `--tool-user` refuses
-//! root.
+//! The sandbox's flags: `--sandbox off` warns and prints a table that says so, and leaves
+//! results unmarked; `--tool-network all` lets a tool reach a loopback listener (the table
+//! says the network is not restricted); `--tool-read-path` opens one more directory,
+//! read-only; `--tool-user` refuses root. (`require` refusing to start, and `best-effort`
+//! marking results, on a node without Landlock: `sandbox_escapes`, configuration d.)
 
 mod sandbox_support;
 
@@ -11,53 +10,6 @@ use std::net::TcpListener;
 
 use integration_tests::Store;
 use sandbox_support::*;
-
-const NO_LANDLOCK: &[(&str, &str)] = &[("AGENTLOG_TEST_SANDBOX_PROBE", "unsupported")];
-
-#[tokio::test(flavor = "multi_thread")]
-async fn require_refuses_to_start_without_landlock() {
-    let store = Store::start().expect("store");
-    let mut runner = start(
-        &store.url(),
-        &[done()],
-        RunAs::Me,
-        Options {
-            args: &[],
-            env: NO_LANDLOCK,
-        },
-    );
-    let status = runner.wait_exit();
-    assert!(!status.success());
-    let log = runner.log();
-    assert!(log.contains("Landlock"), "{log}");
-    assert!(log.contains("--sandbox best-effort"), "{log}");
-    assert!(!log.contains("runner started"), "{log}");
-}
-
-#[tokio::test(flavor = "multi_thread")]
-async fn best_effort_warns_and_marks_every_result() {
-    let store = Store::start().expect("store");
-    let mut client = store.client().await.expect("client");
-    let mut runner = start(
-        &store.url(),
-        &[bash("echo ran"), done()],
-        RunAs::Me,
-        Options {
-            args: &["--sandbox", "best-effort"],
-            env: NO_LANDLOCK,
-        },
-    );
-    let results = run_session(&mut client, "s1").await;
-    assert!(runner.is_running());
-    assert!(
-        results[0].content.starts_with("[sandbox: best-effort")
-            && results[0].content.contains("ran"),
-        "{results:?}"
-    );
-    let log = runner.log();
-    assert!(log.contains("--sandbox best-effort"), "{log}");
-    assert!(log.contains("sandbox=best-effort"), "{log}");
-}
 
 #[tokio::test(flavor = "multi_thread")]
 async fn off_warns_at_start() {
@@ -76,6 +28,10 @@ async fn off_warns_at_start() {
     assert_eq!(results[0].content, "exit code: 0\n--- stdout ---\nran\n");
     let log = runner.log();
     assert!(log.contains("--sandbox off"), "{log}");
+    assert!(
+        log.contains("sandbox:   workspace only (read and write)        NO        none"),
+        "{log}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -99,6 +55,11 @@ async fn tool_network_all_reaches_loopback() {
     listener.set_nonblocking(true).expect("nonblocking");
     assert!(listener.accept().is_ok(), "nothing arrived");
     assert!(runner.log().contains("sandbox=require"));
+    assert!(
+        runner.log().contains("none: --tool-network all"),
+        "{}",
+        runner.log()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]

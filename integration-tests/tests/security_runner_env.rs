@@ -1,11 +1,13 @@
 //! A malicious model's tool call cannot read the runner's secrets: the real `runner`, given
-//! a model API key and its store token in its environment (as the manifests give them),
+//! a model API key and its store token in its environment (as the gVisor overlay gives them),
 //! talks to a TLS + tokens store; the model asks the bash tool to dump its environment, the
 //! runner's environment (/proc/$PPID/environ) and command line. None of it shows a secret,
 //! and neither process logs one.
 //!
 //! When the tests run as root (with CAP_SYS_PTRACE, which reads any process), the runner is
-//! started as `nobody`, as it runs in the cluster (non-root, no capabilities).
+//! started as `nobody`, as it runs in the cluster (non-root, no capabilities), and the test
+//! itself checks that the runner's initial environment block (`/proc/<runner>/environ`)
+//! no longer holds the secrets: the runner wiped them after reading them.
 
 use std::io::{BufRead, BufReader};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
@@ -128,6 +130,22 @@ async fn the_bash_tool_sees_no_secret_of_the_runner() {
             "the runner never finished: {info:?}"
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // The runner read its secrets and wiped them from its initial environment block, which
+    // /proc/<pid>/environ shows to whoever may read it (this test, as root, may).
+    if root {
+        let environ = std::fs::read(format!("/proc/{}/environ", runner.id())).expect("environ");
+        let environ = String::from_utf8_lossy(&environ);
+        assert!(
+            environ.contains("RUST_LOG="),
+            "the block is readable: {environ}"
+        );
+        for secret in [API_KEY, OPENAI_KEY, RUNNER_TOKEN] {
+            assert!(
+                !environ.contains(secret),
+                "a secret is left in the runner's environ block"
+            );
+        }
     }
     let _ = runner.kill();
     let _ = runner.wait();

@@ -1,6 +1,6 @@
 //! The store as a network citizen: gRPC reflection in both versions (grpcurl 1.8 speaks
 //! v1alpha; newer tools speak v1), health for Kubernetes probes, garbage on the port, and a
-//! clean SIGTERM that keeps every acknowledged append.
+//! clean SIGTERM that keeps every acknowledged append and ends streams with UNAVAILABLE.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
@@ -352,6 +352,137 @@ async fn sigterm_exits_zero_and_every_acknowledged_append_survives_a_restart() {
                 .get(*seq as usize - 1)
                 .unwrap_or_else(|| panic!("acknowledged seq {seq} of w{w} lost"));
             assert_eq!(&event.event_id, id, "seq {seq} of w{w}");
+        }
+    }
+}
+
+/// SIGTERM while AppendStreams keep many appends in flight and a follower streams: every
+/// request the store read is answered (acknowledged only once durable: each acknowledged
+/// event is there after a restart, at its seq), and the streams end with UNAVAILABLE, so
+/// that their clients go elsewhere, never with an OK a reader would take for the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_ends_streams_unavailable_and_answers_what_it_read() {
+    use agentlog_proto::v1::{append_stream_response, SubscribeRequest};
+    use tokio_stream::StreamExt;
+
+    const STREAMS: usize = 2;
+    let mut store = Store::start().unwrap();
+    let mut follower = store.client().await.unwrap();
+    let mut follow = follower
+        .subscribe(SubscribeRequest {
+            session_id: "as0".into(),
+            from_seq: 1,
+            follow: true,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let followed = tokio::spawn(async move {
+        let mut seen = 0u64;
+        loop {
+            match follow.next().await {
+                Some(Ok(event)) => seen = event.seq,
+                Some(Err(status)) => return (seen, Some(status)),
+                None => return (seen, None),
+            }
+        }
+    });
+
+    let answered = std::sync::Arc::new(std::sync::Mutex::new(vec![0usize; STREAMS]));
+    let mut writers = Vec::new();
+    for w in 0..STREAMS {
+        let mut client = store.client().await.unwrap();
+        let answered = answered.clone();
+        writers.push(tokio::spawn(async move {
+            let (tx, rx) = tokio::sync::mpsc::channel(64);
+            let feeder = tokio::spawn(async move {
+                for i in 0u64.. {
+                    let request = AppendRequest {
+                        session_id: format!("as{w}"),
+                        events: vec![user_event(&format!("as{w}-{i}"), "in flight")],
+                        ..Default::default()
+                    };
+                    if tx.send(request).await.is_err() {
+                        return;
+                    }
+                }
+            });
+            let mut answers = client
+                .append_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+                .await
+                .unwrap()
+                .into_inner();
+            let mut acked = BTreeMap::new();
+            let mut i = 0u64;
+            let end = loop {
+                match tokio::time::timeout(BOUND, answers.next())
+                    .await
+                    .expect("an AppendStream hung across shutdown")
+                {
+                    Some(Ok(answer)) => {
+                        match answer.result {
+                            Some(append_stream_response::Result::Response(r)) => {
+                                acked.insert(r.seqs[0], format!("as{w}-{i}"));
+                            }
+                            other => panic!("request {i} refused: {other:?}"),
+                        }
+                        i += 1;
+                        answered.lock().unwrap()[w] += 1;
+                    }
+                    Some(Err(status)) => break Some(status),
+                    None => break None,
+                }
+            };
+            feeder.abort();
+            (acked, end)
+        }));
+    }
+    poll_until("every stream to have answers", BOUND, || {
+        answered
+            .lock()
+            .unwrap()
+            .iter()
+            .all(|&n| n >= 50)
+            .then_some(())
+    });
+    let status = tokio::task::block_in_place(|| store.terminate()).unwrap();
+    assert!(status.success(), "SIGTERM exit status: {status:?}");
+
+    let mut acked_by_stream = Vec::new();
+    for writer in writers {
+        let (acked, end) = writer.await.unwrap();
+        let end = end.expect("the stream ended with a status");
+        assert_eq!(
+            end.code(),
+            tonic::Code::Unavailable,
+            "the AppendStream ends UNAVAILABLE: {end:?}"
+        );
+        assert!(!acked.is_empty());
+        acked_by_stream.push(acked);
+    }
+    let (seen, end) = followed.await.unwrap();
+    let end = end.expect("the follow stream ended with a status");
+    assert_eq!(
+        end.code(),
+        tonic::Code::Unavailable,
+        "the follow ends UNAVAILABLE: {end:?}"
+    );
+
+    let restarted = store.restart().unwrap();
+    let mut client = restarted.client().await.unwrap();
+    for (w, acked) in acked_by_stream.iter().enumerate() {
+        let log = read_log(&mut client, &format!("as{w}")).await;
+        for (seq, id) in acked {
+            let event = log
+                .get(*seq as usize - 1)
+                .unwrap_or_else(|| panic!("acknowledged seq {seq} of as{w} lost"));
+            assert_eq!(&event.event_id, id, "seq {seq} of as{w}");
+        }
+        if w == 0 {
+            assert!(
+                seen <= log.len() as u64,
+                "the follower saw only durable events"
+            );
         }
     }
 }

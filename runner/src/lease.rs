@@ -1,26 +1,43 @@
 //! The lease a claimed session is worked under.
 //!
-//! Promise: a session is worked on only while its lease is ours. The lease is renewed every
-//! ttl/3; when a renewal is refused because the lease is lost
-//! (`agentlog_client::refusal::is_lease_lost`), or renewals fail until the
-//! lease's time is up, the session's cancellation token fires and its work stops at once.
-//! Time is kept by this process's monotonic clock, counted from *before* each renewal was
-//! sent, so the runner's idea of its lease never outlasts the store's: a runner paused past
-//! its lease (GC, SIGSTOP, a partition) sees [`LeaseGuard::has_margin`] fail on waking and
-//! starts nothing more.
+//! Promise: a session is worked on only while its lease is ours, and its work has stopped
+//! (a running tool's process tree killed) *before* the lease can run out. The lease is
+//! renewed every ttl/3. Time is kept by this process's monotonic clock, counted from
+//! *before* each renewal was sent, so the runner's idea of its lease never outlasts the
+//! store's: the lease is surely ours until (when the last successful renewal was sent) +
+//! ttl. A timer set to that moment minus [`stop_margin`] stops the work, whatever the
+//! renewals in flight are doing (one hanging on a cut network may take ttl/3 to fail); a
+//! renewal that succeeds moves the timer on. The work also stops at once when a renewal or
+//! an append is refused because a newer lease exists
+//! (`agentlog_client::refusal::is_lease_lost`), and when the runner's drain runs out of
+//! budget (`drain.rs`). A runner paused past its lease (GC, SIGSTOP, a partition) sees
+//! [`LeaseGuard::has_margin`] fail on waking and starts nothing more.
+//!
+//! Guarded by `integration-tests/tests/runner_partition.rs` (a runner cut off mid-call by a
+//! network namespace: no two runs of the call overlap, at several ttls) and this module's
+//! tests of the timer.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use agentlog_client::refusal::is_lease_lost;
 use agentlog_client::StoreClient;
 use agentlog_proto::v1::{Lease, ReleaseLeaseRequest, RenewLeaseRequest};
+use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use crate::drain::{Drain, RELEASE_DEADLINE};
 use crate::session_log::StoreError;
+
+/// How long before the lease's end (by our clock) the work is stopped: time for a tool's
+/// process tree to be killed and reaped with room to spare. A tenth of the ttl, at least
+/// 100 ms and at most 2 s.
+pub fn stop_margin(ttl: Duration) -> Duration {
+    (ttl / 10).clamp(Duration::from_millis(100), Duration::from_secs(2))
+}
 
 /// A held lease, renewed in the background until released or lost.
 #[derive(Debug)]
@@ -29,12 +46,16 @@ pub struct LeaseGuard {
     lease: Lease,
     ttl: Duration,
     /// By our monotonic clock: the store's expiry is no earlier than this.
-    valid_until: Arc<Mutex<Instant>>,
-    /// Set once the store has said a newer lease exists.
+    valid_until: watch::Receiver<Instant>,
+    /// Set once the lease is gone or may be: the store said a newer one exists, or its
+    /// time ran out before a renewal came back.
     lost: Arc<AtomicBool>,
-    /// Fires on loss of the lease and on shutdown.
+    /// Fires on loss of the lease, shortly before it could run out, and when the drain's
+    /// budget is spent.
     cancel: CancellationToken,
+    drain: Drain,
     renewer: tokio::task::JoinHandle<()>,
+    timer: tokio::task::JoinHandle<()>,
 }
 
 impl LeaseGuard {
@@ -44,18 +65,27 @@ impl LeaseGuard {
         client: StoreClient,
         lease: Lease,
         ttl: Duration,
-        shutdown: &CancellationToken,
+        drain: &Drain,
     ) -> Result<LeaseGuard, StoreError> {
-        let valid_until = Arc::new(Mutex::new(Instant::now()));
-        renew(&client, &lease, ttl, &valid_until).await?;
+        let (until, valid_until) = watch::channel(Instant::now());
+        renew(&client, &lease, ttl, &until).await?;
         let lost = Arc::new(AtomicBool::new(false));
-        let cancel = shutdown.child_token();
+        let cancel = drain.expired().child_token();
         let renewer = tokio::spawn(
             keep_renewing(
                 client.clone(),
                 lease.clone(),
                 ttl,
+                until,
+                lost.clone(),
+                cancel.clone(),
+            )
+            .in_current_span(),
+        );
+        let timer = tokio::spawn(
+            stop_before_expiry(
                 valid_until.clone(),
+                stop_margin(ttl),
                 lost.clone(),
                 cancel.clone(),
             )
@@ -68,7 +98,9 @@ impl LeaseGuard {
             valid_until,
             lost,
             cancel,
+            drain: drain.clone(),
             renewer,
+            timer,
         })
     }
 
@@ -76,19 +108,26 @@ impl LeaseGuard {
         self.lease.epoch
     }
 
-    /// Fires when the session's work must stop: the lease is lost, or the runner stops.
+    /// Fires when the session's work must stop now: the lease is lost or about to run out,
+    /// or the drain's budget is spent.
     pub fn cancelled(&self) -> &CancellationToken {
         &self.cancel
+    }
+
+    /// Whether the runner is draining: the step in hand may finish, no new one starts.
+    pub fn draining(&self) -> bool {
+        self.drain.has_begun()
+    }
+
+    /// Resolves once the runner drains.
+    pub async fn drain_begun(&self) {
+        self.drain.begun().await
     }
 
     /// Whether the lease, by our clock, still has a third of its ttl left: enough to start
     /// a tool and write its `tool_started` while it is surely ours.
     pub fn has_margin(&self) -> bool {
-        let valid_until = *self
-            .valid_until
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        Instant::now() + self.ttl / 3 < valid_until
+        Instant::now() + self.ttl / 3 < *self.valid_until.borrow()
     }
 
     /// Records that the store refused us: an append was refused as fenced off.
@@ -97,21 +136,36 @@ impl LeaseGuard {
         self.cancel.cancel();
     }
 
-    /// Stops renewing and gives the lease back, unless the store already took it.
+    /// Stops renewing and gives the lease back, unless it is gone; the release has a
+    /// deadline ([`RELEASE_DEADLINE`]), so a store that does not answer delays nobody.
     pub async fn release(self) {
         self.renewer.abort();
+        self.timer.abort();
         if self.lost.load(Ordering::SeqCst) {
             crate::metrics::lease_lost();
             return;
         }
-        let request = ReleaseLeaseRequest {
-            session_id: self.lease.session_id.clone(),
-            owner: self.lease.owner.clone(),
-            epoch: self.lease.epoch,
-        };
-        if let Err(status) = self.client.clone().release_lease(request).await {
-            tracing::debug!(%status, "release refused (the lease had already ended)");
+        release(&self.client, &self.lease).await;
+    }
+}
+
+/// Gives `lease` back, within [`RELEASE_DEADLINE`]. A refusal means it had already ended;
+/// a release that times out leaves the lease to expire by itself.
+pub async fn release(client: &StoreClient, lease: &Lease) {
+    let request = ReleaseLeaseRequest {
+        session_id: lease.session_id.clone(),
+        owner: lease.owner.clone(),
+        epoch: lease.epoch,
+    };
+    match tokio::time::timeout(RELEASE_DEADLINE, client.clone().release_lease(request)).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(status)) => {
+            tracing::debug!(%status, "release refused (the lease had already ended)")
         }
+        Err(_) => tracing::warn!(
+            epoch = lease.epoch,
+            "the store did not answer the release in time; the lease will expire by itself"
+        ),
     }
 }
 
@@ -120,7 +174,7 @@ async fn renew(
     client: &StoreClient,
     lease: &Lease,
     ttl: Duration,
-    valid_until: &Mutex<Instant>,
+    valid_until: &watch::Sender<Instant>,
 ) -> Result<(), StoreError> {
     let sent = Instant::now();
     let request = RenewLeaseRequest {
@@ -132,10 +186,13 @@ async fn renew(
     // A renewal slower than a third of the ttl is useless; give up on it and try again.
     match tokio::time::timeout(ttl / 3, client.clone().renew_lease(request)).await {
         Ok(Ok(_)) => {
-            let mut until = valid_until
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner());
-            *until = (*until).max(sent + ttl);
+            valid_until.send_if_modified(|until| {
+                let moved = sent + ttl > *until;
+                if moved {
+                    *until = sent + ttl;
+                }
+                moved
+            });
             Ok(())
         }
         Ok(Err(status)) if is_lease_lost(&status) => Err(StoreError::LeaseLost),
@@ -150,17 +207,18 @@ async fn keep_renewing(
     client: StoreClient,
     lease: Lease,
     ttl: Duration,
-    valid_until: Arc<Mutex<Instant>>,
+    valid_until: watch::Sender<Instant>,
     lost: Arc<AtomicBool>,
     cancel: CancellationToken,
 ) {
+    let mut pause = ttl / 3;
     loop {
         tokio::select! {
             _ = cancel.cancelled() => return,
-            _ = tokio::time::sleep(ttl / 3) => {}
+            _ = tokio::time::sleep(pause) => {}
         }
-        match renew(&client, &lease, ttl, &valid_until).await {
-            Ok(()) => {}
+        pause = match renew(&client, &lease, ttl, &valid_until).await {
+            Ok(()) => ttl / 3,
             Err(StoreError::LeaseLost) => {
                 tracing::warn!(
                     epoch = lease.epoch,
@@ -170,20 +228,110 @@ async fn keep_renewing(
                 cancel.cancel();
                 return;
             }
-            Err(e) => tracing::warn!(error = %e, "lease renewal failed; retrying"),
+            // Try again soon: the timer, not this loop, decides when the work must stop.
+            Err(e) => {
+                tracing::warn!(error = %e, "lease renewal failed; retrying");
+                ttl / 10
+            }
+        };
+    }
+}
+
+/// Fires `cancel` [`stop_margin`] before the lease can run out by our clock, following
+/// `valid_until` as renewals move it; marks the lease lost when it does.
+async fn stop_before_expiry(
+    mut valid_until: watch::Receiver<Instant>,
+    margin: Duration,
+    lost: Arc<AtomicBool>,
+    cancel: CancellationToken,
+) {
+    loop {
+        let until = *valid_until.borrow_and_update();
+        let stop_at = until.checked_sub(margin).unwrap_or(until);
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            changed = valid_until.changed() => if changed.is_err() {
+                // The renewer is gone: nothing will move the end any more.
+                tokio::select! {
+                    _ = cancel.cancelled() => return,
+                    _ = tokio::time::sleep_until(stop_at) => {}
+                }
+            } else {
+                continue
+            },
+            _ = tokio::time::sleep_until(stop_at) => {}
         }
-        let expired = Instant::now()
-            >= *valid_until
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner());
-        if expired {
-            tracing::warn!(
-                epoch = lease.epoch,
-                "lease expired without a renewal; stopping work"
-            );
-            lost.store(true, Ordering::SeqCst);
-            cancel.cancel();
-            return;
-        }
+        tracing::warn!(
+            margin_ms = margin.as_millis() as u64,
+            "no renewal came back in time: stopping work before the lease can run out"
+        );
+        lost.store(true, Ordering::SeqCst);
+        cancel.cancel();
+        return;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn timer(ttl: Duration) -> (watch::Sender<Instant>, Arc<AtomicBool>, CancellationToken) {
+        let (until, valid_until) = watch::channel(Instant::now() + ttl);
+        let lost = Arc::new(AtomicBool::new(false));
+        let cancel = CancellationToken::new();
+        tokio::spawn(stop_before_expiry(
+            valid_until,
+            stop_margin(ttl),
+            lost.clone(),
+            cancel.clone(),
+        ));
+        (until, lost, cancel)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn work_stops_a_margin_before_the_lease_runs_out_without_a_renewal() {
+        let ttl = Duration::from_secs(3);
+        let (_until, lost, cancel) = timer(ttl);
+        tokio::time::sleep(Duration::from_millis(2_690)).await;
+        assert!(!cancel.is_cancelled(), "not before ttl - margin (2.7 s)");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(
+            cancel.is_cancelled(),
+            "at ttl - margin, whatever renewals do"
+        );
+        assert!(lost.load(Ordering::SeqCst));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_successful_renewal_moves_the_stop_on() {
+        let ttl = Duration::from_secs(3);
+        let (until, _lost, cancel) = timer(ttl);
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        until.send_replace(Instant::now() + ttl);
+        tokio::time::sleep(Duration::from_millis(2_600)).await;
+        assert!(
+            !cancel.is_cancelled(),
+            "the renewal at 1 s moved the end to 4 s"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(cancel.is_cancelled());
+        // Even with the renewer gone, the last end stands.
+        let (until, _lost, cancel) = timer(ttl);
+        drop(until);
+        tokio::time::sleep(Duration::from_millis(2_710)).await;
+        assert!(cancel.is_cancelled());
+    }
+
+    #[test]
+    fn the_margin_is_a_tenth_of_the_ttl_within_bounds() {
+        assert_eq!(
+            stop_margin(Duration::from_secs(3)),
+            Duration::from_millis(300)
+        );
+        assert_eq!(
+            stop_margin(Duration::from_millis(300)),
+            Duration::from_millis(100)
+        );
+        assert_eq!(stop_margin(Duration::from_secs(60)), Duration::from_secs(2));
     }
 }

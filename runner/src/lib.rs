@@ -1,12 +1,15 @@
 //! The agentlog runner: claims runnable sessions, folds each log into the next
 //! step, calls the model and runs tools under lease-fenced, deterministic appends so that
 //! a crash at any moment resumes exactly where the log stops.
-#![forbid(unsafe_code)]
+// Unsafe code lives only in tools/sandbox/kernel.rs (raw Landlock and seccomp calls).
+#![deny(unsafe_code)]
 
+pub mod drain;
 pub mod fold;
 pub mod lease;
 pub mod metrics;
 pub mod model;
+pub mod secrets;
 pub mod session_log;
 pub mod tools;
 pub mod turn;

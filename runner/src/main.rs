@@ -9,13 +9,21 @@ use agentlog_client::retry::Backoff;
 use agentlog_client::StoreConnection;
 use anyhow::{Context, Result};
 use clap::Parser;
+use runner::drain::{Drain, EXIT_MARGIN};
 use runner::model::Model;
+use runner::secrets::{SecretFiles, Secrets};
 use runner::tools::sandbox::{self, Ids, Sandbox, SandboxMode, ToolNetwork, HELPER_ARG, SELF_EXE};
 use runner::tools::{ToolPolicy, Toolbox};
 use runner::turn::TurnContext;
 use runner::worker::{claim_loop, ClaimConfig};
 use tokio::signal::unix::{signal, SignalKind};
 use tokio_util::sync::CancellationToken;
+
+/// What the runtime's leftover threads (a file tool stopped mid-call, the exporter) get
+/// once the work is done.
+const RUNTIME_SHUTDOWN: Duration = Duration::from_millis(500);
+/// How long the trace exporter's last batch may take on the way out.
+const TELEMETRY_SHUTDOWN: Duration = Duration::from_secs(1);
 
 /// Works agentlog sessions: claims runnable ones from the event store, calls the model and
 /// runs tools exactly once, resuming any session exactly where its log stops.
@@ -36,9 +44,19 @@ struct Args {
     #[arg(long, env = "AGENTLOG_TLS_CLIENT_KEY", requires = "tls_client_cert")]
     tls_client_key: Option<PathBuf>,
     /// A file holding this runner's store token (a runner-role token). Without it the token
-    /// is read from the AGENTLOG_TOKEN environment variable, if set. Never logged.
+    /// is read from the AGENTLOG_TOKEN environment variable, if set (then removed from the
+    /// environment). Never logged. Mount it where tools cannot read it: the start-up table
+    /// says whether they can.
     #[arg(long, env = "AGENTLOG_TOKEN_FILE")]
     token_file: Option<PathBuf>,
+    /// A file holding the Anthropic API key (instead of ANTHROPIC_API_KEY, which is read
+    /// and then removed from the environment).
+    #[arg(long, env = "ANTHROPIC_API_KEY_FILE")]
+    anthropic_api_key_file: Option<PathBuf>,
+    /// A file holding the OpenAI-compatible server's API key (instead of OPENAI_API_KEY,
+    /// which is read and then removed from the environment).
+    #[arg(long, env = "OPENAI_API_KEY_FILE")]
+    openai_api_key_file: Option<PathBuf>,
     /// This runner's name, the owner of its leases (unique among live runners).
     #[arg(long, env = "AGENTLOG_RUNNER_ID")]
     runner_id: String,
@@ -62,9 +80,9 @@ struct Args {
     /// The most tokens one model reply may have.
     #[arg(long, env = "AGENTLOG_MAX_TOKENS", default_value_t = 8192)]
     max_tokens: u32,
-    /// The tool sandbox: `require` refuses to start where the kernel cannot enforce it
-    /// (Landlock ABI 6, Linux 6.12+); `best-effort` enforces what it can and marks every
-    /// tool result; `off` runs tools unconfined.
+    /// The tool sandbox: `require` refuses to start where some protection (the start-up
+    /// table lists them) has no mechanism on this node; `best-effort` enforces what the
+    /// node can and marks every tool result; `off` runs tools without Landlock or seccomp.
     #[arg(long, env = "AGENTLOG_SANDBOX", value_enum, default_value = "require")]
     sandbox: SandboxMode,
     /// Network for tool calls: `none` (Unix sockets only) or `all` (whatever the runner
@@ -101,6 +119,33 @@ struct Args {
     /// Defaults: bash and edit_file rerun-same-key, the others rerun.
     #[arg(long, env = "AGENTLOG_ON_UNKNOWN_OUTCOME", value_delimiter = ',')]
     on_unknown_outcome: Vec<String>,
+    /// On SIGTERM (or Ctrl-C) the runner drains: it claims nothing more and starts no new
+    /// step, lets every tool call already started run to its end and logs its result (a
+    /// model stream in flight may finish too), then gives its leases back. A call still
+    /// running after this long is stopped (its process tree killed) and left to its tool's
+    /// unknown-outcome policy. The runner exits within this plus 3 s; a second signal ends
+    /// the drain at once. `20s`, `1500ms`, `2m`.
+    #[arg(long, env = "AGENTLOG_DRAIN_TIMEOUT", default_value = "20s", value_parser = parse_duration)]
+    drain_timeout: Duration,
+}
+
+/// `20s`, `1500ms`, `2m`, or a number of seconds.
+fn parse_duration(text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let number: f64 = number
+        .parse()
+        .map_err(|_| format!("{text:?} is not a duration: write 20s, 1500ms or 2m"))?;
+    let seconds = match unit.trim() {
+        "" | "s" => number,
+        "ms" => number / 1000.0,
+        "m" => number * 60.0,
+        other => return Err(format!("{other:?} is not a unit: use ms, s or m")),
+    };
+    Duration::try_from_secs_f64(seconds).map_err(|e| format!("{text:?}: {e}"))
 }
 
 fn main() -> Result<()> {
@@ -109,34 +154,47 @@ fn main() -> Result<()> {
     if args.get(1).is_some_and(|arg| arg == HELPER_ARG) {
         std::process::exit(sandbox::process_main(&args[2..]));
     }
-    tokio::runtime::Builder::new_multi_thread()
+    let args = Args::parse();
+    // Before any other thread exists: it reads the secrets and scrubs the environment.
+    let secrets = Secrets::take(&SecretFiles {
+        anthropic_api_key: args.anthropic_api_key_file.clone(),
+        openai_api_key: args.openai_api_key_file.clone(),
+        store_token: args.token_file.clone(),
+    })?;
+    // A tool of this process's user could otherwise read our memory (the keys, the token)
+    // through /proc/<pid>/mem or ptrace. Not dumpable, those files belong to root and
+    // ptrace is refused; the sandbox's table counts it as a mechanism only if it held.
+    let non_dumpable = nix::sys::prctl::set_dumpable(false).is_ok()
+        && nix::sys::prctl::get_dumpable().is_ok_and(|dumpable| !dumpable);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
-        .context("start the async runtime")?
-        .block_on(async {
-            let telemetry = telemetry::init("runner")?;
-            let result = run().await;
-            // The exporter's last batch goes out (blocking, so off the async threads).
-            let _ = tokio::task::spawn_blocking(move || telemetry.shutdown()).await;
-            result
-        })
+        .context("start the async runtime")?;
+    let result = runtime.block_on(async {
+        let telemetry = telemetry::init("runner")?;
+        let result = run(args, secrets, non_dumpable).await;
+        // The exporter's last batch goes out (blocking, so off the async threads), if it can
+        // in time: the drain's exit bound holds whatever the collector does.
+        let shutdown = tokio::task::spawn_blocking(move || telemetry.shutdown());
+        let _ = tokio::time::timeout(TELEMETRY_SHUTDOWN, shutdown).await;
+        result
+    });
+    // Dropping a runtime would wait for its blocking threads however long they take.
+    runtime.shutdown_timeout(RUNTIME_SHUTDOWN);
+    result
 }
 
-async fn run() -> Result<()> {
-    // A tool runs as this process's user: without this it could read our environment (the
-    // model API key, the store token) from /proc/<pid>/environ or our memory. Not dumpable,
-    // those files belong to root and ptrace is refused.
-    if let Err(e) = nix::sys::prctl::set_dumpable(false) {
-        tracing::warn!(error = %e, "cannot mark the runner non-dumpable; tools may read its environment");
+async fn run(args: Args, secrets: Secrets, non_dumpable: bool) -> Result<()> {
+    if let Err(e) = &secrets.wiped {
+        tracing::warn!(error = %e, "cannot wipe the secrets from the initial environment block; they were removed from the environment");
     }
-    let args = Args::parse();
     anyhow::ensure!(
         args.lease_ttl_ms >= 300,
         "--lease-ttl-ms {} is too short: renewals every third of it need at least 300 ms",
         args.lease_ttl_ms
     );
     anyhow::ensure!(args.max_sessions >= 1, "--max-sessions must be at least 1");
-    let model = Model::from_spec(&args.model)?;
+    let model = Model::from_spec(&args.model, &secrets.api_keys)?;
     let policy = ToolPolicy::new(&args.approve, &args.on_unknown_outcome)?;
     std::fs::create_dir_all(&args.workspace_root).with_context(|| {
         format!(
@@ -144,32 +202,51 @@ async fn run() -> Result<()> {
             args.workspace_root.display()
         )
     })?;
+    let secret_files = [
+        &args.token_file,
+        &args.tls_client_key,
+        &args.anthropic_api_key_file,
+        &args.openai_api_key_file,
+    ]
+    .into_iter()
+    .flatten()
+    .cloned()
+    .collect();
     let mut sandbox = Sandbox {
         mode: args.sandbox,
         network: args.tool_network,
         user: tool_user(args.tool_user.as_deref())?,
         read_paths: args.tool_read_paths.clone(),
         helper: SELF_EXE.into(),
-        weakness: None,
+        secret_files,
+        table: None,
     };
-    sandbox.probe(&args.workspace_root).await?;
-    match (sandbox.mode, &sandbox.weakness) {
-        (SandboxMode::Off, _) => tracing::warn!(
-            "--sandbox off: tool calls can read and write everything the tool user can, \
-             signal other processes and use the network"
-        ),
-        (_, Some(gap)) => tracing::warn!(
-            %gap,
-            "--sandbox best-effort: this kernel does not enforce the whole tool sandbox; \
-             every tool result says so"
-        ),
-        _ => {}
-    }
     for dir in sandbox
         .open_path_to(&args.workspace_root)
         .context("cannot let the tool user reach the workspace root")?
     {
         tracing::warn!(dir = %dir.display(), "gave others search permission (o+x) so the tool user reaches the workspaces");
+    }
+    let (mode, network) = (sandbox.mode_name(), sandbox.network_name());
+    let table = sandbox.start(&args.workspace_root, non_dumpable).await?;
+    // Plain lines, not log events: the table is shown whatever RUST_LOG filters.
+    eprint!("{}", table.render(mode, network));
+    let gaps: Vec<&str> = table
+        .gaps()
+        .iter()
+        .map(|row| row.protection.name())
+        .collect();
+    match (sandbox.mode, gaps.is_empty()) {
+        (SandboxMode::Off, _) => tracing::warn!(
+            "--sandbox off: tool calls can read and write everything the tool user can, \
+             signal other processes and use the network"
+        ),
+        (_, false) => tracing::warn!(
+            not_enforced = %gaps.join(", "),
+            "--sandbox best-effort: this node does not enforce every protection of the tool \
+             sandbox; every tool result says so"
+        ),
+        _ => {}
     }
     let client = StoreConnection {
         url: args.event_store.clone(),
@@ -177,6 +254,12 @@ async fn run() -> Result<()> {
         client_cert: args.tls_client_cert.clone(),
         client_key: args.tls_client_key.clone(),
         token_file: args.token_file.clone(),
+        token: secrets
+            .store_token
+            .as_deref()
+            .map(agentlog_client::BearerToken::new)
+            .transpose()
+            .context("the store token")?,
     }
     .client()
     .context("connecting to the event store")?;
@@ -198,13 +281,20 @@ async fn run() -> Result<()> {
     }
     let mut terminate = signal(SignalKind::terminate()).context("install the SIGTERM handler")?;
     let mut interrupt = signal(SignalKind::interrupt()).context("install the SIGINT handler")?;
-    let on_signal = shutdown.clone();
+    let drain = Drain::new(args.drain_timeout);
+    let on_signal = drain.clone();
+    let drain_ms = args.drain_timeout.as_millis() as u64;
     tokio::spawn(async move {
         tokio::select! {
-            _ = terminate.recv() => tracing::info!("SIGTERM: stopping"),
-            _ = interrupt.recv() => tracing::info!("SIGINT: stopping"),
+            _ = terminate.recv() => tracing::info!(drain_ms, "SIGTERM: draining (a second signal stops at once)"),
+            _ = interrupt.recv() => tracing::info!(drain_ms, "SIGINT: draining (a second signal stops at once)"),
         }
-        on_signal.cancel();
+        on_signal.begin();
+        tokio::select! {
+            _ = terminate.recv() => tracing::warn!("SIGTERM again: stopping what still runs"),
+            _ = interrupt.recv() => tracing::warn!("SIGINT again: stopping what still runs"),
+        }
+        on_signal.begin();
     });
 
     tracing::info!(
@@ -226,7 +316,7 @@ async fn run() -> Result<()> {
         max_tokens: args.max_tokens,
         backoff: Backoff::MODEL,
     });
-    claim_loop(
+    let work = claim_loop(
         client,
         ClaimConfig {
             runner_id: args.runner_id,
@@ -235,10 +325,18 @@ async fn run() -> Result<()> {
             snapshot_every: args.snapshot_every,
         },
         context,
-        shutdown,
-    )
-    .await;
-    tracing::info!("runner stopped");
+        drain.clone(),
+    );
+    // The backstop of the exit bound: whatever is still running by then is dropped (a
+    // tool's helper kills its process tree when told, or when this process is gone).
+    tokio::select! {
+        _ = work => tracing::info!("runner stopped"),
+        _ = drain.overrun() => tracing::error!(
+            margin_ms = EXIT_MARGIN.as_millis() as u64,
+            "the drain's budget and margin are spent; exiting with work unfinished"
+        ),
+    }
+    shutdown.cancel();
     Ok(())
 }
 

@@ -18,7 +18,7 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
 use crate::model::{Model, ModelError};
-use crate::tools::{ToolOutput, Toolbox};
+use crate::tools::{Stopped, ToolOutput, Toolbox};
 
 type Labels1 = [(&'static str, &'static str); 1];
 type Labels2 = [(&'static str, &'static str); 2];
@@ -262,8 +262,8 @@ impl Drop for ModelCall {
 /// Runs one tool call in its span (`tool`), timing it and counting its outcome.
 pub async fn tool_run(
     name: &str,
-    run: impl std::future::Future<Output = ToolOutput>,
-) -> ToolOutput {
+    run: impl std::future::Future<Output = Result<ToolOutput, Stopped>>,
+) -> Result<ToolOutput, Stopped> {
     let mut observer = ToolRun {
         tool: Toolbox::specs()
             .into_iter()
@@ -277,10 +277,10 @@ pub async fn tool_run(
         tool = observer.tool,
         is_error = tracing::field::Empty
     );
-    let output = tracing::Instrument::instrument(run, span.clone()).await;
+    let output = tracing::Instrument::instrument(run, span.clone()).await?;
     span.record("is_error", output.is_error);
     observer.outcome = if output.is_error { "error" } else { "ok" };
-    output
+    Ok(output)
 }
 
 struct ToolRun {

@@ -6,7 +6,9 @@
 //! before the model sees it (the guarded call lives in `tools/guard.rs`). An `interrupt`
 //! stops the step in hand within moments (the model stream or the tool is dropped) and is
 //! answered before anything else: every open call of the turn is closed and `interrupted`
-//! ends the turn. Every append carries a deterministic `event_id`, so an append retried
+//! ends the turn. When the runner drains (`drain.rs`) no new step starts; the step in hand
+//! (a started tool call, a model stream) runs to its end and is logged, unless the budget
+//! runs out first (the stream is then dropped, the tool stopped). Every append carries a deterministic `event_id`, so an append retried
 //! after a lost acknowledgement, or repeated by a runner that resumed the session, writes
 //! nothing twice:
 //!
@@ -59,7 +61,8 @@ pub enum Outcome {
     Idle,
     /// A call waits for a person's decision: nobody needs to hold the session.
     AwaitingApproval,
-    /// The runner is stopping or the lease was lost; the step in hand was abandoned.
+    /// The runner drains (the step in hand was finished and logged first, unless the budget
+    /// ran out) or the lease was lost or about to run out (the step was abandoned).
     Stopped,
 }
 
@@ -98,11 +101,13 @@ pub async fn drive_session(
 ) -> Result<Outcome, TurnError> {
     let cancel = lease.cancelled().clone();
     loop {
-        if cancel.is_cancelled() {
+        // No new step once the runner drains.
+        if cancel.is_cancelled() || lease.draining() {
             return Ok(Outcome::Stopped);
         }
         let folded = tokio::select! {
             _ = cancel.cancelled() => return Ok(Outcome::Stopped),
+            _ = lease.drain_begun() => return Ok(Outcome::Stopped),
             fold = log.catch_up().instrument(tracing::info_span!("fold")) => fold?.take_folded(),
         };
         let interrupt = log.interrupt_signal();
@@ -237,10 +242,16 @@ async fn call_model(
                 if attempt >= context.backoff.max_attempts {
                     break (format!("gave up after {attempt} attempts: {message}"), true);
                 }
+                // A retry is a new model call: not once the runner drains.
+                if lease.draining() {
+                    tracing::info!(turn, %message, "draining: the failed model call is left for the next runner");
+                    return Ok(Step::Stopped);
+                }
                 let wait = context.backoff.delay(attempt, retry_after);
                 tracing::warn!(turn, attempt, %message, wait_ms = wait.as_millis() as u64, "model call failed; retrying");
                 tokio::select! {
                     _ = cancel.cancelled() => return Ok(Step::Stopped),
+                    _ = lease.drain_begun() => return Ok(Step::Stopped),
                     _ = interrupt.arrived() => return Ok(Step::Done),
                     _ = tokio::time::sleep(wait) => {}
                 }

@@ -6,17 +6,21 @@ use std::time::Duration;
 
 use agentlog_client::StoreClient;
 use agentlog_proto::v1::{ClaimSessionRequest, Lease};
+use futures::FutureExt;
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
-use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::lease::LeaseGuard;
+use crate::drain::{Drain, APPEND_GRACE};
+use crate::lease::{self, LeaseGuard};
 use crate::session_log::{Appender, FoldCache, SessionLog, StoreError};
 use crate::turn::{self, Outcome, TurnContext, TurnError};
 
 /// How long one `ClaimSession` long-poll waits for a runnable session.
 const CLAIM_WAIT: Duration = Duration::from_secs(2);
+/// A claim still unanswered this long after its wait is given up (and so cancelled): on a
+/// connection gone silent it would otherwise hang until HTTP/2 keepalive notices, 10 s on.
+const CLAIM_SLACK: Duration = Duration::from_secs(3);
 /// The pause after the store could not be reached.
 const CLAIM_RETRY: Duration = Duration::from_secs(1);
 /// Sessions' folds kept for a quick re-claim, per session this runner may work at once.
@@ -34,13 +38,16 @@ pub struct ClaimConfig {
 }
 
 /// Claims runnable sessions, up to `max_sessions` at once, and works each until it is idle,
-/// its lease is lost, or `shutdown` fires. On shutdown no new claim is made, every session
-/// finishes the append in hand and gives its lease back, and then this returns.
+/// its lease is lost, or the runner drains. When `drain` begins nothing more is claimed: a
+/// long-poll in flight is cut short (cancelled; the store gives back a lease it grants a
+/// claimant that went away, and one whose answer was already here is given back by us).
+/// Every session then finishes its step in hand (within the drain's budget) and gives its
+/// lease back, and this returns.
 pub async fn claim_loop(
     client: StoreClient,
     config: ClaimConfig,
     context: Arc<TurnContext>,
-    shutdown: CancellationToken,
+    drain: Drain,
 ) {
     let permits = Arc::new(Semaphore::new(config.max_sessions.max(1)));
     let folds = Arc::new(FoldCache::new(
@@ -50,8 +57,11 @@ pub async fn claim_loop(
     ));
     let mut sessions = JoinSet::new();
     loop {
+        // Biased: with a permit free and the drain begun, an unbiased select would claim
+        // again half the time, each time for a whole long-poll.
         let permit = tokio::select! {
-            _ = shutdown.cancelled() => break,
+            biased;
+            _ = drain.begun() => break,
             permit = permits.clone().acquire_owned() => match permit {
                 Ok(permit) => permit,
                 Err(_) => break,
@@ -63,28 +73,52 @@ pub async fn claim_loop(
             ttl_ms: config.lease_ttl.as_millis() as u64,
             wait_ms: CLAIM_WAIT.as_millis() as u64,
         };
-        // The long-poll is not cut short by shutdown: a lease granted meanwhile must be seen,
-        // to be given back at once rather than left to expire.
-        let lease = match client.clone().claim_session(request).await {
-            Ok(response) => response.into_inner().lease,
-            Err(status) => {
+        let mut claimant = client.clone();
+        let claim = tokio::time::timeout(CLAIM_WAIT + CLAIM_SLACK, claimant.claim_session(request));
+        tokio::pin!(claim);
+        let claimed = tokio::select! {
+            biased;
+            claimed = &mut claim => claimed,
+            // The drain cuts the long-poll short: an answer already here is taken (its lease
+            // is given back below); one still on its way is cancelled with the call.
+            _ = drain.begun() => match (&mut claim).now_or_never() {
+                Some(claimed) => claimed,
+                None => break,
+            },
+        };
+        let lease = match claimed {
+            Ok(Ok(response)) => response.into_inner().lease,
+            Ok(Err(status)) => {
                 tracing::warn!(%status, "ClaimSession failed; retrying");
                 tokio::select! {
-                    _ = shutdown.cancelled() => break,
+                    biased;
+                    _ = drain.begun() => break,
                     _ = tokio::time::sleep(CLAIM_RETRY) => continue,
                 }
             }
+            Err(_) => {
+                tracing::warn!(
+                    wait_ms = CLAIM_WAIT.as_millis() as u64,
+                    "ClaimSession did not answer in time; claiming again"
+                );
+                continue;
+            }
         };
         let Some(lease) = lease else { continue };
+        if drain.has_begun() {
+            tracing::info!(session_id = %lease.session_id, "a lease came as the drain began; giving it back");
+            lease::release(&client, &lease).await;
+            break;
+        }
         let span = tracing::info_span!("turn", session_id = %lease.session_id, epoch = lease.epoch);
         let client = client.clone();
         let context = context.clone();
-        let shutdown = shutdown.clone();
+        let drain = drain.clone();
         let folds = folds.clone();
         let ttl = config.lease_ttl;
         sessions.spawn(
             async move {
-                work_session(client, lease, ttl, &context, &folds, &shutdown).await;
+                work_session(client, lease, ttl, &context, &folds, &drain).await;
                 drop(permit);
             }
             .instrument(span),
@@ -104,35 +138,77 @@ async fn work_session(
     ttl: Duration,
     context: &TurnContext,
     folds: &FoldCache,
-    shutdown: &CancellationToken,
+    drain: &Drain,
 ) {
     let _held = crate::metrics::SessionHeld::enter();
-    let hold = LeaseGuard::hold(client.clone(), lease.clone(), ttl, shutdown);
-    let guard = match hold.instrument(tracing::info_span!("claim")).await {
-        Ok(guard) => guard,
-        Err(e) => {
+    let hold = LeaseGuard::hold(client.clone(), lease.clone(), ttl, drain);
+    let held = tokio::select! {
+        biased;
+        _ = drain.begun() => None,
+        held = hold.instrument(tracing::info_span!("claim")) => Some(held),
+    };
+    let guard = match held {
+        Some(Ok(guard)) => guard,
+        Some(Err(e)) => {
             tracing::warn!(error = %e, "could not confirm the claimed lease; leaving the session");
+            return;
+        }
+        None => {
+            tracing::info!("draining before any step; releasing the session");
+            lease::release(&client, &lease).await;
             return;
         }
     };
     tracing::info!("claimed");
     let appender = Appender::new(client, lease.session_id.clone(), lease.epoch);
-    let mut log = match SessionLog::open(appender, folds).await {
-        Ok(log) => log,
-        Err(e) => {
+    let opened = tokio::select! {
+        biased;
+        _ = drain.begun() => None,
+        opened = SessionLog::open(appender, folds) => Some(opened),
+    };
+    let mut log = match opened {
+        Some(Ok(log)) => log,
+        Some(Err(e)) => {
             tracing::warn!(error = %e, "cannot read the session's log; leaving the session");
             guard.release().await;
             return;
         }
+        None => {
+            tracing::info!("draining before any step; releasing the session");
+            guard.release().await;
+            return;
+        }
     };
-    match turn::drive_session(context, &mut log, &guard).await {
+    // Past the budget the step in hand is stopped (a tool's process tree killed); an append
+    // still in flight then gets APPEND_GRACE before the work is dropped.
+    let outcome = tokio::select! {
+        biased;
+        outcome = turn::drive_session(context, &mut log, &guard) => outcome,
+        _ = drain.expired_for(APPEND_GRACE) => {
+            tracing::warn!("the drain's budget is spent and an append is still unanswered; leaving the session");
+            Ok(Outcome::Stopped)
+        }
+    };
+    match outcome {
         Ok(Outcome::Idle) => {
-            log.write_snapshot_if_due().await;
+            // The snapshot only saves a later claim some reading: not worth a drain's time.
+            tokio::select! {
+                biased;
+                _ = drain.begun() => {}
+                _ = log.write_snapshot_if_due() => {}
+            }
             tracing::info!("session is idle; releasing it")
         }
         Ok(Outcome::AwaitingApproval) => {
-            log.write_snapshot_if_due().await;
+            tokio::select! {
+                biased;
+                _ = drain.begun() => {}
+                _ = log.write_snapshot_if_due() => {}
+            }
             tracing::info!("a call waits for a person; releasing the session")
+        }
+        Ok(Outcome::Stopped) if drain.has_begun() => {
+            tracing::info!("drained: releasing the session")
         }
         Ok(Outcome::Stopped) => tracing::info!("stopped working on the session"),
         Err(TurnError::Store(StoreError::LeaseLost)) => {

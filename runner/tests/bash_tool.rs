@@ -1,24 +1,37 @@
 //! The `bash` tool through the real sandbox helper (this package's `runner` binary): output,
-//! exit codes, the environment, the cap, and that a timeout or a dropped call leaves no
-//! process of the call behind — `setsid` and double-forked ones included.
+//! exit codes, the environment, the cap, and that a timeout, a stopped or a dropped call
+//! leaves no process of the call behind — `setsid` and double-forked ones included (a
+//! stopped call not even for a moment after it returns).
 
 mod common;
 
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use runner::tools::{ToolOutput, OUTPUT_CAP};
+use runner::tools::{Stopped, ToolOutput, OUTPUT_CAP};
 use serde_json::{json, Value};
+use tokio_util::sync::CancellationToken;
 
 async fn bash(root: &Path, input: Value) -> ToolOutput {
+    bash_until(root, input, &CancellationToken::new())
+        .await
+        .expect("nothing stops the call")
+}
+
+async fn bash_until(
+    root: &Path,
+    input: Value,
+    stop: &CancellationToken,
+) -> Result<ToolOutput, Stopped> {
     let Value::Object(input) = input else {
-        return ToolOutput {
+        return Ok(ToolOutput {
             content: "test input is not an object".into(),
             is_error: true,
-        };
+        });
     };
     common::toolbox(root)
-        .run("s1", "bash", input, "s1/toolu_1")
+        .await
+        .run("s1", "bash", input, "s1/toolu_1", stop)
         .await
 }
 
@@ -126,6 +139,32 @@ async fn dropping_the_call_kills_every_process_of_the_call() {
         .await
         .is_err());
     tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(survivors(root.path()), Vec::<String>::new());
+}
+
+/// A stopped call returns once the helper has killed and reaped the whole tree: the
+/// processes that would write `ticked` every 20 ms are gone by then, not a moment later.
+#[tokio::test]
+async fn a_stopped_call_returns_after_every_process_of_the_call_is_gone() {
+    let root = tempfile::tempdir().expect("temp dir");
+    let stop = CancellationToken::new();
+    let stopper = stop.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        stopper.cancel();
+    });
+    let ticker = "while true; do date +%s%N >> ticked; sleep 0.02; done";
+    let command = format!("{SURVIVORS} (setsid bash -c '{ticker}' &); {ticker}");
+    let started = Instant::now();
+    let out = bash_until(root.path(), json!({"command": command}), &stop).await;
+    assert_eq!(out, Err(Stopped));
+    assert!(started.elapsed() < Duration::from_secs(5));
+    let ticks = |root: &Path| std::fs::read_to_string(root.join("s1/ticked")).unwrap_or_default();
+    let at_return = ticks(root.path());
+    assert!(!at_return.is_empty(), "the call ran before it was stopped");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(ticks(root.path()), at_return, "nothing of the call ran on");
+    tokio::time::sleep(Duration::from_millis(1200)).await;
     assert_eq!(survivors(root.path()), Vec::<String>::new());
 }
 

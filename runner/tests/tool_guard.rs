@@ -2,12 +2,14 @@
 //! runner dying at every append of a clean run — just before the append is durable and
 //! just after — and the next runner folding the log and finishing: nothing runs twice that
 //! the policy does not allow, and every call ends with exactly one result. The bash calls
-//! run through the real sandbox helper (this package's `runner` binary).
+//! run through the real sandbox helper (this package's `runner` binary). And a drain: the
+//! call in hand finishes and is logged, the next does not start; past the budget the call
+//! is stopped, its process tree killed, and left without a result.
 
 mod common;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use agentlog_client::json::object_to_struct;
@@ -84,7 +86,8 @@ impl CallLog for Runner<'_> {
     }
 }
 
-struct Held(CancellationToken);
+/// The lease's side: `0` fires to stop the work now, `1` says the runner drains.
+struct Held(CancellationToken, AtomicBool);
 
 impl LeaseCheck for Held {
     fn has_margin(&self) -> bool {
@@ -94,10 +97,19 @@ impl LeaseCheck for Held {
     fn cancelled(&self) -> &CancellationToken {
         &self.0
     }
+
+    fn draining(&self) -> bool {
+        self.1.load(Ordering::SeqCst)
+    }
 }
 
 /// A reply with two bash calls, each recording every run of itself in `runs.txt`.
 fn two_calls() -> MemLog {
+    calls_running("")
+}
+
+/// [`two_calls`], each call running `before` first.
+fn calls_running(before: &str) -> MemLog {
     let log = MemLog::default();
     log.write(
         "user:1".into(),
@@ -110,7 +122,7 @@ fn two_calls() -> MemLog {
             id: id.into(),
             name: "bash".into(),
             input: Some(object_to_struct(
-                json!({"command": format!("echo {id} >> runs.txt")})
+                json!({"command": format!("{before}echo {id} >> runs.txt")})
                     .as_object()
                     .cloned()
                     .unwrap_or_default(),
@@ -138,7 +150,7 @@ async fn work(log: &MemLog, death: Option<Death>, toolbox: &Toolbox, policy: &To
         appends: AtomicUsize::new(0),
         death,
     };
-    let lease = Held(CancellationToken::new());
+    let lease = Held(CancellationToken::new(), AtomicBool::new(false));
     let outcome = run_calls(
         toolbox,
         policy,
@@ -186,7 +198,7 @@ async fn a_runner_killed_at_every_append_is_finished_by_the_next_with_nothing_tw
                     after_durable,
                 };
                 let root = tempfile::tempdir().expect("temp dir");
-                let toolbox = common::toolbox(root.path());
+                let toolbox = common::toolbox(root.path()).await;
                 let log = two_calls();
                 work(&log, Some(death), &toolbox, &policy).await;
                 work(&log, None, &toolbox, &policy).await;
@@ -225,4 +237,108 @@ async fn a_runner_killed_at_every_append_is_finished_by_the_next_with_nothing_tw
             }
         }
     }
+}
+
+fn started_and_results(events: &[Event], id: &str) -> (usize, usize) {
+    let started = events
+        .iter()
+        .filter(|e| matches!(&e.kind, Some(Kind::ToolStarted(s)) if s.tool_use_id == id))
+        .count();
+    let results = events
+        .iter()
+        .filter(|e| matches!(&e.kind, Some(Kind::ToolResult(r)) if r.tool_use_id == id))
+        .count();
+    (started, results)
+}
+
+/// The drain begins while the first call runs: it runs to its end and its result is
+/// logged; the second call never starts. With the budget spent mid-call instead, the call
+/// is stopped, its process tree killed before the guard returns, and has no result (its
+/// tool's unknown-outcome policy settles it on the next claim).
+#[tokio::test]
+async fn a_drain_finishes_the_call_in_hand_and_starts_no_other() {
+    let root = tempfile::tempdir().expect("temp dir");
+    let toolbox = common::toolbox(root.path()).await;
+    let policy = ToolPolicy::default();
+    let log = calls_running("sleep 0.6; ");
+    let Frontier::RunTools(calls) = fold_log(&log.events()).frontier else {
+        panic!("two calls to run");
+    };
+    let runner = Runner {
+        log: &log,
+        appends: AtomicUsize::new(0),
+        death: None,
+    };
+    let lease = std::sync::Arc::new(Held(CancellationToken::new(), AtomicBool::new(false)));
+    let draining = lease.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        draining.1.store(true, Ordering::SeqCst);
+    });
+    let outcome = run_calls(
+        &toolbox,
+        &policy,
+        &runner,
+        lease.as_ref(),
+        &InterruptSignal::never(),
+        &calls,
+    )
+    .await;
+    assert_eq!(outcome.ok(), Some(CallsOutcome::Stopped));
+    let events = log.events();
+    assert_eq!(
+        started_and_results(&events, "t1"),
+        (1, 1),
+        "t1 ran to its result"
+    );
+    assert_eq!(
+        started_and_results(&events, "t2"),
+        (0, 0),
+        "t2 never started"
+    );
+    assert_eq!(runs(root.path()).get("t1"), Some(&1));
+
+    // The budget runs out mid-call.
+    let root = tempfile::tempdir().expect("temp dir");
+    let toolbox = common::toolbox(root.path()).await;
+    let log = calls_running("sleep 0.6; ");
+    let runner = Runner {
+        log: &log,
+        appends: AtomicUsize::new(0),
+        death: None,
+    };
+    let lease = Held(CancellationToken::new(), AtomicBool::new(true));
+    let stop = lease.0.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        stop.cancel();
+    });
+    let Frontier::RunTools(calls) = fold_log(&log.events()).frontier else {
+        panic!("two calls to run");
+    };
+    // Started before the drain began: the guard runs it (then the budget ends).
+    lease.1.store(false, Ordering::SeqCst);
+    let outcome = run_calls(
+        &toolbox,
+        &policy,
+        &runner,
+        &lease,
+        &InterruptSignal::never(),
+        &calls,
+    )
+    .await;
+    assert_eq!(outcome.ok(), Some(CallsOutcome::Stopped));
+    let events = log.events();
+    assert_eq!(
+        started_and_results(&events, "t1"),
+        (1, 0),
+        "stopped: no result"
+    );
+    assert_eq!(started_and_results(&events, "t2"), (0, 0));
+    tokio::time::sleep(std::time::Duration::from_millis(800)).await;
+    assert_eq!(
+        runs(root.path()).get("t1"),
+        None,
+        "killed before its side effect"
+    );
 }

@@ -154,16 +154,26 @@ impl Store {
     /// Starts another store process on the same data (after this one stopped, or beside it
     /// on a shared database), on a free port, with the same arguments and environment.
     pub fn restart(&self) -> Result<Store> {
+        self.restart_on("127.0.0.1:0")
+    }
+
+    /// [`Store::restart`] listening on `listen` (this store's own address, once it has
+    /// stopped, for clients that reconnect to where it was).
+    pub fn restart_on(&self, listen: &str) -> Result<Store> {
         let extra: Vec<&str> = self.extra.iter().map(String::as_str).collect();
-        self.restart_with(&extra)
+        self.restart_at(listen, &extra)
     }
 
     /// [`Store::restart`] with other arguments (the same environment).
     pub fn restart_with(&self, extra: &[&str]) -> Result<Store> {
+        self.restart_at("127.0.0.1:0", extra)
+    }
+
+    fn restart_at(&self, listen: &str, extra: &[&str]) -> Result<Store> {
         let mut store = Store::spawn(
             &bin_path("event-store"),
             self.backing.clone(),
-            "127.0.0.1:0",
+            listen,
             extra,
             self.env.clone(),
         )?;

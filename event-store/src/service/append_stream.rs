@@ -36,7 +36,9 @@ type Queuing = Pin<
 /// unanswered), and their answers are sent in that same order: one task per call, no
 /// channel between reading a request and sending its answer. A request that breaks the
 /// stream (a bad frame) ends it with that status after the answers before it; shutdown
-/// stops the reading, and the answers already queued still go out. Each request is counted,
+/// stops the reading, the answers already queued still go out, and the stream ends with
+/// `UNAVAILABLE` (a request the store did not read is the client's to send again). Each
+/// request is counted,
 /// timed and traced as a unary Append is ([`AppendObserver`]), its span a child of the
 /// call's.
 pub(super) struct AppendStreamAnswers {
@@ -96,7 +98,7 @@ impl AppendStreamAnswers {
             };
         }
         if std::future::Future::poll(self.shutdown.as_mut(), cx).is_ready() {
-            self.reading_done = Some(None);
+            self.reading_done = Some(Some(super::stopping_status("AppendStream")));
             return false;
         }
         if self.answers.len() >= APPEND_STREAM_IN_FLIGHT {

@@ -3,6 +3,7 @@
 //! gets a status that names the field to fix.
 
 mod append_stream;
+mod claim;
 mod serve;
 mod subscribe;
 mod validate;
@@ -35,6 +36,7 @@ use crate::limits::MessageBudget;
 use crate::metrics::{AppendCall, AppendObserver};
 use crate::wire::{MAX_DECODED_FRAME_BYTES, MAX_WAIT_MS};
 use append_stream::AppendStreamAnswers;
+use claim::ClaimInFlight;
 use validate::{invalid, validate_format, validate_owner, validate_ttl};
 
 /// GetSnapshot sends the data in chunks of this size.
@@ -56,6 +58,12 @@ impl EventStoreService {
             .max_encoding_message_size(MAX_DECODED_FRAME_BYTES)
     }
 
+    /// Fires when the store begins to shut down: a stream that ends from then on ends with
+    /// `UNAVAILABLE` ([`stopping_status`]), so that its client subscribes again (elsewhere).
+    pub(crate) fn stopping(&self) -> &CancellationToken {
+        &self.shutdown
+    }
+
     /// Subscribe: the backend's runs of events.
     pub(crate) fn subscribe_runs(
         &self,
@@ -69,6 +77,14 @@ impl EventStoreService {
             self.shutdown.child_token(),
         ))
     }
+}
+
+/// The status a stream ends with when the store shuts down.
+pub(crate) fn stopping_status(rpc: &str) -> Status {
+    Status::unavailable(format!(
+        "the store is shutting down; call {rpc} again (it reconnects to another replica or to \
+         this one once it is back)"
+    ))
 }
 
 type EventStream = Pin<Box<dyn Stream<Item = Result<Event, Status>> + Send>>;
@@ -114,6 +130,7 @@ impl EventStore for EventStoreService {
         request: Request<SubscribeRequest>,
     ) -> Result<Response<EventStream>, Status> {
         let runs = self.subscribe_runs(request.into_inner())?;
+        let stopping = self.shutdown.clone();
         let events = futures::StreamExt::flat_map(ReceiverStream::new(runs), |run| {
             let events: Vec<Result<Event, Status>> = match run.and_then(EventRun::into_events) {
                 Ok(events) => events.into_iter().map(Ok).collect(),
@@ -121,7 +138,15 @@ impl EventStore for EventStoreService {
             };
             futures::stream::iter(events)
         });
-        Ok(Response::new(Box::pin(events)))
+        let end = futures::stream::once(async move {
+            stopping
+                .is_cancelled()
+                .then(|| Err(stopping_status("Subscribe")))
+        });
+        let end = futures::StreamExt::filter_map(end, |end| async move { end });
+        Ok(Response::new(Box::pin(futures::StreamExt::chain(
+            events, end,
+        ))))
     }
 
     async fn get_session(
@@ -163,16 +188,16 @@ impl EventStore for EventStoreService {
             .into());
         }
         let _waiting = crate::metrics::ClaimWaiting::enter();
-        let lease = self
-            .store
-            .claim(
-                req.owner,
-                req.ttl_ms,
-                Duration::from_millis(req.wait_ms),
-                &self.shutdown,
-                &caller.scope,
-            )
-            .await?;
+        let store = self.store.clone();
+        let cancel = self.shutdown.child_token();
+        let scope = caller.scope.clone();
+        let wait = Duration::from_millis(req.wait_ms);
+        let mut claim = ClaimInFlight::start(self.store.clone(), cancel.clone(), async move {
+            store
+                .claim(req.owner, req.ttl_ms, wait, &cancel, &scope)
+                .await
+        });
+        let lease = claim.answer().await?;
         if lease.is_some() {
             crate::metrics::lease_granted("claim");
         }

@@ -56,8 +56,10 @@ impl ServeOptions {
 }
 
 /// Serves the store, health and (optionally) reflection on `listener` until `shutdown`
-/// fires; then stops accepting, ends streams and long-polls, and waits for in-flight
-/// requests. Every call but health passes the auth layer, then the limits layer.
+/// fires; then stops accepting, ends streams (Subscribe and AppendStream with
+/// `UNAVAILABLE`, so that clients go elsewhere) and long-polls, and answers every request
+/// already received; a connection still open after [`crate::incoming::SHUTDOWN_GRACE`] is
+/// cut. Every call but health passes the auth layer, then the limits layer.
 pub async fn serve(
     store: Arc<dyn Backend>,
     listener: tokio::net::TcpListener,

@@ -79,6 +79,7 @@ where
                 Ok(runs) => {
                     let mut response = http::Response::new(tonic::body::Body::new(SubscribeBody {
                         runs,
+                        stopping: service.stopping().clone(),
                         ended: false,
                     }));
                     response.headers_mut().insert(
@@ -119,9 +120,12 @@ where
         .ok_or_else(|| Status::internal("Missing request message."))
 }
 
-/// A Subscribe response's body: the subscription's runs as they come, then its status.
+/// A Subscribe response's body: the subscription's runs as they come, then its status:
+/// `UNAVAILABLE` when it ended because the store shuts down (so that the client subscribes
+/// again, elsewhere or later), never an OK that a reader would take for the tail.
 struct SubscribeBody {
     runs: mpsc::Receiver<Result<EventRun, StoreError>>,
+    stopping: tokio_util::sync::CancellationToken,
     ended: bool,
 }
 
@@ -145,6 +149,7 @@ impl http_body::Body for SubscribeBody {
                 return Poll::Ready(Some(Ok(Frame::data(framed.into_bytes()))));
             }
             Some(Err(e)) => Status::from(e),
+            None if self.stopping.is_cancelled() => super::stopping_status("Subscribe"),
             None => Status::ok(""),
         };
         self.ended = true;

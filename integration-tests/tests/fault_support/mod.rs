@@ -257,14 +257,20 @@ impl CliProc {
     /// SIGTERM and the exit status (within 60 s).
     pub fn terminate(&mut self) -> std::process::ExitStatus {
         integration_tests::signal(self.child.id(), integration_tests::Signal::SIGTERM);
-        let deadline = Instant::now() + Duration::from_secs(60);
+        self.wait_exit(Duration::from_secs(60))
+    }
+
+    /// The exit status, once it has exited; panics after `bound`.
+    pub fn wait_exit(&mut self, bound: Duration) -> std::process::ExitStatus {
+        let deadline = Instant::now() + bound;
         loop {
             if let Ok(Some(status)) = self.child.try_wait() {
                 return status;
             }
             assert!(
                 Instant::now() < deadline,
-                "agentlog did not exit after SIGTERM"
+                "agentlog did not exit within {bound:?}: {}",
+                self.stderr()
             );
             std::thread::sleep(Duration::from_millis(20));
         }

@@ -116,12 +116,64 @@ pub fn start_runner_on_model(
     store_url: &str,
     id: &str,
     workspace_root: &Path,
+    model: (&str, &[(&str, &str)]),
+    ttl_ms: u64,
+    max_sessions: usize,
+    extra: &[&str],
+) -> RunnerProc {
+    spawn_runner(
+        Command::new(bin_path("runner")),
+        store_url,
+        id,
+        workspace_root,
+        model,
+        ttl_ms,
+        max_sessions,
+        extra,
+    )
+}
+
+/// [`start_runner_on_model`] inside the network namespace `netns` (`ip netns exec`, which
+/// execs the runner itself: the pid is the runner's).
+#[allow(clippy::too_many_arguments)]
+pub fn start_runner_in_netns(
+    netns: &str,
+    store_url: &str,
+    id: &str,
+    workspace_root: &Path,
+    model: (&str, &[(&str, &str)]),
+    ttl_ms: u64,
+    max_sessions: usize,
+    extra: &[&str],
+) -> RunnerProc {
+    let mut command = Command::new("ip");
+    command
+        .args(["netns", "exec", netns])
+        .arg(bin_path("runner"));
+    spawn_runner(
+        command,
+        store_url,
+        id,
+        workspace_root,
+        model,
+        ttl_ms,
+        max_sessions,
+        extra,
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn spawn_runner(
+    mut command: Command,
+    store_url: &str,
+    id: &str,
+    workspace_root: &Path,
     (model, model_env): (&str, &[(&str, &str)]),
     ttl_ms: u64,
     max_sessions: usize,
     extra: &[&str],
 ) -> RunnerProc {
-    let mut child = Command::new(bin_path("runner"))
+    let mut child = command
         .args([
             "--event-store",
             store_url,
@@ -189,6 +241,31 @@ impl RunnerProc {
 
     pub fn is_running(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// SIGTERM, then the exit status and how long after the signal the process was gone
+    /// (polled every 5 ms); panics if it is still running after `limit`.
+    pub fn terminate_timed(&mut self, limit: Duration) -> (std::process::ExitStatus, Duration) {
+        let sent = Instant::now();
+        self.signal(Signal::SIGTERM);
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return (status, sent.elapsed());
+            }
+            assert!(
+                sent.elapsed() < limit,
+                "runner {} still running {limit:?} after SIGTERM; its log ends: {:#?}",
+                self.id,
+                self.last_lines(8)
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// The last `n` lines of its log.
+    pub fn last_lines(&self, n: usize) -> Vec<String> {
+        let log = self.log.lock().unwrap_or_else(|p| p.into_inner());
+        log[log.len().saturating_sub(n)..].to_vec()
     }
 
     /// SIGTERM, then the exit status (within 30 s).

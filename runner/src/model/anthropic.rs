@@ -23,7 +23,10 @@ const API_VERSION: &str = "2023-06-01";
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("ANTHROPIC_API_KEY is not set; export your key to use --model anthropic:MODEL")]
+    #[error(
+        "no Anthropic API key: put it in a file named by --anthropic-api-key-file \
+         (ANTHROPIC_API_KEY_FILE), or in ANTHROPIC_API_KEY, to use --model anthropic:MODEL"
+    )]
     MissingKey,
 }
 
@@ -36,9 +39,9 @@ pub struct Anthropic {
 }
 
 impl Anthropic {
-    /// Reads `ANTHROPIC_API_KEY` and `ANTHROPIC_BASE_URL`.
-    pub fn from_env(model: &str) -> Result<Anthropic, ConfigError> {
-        let api_key = std::env::var("ANTHROPIC_API_KEY").map_err(|_| ConfigError::MissingKey)?;
+    /// With the key the runner read at start; reads `ANTHROPIC_BASE_URL`.
+    pub fn new(model: &str, api_key: Option<String>) -> Result<Anthropic, ConfigError> {
+        let api_key = api_key.ok_or(ConfigError::MissingKey)?;
         let base_url = std::env::var("ANTHROPIC_BASE_URL")
             .ok()
             .filter(|url| !url.is_empty())

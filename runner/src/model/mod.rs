@@ -103,6 +103,19 @@ impl TextSink {
     }
 }
 
+/// The providers' API keys, as the runner read them at start.
+#[derive(Clone, Default)]
+pub struct ApiKeys {
+    pub anthropic: Option<String>,
+    pub openai: Option<String>,
+}
+
+impl std::fmt::Debug for ApiKeys {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ApiKeys(<redacted>)")
+    }
+}
+
 /// The configured provider.
 #[derive(Debug)]
 pub enum Model {
@@ -112,8 +125,9 @@ pub enum Model {
 }
 
 impl Model {
-    /// Parses `PROVIDER:MODEL` and reads the provider's environment (`ANTHROPIC_API_KEY`, …).
-    pub fn from_spec(spec: &str) -> Result<Model, ModelSpecError> {
+    /// Parses `PROVIDER:MODEL`; the provider's key comes from `keys` (read at start, see
+    /// `secrets`), its base URL from the environment (`ANTHROPIC_BASE_URL`, …).
+    pub fn from_spec(spec: &str, keys: &ApiKeys) -> Result<Model, ModelSpecError> {
         let (provider, name) = spec
             .split_once(':')
             .ok_or_else(|| ModelSpecError::UnknownProvider(spec.to_string()))?;
@@ -121,8 +135,14 @@ impl Model {
             return Err(ModelSpecError::MissingModel(spec.to_string()));
         }
         match provider {
-            "anthropic" => Ok(Model::Anthropic(anthropic::Anthropic::from_env(name)?)),
-            "openai" => Ok(Model::OpenAi(openai::OpenAi::from_env(name)?)),
+            "anthropic" => Ok(Model::Anthropic(anthropic::Anthropic::new(
+                name,
+                keys.anthropic.clone(),
+            )?)),
+            "openai" => Ok(Model::OpenAi(openai::OpenAi::new(
+                name,
+                keys.openai.clone(),
+            )?)),
             "scripted" => Ok(Model::Scripted(scripted::Scripted::load(name)?)),
             _ => Err(ModelSpecError::UnknownProvider(spec.to_string())),
         }

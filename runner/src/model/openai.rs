@@ -42,9 +42,9 @@ pub struct OpenAi {
 }
 
 impl OpenAi {
-    /// Reads `OPENAI_BASE_URL` (default the OpenAI API) and `OPENAI_API_KEY` (optional:
-    /// local servers usually need none).
-    pub fn from_env(model: &str) -> Result<OpenAi, ConfigError> {
+    /// With the key the runner read at start (optional: local servers usually need none);
+    /// reads `OPENAI_BASE_URL` (default the OpenAI API).
+    pub fn new(model: &str, api_key: Option<String>) -> Result<OpenAi, ConfigError> {
         let base_url = std::env::var("OPENAI_BASE_URL")
             .ok()
             .filter(|url| !url.is_empty())
@@ -55,9 +55,7 @@ impl OpenAi {
         Ok(OpenAi {
             client: http::client(),
             base_url: base_url.trim_end_matches('/').to_string(),
-            api_key: std::env::var("OPENAI_API_KEY")
-                .ok()
-                .filter(|k| !k.is_empty()),
+            api_key: api_key.filter(|k| !k.is_empty()),
             model: model.to_string(),
         })
     }

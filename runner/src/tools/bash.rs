@@ -1,8 +1,9 @@
 //! The `bash` tool: `bash -c COMMAND` in the workspace, under the tool sandbox's helper
 //! (see `tools::sandbox`), with a minimal environment (no secret of the runner leaks into
 //! it: `PATH`, `HOME` = the workspace, a private `TMPDIR` inside it, `IDEMPOTENCY_KEY`) and
-//! a timeout. When the call ends, times out or its future is dropped, the helper kills and
-//! reaps everything the command started.
+//! a timeout. When the call ends, times out, is stopped or its future is dropped, the
+//! helper kills and reaps everything the command started; a stopped call returns only once
+//! the helper has done so (or [`STOP_WAIT`] has passed).
 
 use std::process::Stdio;
 use std::time::Duration;
@@ -11,15 +12,19 @@ use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use serde::Deserialize;
 use tokio::io::{AsyncRead, AsyncReadExt};
+use tokio_util::sync::CancellationToken;
 
 use super::sandbox::Sandbox;
-use super::{ToolOutput, Workspace, OUTPUT_CAP};
+use super::{Stopped, ToolOutput, Workspace, OUTPUT_CAP};
 
 const DEFAULT_TIMEOUT_MS: u64 = 120_000;
 pub(super) const MAX_TIMEOUT_MS: u64 = 600_000;
 /// How long output is still collected after the command exits, for background processes
 /// that keep its pipes open.
 const DRAIN_GRACE: Duration = Duration::from_millis(500);
+/// How long a stopped call waits for the helper to have killed and reaped the command's
+/// processes (SIGKILL takes effect at once; only a process stuck in the kernel takes longer).
+const STOP_WAIT: Duration = Duration::from_secs(1);
 const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
 #[derive(Deserialize)]
@@ -34,7 +39,8 @@ pub(super) async fn run(
     sandbox: &Sandbox,
     input: BashInput,
     idempotency_key: &str,
-) -> ToolOutput {
+    stop: &CancellationToken,
+) -> Result<ToolOutput, Stopped> {
     let timeout_ms = input
         .timeout_ms
         .unwrap_or(DEFAULT_TIMEOUT_MS)
@@ -56,7 +62,11 @@ pub(super) async fn run(
         .spawn()
     {
         Ok(child) => child,
-        Err(e) => return ToolOutput::error(format!("cannot start the tool sandbox: {e}")),
+        Err(e) => {
+            return Ok(ToolOutput::error(format!(
+                "cannot start the tool sandbox: {e}"
+            )))
+        }
     };
     // If this future is dropped (an interrupt, the lease was lost, the runner is stopping)
     // the guard tells the helper to stop, and it kills the whole call; tokio reaps it.
@@ -73,16 +83,28 @@ pub(super) async fn run(
         .take()
         .map(|err| tokio::spawn(read_capped(err)));
 
-    let (status, timed_out) =
-        match tokio::time::timeout(Duration::from_millis(timeout_ms), child.wait()).await {
-            Ok(status) => (status, false),
-            Err(_) => {
-                if let Some(helper) = &helper {
-                    helper.stop();
-                }
-                (child.wait().await, true)
+    let waited = tokio::select! {
+        waited = tokio::time::timeout(Duration::from_millis(timeout_ms), child.wait()) => waited,
+        _ = stop.cancelled() => {
+            if let Some(helper) = &helper {
+                helper.stop();
             }
-        };
+            // The helper exits once every process of the call is killed and reaped.
+            if tokio::time::timeout(STOP_WAIT, child.wait()).await.is_err() {
+                tracing::warn!("the sandbox helper did not finish killing the call within {STOP_WAIT:?}");
+            }
+            return Err(Stopped);
+        }
+    };
+    let (status, timed_out) = match waited {
+        Ok(status) => (status, false),
+        Err(_) => {
+            if let Some(helper) = &helper {
+                helper.stop();
+            }
+            (child.wait().await, true)
+        }
+    };
     if let Some(mut helper) = helper {
         helper.disarm();
     }
@@ -112,11 +134,11 @@ pub(super) async fn run(
         }
     }
     let succeeded = !timed_out && matches!(&status, Ok(s) if s.success());
-    if succeeded {
+    Ok(if succeeded {
         ToolOutput::ok(report)
     } else {
         ToolOutput::error(report)
-    }
+    })
 }
 
 /// Tells the helper to stop (it kills and reaps every process of the call, then exits)

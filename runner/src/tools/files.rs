@@ -258,7 +258,16 @@ mod tests {
     }
 
     async fn run(toolbox: &Toolbox, name: &str, value: Value) -> ToolOutput {
-        toolbox.run("s1", name, input(value), "s1/t").await
+        toolbox
+            .run(
+                "s1",
+                name,
+                input(value),
+                "s1/t",
+                &tokio_util::sync::CancellationToken::new(),
+            )
+            .await
+            .expect("not stopped")
     }
 
     fn setup() -> (tempfile::TempDir, Toolbox, PathBuf) {

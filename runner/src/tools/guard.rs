@@ -2,7 +2,10 @@
 //! deterministic appends.
 //!
 //! Promise: a tool runs only after its `tool_started` is durable, and never again once its
-//! `tool_result` is logged. A call that needs a person's yes (`runner --approve`, or the
+//! `tool_result` is logged. A call whose `tool_started` is durable runs to its end and its
+//! result is logged even when the runner begins to drain; only a lease that is lost or
+//! about to run out, or a drain whose budget is spent, stops it, its process tree killed
+//! before the guard returns. Once the runner drains, no further call starts. A call that needs a person's yes (`runner --approve`, or the
 //! `ask` unknown-outcome policy) runs only after an `approval_decision{approved}` logged
 //! since its last `tool_started`; a denied call gets an error result and never runs. A call
 //! with `tool_started` and no result follows its tool's [`UnknownOutcome`] policy. Every
@@ -59,8 +62,11 @@ impl CallLog for Appender {
 pub trait LeaseCheck: Sync {
     /// Whether there is time enough left to start a tool while the lease is surely ours.
     fn has_margin(&self) -> bool;
-    /// Cancelled when the lease is lost or the runner stops.
+    /// Cancelled when the work must stop now: the lease is lost or about to run out, or
+    /// the drain's budget is spent.
     fn cancelled(&self) -> &CancellationToken;
+    /// Whether the runner is draining: the call in hand finishes, no other starts.
+    fn draining(&self) -> bool;
 }
 
 impl LeaseCheck for LeaseGuard {
@@ -70,6 +76,10 @@ impl LeaseCheck for LeaseGuard {
 
     fn cancelled(&self) -> &CancellationToken {
         LeaseGuard::cancelled(self)
+    }
+
+    fn draining(&self) -> bool {
+        LeaseGuard::draining(self)
     }
 }
 
@@ -97,7 +107,8 @@ pub enum CallsOutcome {
     AwaitingApproval,
     /// An `interrupt` arrived; the running tool was dropped (its process tree killed).
     Interrupted,
-    /// The lease was lost or the runner is stopping.
+    /// The lease was lost or is about to run out, or the runner drains (the call in hand,
+    /// if any, was finished and logged first, unless the budget ran out).
     Stopped,
 }
 
@@ -210,6 +221,10 @@ pub async fn run_calls(
                 CallAction::Done | CallAction::AwaitApproval => {}
             }
         }
+        if lease.draining() && !matches!(action, CallAction::Done | CallAction::AwaitApproval) {
+            tracing::info!(tool_use_id = %id, "draining: the call is left for the next runner");
+            return Ok(CallsOutcome::Stopped);
+        }
         match action {
             CallAction::Done => {}
             CallAction::AwaitApproval => return Ok(CallsOutcome::AwaitingApproval),
@@ -277,17 +292,24 @@ async fn run_tool_guarded(
     }
     tracing::info!(tool_use_id = %id, tool = %call.tool_use.name, attempt, "running tool");
     let input = struct_to_object(call.tool_use.input.as_ref());
-    // Dropping the run kills a bash command's whole process group.
+    // The started call runs to its end, a drain or not. When the lease is lost or about to
+    // run out, or the drain's budget is spent, the run stops and returns only once the
+    // tool's process tree is gone; its outcome is then unknown, for the tool's policy to
+    // settle. An interrupt drops the run (which kills it too).
+    let stop = lease.cancelled();
     let output = tokio::select! {
-        _ = lease.cancelled().cancelled() => return Ok(CallsOutcome::Stopped),
         _ = interrupt.arrived() => {
             tracing::info!(tool_use_id = %id, "interrupt: the tool was stopped");
             return Ok(CallsOutcome::Interrupted);
         }
         output = crate::metrics::tool_run(
             &call.tool_use.name,
-            toolbox.run(appender.session_id(), &call.tool_use.name, input, &key),
+            toolbox.run(appender.session_id(), &call.tool_use.name, input, &key, stop),
         ) => output,
+    };
+    let Ok(output) = output else {
+        tracing::warn!(tool_use_id = %id, attempt, "the call was stopped before its end (its process tree killed); its outcome is unknown");
+        return Ok(CallsOutcome::Stopped);
     };
     append_result(appender, id, output.content, output.is_error).await?;
     Ok(CallsOutcome::Done)

@@ -19,6 +19,7 @@ use std::sync::Arc;
 
 use serde::de::DeserializeOwned;
 use serde_json::{json, Map, Value};
+use tokio_util::sync::CancellationToken;
 
 pub use sandbox::Sandbox;
 pub use workspace::Workspace;
@@ -216,6 +217,11 @@ impl ToolOutput {
     }
 }
 
+/// A call stopped before its end (its stop token fired): a bash command's whole process
+/// tree was killed and reaped; there is no result to log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stopped;
+
 /// The five tools, bound to a workspace root and the sandbox bash calls run in.
 #[derive(Debug, Clone)]
 pub struct Toolbox {
@@ -320,22 +326,24 @@ impl Toolbox {
     }
 
     /// Runs one call in `<root>/<session_id>/`. `idempotency_key` is passed to the tool
-    /// (bash exports it as `IDEMPOTENCY_KEY`). Dropping the future stops the call: every
-    /// process a bash command started is killed and reaped.
+    /// (bash exports it as `IDEMPOTENCY_KEY`). When `stop` fires the call is stopped: every
+    /// process a bash command started is killed and reaped before this returns
+    /// `Err(Stopped)`. Dropping the future stops the call too, without waiting for that.
     pub async fn run(
         &self,
         session_id: &str,
         name: &str,
         input: Map<String, Value>,
         idempotency_key: &str,
-    ) -> ToolOutput {
+        stop: &CancellationToken,
+    ) -> Result<ToolOutput, Stopped> {
         let mut output = self
-            .run_unmarked(session_id, name, input, idempotency_key)
-            .await;
+            .run_unmarked(session_id, name, input, idempotency_key, stop)
+            .await?;
         if let Some(mark) = self.sandbox.mark() {
             output.content = format!("{mark}\n{}", output.content);
         }
-        output
+        Ok(output)
     }
 
     async fn run_unmarked(
@@ -344,35 +352,70 @@ impl Toolbox {
         name: &str,
         input: Map<String, Value>,
         idempotency_key: &str,
-    ) -> ToolOutput {
+        stop: &CancellationToken,
+    ) -> Result<ToolOutput, Stopped> {
         let workspace = match Workspace::open(&self.root, session_id, self.sandbox.user).await {
             Ok(workspace) => workspace,
-            Err(e) => return ToolOutput::error(format!("the workspace is unavailable: {e}")),
+            Err(e) => {
+                return Ok(ToolOutput::error(format!(
+                    "the workspace is unavailable: {e}"
+                )))
+            }
         };
         let Some(spec) = Toolbox::spec(name) else {
-            return ToolOutput::error(format!(
+            return Ok(ToolOutput::error(format!(
                 "there is no tool named `{name}`; the tools are {}",
                 tool_names()
-            ));
+            )));
         };
         match spec.implementation {
             Implementation::Bash => match parse(name, input) {
-                Ok(input) => bash::run(&workspace, &self.sandbox, input, idempotency_key).await,
-                Err(e) => e,
+                Ok(input) => {
+                    bash::run(&workspace, &self.sandbox, input, idempotency_key, stop).await
+                }
+                Err(e) => Ok(e),
             },
             Implementation::ReadFile => {
-                files::run_blocking(workspace, name, input, files::read_file).await
+                stoppable(
+                    files::run_blocking(workspace, name, input, files::read_file),
+                    stop,
+                )
+                .await
             }
             Implementation::WriteFile => {
-                files::run_blocking(workspace, name, input, files::write_file).await
+                stoppable(
+                    files::run_blocking(workspace, name, input, files::write_file),
+                    stop,
+                )
+                .await
             }
             Implementation::EditFile => {
-                files::run_blocking(workspace, name, input, files::edit_file).await
+                stoppable(
+                    files::run_blocking(workspace, name, input, files::edit_file),
+                    stop,
+                )
+                .await
             }
             Implementation::ListFiles => {
-                files::run_blocking(workspace, name, input, files::list_files).await
+                stoppable(
+                    files::run_blocking(workspace, name, input, files::list_files),
+                    stop,
+                )
+                .await
             }
         }
+    }
+}
+
+/// A file tool's run, unless `stop` fires first. A file tool is a few system calls on a
+/// blocking thread; a stopped one is left to finish there.
+async fn stoppable(
+    run: impl std::future::Future<Output = ToolOutput>,
+    stop: &CancellationToken,
+) -> Result<ToolOutput, Stopped> {
+    tokio::select! {
+        output = run => Ok(output),
+        _ = stop.cancelled() => Err(Stopped),
     }
 }
 
@@ -479,9 +522,16 @@ mod tests {
     async fn unknown_tools_and_bad_input_are_error_results() {
         let root = tempfile::tempdir().expect("temp dir");
         let toolbox = Toolbox::new(root.path().to_path_buf(), Sandbox::unconfined_for_tests());
-        let out = toolbox.run("s1", "rm_rf", Map::new(), "k").await;
+        let never = CancellationToken::new();
+        let out = toolbox
+            .run("s1", "rm_rf", Map::new(), "k", &never)
+            .await
+            .expect("not stopped");
         assert!(out.is_error && out.content.contains("no tool named `rm_rf`"));
-        let out = toolbox.run("s1", "bash", Map::new(), "k").await;
+        let out = toolbox
+            .run("s1", "bash", Map::new(), "k", &never)
+            .await
+            .expect("not stopped");
         assert!(
             out.is_error && out.content.contains("missing field `command`"),
             "{out:?}"

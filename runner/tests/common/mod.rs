@@ -6,8 +6,9 @@ use std::path::Path;
 use runner::tools::sandbox::{Ids, Sandbox, SandboxMode, ToolNetwork};
 use runner::tools::Toolbox;
 
-/// A toolbox over `root` under the required sandbox; as root, tools run as nobody.
-pub fn toolbox(root: &Path) -> Toolbox {
+/// A toolbox over `root` under the required sandbox, started (probed) as the runner starts
+/// it; as root, tools run as nobody.
+pub async fn toolbox(root: &Path) -> Toolbox {
     let root_user = nix::unistd::geteuid().is_root();
     let sandbox = Sandbox {
         mode: SandboxMode::Require,
@@ -19,8 +20,14 @@ pub fn toolbox(root: &Path) -> Toolbox {
         }),
         read_paths: Vec::new(),
         helper: env!("CARGO_BIN_EXE_runner").into(),
-        weakness: None,
+        secret_files: Vec::new(),
+        table: None,
     };
     sandbox.open_path_to(root).expect("reachable root");
+    let mut sandbox = sandbox;
+    sandbox
+        .start(root, false)
+        .await
+        .expect("this kernel enforces the sandbox");
     Toolbox::new(root.to_path_buf(), sandbox)
 }

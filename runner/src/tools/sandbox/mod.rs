@@ -2,17 +2,24 @@
 //! the other sessions, the runner or the machine.
 //!
 //! Each call runs under a helper process (the runner's binary re-executed, see
-//! [`process`]) that leaves no process of the call behind, and in a Landlock domain that
-//! allows read and execute on the system directories, everything on the session's
-//! workspace, no signal to a process outside the call, and (with `--tool-network none`) no
-//! TCP, plus a seccomp filter that refuses every non-Unix socket. When the runner is root,
-//! the tool runs as an unprivileged user that owns the workspaces.
+//! [`process`]) that leaves no process of the call behind. The sandbox names its
+//! protections (own workspace only, other sessions' workspaces, the runner's secrets,
+//! signals, network, leftovers, limits) and enforces each with the strongest mechanism the
+//! node has: Landlock at whatever ABI the kernel offers, seccomp filters (with a
+//! user-notification listener the helper answers, for signals below Landlock ABI 6), the
+//! runner made non-dumpable, a separate uid where the runner may switch (root, or
+//! SETUID/SETGID in a user-namespaced pod). See [`protections`] for which holds which.
 //!
-//! [`Sandbox::probe`] asks the kernel, at start, how much of this it enforces: `require`
-//! refuses to start where it cannot enforce all of it, `best-effort` marks every tool
-//! result, `off` runs tools without Landlock or the seccomp filter.
+//! [`Sandbox::start`] measures, at start, what the node enforces (a probe process applies
+//! every mechanism to itself and tries what a tool would) and prints the table: `require`
+//! refuses to start where some protection has no mechanism, `best-effort` marks every tool
+//! result, `off` runs tools without Landlock or seccomp.
 
+mod filter;
+mod kernel;
 mod process;
+pub mod protections;
+mod supervise;
 
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -21,22 +28,23 @@ use std::process::Stdio;
 use serde::{Deserialize, Serialize};
 
 pub use process::main as process_main;
+use protections::{Mechanisms, ProbeReport, RunnerFacts, Table};
 
 /// The hidden first argument that makes the runner binary a sandbox process.
 pub const HELPER_ARG: &str = "__tool-sandbox";
 /// The running runner binary: still the same file after the one on disk is replaced (a
 /// rebuild, an upgrade), unlike its path.
 pub const SELF_EXE: &str = "/proc/self/exe";
-/// Test-only: set to `unsupported` to make the start-up probe answer that the kernel has no
-/// Landlock, as an old or misconfigured kernel would.
-pub const PROBE_OVERRIDE_ENV: &str = "AGENTLOG_TEST_SANDBOX_PROBE";
+/// Test-only: `AGENTLOG_SANDBOX_MAX_ABI=N` makes the runner ask Landlock for ABI N's rights
+/// only, as on an older kernel (0: no Landlock).
+pub const MAX_ABI_ENV: &str = "AGENTLOG_SANDBOX_MAX_ABI";
 
 /// `runner --sandbox`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum SandboxMode {
-    /// Refuse to start where the kernel cannot enforce the whole sandbox.
+    /// Refuse to start where some protection has no mechanism on this node.
     Require,
-    /// Enforce what the kernel can; warn at start and mark every tool result.
+    /// Enforce what the node can; say what is missing at start and on every tool result.
     BestEffort,
     /// No Landlock, no seccomp filter (the helper, rlimits and the tool user stay).
     Off,
@@ -59,14 +67,6 @@ pub struct Ids {
     pub gid: u32,
 }
 
-/// How strictly the stage applies Landlock.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-enum Enforcement {
-    Require,
-    BestEffort,
-    Off,
-}
-
 /// What a sandbox process is told to do (passed as JSON on its command line).
 #[derive(Debug, Serialize, Deserialize)]
 struct Plan {
@@ -74,24 +74,40 @@ struct Plan {
     runner: u32,
     workspace: PathBuf,
     user: Option<Ids>,
-    enforcement: Enforcement,
+    mechanisms: Mechanisms,
     network: ToolNetwork,
     read_paths: Vec<PathBuf>,
     cpu_secs: u64,
     command: String,
+    /// Set for the start-up probe only.
+    probe: Option<ProbeRequest>,
+}
+
+/// What the start-up probe is to try.
+#[derive(Debug, Serialize, Deserialize)]
+struct ProbeRequest {
+    /// The `AGENTLOG_SANDBOX_MAX_ABI` cap.
+    max_abi: Option<i32>,
+    /// The runner's secret files, which no tool may open.
+    secret_files: Vec<PathBuf>,
+    /// Try Landlock and seccomp (not under `--sandbox off`).
+    confine: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
 pub enum SandboxError {
     #[error(
-        "the tool sandbox needs Landlock ABI 6 or newer (Linux 6.12+, with `landlock` in the \
-         `lsm=` boot parameter) and this kernel cannot enforce it ({0}); start the runner \
-         with `--sandbox best-effort` to run tools with what the kernel enforces, or \
-         `--sandbox off` to run them unconfined"
+        "--sandbox require: on this node nothing enforces {}:\n{}\nStart the runner with \
+         `--sandbox best-effort` to run tools with what the node enforces (every tool result \
+         then says what is missing), or `--sandbox off` to run them unconfined",
+        .names,
+        .details
     )]
-    Unsupported(String),
+    Unenforced { names: String, details: String },
     #[error("cannot run the sandbox probe: {0}")]
     Probe(String),
+    #[error("{MAX_ABI_ENV}={0:?} is not a Landlock ABI number (0 to 9)")]
+    MaxAbi(String),
 }
 
 /// The sandbox every tool call of this runner runs in.
@@ -105,49 +121,88 @@ pub struct Sandbox {
     pub read_paths: Vec<PathBuf>,
     /// The runner binary, re-executed as the helper.
     pub helper: PathBuf,
-    /// In best-effort mode on a kernel that cannot enforce everything: what it said.
-    pub weakness: Option<String>,
+    /// The runner's secret files (token, keys), which no tool may read.
+    pub secret_files: Vec<PathBuf>,
+    /// What [`Sandbox::start`] found; `None` before it ran.
+    pub table: Option<Table>,
 }
 
 impl Sandbox {
-    /// Asks the kernel, through a probe process, how much of the sandbox it enforces.
-    /// `require`: an error unless all of it; `best-effort`: remembers the gap.
-    pub async fn probe(&mut self, workspace_root: &Path) -> Result<(), SandboxError> {
-        if self.mode == SandboxMode::Off {
-            return Ok(());
-        }
-        let answer = match std::env::var(PROBE_OVERRIDE_ENV).ok().as_deref() {
-            Some("unsupported") => format!(
-                "none Landlock unsupported ({PROBE_OVERRIDE_ENV}=unsupported, a test-only setting)"
+    /// Measures what the node enforces (a probe process applies every mechanism to itself
+    /// and tries what a tool would), keeps the table and the mechanisms calls get. Under
+    /// `require`, an error naming each protection nothing enforces, and how to get it.
+    pub async fn start(
+        &mut self,
+        workspace_root: &Path,
+        non_dumpable: bool,
+    ) -> Result<&Table, SandboxError> {
+        let max_abi = match std::env::var(MAX_ABI_ENV) {
+            Ok(value) => Some(
+                value
+                    .trim()
+                    .parse::<i32>()
+                    .ok()
+                    .filter(|abi| (0..=9).contains(abi))
+                    .ok_or(SandboxError::MaxAbi(value))?,
             ),
-            _ => {
-                let plan = self.plan(workspace_root, 1, String::new(), Enforcement::BestEffort);
-                let out = tokio::process::Command::new(&self.helper)
-                    .args([HELPER_ARG, "probe", &plan])
-                    .stdin(Stdio::null())
-                    .output()
-                    .await
-                    .map_err(|e| SandboxError::Probe(e.to_string()))?;
-                if !out.status.success() {
-                    return Err(SandboxError::Probe(
-                        String::from_utf8_lossy(&out.stderr).trim().to_string(),
-                    ));
-                }
-                String::from_utf8_lossy(&out.stdout).trim().to_string()
-            }
+            Err(_) => None,
         };
-        let (word, detail) = answer.split_once(' ').unwrap_or((&answer, ""));
-        if word == "full" {
-            return Ok(());
+        let request = ProbeRequest {
+            max_abi,
+            secret_files: self.secret_files.clone(),
+            confine: self.mode != SandboxMode::Off,
+        };
+        let mut plan = self.plan(workspace_root, 1, String::new(), Mechanisms::default());
+        plan.probe = Some(request);
+        let plan = serde_json::to_string(&plan).map_err(|e| SandboxError::Probe(e.to_string()))?;
+        let out = tokio::process::Command::new(&self.helper)
+            .args([HELPER_ARG, "probe", &plan])
+            .env_clear()
+            .stdin(Stdio::null())
+            .output()
+            .await
+            .map_err(|e| SandboxError::Probe(e.to_string()))?;
+        let report: ProbeReport = serde_json::from_slice(&out.stdout).map_err(|e| {
+            SandboxError::Probe(format!(
+                "{e}; it said: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ))
+        })?;
+        let facts = RunnerFacts {
+            non_dumpable,
+            network: self.network,
+            off: self.mode == SandboxMode::Off,
+        };
+        let table = protections::table(&report, facts);
+        let gaps = table.gaps();
+        if self.mode == SandboxMode::Require && !gaps.is_empty() {
+            let names: Vec<&str> = gaps.iter().map(|row| row.protection.name()).collect();
+            let details: Vec<String> = gaps
+                .iter()
+                .map(|row| {
+                    format!(
+                        "  - {}: {}",
+                        row.protection.name(),
+                        row.missing.as_deref().unwrap_or("no mechanism")
+                    )
+                })
+                .collect();
+            // The table goes out too: it says what does hold.
+            eprint!("{}", table.render(self.mode_name(), self.network_name()));
+            return Err(SandboxError::Unenforced {
+                names: names.join(", "),
+                details: details.join("\n"),
+            });
         }
-        let gap = format!("Landlock enforcement: {word}; {detail}");
-        match self.mode {
-            SandboxMode::Require => Err(SandboxError::Unsupported(gap)),
-            _ => {
-                self.weakness = Some(gap);
-                Ok(())
-            }
-        }
+        Ok(self.table.insert(table))
+    }
+
+    /// The mechanisms every call gets (none before [`Sandbox::start`]).
+    fn mechanisms(&self) -> Mechanisms {
+        self.table
+            .as_ref()
+            .map(|table| table.mechanisms)
+            .unwrap_or_default()
     }
 
     /// The mode's flag value, for the start-up log line (`agentlog up` shows it).
@@ -167,10 +222,18 @@ impl Sandbox {
         }
     }
 
-    /// The note added to every tool result in best-effort mode where the kernel falls short.
+    /// The note added to every tool result in best-effort mode where the node falls short.
     pub fn mark(&self) -> Option<String> {
-        self.weakness.as_ref().map(|gap| {
-            format!("[sandbox: best-effort, this kernel does not enforce all of it ({gap})]")
+        if self.mode != SandboxMode::BestEffort {
+            return None;
+        }
+        let gaps = self.table.as_ref()?.gaps();
+        (!gaps.is_empty()).then(|| {
+            let names: Vec<&str> = gaps.iter().map(|row| row.protection.name()).collect();
+            format!(
+                "[sandbox: best-effort, not enforced on this node: {}]",
+                names.join(", ")
+            )
         })
     }
 
@@ -212,12 +275,9 @@ impl Sandbox {
         cpu_secs: u64,
         command: String,
     ) -> tokio::process::Command {
-        let enforcement = match self.mode {
-            SandboxMode::Require => Enforcement::Require,
-            SandboxMode::BestEffort => Enforcement::BestEffort,
-            SandboxMode::Off => Enforcement::Off,
-        };
-        let plan = self.plan(workspace, cpu_secs, command, enforcement);
+        let plan = self.plan(workspace, cpu_secs, command, self.mechanisms());
+        // A struct of paths, numbers and strings always serializes.
+        let plan = serde_json::to_string(&plan).unwrap_or_default();
         let mut helper = tokio::process::Command::new(&self.helper);
         helper.args([HELPER_ARG, "helper", &plan]);
         helper
@@ -228,20 +288,19 @@ impl Sandbox {
         workspace: &Path,
         cpu_secs: u64,
         command: String,
-        enforcement: Enforcement,
-    ) -> String {
-        let plan = Plan {
+        mechanisms: Mechanisms,
+    ) -> Plan {
+        Plan {
             runner: std::process::id(),
             workspace: workspace.to_path_buf(),
             user: self.user,
-            enforcement,
+            mechanisms,
             network: self.network,
             read_paths: self.read_paths.clone(),
             cpu_secs,
             command,
-        };
-        // A struct of paths, numbers and strings always serializes.
-        serde_json::to_string(&plan).unwrap_or_default()
+            probe: None,
+        }
     }
 }
 
@@ -255,7 +314,8 @@ impl Sandbox {
             user: None,
             read_paths: Vec::new(),
             helper: PathBuf::from("runner"),
-            weakness: None,
+            secret_files: Vec::new(),
+            table: None,
         }
     }
 }

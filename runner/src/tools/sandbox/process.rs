@@ -1,26 +1,31 @@
 //! The process side of the tool sandbox: the runner's own binary re-executed as
 //! `runner __tool-sandbox VERB PLAN`, single-threaded, without an async runtime.
 //!
-//! - `helper` runs outside the tool's sandbox, as the runner's user. It becomes a child
+//! - `helper` runs outside the tool's sandbox, as the runner's user, non-dumpable (a tool
+//!   of the same user cannot attach to it or read its memory). It becomes a child
 //!   subreaper (so everything the call orphans — `setsid`, double forks — is re-parented to
-//!   it), starts the `stage`, waits for it, then kills and reaps every process the call left
+//!   it), starts the `stage`, answers the stage's signal filter (a seccomp user
+//!   notification per signal a tool sends, where Landlock's signal scope is missing; see
+//!   `supervise`), waits for the stage, then kills and reaps every process the call left
 //!   behind. It does the same when told to stop (SIGTERM, SIGINT, SIGHUP: a timeout, an
 //!   interrupt, a dropped call) and when the runner dies (its parent-death signal).
-//! - `stage` is the tool's side: it enters the workspace, sets the rlimits, drops to the
-//!   tool user, restricts itself with Landlock (filesystem, TCP, signal and abstract-socket
-//!   scopes) and the seccomp network filter, and execs `bash -c COMMAND`.
-//! - `probe` applies the same Landlock ruleset to itself and prints how much of it the
-//!   kernel enforces: `full`, `partial` or `none`, then a detail.
-//!
-//! No unsafe code: the privilege drop and the restrictions happen in the stage process
-//! itself, before it execs bash, rather than between fork and exec.
+//! - `stage` is the tool's side: it enters the workspace, becomes its own process group,
+//!   sets the rlimits, drops to the tool user, applies the plan's mechanisms (Landlock at
+//!   the plan's ABI, checked fully enforced; the refusal filter; the signal filter, whose
+//!   listener it hands to the helper over its stdin, a socket) and execs `bash -c COMMAND`
+//!   with stdin on /dev/null.
+//! - `probe` applies every mechanism the node may have to itself, the way a stage does,
+//!   then tries what a tool would (read the runner's secret files and its environment,
+//!   open an internet socket), and prints a `ProbeReport` as JSON.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::ffi::OsString;
+use std::io::{IoSlice, IoSliceMut};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::process::CommandExt;
 use std::path::Path;
-use std::process::Command;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use landlock::{
@@ -28,23 +33,25 @@ use landlock::{
     RulesetAttr, RulesetCreated, RulesetCreatedAttr, RulesetStatus, Scope, ABI,
 };
 use nix::errno::Errno;
-use nix::libc;
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::resource::{setrlimit, Resource};
 use nix::sys::signal::{kill, raise, SigSet, Signal};
-use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
-use nix::unistd::{getpid, getppid, setgroups, setresgid, setresuid, Gid, Pid, Uid};
-use seccompiler::{
-    BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
-    SeccompRule,
+use nix::sys::signalfd::SignalFd;
+use nix::sys::socket::{
+    recvmsg, sendmsg, socket, socketpair, AddressFamily, ControlMessage, ControlMessageOwned,
+    MsgFlags, SockFlag, SockType,
 };
+use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
+use nix::unistd::{getpid, getppid, setgroups, setpgid, setresgid, setresuid, Gid, Pid, Uid};
 
-use super::{Enforcement, Plan, ToolNetwork, HELPER_ARG, SELF_EXE};
+use super::filter::{self, Refusals};
+use super::kernel;
+use super::protections::ProbeReport;
+use super::supervise;
+use super::{Plan, ToolNetwork, HELPER_ARG, SELF_EXE};
 
-/// The Landlock ABI whose features the sandbox asks for: filesystem access (with truncate
-/// and device ioctls), TCP bind/connect, and the signal and abstract-socket scopes.
-pub(super) const LANDLOCK_ABI: ABI = ABI::V6;
 /// Readable and executable for tools, besides `--tool-read-path` (missing ones are skipped).
-const SYSTEM_DIRS: &[&str] = &[
+pub(super) const SYSTEM_DIRS: &[&str] = &[
     "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt",
 ];
 /// Device files tools may read and write.
@@ -82,7 +89,7 @@ pub fn main(args: &[OsString]) -> i32 {
         }
     };
     let result = match verb.as_ref() {
-        "helper" => helper(&plan, parsed.runner),
+        "helper" => helper(&plan, &parsed),
         "stage" => stage(&parsed).map(|never| match never {}),
         "probe" => probe(&parsed),
         other => Err(format!("unknown verb {other:?}")),
@@ -101,13 +108,17 @@ enum Outcome {
     Stopped,
 }
 
-fn helper(plan: &str, runner: u32) -> Result<i32, String> {
+fn helper(plan_text: &str, plan: &Plan) -> Result<i32, String> {
     nix::sys::prctl::set_pdeathsig(Signal::SIGTERM)
         .map_err(|e| format!("cannot set the parent-death signal: {e}"))?;
     // Checked after the parent-death signal is set, so the runner cannot die unnoticed.
-    if u32::try_from(getppid().as_raw()).ok() != Some(runner) {
+    if u32::try_from(getppid().as_raw()).ok() != Some(plan.runner) {
         return Err("the runner exited before the call started".into());
     }
+    // A tool of the runner's own user must not attach to the helper, which is outside the
+    // sandbox, nor read its memory.
+    nix::sys::prctl::set_dumpable(false)
+        .map_err(|e| format!("cannot make the helper non-dumpable: {e}"))?;
     nix::sys::prctl::set_child_subreaper(true)
         .map_err(|e| format!("cannot become a child subreaper: {e}"))?;
     // The helper may re-raise the tool's fatal signal on itself: never with a core dump.
@@ -125,23 +136,35 @@ fn helper(plan: &str, runner: u32) -> Result<i32, String> {
     signals
         .thread_block()
         .map_err(|e| format!("cannot block signals: {e}"))?;
-    let stage = Command::new(SELF_EXE)
-        .args([HELPER_ARG, "stage", plan])
+    let signal_fd =
+        SignalFd::new(&signals).map_err(|e| format!("cannot read signals from a signalfd: {e}"))?;
+
+    let mut stage = Command::new(SELF_EXE);
+    stage.args([HELPER_ARG, "stage", plan_text]);
+    // The stage hands the signal filter's listener back over its stdin, a socket.
+    let channel = if plan.mechanisms.notify {
+        let (ours, theirs) = socketpair(
+            AddressFamily::Unix,
+            SockType::Stream,
+            None,
+            SockFlag::SOCK_CLOEXEC,
+        )
+        .map_err(|e| format!("cannot make the listener's channel: {e}"))?;
+        stage.stdin(Stdio::from(theirs));
+        Some(ours)
+    } else {
+        None
+    };
+    let started = stage
         .spawn()
         .map_err(|e| format!("cannot start the tool: {e}"))?;
-    let tool = Pid::from_raw(i32::try_from(stage.id()).map_err(|e| e.to_string())?);
+    // The stage's end went with it (the Command held the only copy of it here).
+    drop(stage);
+    let tool = Pid::from_raw(i32::try_from(started.id()).map_err(|e| e.to_string())?);
+    // Blocks only until the stage sent the listener or ended (its end closes).
+    let listener = channel.and_then(|channel| receive_listener(&channel));
 
-    let outcome = loop {
-        match signals.wait() {
-            Ok(Signal::SIGCHLD) => {
-                if let Some(outcome) = reap_children(tool) {
-                    break outcome;
-                }
-            }
-            Ok(_) => break Outcome::Stopped,
-            Err(_) => {}
-        }
-    };
+    let outcome = supervise_until_done(tool, &signal_fd, listener);
     kill_everything_left();
     Ok(match outcome {
         Outcome::Exited(code) => code,
@@ -154,6 +177,94 @@ fn helper(plan: &str, runner: u32) -> Result<i32, String> {
         }
         Outcome::Stopped => 128 + Signal::SIGTERM as i32,
     })
+}
+
+/// The listener the stage sent, if it sent one before its end of the channel closed.
+fn receive_listener(channel: &OwnedFd) -> Option<OwnedFd> {
+    let mut byte = [0u8; 1];
+    let mut iov = [IoSliceMut::new(&mut byte)];
+    let mut space = nix::cmsg_space!(std::os::fd::RawFd);
+    let message = recvmsg::<()>(
+        channel.as_raw_fd(),
+        &mut iov,
+        Some(&mut space),
+        MsgFlags::MSG_CMSG_CLOEXEC,
+    )
+    .ok()?;
+    let mut fds = Vec::new();
+    for cmsg in message.cmsgs().ok()? {
+        if let ControlMessageOwned::ScmRights(received) = cmsg {
+            fds.extend(received.into_iter().map(kernel::adopt_received));
+        }
+    }
+    fds.into_iter().next()
+}
+
+/// Waits for the stage to end (or for the order to stop), answering the signal filter's
+/// notifications meanwhile.
+fn supervise_until_done(tool: Pid, signal_fd: &SignalFd, mut listener: Option<OwnedFd>) -> Outcome {
+    let helper = getpid().as_raw();
+    loop {
+        let (signal_ready, listener_ready, listener_gone) = {
+            let mut fds = vec![PollFd::new(signal_fd.as_fd(), PollFlags::POLLIN)];
+            if let Some(listener) = &listener {
+                fds.push(PollFd::new(listener.as_fd(), PollFlags::POLLIN));
+            }
+            match poll(&mut fds, PollTimeout::NONE) {
+                Ok(_) => {}
+                Err(Errno::EINTR) => continue,
+                // Cannot wait: stop the call rather than spin.
+                Err(_) => return Outcome::Stopped,
+            }
+            let ready = |fd: &PollFd, flags| fd.revents().is_some_and(|r| r.intersects(flags));
+            (
+                ready(&fds[0], PollFlags::POLLIN),
+                fds.get(1).is_some_and(|fd| ready(fd, PollFlags::POLLIN)),
+                fds.get(1).is_some_and(|fd| {
+                    ready(
+                        fd,
+                        PollFlags::POLLHUP | PollFlags::POLLERR | PollFlags::POLLNVAL,
+                    )
+                }),
+            )
+        };
+        if listener_ready {
+            if let Some(listener) = &listener {
+                answer_one(helper, listener.as_raw_fd());
+            }
+        } else if listener_gone {
+            // No process of the call holds the filter any more.
+            listener = None;
+        }
+        if signal_ready {
+            match signal_fd.read_signal() {
+                Ok(Some(info)) if info.ssi_signo == Signal::SIGCHLD as u32 => {
+                    if let Some(outcome) = reap_children(tool) {
+                        return outcome;
+                    }
+                }
+                Ok(Some(_)) => return Outcome::Stopped,
+                Ok(None) | Err(_) => {}
+            }
+        }
+    }
+}
+
+/// Takes one intercepted signal and lets it run only if it stays within the call.
+fn answer_one(helper: i32, listener: std::os::fd::RawFd) {
+    let Ok(call) = kernel::receive(listener) else {
+        // The caller died or was interrupted before we read it.
+        return;
+    };
+    let allowed = supervise::may_signal(helper, &call, &supervise::Proc);
+    // What /proc said holds only while the caller still waits.
+    let refuse = if allowed && kernel::still_waiting(listener, call.id) {
+        None
+    } else {
+        Some(Errno::EPERM)
+    };
+    // ENOENT: the caller is gone meanwhile; nothing to answer.
+    let _ = kernel::answer(listener, call.id, refuse);
 }
 
 /// Reaps every child that has ended; returns the tool's outcome once the stage is among
@@ -239,27 +350,9 @@ fn descendants(root: Pid) -> Vec<Pid> {
     found
 }
 
-fn stage(plan: &Plan) -> Result<Infallible, String> {
-    std::env::set_current_dir(&plan.workspace).map_err(|e| {
-        format!(
-            "cannot enter the workspace {}: {e}",
-            plan.workspace.display()
-        )
-    })?;
-    // Opened while still the runner's user, who can reach every path.
-    let ruleset = match plan.enforcement {
-        Enforcement::Off => None,
-        Enforcement::Require => Some(ruleset(plan, CompatLevel::HardRequirement)),
-        Enforcement::BestEffort => Some(ruleset(plan, CompatLevel::BestEffort)),
-    }
-    .transpose()
-    .map_err(|e| format!("cannot build the Landlock ruleset: {e}"))?;
-    let filter = match (plan.enforcement, plan.network) {
-        (Enforcement::Off, _) | (_, ToolNetwork::All) => None,
-        _ => Some(network_filter()?),
-    };
-
-    let cpu = plan.cpu_secs.max(1);
+/// The rlimits of a call (also tried by the probe).
+fn set_limits(cpu_secs: u64) -> Result<(), String> {
+    let cpu = cpu_secs.max(1);
     for (resource, soft, hard) in [
         (Resource::RLIMIT_CORE, 0, 0),
         (Resource::RLIMIT_CPU, cpu, cpu + 5),
@@ -270,61 +363,209 @@ fn stage(plan: &Plan) -> Result<Infallible, String> {
         setrlimit(resource, soft, hard)
             .map_err(|e| format!("cannot set the limit {resource:?}: {e}"))?;
     }
-    if let Some(ids) = plan.user {
-        let (uid, gid) = (Uid::from_raw(ids.uid), Gid::from_raw(ids.gid));
-        setgroups(&[]).map_err(|e| format!("cannot drop supplementary groups: {e}"))?;
-        setresgid(gid, gid, gid).map_err(|e| format!("cannot switch to group {gid}: {e}"))?;
-        setresuid(uid, uid, uid).map_err(|e| format!("cannot switch to user {uid}: {e}"))?;
+    Ok(())
+}
+
+fn switch_user(plan: &Plan) -> Result<Option<u32>, String> {
+    let Some(ids) = plan.user else {
+        return Ok(None);
+    };
+    let (uid, gid) = (Uid::from_raw(ids.uid), Gid::from_raw(ids.gid));
+    setgroups(&[]).map_err(|e| format!("cannot drop supplementary groups: {e}"))?;
+    setresgid(gid, gid, gid).map_err(|e| format!("cannot switch to group {gid}: {e}"))?;
+    setresuid(uid, uid, uid).map_err(|e| format!("cannot switch to user {uid}: {e}"))?;
+    Ok(Some(ids.uid))
+}
+
+/// Restricts this process with `ruleset` and checks that the kernel enforces all of
+/// `abi`'s rights: a ruleset only partly enforced (or a blocked syscall) is an error, never
+/// a silent pass.
+fn restrict(ruleset: RulesetCreated, abi: i32) -> Result<(), String> {
+    let status = ruleset
+        .restrict_self()
+        .map_err(|e| format!("Landlock refused the ruleset: {e}"))?;
+    match status.ruleset {
+        RulesetStatus::FullyEnforced => Ok(()),
+        other => Err(format!(
+            "Landlock enforced the ruleset only {other:?} at ABI {abi} ({:?})",
+            status.landlock
+        )),
     }
+}
+
+fn stage(plan: &Plan) -> Result<Infallible, String> {
+    std::env::set_current_dir(&plan.workspace).map_err(|e| {
+        format!(
+            "cannot enter the workspace {}: {e}",
+            plan.workspace.display()
+        )
+    })?;
+    // Its own process group: a tool's `kill 0` then reaches the call, not its helper.
+    setpgid(Pid::from_raw(0), Pid::from_raw(0))
+        .map_err(|e| format!("cannot start a process group: {e}"))?;
+    set_limits(plan.cpu_secs)?;
+    // The ruleset's paths are opened while still the runner's user, who reaches them all.
+    let mechanisms = plan.mechanisms;
+    let ruleset = mechanisms
+        .landlock_abi
+        .map(|abi| ruleset(plan, &plan.workspace, abi).map(|ruleset| (ruleset, abi)))
+        .transpose()
+        .map_err(|e| format!("cannot build the Landlock ruleset: {e}"))?;
+    let refusals = mechanisms
+        .refusals
+        .map(filter::refusal_filter)
+        .transpose()?;
+    let signals = mechanisms.notify.then(filter::signal_filter).transpose()?;
+    switch_user(plan)?;
     SigSet::empty()
         .thread_set_mask()
         .map_err(|e| format!("cannot reset the signal mask: {e}"))?;
-    if let Some(ruleset) = ruleset {
-        ruleset
-            .restrict_self()
-            .map_err(|e| format!("Landlock refused the ruleset: {e}"))?;
+    if let Some((ruleset, abi)) = ruleset {
+        restrict(ruleset, abi)?;
     }
-    if let Some(filter) = filter {
-        if let Err(e) = seccompiler::apply_filter(&filter) {
-            let message = format!("cannot install the seccomp network filter: {e}");
-            if plan.enforcement == Enforcement::Require {
-                return Err(message);
-            }
-            eprintln!("sandbox (best-effort): {message}");
-        }
+    if let Some(program) = refusals {
+        seccompiler::apply_filter(&program)
+            .map_err(|e| format!("cannot install the seccomp filter: {e}"))?;
     }
-    let error = Command::new("bash").arg("-c").arg(&plan.command).exec();
+    if let Some(program) = signals {
+        nix::sys::prctl::set_no_new_privs().map_err(|e| format!("cannot set no_new_privs: {e}"))?;
+        let listener = kernel::install_filter_with_listener(&program)
+            .map_err(|e| format!("cannot install the seccomp signal filter: {e}"))?;
+        let stdin = std::io::stdin();
+        sendmsg::<()>(
+            stdin.as_fd().as_raw_fd(),
+            &[IoSlice::new(b"L")],
+            &[ControlMessage::ScmRights(&[listener.as_raw_fd()])],
+            MsgFlags::empty(),
+            None,
+        )
+        .map_err(|e| format!("cannot hand the signal filter to the helper: {e}"))?;
+        // The helper holds it now; bash must not (it would answer its own calls).
+        drop(listener);
+    }
+    let error = Command::new("bash")
+        .arg("-c")
+        .arg(&plan.command)
+        .stdin(Stdio::null())
+        .exec();
     Err(format!("cannot start bash: {error}"))
 }
 
+/// What the probe found, printed as JSON on stdout.
 fn probe(plan: &Plan) -> Result<i32, String> {
-    let status = ruleset(plan, CompatLevel::BestEffort)
-        .and_then(|ruleset| Ok(ruleset.restrict_self()?))
-        .map_err(|e| format!("cannot apply a Landlock ruleset: {e}"))?;
-    let word = match status.ruleset {
-        RulesetStatus::FullyEnforced => "full",
-        RulesetStatus::PartiallyEnforced => "partial",
-        RulesetStatus::NotEnforced => "none",
+    let probe = plan.probe.as_ref().ok_or("a probe needs its request")?;
+    let release = nix::sys::utsname::uname()
+        .map(|u| u.release().to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let cmdline = std::fs::read_to_string("/proc/cmdline").unwrap_or_default();
+    let gvisor = release.contains("gvisor") || cmdline.contains("gvisor");
+    let landlock_kernel = kernel::landlock_abi().map_err(errno_name);
+    let landlock_requested = landlock_kernel
+        .as_ref()
+        .ok()
+        .map(|&abi| probe.max_abi.map_or(abi, |max| abi.min(max)))
+        .filter(|&abi| abi >= 1);
+    let subreaper = nix::sys::prctl::set_child_subreaper(true).map_err(|e| e.to_string());
+    let rlimits = set_limits(1);
+    let separate_uid = plan
+        .user
+        .map(|_| switch_user(plan).map(|uid| uid.unwrap_or_default()));
+    let (landlock_enforced, seccomp, notify) = if probe.confine {
+        let landlock_enforced = match landlock_requested {
+            Some(abi) => ruleset(plan, &plan.workspace, abi)
+                .map_err(|e| format!("cannot build the Landlock ruleset: {e}"))
+                .and_then(|ruleset| restrict(ruleset, abi))
+                .and_then(|()| {
+                    // A rule the kernel took but does not apply would leave /proc open.
+                    match std::fs::read_dir("/proc/self/fd") {
+                        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => Ok(()),
+                        Err(e) => Err(format!("/proc/self/fd: {e}")),
+                        Ok(_) => Err("/proc is still readable under the ruleset".into()),
+                    }
+                }),
+            None => Err("not tried".into()),
+        };
+        let all = Refusals {
+            network: true,
+            ptrace: true,
+            truncate: true,
+            sigio_owner: true,
+        };
+        let seccomp = filter::refusal_filter(all).and_then(|program| {
+            seccompiler::apply_filter(&program).map_err(|e| e.to_string())?;
+            match socket(
+                AddressFamily::Inet,
+                SockType::Stream,
+                SockFlag::empty(),
+                None,
+            ) {
+                Err(Errno::EPERM) => Ok(()),
+                Err(e) => Err(format!("socket(AF_INET) failed with {e}, not EPERM")),
+                Ok(_) => Err("the filter let socket(AF_INET) through".into()),
+            }
+        });
+        let notify = filter::signal_filter().and_then(|program| {
+            nix::sys::prctl::set_no_new_privs().map_err(errno_name)?;
+            kernel::install_filter_with_listener(&program)
+                .map(drop)
+                .map_err(errno_name)
+        });
+        (landlock_enforced, seccomp, notify)
+    } else {
+        let off = || Err("--sandbox off".to_string());
+        (off(), off(), off())
     };
-    println!("{word} {:?}", status.landlock);
+    let readable_secret_files = probe
+        .secret_files
+        .iter()
+        .filter(|file| std::fs::File::open(file).is_ok())
+        .map(|file| file.display().to_string())
+        .collect();
+    let runner_environ_readable = std::fs::read(format!("/proc/{}/environ", plan.runner)).is_ok();
+    let report = ProbeReport {
+        landlock_kernel,
+        landlock_requested,
+        landlock_enforced,
+        separate_uid,
+        seccomp,
+        notify,
+        subreaper,
+        rlimits,
+        readable_secret_files,
+        runner_environ_readable,
+        gvisor,
+    };
+    println!(
+        "{}",
+        serde_json::to_string(&report).map_err(|e| e.to_string())?
+    );
     Ok(0)
 }
 
+fn errno_name(errno: Errno) -> String {
+    format!("{errno:?}")
+}
+
 /// Read and execute on the system directories and `--tool-read-path`s, read and write on a
-/// few devices, everything on the workspace; nothing else. With no network, TCP bind and
-/// connect are handled with no port allowed. Signals and abstract Unix sockets reach only
-/// processes inside the same sandbox.
-fn ruleset(plan: &Plan, level: CompatLevel) -> Result<RulesetCreated, Box<dyn std::error::Error>> {
-    let abi = LANDLOCK_ABI;
+/// few devices, everything on the workspace; nothing else. With no network (ABI 4+), TCP
+/// bind and connect are handled with no port allowed. From ABI 6, signals and abstract Unix
+/// sockets reach only processes inside the same sandbox. Only `abi`'s rights are asked for.
+fn ruleset(
+    plan: &Plan,
+    workspace: &Path,
+    abi: i32,
+) -> Result<RulesetCreated, Box<dyn std::error::Error>> {
+    let abi = ABI::from(abi);
     let mut ruleset = Ruleset::default()
-        .set_compatibility(level)
+        .set_compatibility(CompatLevel::HardRequirement)
         .handle_access(AccessFs::from_all(abi))?;
-    if plan.network == ToolNetwork::None {
-        ruleset = ruleset.handle_access(AccessNet::BindTcp | AccessNet::ConnectTcp)?;
+    if plan.network == ToolNetwork::None && abi >= ABI::V4 {
+        ruleset = ruleset.handle_access(AccessNet::from_all(abi))?;
     }
-    let mut created = ruleset
-        .scope(Scope::Signal | Scope::AbstractUnixSocket)?
-        .create()?;
+    if abi >= ABI::V6 {
+        ruleset = ruleset.scope(Scope::from_all(abi))?;
+    }
+    let mut created = ruleset.create()?;
     let read_only = SYSTEM_DIRS
         .iter()
         .map(Path::new)
@@ -347,38 +588,6 @@ fn ruleset(plan: &Plan, level: CompatLevel) -> Result<RulesetCreated, Box<dyn st
             created = created.add_rule(PathBeneath::new(fd, AccessFs::from_file(abi)))?;
         }
     }
-    let workspace = PathFd::new(&plan.workspace)?;
+    let workspace = PathFd::new(workspace)?;
     Ok(created.add_rule(PathBeneath::new(workspace, AccessFs::from_all(abi)))?)
-}
-
-/// Refuses `socket()` for every family but `AF_UNIX` (UDP, raw, netlink and TCP alike), and
-/// io_uring, which could open sockets past the filter.
-fn network_filter() -> Result<BpfProgram, String> {
-    let arch = std::env::consts::ARCH
-        .try_into()
-        .map_err(|e| format!("no seccomp support for this architecture: {e:?}"))?;
-    let not_unix = SeccompCondition::new(
-        0,
-        SeccompCmpArgLen::Dword,
-        SeccompCmpOp::Ne,
-        libc::AF_UNIX as u64,
-    )
-    .map_err(|e| e.to_string())?;
-    let rules = [
-        (
-            libc::SYS_socket,
-            vec![SeccompRule::new(vec![not_unix]).map_err(|e| e.to_string())?],
-        ),
-        (libc::SYS_io_uring_setup, vec![]),
-    ];
-    let filter = SeccompFilter::new(
-        rules.into_iter().collect(),
-        SeccompAction::Allow,
-        SeccompAction::Errno(libc::EACCES as u32),
-        arch,
-    )
-    .map_err(|e| format!("cannot build the seccomp filter: {e}"))?;
-    filter
-        .try_into()
-        .map_err(|e: seccompiler::BackendError| format!("cannot compile the seccomp filter: {e}"))
 }
