@@ -101,6 +101,15 @@ struct Args {
         default_value = "30s"
     )]
     reclaim_after: Duration,
+    /// The local backend: the share of one core a reclamation pass takes at most (it rests
+    /// between its pieces of work so that appends keep the machine; 1: never rests).
+    #[arg(
+        long,
+        env = "AGENTLOG_RECLAIM_SHARE",
+        default_value_t = 0.25,
+        hide = true
+    )]
+    reclaim_share: f64,
     /// The local backend: roll to a new segment file once the current one holds this many
     /// bytes (for tests that want many segments; the default suits production).
     #[arg(long, env = "AGENTLOG_SEGMENT_BYTES", hide = true)]
@@ -242,8 +251,14 @@ async fn open_backend(args: &Args) -> anyhow::Result<Opened> {
         config.log_config.preallocate_bytes =
             config.log_config.preallocate_bytes.min(segment_bytes / 4);
     }
+    anyhow::ensure!(
+        args.reclaim_share > 0.0 && args.reclaim_share <= 1.0,
+        "--reclaim-share {} is not a share of a core; give one above 0 and at most 1",
+        args.reclaim_share
+    );
     config.reclaim = ReclaimConfig {
         after: args.reclaim_after,
+        busy_share: args.reclaim_share,
         ..ReclaimConfig::for_segments(config.log_config.segment_bytes)
     };
     let store = Store::open(config)

@@ -41,6 +41,7 @@ fn reclaim_now() -> ReclaimConfig {
         after: Duration::from_millis(1),
         dead_bytes: 1,
         check_every: Duration::from_millis(20),
+        busy_share: 1.0,
     }
 }
 
@@ -49,6 +50,7 @@ fn held() -> ReclaimConfig {
         after: Duration::from_secs(3600),
         dead_bytes: u64::MAX,
         check_every: Duration::from_secs(3600),
+        busy_share: 1.0,
     }
 }
 

@@ -67,6 +67,41 @@ struct Args {
     /// The event-store binary (default: the one next to this program).
     #[arg(long)]
     store_binary: Option<PathBuf>,
+    /// The local store's `--reclaim-share` (the share of a core a pass takes at most).
+    #[arg(long)]
+    reclaim_share: Option<f64>,
+    /// Record the local store with `perf record -g` during each load into this directory
+    /// (`alone-N.data`, `during-N.data`).
+    #[arg(long)]
+    perf_out: Option<PathBuf>,
+}
+
+/// `perf record` of one process, stopped (and its file written) when dropped.
+struct Perf(Option<std::process::Child>);
+
+impl Perf {
+    fn record(out: Option<&Path>, name: &str, pid: u32) -> anyhow::Result<Perf> {
+        let Some(out) = out else {
+            return Ok(Perf(None));
+        };
+        std::fs::create_dir_all(out)?;
+        let child = std::process::Command::new("perf")
+            .args(["record", "-F", "499", "-g", "-p", &pid.to_string(), "-o"])
+            .arg(out.join(format!("{name}.data")))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()?;
+        Ok(Perf(Some(child)))
+    }
+}
+
+impl Drop for Perf {
+    fn drop(&mut self) {
+        if let Some(child) = &mut self.0 {
+            testkit::signal(child.id(), testkit::Signal::SIGINT);
+            let _ = child.wait();
+        }
+    }
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -207,7 +242,7 @@ async fn fill(url: &str, mib: u64) -> anyhow::Result<()> {
         tasks.push(tokio::spawn(async move {
             let mut client = EventStoreClient::connect(url).await?;
             for i in (w..appends).step_by(WRITERS) {
-                let session = if i % 2 == 0 {
+                let session = if (i / WRITERS).is_multiple_of(2) {
                     format!("doomed-{w:02}")
                 } else {
                     format!("kept-{w:02}")
@@ -232,7 +267,9 @@ async fn fill(url: &str, mib: u64) -> anyhow::Result<()> {
 
 struct LocalRun {
     before: Measured,
+    after: Measured,
     during: Measured,
+    /// Seconds the passes took, all together.
     pass_secs: f64,
     segment_bytes_read: u64,
     reclaimed: f64,
@@ -243,11 +280,16 @@ async fn local_run(args: &Args, binary: &Path, run: usize) -> anyhow::Result<Loc
     let dir = args.dir.join(format!("local-{run}"));
     let _ = std::fs::remove_dir_all(&dir);
     let metrics_addr = format!("127.0.0.1:{}", free_port()?);
+    let share = args.reclaim_share.map(|s| s.to_string());
+    let mut flags = vec!["--metrics-listen", &metrics_addr];
+    if let Some(share) = &share {
+        flags.extend(["--reclaim-share", share]);
+    }
     let store = Store::start_backed(
         binary,
         Backing::Dir(dir.join("data")),
         "127.0.0.1:0",
-        &["--metrics-listen", &metrics_addr],
+        &flags,
     )?;
     let url = store.url();
     eprintln!("local run {run}: filling {} MiB", args.local_mib);
@@ -258,17 +300,21 @@ async fn local_run(args: &Args, binary: &Path, run: usize) -> anyhow::Result<Loc
     let copy_rate = plain_copy(&files, &dir.join("copy"))?;
 
     eprintln!("local run {run}: the load alone");
+    let perf_out = args.perf_out.as_deref();
     let load = Load::start(&url, "before", args.clients).await?;
     let from = Instant::now() + Duration::from_secs(1);
-    tokio::time::sleep(Duration::from_secs(1 + args.secs)).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let perf = Perf::record(perf_out, &format!("alone-{run}"), store.pid())?;
+    tokio::time::sleep(Duration::from_secs(args.secs)).await;
+    drop(perf);
     let before = load.finish(from, Instant::now()).await?;
 
     eprintln!("local run {run}: the load during the reclamation");
-    let runs_before = metric(&metrics_addr, "agentlog_store_reclaim_runs_total").await?;
     let seconds_before = metric(&metrics_addr, "agentlog_store_reclaim_seconds_total").await?;
     let reclaimed_before = metric(&metrics_addr, "agentlog_store_reclaimed_bytes_total").await?;
     let load = Load::start(&url, "during", args.clients).await?;
     let mut client = EventStoreClient::connect(url.clone()).await?;
+    let perf = Perf::record(perf_out, &format!("during-{run}"), store.pid())?;
     let from = Instant::now();
     for w in 0..16 {
         client
@@ -277,14 +323,31 @@ async fn local_run(args: &Args, binary: &Path, run: usize) -> anyhow::Result<Loc
             })
             .await?;
     }
-    // The pass starts at once (half of every segment is dead); the load runs until it ends.
+    // A pass starts at once (half of every segment is dead), another may follow for the
+    // sessions deleted while it ran; the load runs until the dead half is given back.
     let deadline = Instant::now() + Duration::from_secs(600);
-    while metric(&metrics_addr, "agentlog_store_reclaim_runs_total").await? <= runs_before {
-        anyhow::ensure!(Instant::now() < deadline, "the pass never ended");
+    let dead_half = segment_bytes_read as f64 * 0.45;
+    loop {
+        let reclaimed =
+            metric(&metrics_addr, "agentlog_store_reclaimed_bytes_total").await? - reclaimed_before;
+        let dead = metric(&metrics_addr, "agentlog_store_reclaim_dead_bytes").await?;
+        if reclaimed >= dead_half && dead == 0.0 {
+            break;
+        }
+        anyhow::ensure!(Instant::now() < deadline, "the reclamation never ended");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let to = Instant::now();
+    drop(perf);
     let during = load.finish(from, to).await?;
+
+    // The load alone once more, after the pass, so that a machine whose speed drifts (other
+    // work on it) weighs on both sides alike.
+    eprintln!("local run {run}: the load alone again");
+    let load = Load::start(&url, "after", args.clients).await?;
+    let from_after = Instant::now() + Duration::from_secs(1);
+    tokio::time::sleep(Duration::from_secs(1 + args.secs)).await;
+    let after = load.finish(from_after, Instant::now()).await?;
     let pass_secs =
         metric(&metrics_addr, "agentlog_store_reclaim_seconds_total").await? - seconds_before;
     let reclaimed =
@@ -293,6 +356,7 @@ async fn local_run(args: &Args, binary: &Path, run: usize) -> anyhow::Result<Loc
     let _ = std::fs::remove_dir_all(&dir);
     Ok(LocalRun {
         before,
+        after,
         during,
         pass_secs,
         segment_bytes_read,
@@ -433,18 +497,22 @@ async fn main() -> anyhow::Result<()> {
         let mut summary = Vec::new();
         for run in 0..args.runs {
             let r = local_run(&args, &binary, run).await?;
-            println!("{}", row(&format!("{run} | alone"), &r.before));
+            println!("{}", row(&format!("{run} | alone, before"), &r.before));
             println!("{}", row(&format!("{run} | during the pass"), &r.during));
+            println!("{}", row(&format!("{run} | alone, after"), &r.after));
             summary.push(r);
         }
-        println!("\n| run | appends/s during ÷ alone | p99 during ÷ alone | pass | segments read | reclaimed | rewrite MB/s (segment bytes read) | plain copy MB/s | rewrite ÷ copy |");
+        println!("\nAlone: the mean of before and after.");
+        println!("\n| run | appends/s during ÷ alone | p99 during ÷ alone | passes took | segments read | reclaimed | rewrite MB/s (segment bytes read) | plain copy MB/s | rewrite ÷ copy |");
         println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
         for (run, r) in summary.iter().enumerate() {
             let rewrite = r.segment_bytes_read as f64 / r.pass_secs;
+            let alone_rate = (r.before.rate + r.after.rate) / 2.0;
+            let alone_p99 = (r.before.p99 + r.after.p99) / 2.0;
             println!(
                 "| {run} | {} | {} | {:.1} s | {} MiB | {} MiB | {} | {} | {} |",
-                fmt_ratio(r.during.rate / r.before.rate),
-                fmt_ratio(r.during.p99 / r.before.p99),
+                fmt_ratio(r.during.rate / alone_rate),
+                fmt_ratio(r.during.p99 / alone_p99),
                 r.pass_secs,
                 fmt_num(r.segment_bytes_read as f64 / 1048576.0),
                 fmt_num(r.reclaimed / 1048576.0),

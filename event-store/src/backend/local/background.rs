@@ -49,6 +49,17 @@ impl Signal {
         guard.stopped
     }
 
+    /// Waits up to `wait`, or until stopped (a nudge does not end it); whether the store is
+    /// stopping.
+    pub fn rest(&self, wait: Duration) -> bool {
+        let (woken, wake) = &*self.0;
+        let guard = woken.lock().unwrap_or_else(|p| p.into_inner());
+        let (guard, _) = wake
+            .wait_timeout_while(guard, wait, |w| !w.stopped)
+            .unwrap_or_else(|p| p.into_inner());
+        guard.stopped
+    }
+
     pub fn is_stopped(&self) -> bool {
         self.0 .0.lock().unwrap_or_else(|p| p.into_inner()).stopped
     }

@@ -178,10 +178,9 @@ impl Store {
             })
             .map_err(|e| OpenError::DataDir("writer thread".into(), e))?;
         let mut background = vec![shared.reclaimer.clone()];
-        let signal = shared.reclaimer.clone();
         let mut background_threads = vec![std::thread::Builder::new()
             .name("log-reclaimer".into())
-            .spawn(move || reclaimer.run(signal))
+            .spawn(move || reclaimer.run())
             .map_err(|e| OpenError::DataDir("reclaimer thread".into(), e))?];
         if let Some(retention) = config.retention {
             let stop = background::Signal::default();

@@ -50,7 +50,7 @@ use crate::error::StoreError;
 use crate::metrics;
 
 /// When reclamation runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ReclaimConfig {
     /// A deletion's records are reclaimed at the latest about this long after it.
     pub after: Duration,
@@ -58,6 +58,10 @@ pub struct ReclaimConfig {
     pub dead_bytes: u64,
     /// How often the reclaimer looks (besides when a deletion wakes it).
     pub check_every: Duration,
+    /// The share of one core a rewrite takes at most (it rests between its pieces of
+    /// work), so that appends keep the machine; 1: no rest. On a full volume, where no
+    /// append waits, it never rests.
+    pub busy_share: f64,
 }
 
 impl ReclaimConfig {
@@ -68,6 +72,7 @@ impl ReclaimConfig {
             after: Duration::from_secs(30),
             dead_bytes: (segment_bytes / 4).max(1),
             check_every: Duration::from_secs(1),
+            busy_share: 0.25,
         }
     }
 }
@@ -88,6 +93,8 @@ pub(crate) struct Reclaimer {
     pub config: ReclaimConfig,
     /// Dead bytes per segment of each session awaiting erasure, counted once.
     dead: HashMap<String, Vec<(u64, u64)>>,
+    /// Tells a rewrite to stop when the store does.
+    signal: Signal,
 }
 
 impl Reclaimer {
@@ -103,6 +110,7 @@ impl Reclaimer {
             rewriter,
             reader,
             index,
+            signal: shared.reclaimer.clone(),
             shared,
             queue,
             config,
@@ -112,7 +120,8 @@ impl Reclaimer {
 
     /// Looks for work every `check_every` (and when a deletion wakes it) until the store
     /// stops. A failed pass is retried at the next look.
-    pub fn run(mut self, signal: Signal) {
+    pub fn run(mut self) {
+        let signal = self.signal.clone();
         while !signal.wait(self.config.check_every) {
             if let Err(Failed::WriterGone) = self.restore_reserve() {
                 return;
@@ -235,15 +244,22 @@ impl Reclaimer {
         order.sort_unstable_by_key(|(base, live)| (*live, *base));
         let mut reclaimed = 0u64;
         let storage = self.rewriter.storage().clone();
+        let mut pace = Pace {
+            share: self.config.busy_share,
+            busy_since: Instant::now(),
+            signal: &self.signal,
+            shared: &self.shared,
+        };
+        let mut pause = || pace.rest();
         for (base, _) in order {
             let is_dead =
                 |session: &[u8]| std::str::from_utf8(session).is_ok_and(|s| dead.contains(s));
-            let mut rewritten = self.rewriter.rewrite(base, is_dead);
+            let mut rewritten = self.rewriter.rewrite(base, is_dead, &mut pause);
             // A full volume: the reserve is there for this.
             if matches!(rewritten, Err(LogError::NoSpace(_)))
                 && storage.release_reserve().map_err(LogError::from)? > 0
             {
-                rewritten = self.rewriter.rewrite(base, is_dead);
+                rewritten = self.rewriter.rewrite(base, is_dead, &mut pause);
             }
             if let Some(r) = rewritten? {
                 reclaimed += r.file_bytes_before.saturating_sub(r.file_bytes_after);
@@ -305,6 +321,37 @@ impl Reclaimer {
         for session_id in &done {
             erasing.remove(*session_id);
         }
+        Ok(())
+    }
+}
+
+/// Keeps a rewrite's share of a core at about `share`: after each piece of work it rests
+/// long enough that work / (work + rest) is `share`; while the volume is full (no append
+/// to leave room for) it does not rest. Stops the rewrite when the store stops.
+struct Pace<'a> {
+    share: f64,
+    busy_since: Instant,
+    signal: &'a Signal,
+    shared: &'a Shared,
+}
+
+impl Pace<'_> {
+    fn rest(&mut self) -> std::io::Result<()> {
+        let full = self.shared.full.borrow().is_some();
+        if self.share < 1.0 && self.share > 0.0 && !full {
+            let rest = self
+                .busy_since
+                .elapsed()
+                .mul_f64((1.0 - self.share) / self.share);
+            self.signal.rest(rest.min(Duration::from_secs(1)));
+        }
+        if self.signal.is_stopped() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::Interrupted,
+                "the store is stopping",
+            ));
+        }
+        self.busy_since = Instant::now();
         Ok(())
     }
 }

@@ -10,8 +10,11 @@
 //! read as a record length, are far above any valid one, so a file of this form is never
 //! mistaken for a plain segment.
 //!
-//! A rewrite reads the source segment (plain or rewritten before) record by record,
-//! verifying each record's checksum, and writes the kept ones in one pass; the file is
+//! A rewrite reads the source segment (plain or rewritten before) a window at a time,
+//! verifying each record's checksum, and has the kept ones copied into the new file in the
+//! same pass (by the kernel, [`SegmentFile::copy_from`]: a rewrite's cost was the copy of
+//! its bytes through this process into the page cache, 35% of the store's CPU during a
+//! pass at 64 clients, bench/RESULTS.md); the file is
 //! complete only once its footer is written and fsync'd, and is put in place by the caller
 //! (a rename over the segment), so a crash at any moment leaves either the old segment or
 //! the whole new one.
@@ -19,7 +22,7 @@
 use std::io;
 use std::sync::Arc;
 
-use super::record::{self, FrameError, HEADER_LEN, MAX_BODY_LEN};
+use super::record::{self, FrameError, HEADER_LEN};
 use super::storage::SegmentFile;
 
 const MAGIC: [u8; 8] = *b"AGLOGCMP";
@@ -27,10 +30,9 @@ const MAGIC: [u8; 8] = *b"AGLOGCMP";
 const RUN_BYTES: usize = 16;
 /// Original length, run count, CRC32C, magic.
 const FOOTER_BYTES: usize = 8 + 4 + 4 + 8;
-/// The source is read this much at a time (at least one largest record, with its frame).
-const READ_WINDOW: usize = 2 * (MAX_BODY_LEN + HEADER_LEN);
-/// Kept records are written out once this many bytes wait.
-const WRITE_BUFFER: usize = 4 << 20;
+/// The source is read this much at a time (more for a record that is longer), in short
+/// pieces of work that the caller paces (see `pause`).
+const READ_WINDOW: usize = 1 << 20;
 
 /// Where a rewritten segment's records are in its file.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -157,39 +159,46 @@ pub fn stretches(map: Option<&RunMap>, len: u64) -> Vec<(u64, u64, u64)> {
 /// `len` bytes) whose session `dead` does not name, each checksum verified on the way;
 /// tombstones are always kept. Returns `None` if no record is dropped (what was written
 /// to `out` is then of no use). When this returns `Some`, `out` is written whole but not
-/// yet fsync'd: that, and putting it in place, is the caller's.
+/// yet fsync'd: that, and putting it in place, is the caller's. `pause` is called after
+/// each window of the source (a few MiB) is dealt with: the caller paces the rewrite there,
+/// and an error from it stops the rewrite.
 pub fn rewrite(
     source: &dyn SegmentFile,
     map: Option<&RunMap>,
     len: u64,
     out: &Arc<dyn SegmentFile>,
     dead: impl Fn(&[u8]) -> bool,
+    pause: &mut dyn FnMut() -> io::Result<()>,
 ) -> Result<Option<Rewrite>, RewriteError> {
     let mut kept: Vec<(u64, u64)> = Vec::new();
     let mut dropped_records = 0usize;
     let mut dropped_bytes = 0u64;
-    let mut pending: Vec<u8> = Vec::with_capacity(WRITE_BUFFER + READ_WINDOW);
+    out.write_all_at(&MAGIC, 0)?;
     let mut written = MAGIC.len() as u64;
-    let mut started = false;
+    let mut window = Vec::new();
+    // Stretches of the source (offset in its file, length) to copy, as the scan finds them.
+    let mut copies: Vec<(u64, u64)> = Vec::new();
     for (logical_start, physical_start, stretch_len) in stretches(map, len) {
-        let mut window = Vec::new();
         let mut done = 0u64; // bytes of the stretch dealt with
+        let mut window_len = READ_WINDOW;
         while done < stretch_len {
-            let want = READ_WINDOW.min((stretch_len - done) as usize);
+            let want = window_len.min((stretch_len - done) as usize);
             window.resize(want, 0);
             source.read_exact_at(&mut window, physical_start + done)?;
+            let more = done + (want as u64) < stretch_len;
             let mut at = 0usize;
+            window_len = READ_WINDOW;
             while at < window.len() {
                 let offset = logical_start + done + at as u64;
                 let frame = &window[at..];
                 let body = match record::body_len(frame) {
                     Ok(body) if HEADER_LEN + body <= frame.len() => body,
-                    // Cut by the window: read on from this record.
-                    Ok(_) | Err(FrameError::Truncated)
-                        if done + (window.len() as u64) < stretch_len && at > 0 =>
-                    {
-                        break
+                    // Cut by the window: read on from this record (in a window that holds it).
+                    Ok(body) if more => {
+                        window_len = window_len.max(HEADER_LEN + body);
+                        break;
                     }
+                    Err(FrameError::Truncated) if more && at > 0 => break,
                     Ok(_) => return Err(RewriteError::Bad(offset, FrameError::Truncated)),
                     Err(e) => return Err(RewriteError::Bad(offset, e)),
                 };
@@ -206,30 +215,33 @@ pub fn rewrite(
                         }
                         _ => kept.push((offset, total as u64)),
                     }
-                    pending.extend_from_slice(&frame[..total]);
+                    let from = physical_start + done + at as u64;
+                    match copies.last_mut() {
+                        Some((start, copy_len)) if *start + *copy_len == from => {
+                            *copy_len += total as u64
+                        }
+                        _ => copies.push((from, total as u64)),
+                    }
                 }
                 at += total;
             }
             done += at as u64;
-            if pending.len() >= WRITE_BUFFER {
-                if !started {
-                    out.write_all_at(&MAGIC, 0)?;
-                    started = true;
-                }
-                out.write_all_at(&pending, written)?;
-                written += pending.len() as u64;
-                pending.clear();
+            // What this window keeps goes out (read once more by the kernel, from the page
+            // cache, without passing through this process), and on to the disk.
+            let window_written = written;
+            for (from, copy_len) in copies.drain(..) {
+                out.copy_from(source, from, copy_len, written)?;
+                written += copy_len;
             }
+            out.start_writeback(window_written, written - window_written)?;
+            pause()?;
         }
     }
     if dropped_records == 0 {
         return Ok(None);
     }
-    if !started {
-        out.write_all_at(&MAGIC, 0)?;
-    }
     let original_len = map.map_or(len, RunMap::logical_len);
-    let mut tail = pending;
+    let mut tail = Vec::new();
     let mut runs = Vec::with_capacity(kept.len());
     let mut physical = MAGIC.len() as u64;
     let mut table = Vec::with_capacity(kept.len() * RUN_BYTES);
@@ -292,6 +304,10 @@ mod tests {
     /// A record's offset, length and bytes.
     type Placed = (u64, u64, Vec<u8>);
 
+    fn go_on() -> io::Result<()> {
+        Ok(())
+    }
+
     /// A plain segment of `records` (each its own append): the file and where each is.
     fn segment(records: &[Record]) -> (Arc<dyn SegmentFile>, Vec<Placed>) {
         let storage = SimStorage::new();
@@ -329,9 +345,16 @@ mod tests {
         let len = source.size().unwrap();
         let storage = SimStorage::new();
         let out = storage.create(1).unwrap();
-        let rewrite = rewrite(source.as_ref(), None, len, &out, |s| s == b"dead")
-            .unwrap()
-            .expect("something was dropped");
+        let rewrite = rewrite(
+            source.as_ref(),
+            None,
+            len,
+            &out,
+            |s| s == b"dead",
+            &mut go_on,
+        )
+        .unwrap()
+        .expect("something was dropped");
         assert_eq!(rewrite.dropped_records, 3);
         let map = read_map(out.as_ref())
             .unwrap()
@@ -364,12 +387,27 @@ mod tests {
         let storage2 = SimStorage::new();
         let again = storage2.create(2).unwrap();
         assert_eq!(
-            super::rewrite(out.as_ref(), Some(&map), 0, &again, |s| s == b"dead").unwrap(),
+            super::rewrite(
+                out.as_ref(),
+                Some(&map),
+                0,
+                &again,
+                |s| s == b"dead",
+                &mut go_on
+            )
+            .unwrap(),
             None
         );
-        let twice = super::rewrite(out.as_ref(), Some(&map), 0, &again, |s| s == b"live")
-            .unwrap()
-            .expect("the live records dropped now");
+        let twice = super::rewrite(
+            out.as_ref(),
+            Some(&map),
+            0,
+            &again,
+            |s| s == b"live",
+            &mut go_on,
+        )
+        .unwrap()
+        .expect("the live records dropped now");
         assert_eq!(twice.map.logical_len(), len);
         assert_eq!(
             twice.map.kept_bytes(),
@@ -380,6 +418,38 @@ mod tests {
     }
 
     #[test]
+    fn records_longer_than_a_read_window_are_kept_whole() {
+        let big = "b".repeat(READ_WINDOW + 5000);
+        let records = vec![
+            event("live", 1, "small"),
+            event("dead", 1, &big),
+            event("live", 2, &big),
+            event("live", 3, "small again"),
+        ];
+        let (source, placed) = segment(&records);
+        let len = source.size().unwrap();
+        let storage = SimStorage::new();
+        let out = storage.create(1).unwrap();
+        let rewrite = rewrite(
+            source.as_ref(),
+            None,
+            len,
+            &out,
+            |s| s == b"dead",
+            &mut go_on,
+        )
+        .unwrap()
+        .expect("one dropped");
+        assert_eq!(rewrite.dropped_records, 1);
+        for (offset, rec_len, bytes) in [&placed[0], &placed[2], &placed[3]] {
+            let at = rewrite.map.physical(*offset, *rec_len).expect("kept");
+            let mut read = vec![0; *rec_len as usize];
+            out.read_exact_at(&mut read, at).unwrap();
+            assert_eq!(&read, bytes);
+        }
+    }
+
+    #[test]
     fn a_plain_segment_is_not_taken_for_a_rewritten_one_and_damage_is_found() {
         let (plain, _) = segment(&[event("a", 1, "hello")]);
         assert_eq!(read_map(plain.as_ref()).unwrap(), None);
@@ -387,7 +457,7 @@ mod tests {
         let len = source.size().unwrap();
         let storage = SimStorage::new();
         let out = storage.create(1).unwrap();
-        rewrite(source.as_ref(), None, len, &out, |s| s == b"a")
+        rewrite(source.as_ref(), None, len, &out, |s| s == b"a", &mut go_on)
             .unwrap()
             .unwrap();
         let size = out.size().unwrap();
@@ -402,7 +472,7 @@ mod tests {
         source.write_all_at(&[0xff], 12).unwrap();
         let out2 = storage.create(2).unwrap();
         assert!(matches!(
-            rewrite(source.as_ref(), None, len, &out2, |s| s == b"a"),
+            rewrite(source.as_ref(), None, len, &out2, |s| s == b"a", &mut go_on),
             Err(RewriteError::Bad(0, _))
         ));
     }

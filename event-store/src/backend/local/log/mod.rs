@@ -721,10 +721,12 @@ impl SegmentRewriter {
     /// `dead` names: the new file is written beside it, fsync'd, renamed over it (the
     /// directory fsync'd) and then read from; a reader in the middle of the old file goes on
     /// reading it. `None` if the segment holds no such record (nothing changes).
+    /// `pause` is called between the pieces of the work (see [`compacted::rewrite`]).
     pub fn rewrite(
         &self,
         base: u64,
         dead: impl Fn(&[u8]) -> bool,
+        pause: &mut dyn FnMut() -> io::Result<()>,
     ) -> Result<Option<Rewritten>, LogError> {
         let segment = {
             let segments = self
@@ -746,6 +748,7 @@ impl SegmentRewriter {
             before,
             &out,
             dead,
+            pause,
         );
         let written = match written {
             Ok(Some(written)) => written,

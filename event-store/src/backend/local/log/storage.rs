@@ -30,6 +30,48 @@ pub trait SegmentFile: Send + Sync {
     fn sync_data(&self) -> io::Result<()>;
     /// Cuts the file to `len` bytes and makes the cut durable (drops a torn tail).
     fn truncate(&self, len: u64) -> io::Result<()>;
+    /// Writes here, at `at`, the `len` bytes of `source` at `offset` (not yet synced). A
+    /// file on the real disk has the kernel copy them (`copy_file_range`), so that they do
+    /// not pass through this process; otherwise through a buffer.
+    fn copy_from(
+        &self,
+        source: &dyn SegmentFile,
+        offset: u64,
+        len: u64,
+        at: u64,
+    ) -> io::Result<()> {
+        copy_through_buffer(self, source, offset, len, at)
+    }
+    /// The file's descriptor, if it is one on the real disk (for [`SegmentFile::copy_from`]).
+    fn fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        None
+    }
+    /// Starts writing the `len` bytes at `offset` out to the disk without waiting for it
+    /// (and lets their pages leave the cache once written), so that a later `sync_data`
+    /// finds little left: a large write then never reaches the disk in one burst that
+    /// other files' `fdatasync`s would queue behind.
+    fn start_writeback(&self, _offset: u64, _len: u64) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// [`SegmentFile::copy_from`] through a buffer of at most 1 MiB.
+fn copy_through_buffer<F: SegmentFile + ?Sized>(
+    to: &F,
+    source: &dyn SegmentFile,
+    offset: u64,
+    len: u64,
+    at: u64,
+) -> io::Result<()> {
+    let mut buf = vec![0u8; len.min(1 << 20) as usize];
+    let mut done = 0;
+    while done < len {
+        let n = buf.len().min((len - done) as usize);
+        source.read_exact_at(&mut buf[..n], offset + done)?;
+        to.write_all_at(&buf[..n], at + done)?;
+        done += n as u64;
+    }
+    Ok(())
 }
 
 /// A set of segment files, each named by the log offset of its first byte.
@@ -344,6 +386,66 @@ impl SegmentFile for FsSegment {
     fn truncate(&self, len: u64) -> io::Result<()> {
         self.file.set_len(len)?;
         self.file.sync_all()
+    }
+    fn copy_from(
+        &self,
+        source: &dyn SegmentFile,
+        offset: u64,
+        len: u64,
+        at: u64,
+    ) -> io::Result<()> {
+        let Some(from) = source.fd() else {
+            return copy_through_buffer(self, source, offset, len, at);
+        };
+        let as_off = |n: u64| {
+            i64::try_from(n).map_err(|_| io::Error::other(format!("offset {n} is out of range")))
+        };
+        let (mut from_off, mut to_off) = (as_off(offset)?, as_off(at)?);
+        let mut left = len;
+        while left > 0 {
+            let want = left.min(1 << 30) as usize;
+            match nix::fcntl::copy_file_range(
+                from,
+                Some(&mut from_off),
+                &self.file,
+                Some(&mut to_off),
+                want,
+            ) {
+                Ok(0) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "the source ended before the range was copied",
+                    ))
+                }
+                Ok(n) => left -= n as u64,
+                // A kernel or filesystem that cannot: the rest through a buffer.
+                Err(
+                    nix::errno::Errno::ENOSYS
+                    | nix::errno::Errno::EXDEV
+                    | nix::errno::Errno::EINVAL
+                    | nix::errno::Errno::EOPNOTSUPP,
+                ) => {
+                    let done = len - left;
+                    return copy_through_buffer(self, source, offset + done, left, at + done);
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(())
+    }
+    fn fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        use std::os::fd::AsFd;
+        Some(self.file.as_fd())
+    }
+    fn start_writeback(&self, offset: u64, len: u64) -> io::Result<()> {
+        let as_off = |n: u64| {
+            i64::try_from(n).map_err(|_| io::Error::other(format!("offset {n} is out of range")))
+        };
+        // Linux starts the writeback of the range's dirty pages (not waiting) and drops the
+        // clean ones.
+        let advice = nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED;
+        nix::fcntl::posix_fadvise(&self.file, as_off(offset)?, as_off(len)?, advice)?;
+        Ok(())
     }
 }
 
