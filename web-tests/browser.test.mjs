@@ -9,7 +9,8 @@
 //    doubled;
 // 2. a call waiting for a person is approved from the page (the decision is in the log);
 // 3. Cancel on the page appends an interrupt (it is in the log and in the transcript);
-// 4. a re-run call and an interrupted turn are marked.
+// 4. a re-run call and an interrupted turn are marked;
+// 5. "Fork from here" on a settled point makes a fork and opens it ("forked from S at N").
 //
 // Screenshots of the list and of session pages go to screenshots/.
 //
@@ -221,6 +222,24 @@ async function main() {
     assert.match(await page.locator(".tool.rerun .rerun-note").textContent(), /attempt 2 with the same idempotency key rerun-shown\/toolu_0_0/);
     assert.equal(await page.locator(".tool.failed pre.result.is-error").count(), 1);
     assert.match(await page.locator(".note.interrupted").textContent(), /the user cancelled/);
+
+    // ---- 5. fork from a settled point ----
+    await page.goto(url(`/sessions/${session}`));
+    await page.waitForFunction(() => document.getElementById("conn").dataset.state === "live");
+    // The settled points of the first session: its user message, the call's result, the
+    // final reply.
+    await page.waitForFunction(() => document.querySelectorAll("button.fork").length === 3);
+    const at = String(lastSeq);
+    await page.click(`button.fork[data-fork-seq="${at}"]`);
+    await page.waitForURL((u) => !u.pathname.endsWith(`/${session}`));
+    const forked = decodeURIComponent(new URL(page.url()).pathname.split("/").pop());
+    await page.waitForFunction(() => !document.getElementById("forked-from").hidden);
+    assert.equal(await page.locator("#forked-from").textContent(), `forked from ${session} at ${at}`);
+    await page.waitForFunction((text) => [...document.querySelectorAll(".turn.agent .text")].some((n) => n.textContent === text), REPLY_1);
+    const forkLog = readLog(storeAddr, forked);
+    assert.equal(forkLog.length, lastSeq, "the fork holds the parent's log up to the point");
+    assert.deepEqual(forkLog.map((e) => e.eventId), log.map((e) => e.eventId));
+    await page.screenshot({ path: join(shots, "fork.png"), fullPage: true });
 
     // ---- the list, live ----
     await page.goto(url("/"));

@@ -160,33 +160,7 @@ pub async fn footprint(
     let url = store.url();
     let cpu_before = crate::profile::cpu_secs(store.pid());
     let start = Instant::now();
-    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let mut tasks = Vec::new();
-    for _ in 0..64.min(sessions) {
-        let mut client = EventStoreClient::connect(url.clone()).await?;
-        let next = next.clone();
-        tasks.push(tokio::spawn(async move {
-            loop {
-                let s = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                if s >= sessions {
-                    break;
-                }
-                client
-                    .append(AppendRequest {
-                        session_id: format!("mem-{s:06}"),
-                        events: (0..per_session)
-                            .map(|_| user_event(crate::event_text()))
-                            .collect(),
-                        ..Default::default()
-                    })
-                    .await?;
-            }
-            anyhow::Ok(())
-        }));
-    }
-    for task in tasks {
-        task.await??;
-    }
+    fill_sessions(&url, sessions, per_session, |s| format!("mem-{s:06}")).await?;
     let fill_secs = start.elapsed().as_secs_f64();
     let fill_cpu_secs = crate::profile::cpu_secs(store.pid()) - cpu_before;
     // Let the index settle (sled flushes in the background) before reading RSS.
@@ -213,6 +187,44 @@ pub async fn footprint(
         restart_secs,
         rss_after_restart_bytes,
     })
+}
+
+/// Appends `per_session` 300-byte events, in one append, to each of `sessions` sessions
+/// named by `name`, 64 writers at once.
+pub async fn fill_sessions(
+    url: &str,
+    sessions: usize,
+    per_session: usize,
+    name: fn(usize) -> String,
+) -> anyhow::Result<()> {
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for _ in 0..64.min(sessions) {
+        let mut client = EventStoreClient::connect(url.to_string()).await?;
+        let next = next.clone();
+        tasks.push(tokio::spawn(async move {
+            loop {
+                let s = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if s >= sessions {
+                    break;
+                }
+                client
+                    .append(AppendRequest {
+                        session_id: name(s),
+                        events: (0..per_session)
+                            .map(|_| user_event(crate::event_text()))
+                            .collect(),
+                        ..Default::default()
+                    })
+                    .await?;
+            }
+            anyhow::Ok(())
+        }));
+    }
+    for task in tasks {
+        task.await??;
+    }
+    Ok(())
 }
 
 /// (VmRSS, VmHWM) of a process, in bytes.

@@ -12,6 +12,8 @@ mod appenders;
 mod baselines;
 mod disk;
 mod fanout;
+mod followers;
+mod fork;
 mod load;
 mod profile;
 mod report;
@@ -67,6 +69,9 @@ struct Args {
     /// Skip the `perf` profile.
     #[arg(long)]
     no_profile: bool,
+    /// Idle Subscribe(follow) streams, one per session, for the followers-at-scale figure.
+    #[arg(long, default_value_t = 10_000)]
+    idle_followers: usize,
     /// Sessions (of 100 events) for the memory and disk figure.
     #[arg(long, default_value_t = 10_000)]
     footprint_sessions: usize,
@@ -80,6 +85,18 @@ struct Args {
     /// `--no-baselines`), e.g. after a change to the read path.
     #[arg(long)]
     only_catch_up: bool,
+    /// Run only the fork figures (section 7): checkpoint, restore and ForkSession.
+    #[arg(long)]
+    only_fork: bool,
+    /// Files in the workspace of the checkpoint figures.
+    #[arg(long, default_value_t = 10_000)]
+    fork_files: usize,
+    /// Bytes of those files in all.
+    #[arg(long, default_value_t = 200 << 20)]
+    fork_bytes: u64,
+    /// Events in the session ForkSession copies.
+    #[arg(long, default_value_t = 100_000)]
+    fork_events: usize,
     /// Session sizes (events) of the resume figure.
     #[arg(long, value_delimiter = ',', default_value = "10,1000,10000,100000")]
     resume_sizes: Vec<usize>,
@@ -116,8 +133,11 @@ struct Plan {
     followers: Vec<usize>,
     fan_out_events: usize,
     fan_out_interval: Duration,
+    /// Idle followers, and events timed alone and among them.
+    idle_followers: (usize, usize),
     resume_sizes: Vec<usize>,
     footprint: (usize, usize),
+    fork: fork::ForkPlan,
 }
 
 impl Plan {
@@ -135,8 +155,16 @@ impl Plan {
                 followers: vec![1, 10],
                 fan_out_events: 5,
                 fan_out_interval: Duration::from_millis(10),
+                idle_followers: (100, 5),
                 resume_sizes: vec![10, 1_000],
                 footprint: (100, 10),
+                fork: fork::ForkPlan {
+                    files: 300,
+                    bytes: 3 << 20,
+                    changed: 10,
+                    events: 2_000,
+                    runs: 1,
+                },
             };
         }
         Plan {
@@ -151,8 +179,16 @@ impl Plan {
             followers: vec![1, 100, 1_000],
             fan_out_events: 50,
             fan_out_interval: Duration::from_millis(20),
+            idle_followers: (args.idle_followers, 100),
             resume_sizes: args.resume_sizes.clone(),
             footprint: (args.footprint_sessions, 100),
+            fork: fork::ForkPlan {
+                files: args.fork_files,
+                bytes: args.fork_bytes,
+                changed: 10,
+                events: args.fork_events,
+                runs: args.runs.max(1),
+            },
         }
     }
 }
@@ -360,6 +396,9 @@ async fn run_suite(
     if args.only_catch_up {
         return only_catch_up(args, plan, dir, report).await;
     }
+    if args.only_fork {
+        return fork_section(plan, dir, report).await;
+    }
     // 1. The limits of the disk, first.
     progress("raw write + fdatasync");
     let back_to_back = |layout, batch| disk::RawCase {
@@ -509,8 +548,25 @@ async fn run_suite(
     // The baselines are done: stop them so that they take no CPU from what follows.
     drop(systems);
 
+    // Followers at scale, on a store of their own.
+    progress("idle followers");
+    let (followers, events) = plan.idle_followers;
+    report.followers = Some(
+        followers::measure(
+            &fresh_dir(dir, "followers")?,
+            followers,
+            events,
+            plan.fan_out_interval,
+        )
+        .await
+        .with_context(|| format!("{followers} idle followers"))?,
+    );
+
     // 5. Resume, on a store of its own (the load sessions above are all runnable).
     resume_section(plan, dir, report).await?;
+
+    // 7. Forks: checkpoints, restores and ForkSession.
+    fork_section(plan, dir, report).await?;
 
     // 6. Memory and disk.
     progress("footprint");
@@ -535,6 +591,22 @@ async fn resume_section(plan: &Plan, dir: &Path, report: &mut Report) -> anyhow:
         plan.runs,
     )
     .await?;
+    Ok(())
+}
+
+/// Section 7, in a directory and on a store of its own.
+async fn fork_section(plan: &Plan, dir: &Path, report: &mut Report) -> anyhow::Result<()> {
+    progress("forks: checkpoint against git status, restore against cp -a");
+    let fork_dir = fresh_dir(dir, "fork")?;
+    let mut figures = fork::ForkFigures {
+        plan: Some(plan.fork),
+        ..fork::ForkFigures::default()
+    };
+    tokio::task::block_in_place(|| fork::workspace_figures(&fork_dir, plan.fork, &mut figures))?;
+    progress("forks: ForkSession against Subscribe");
+    fork::log_figures(&fork_dir, plan.fork, &mut figures).await?;
+    report.fork = figures;
+    std::fs::remove_dir_all(&fork_dir)?;
     Ok(())
 }
 

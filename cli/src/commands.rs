@@ -1,4 +1,4 @@
-//! The session commands: `send`, `continue`, `resume`, `tail`, `ls`, `show`.
+//! The session commands: `send`, `continue`, `resume`, `tail`, `ls`, `show`, `fork`.
 
 use std::io::Write;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -192,12 +192,12 @@ pub async fn tail(out: &Output, session: &str, from: u64) -> Result<()> {
 /// `show SESSION`: the whole transcript as it is now.
 pub async fn show(out: &Output, session: &str) -> Result<()> {
     let mut client = store::connect(&out.addr).await?;
-    if let Err(status) = client
+    let info = client
         .get_session(GetSessionRequest {
             session_id: session.to_string(),
         })
-        .await
-    {
+        .await;
+    if let Err(status) = info {
         if is_session_not_found(&status) {
             bail!("there is no session {session:?}: `agentlog ls` lists them");
         }
@@ -208,6 +208,11 @@ pub async fn show(out: &Output, session: &str) -> Result<()> {
         .map_err(|s| store::explain(&out.addr, "Subscribe", s))?;
     let stdout = std::io::stdout();
     let mut stdout = stdout.lock();
+    if let (false, Ok(info)) = (out.json, &info) {
+        if let Some(from) = &info.get_ref().forked_from {
+            writeln!(stdout, "forked from {} at {}", from.session_id, from.seq)?;
+        }
+    }
     if out.json {
         for event in &events {
             writeln!(stdout, "{}", event_json(event))?;
@@ -229,6 +234,28 @@ pub async fn show(out: &Output, session: &str) -> Result<()> {
     if last_record.map_or(!events.is_empty(), |i| i + 1 < events.len()) {
         transcript.end_stream(&mut stdout)?;
         writeln!(stdout, "(the reply is still being written)")?;
+    }
+    Ok(())
+}
+
+/// `fork SESSION [--at SEQ] [TEXT]`: prints the new session's id (the `ForkSession` answer,
+/// `{"sessionId", "lastSeq"}`, under `--json`).
+pub async fn fork(out: &Output, session: &str, at: Option<u64>, text: Option<&str>) -> Result<()> {
+    let mut client = store::connect(&out.addr).await?;
+    let (made, last_seq) = match crate::fork::fork(&mut client, session, at, text).await {
+        Ok(made) => made,
+        Err(crate::fork::ForkError::Store { what, status }) => {
+            return Err(store::explain(&out.addr, what, status))
+        }
+        Err(e) => return Err(e.into()),
+    };
+    if out.json {
+        println!(
+            "{}",
+            serde_json::json!({"sessionId": made, "lastSeq": last_seq.to_string()})
+        );
+    } else {
+        println!("{made}");
     }
     Ok(())
 }

@@ -5,6 +5,7 @@ mod commands;
 mod control;
 mod demo;
 mod follow;
+mod fork;
 mod render;
 mod stack;
 mod store;
@@ -92,6 +93,16 @@ enum Command {
     },
     /// A session's transcript.
     Show { session: String },
+    /// Branch a session at a settled point: a new session holding its log up to there (and,
+    /// once a runner works it, its workspace as it was then). Prints the new id.
+    Fork {
+        session: String,
+        /// The last seq the fork takes (default: the last settled point).
+        #[arg(long)]
+        at: Option<u64>,
+        /// The fork's next message; at a user message, it takes that message's place.
+        text: Option<String>,
+    },
     /// Send to the most recently updated session.
     Continue { text: String },
     /// Send to a session that already exists.
@@ -202,6 +213,9 @@ async fn main() -> ExitCode {
             commands::ls(&out, query, status, limit).await
         }
         Command::Show { session } => commands::show(&out, &session).await,
+        Command::Fork { session, at, text } => {
+            commands::fork(&out, &session, at, text.as_deref()).await
+        }
         Command::Continue { text } => commands::continue_latest(&out, &text).await,
         Command::Resume { session, text } => commands::resume(&out, session, &text).await,
         Command::Cancel { session, reason } => control::cancel(&out, &session, &reason).await,

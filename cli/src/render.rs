@@ -209,6 +209,9 @@ pub fn session_json(s: &SessionInfo) -> Value {
         "status": s.status().as_str_name(),
         "lease": lease,
         "title": s.title,
+        "forkedFrom": s.forked_from.as_ref().map(|f| json!({
+            "sessionId": f.session_id, "seq": f.seq.to_string()
+        })),
     })
 }
 
@@ -242,6 +245,10 @@ pub fn event_json(event: &Event) -> Value {
                 ("toolUseId", str_(&r.tool_use_id)),
                 ("content", str_(&r.content)),
                 ("isError", r.is_error.then_some(json!(true))),
+                (
+                    "workspaceCheckpoint",
+                    r.workspace_checkpoint.as_deref().map(|id| json!(id)),
+                ),
             ]),
         ),
         Some(Kind::AssistantDelta(d)) => (

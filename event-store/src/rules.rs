@@ -16,8 +16,8 @@ use agentlog_proto::reason::Reason;
 use agentlog_proto::v1::{event, Event};
 
 use crate::error::StoreError;
-use crate::session::LeaseRecord;
 use crate::session::{is_runner_kind, kind_name, SessionMeta, SCHEMA_VERSION};
+use crate::session::{ForkRecord, LeaseRecord, SettledPoints};
 
 /// The session, if any event was ever appended to it (leases exist only on such sessions)
 /// and it was not deleted.
@@ -386,6 +386,193 @@ fn check_approval_decisions<'a>(
     Ok(())
 }
 
+/// Whether `at_seq` of a parent's log is a settled point ([`SettledPoints`]), decided from
+/// the log read from seq 1: feed events in order until [`ForkPoint::apply`] says the answer
+/// is known (at `at_seq` if it is settled, else at the next settled seq), or the log ends;
+/// then ask [`ForkPoint::verdict`].
+#[derive(Debug, Clone)]
+pub struct ForkPoint {
+    at_seq: u64,
+    points: SettledPoints,
+    before: Option<u64>,
+    settled: bool,
+    after: Option<u64>,
+}
+
+impl ForkPoint {
+    pub fn new(at_seq: u64) -> ForkPoint {
+        ForkPoint {
+            at_seq,
+            points: SettledPoints::default(),
+            before: None,
+            settled: false,
+            after: None,
+        }
+    }
+
+    /// Takes the parent's next event; true once no more are needed.
+    pub fn apply(&mut self, event: &Event) -> bool {
+        let settled = self.points.apply(event);
+        match event.seq.cmp(&self.at_seq) {
+            std::cmp::Ordering::Less => {
+                if settled {
+                    self.before = Some(event.seq);
+                }
+                false
+            }
+            std::cmp::Ordering::Equal => {
+                self.settled = settled;
+                settled
+            }
+            std::cmp::Ordering::Greater => {
+                if settled {
+                    self.after = Some(event.seq);
+                }
+                settled
+            }
+        }
+    }
+
+    /// Whether the fork may be made at `at_seq` of `parent`, whose last seq is `last_seq`:
+    /// `FAILED_PRECONDITION` naming the nearest settled seqs if it is not a settled point.
+    pub fn verdict(&self, parent: &str, last_seq: u64) -> Result<(), StoreError> {
+        let at = self.at_seq;
+        if at == 0 || at > last_seq {
+            return Err(StoreError::InvalidArgument(format!(
+                "at_seq: {at} is outside session {parent}'s log (seqs 1 to {last_seq}); name                  the last seq the fork takes"
+            )));
+        }
+        if self.settled {
+            return Ok(());
+        }
+        let nearest = match (self.before, self.after) {
+            (Some(b), Some(a)) => format!("the nearest settled seqs are {b} and {a}"),
+            (Some(b), None) => format!("the nearest settled seq is {b}"),
+            (None, Some(a)) => format!("the nearest settled seq is {a}"),
+            (None, None) => "the log has no settled point yet".to_string(),
+        };
+        Err(StoreError::Refused(
+            Reason::ForkPointUnsettled,
+            format!(
+                "seq {at} of session {parent} is not a settled point: a fork is made after a                  user message, a final assistant message, an interrupted, or the tool result                  that answers the last open call, so that no call is left without its                  result; {nearest}"
+            ),
+        ))
+    }
+}
+
+/// A fork as both backends write it: its first record, the parent's prefix (each backend
+/// copies it in its own form, with the fork's session id), then the request's new events,
+/// numbered; and the state they make.
+#[derive(Debug)]
+pub struct ForkPlan {
+    pub record: ForkRecord,
+    /// The request's events that are new, numbered after the prefix.
+    pub fresh: Vec<Event>,
+    pub meta: SessionMeta,
+    /// One per event of the request: its seq (the prefix's, for an id the prefix holds).
+    pub seqs: Vec<u64>,
+}
+
+/// The state of a fork taking its parent's prefix in, event by event (in seq order): what
+/// [`plan_fork`] starts from. A backend feeds it the prefix in whatever form it reads it,
+/// with what the state needs of each event (its seq, id, time and kind; a user message's
+/// text only while [`ForkPrefix::wants_text`]).
+#[derive(Debug)]
+pub struct ForkPrefix {
+    record: ForkRecord,
+    meta: SessionMeta,
+    /// The request's event ids, to be answered with the prefix's seq if it holds them.
+    wanted: HashMap<String, Option<u64>>,
+}
+
+impl ForkPrefix {
+    /// The fork `new_id` of `parent` at `at_seq`, made at `now`; `extra`: the request's
+    /// events.
+    pub fn new(new_id: &str, parent: &str, at_seq: u64, extra: &[Event], now: i64) -> ForkPrefix {
+        let record = ForkRecord {
+            session_id: new_id.to_string(),
+            parent: parent.to_string(),
+            seq: at_seq,
+            ts_unix_ms: now,
+        };
+        let mut meta = SessionMeta::default();
+        meta.apply_fork(&record);
+        let wanted = extra
+            .iter()
+            .filter(|e| !e.event_id.is_empty())
+            .map(|e| (e.event_id.clone(), None))
+            .collect();
+        ForkPrefix {
+            record,
+            meta,
+            wanted,
+        }
+    }
+
+    /// Takes in the parent's next event of the prefix.
+    pub fn apply(&mut self, event: &Event) {
+        self.meta.apply_event(event);
+        if self.wanted.is_empty() {
+            return;
+        }
+        if let Some(seq) = self.wanted.get_mut(&event.event_id) {
+            *seq = Some(event.seq);
+        }
+    }
+
+    /// Whether the next user message's text matters (the title is not known yet).
+    pub fn wants_text(&self) -> bool {
+        self.meta.first_user_text.is_empty()
+    }
+}
+
+/// The fork planned from its `prefix` (taken in whole, checked settled) and `extra` (the
+/// request's events: a person's kinds only, as an append without a lease; an id the prefix
+/// holds is answered with its seq and not written again). The copied events keep their ids,
+/// times and contents; only their session id changes.
+pub fn plan_fork(prefix: ForkPrefix, extra: Vec<Event>, now: i64) -> Result<ForkPlan, StoreError> {
+    let ForkPrefix {
+        record,
+        mut meta,
+        wanted,
+    } = prefix;
+    let new_id = record.session_id.clone();
+    check_writer(&SessionMeta::default(), &new_id, None, &extra, now)?;
+    let numbered = number(&new_id, extra, record.seq, now, |id| {
+        Ok::<_, StoreError>(wanted.get(id).copied().flatten())
+    })?;
+    check_fresh(&meta, &new_id, None, &numbered.fresh)?;
+    for event in &numbered.fresh {
+        meta.apply_event(event);
+    }
+    Ok(ForkPlan {
+        record,
+        fresh: numbered.fresh,
+        meta,
+        seqs: numbered.seqs,
+    })
+}
+
+/// Whether a fork may take the id `session_id`: not one of a session that exists, nor one
+/// of a session that was deleted (its id is dead for good).
+pub fn fork_target(meta: Option<&SessionMeta>, session_id: &str) -> Result<(), StoreError> {
+    match meta {
+        Some(m) if m.is_deleted() => Err(session_deleted(session_id)),
+        Some(m) if m.last_seq > 0 => Err(session_exists(session_id)),
+        _ => Ok(()),
+    }
+}
+
+/// The refusal for a fork whose `new_session_id` exists.
+pub fn session_exists(session_id: &str) -> StoreError {
+    StoreError::Refused(
+        Reason::SessionExists,
+        format!(
+            "new_session_id: session {session_id} already exists; name a new one, or leave it              empty for the store to make one"
+        ),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -479,6 +666,20 @@ mod tests {
             Reason::SessionDeleted
         );
         assert!(!claimable(t, NOW) && !expired(t, NOW, NOW));
+    }
+
+    #[test]
+    fn a_fork_takes_neither_a_live_nor_a_deleted_sessions_id() {
+        assert!(fork_target(None, "f").is_ok());
+        assert!(fork_target(Some(&SessionMeta::default()), "f").is_ok());
+        assert_eq!(
+            reason(fork_target(Some(&session(None)), "f")),
+            Reason::SessionExists
+        );
+        assert_eq!(
+            reason(fork_target(Some(&SessionMeta::tombstone(NOW)), "f")),
+            Reason::SessionDeleted
+        );
     }
 
     #[test]
@@ -663,5 +864,130 @@ mod tests {
         assert!(check_approval_decisions("s", &[], &same_append).is_ok());
         let answered = [ev(0, result("a")), ev(0, decision("a"))];
         assert!(check_approval_decisions("s", &pending, &answered).is_err());
+    }
+
+    /// user(1), a reply with calls a and b(2), started a(3), result a(4), started b(5),
+    /// result b(6), a final reply(7), user(8), interrupt(9), interrupted(10).
+    fn forkable_log() -> Vec<Event> {
+        use agentlog_proto::v1::{
+            content_block::Block, AssistantMessage, ContentBlock, Interrupt, Interrupted,
+            ToolStarted, ToolUseBlock,
+        };
+        let call = |id: &str| ContentBlock {
+            block: Some(Block::ToolUse(ToolUseBlock {
+                id: id.into(),
+                ..ToolUseBlock::default()
+            })),
+        };
+        let reply = |calls: Vec<ContentBlock>| {
+            event::Kind::AssistantMessage(AssistantMessage {
+                content: calls,
+                ..AssistantMessage::default()
+            })
+        };
+        let started = |id: &str| {
+            event::Kind::ToolStarted(ToolStarted {
+                tool_use_id: id.into(),
+                ..ToolStarted::default()
+            })
+        };
+        let kinds = vec![
+            user("go"),
+            reply(vec![call("a"), call("b")]),
+            started("a"),
+            result("a"),
+            started("b"),
+            result("b"),
+            reply(vec![]),
+            user("next"),
+            event::Kind::Interrupt(Interrupt::default()),
+            event::Kind::Interrupted(Interrupted::default()),
+        ];
+        kinds
+            .into_iter()
+            .enumerate()
+            .map(|(i, kind)| Event {
+                event_id: format!("e{}", i + 1),
+                ts_unix_ms: 100 + i as i64,
+                ..ev(i as u64 + 1, kind)
+            })
+            .collect()
+    }
+
+    fn fork_at(log: &[Event], at_seq: u64) -> Result<(), StoreError> {
+        let mut point = ForkPoint::new(at_seq);
+        for event in log {
+            if point.apply(event) {
+                break;
+            }
+        }
+        point.verdict("p", log.len() as u64)
+    }
+
+    #[test]
+    fn a_fork_is_made_only_at_a_settled_point_and_a_refusal_names_the_nearest() {
+        let log = forkable_log();
+        assert_eq!(SettledPoints::of(&log), vec![1, 6, 7, 8, 10]);
+        for at in [1, 6, 7, 8, 10] {
+            assert!(fork_at(&log, at).is_ok(), "seq {at}");
+        }
+        let refused = fork_at(&log, 4).expect_err("a call is still open at 4");
+        assert_eq!(refused.reason(), Some(Reason::ForkPointUnsettled));
+        assert!(refused.to_string().contains("are 1 and 6"), "{refused}");
+        let refused = fork_at(&log, 9).expect_err("an interrupt waits for its answer");
+        assert!(refused.to_string().contains("are 8 and 10"), "{refused}");
+        let refused = fork_at(&log[..9], 9).expect_err("nothing settled after it yet");
+        assert!(refused.to_string().contains("seq is 8"), "{refused}");
+        for outside in [0, 11] {
+            assert!(matches!(
+                fork_at(&log, outside),
+                Err(StoreError::InvalidArgument(_))
+            ));
+        }
+    }
+
+    #[test]
+    fn a_user_message_sent_while_calls_are_open_is_not_a_settled_point() {
+        let mut log = forkable_log();
+        log.truncate(2);
+        log.push(ev(3, user("also")));
+        assert_eq!(SettledPoints::of(&log), vec![1]);
+    }
+
+    fn prefix_of(log: &[Event], extra: &[Event]) -> ForkPrefix {
+        let mut prefix = ForkPrefix::new("f", "p", log.len() as u64, extra, NOW);
+        for event in log {
+            prefix.apply(event);
+        }
+        prefix
+    }
+
+    #[test]
+    fn a_forks_state_is_the_prefix_then_the_new_events() {
+        let log = forkable_log();
+        let extra = vec![
+            with_id("e2", user("a repeat of a prefix id")),
+            with_id("x1", user("edited")),
+        ];
+        let plan = plan_fork(prefix_of(&log[..8], &extra), extra, NOW).expect("fork");
+        assert_eq!(plan.seqs, vec![2, 9]);
+        assert_eq!(plan.fresh.len(), 1);
+        let fresh = &plan.fresh[0];
+        assert_eq!(
+            (fresh.session_id.as_str(), fresh.seq, fresh.ts_unix_ms),
+            ("f", 9, NOW)
+        );
+        assert_eq!(plan.meta.last_seq, 9);
+        assert_eq!(plan.meta.created_unix_ms, NOW);
+        assert!(plan.meta.is_runnable());
+        let from = plan.meta.info("f", NOW).forked_from.expect("a fork");
+        assert_eq!((from.session_id.as_str(), from.seq), ("p", 8));
+
+        let runner_kind = vec![ev(
+            0,
+            event::Kind::RunError(agentlog_proto::v1::RunError::default()),
+        )];
+        let refused = plan_fork(prefix_of(&log[..8], &runner_kind), runner_kind, NOW);
+        assert_eq!(reason(refused), Reason::LeaseRequired);
     }
 }

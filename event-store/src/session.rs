@@ -1,14 +1,17 @@
 //! What the store knows about one session, and the rules that derive it from the log: the
 //! status (runnable, idle or waiting for a person) from the last non-delta event and the
 //! approvals still pending, the title from the first user
-//! message, and the lease from the last lease record. Recovery and the live writer apply
-//! records through the same functions, so both always agree.
+//! message, the lease from the last lease record, and where a fork came from. Recovery and
+//! the live writer apply records through the same functions, so both always agree.
+//! [`SettledPoints`] says where a log may be forked.
 //!
 //! A deleted session is a tombstone ([`SessionMeta::tombstone`]): the time of its deletion
 //! and nothing else (no title, no text, no lease, `last_seq` 0), kept for good so that its
 //! id stays dead.
 
-use agentlog_proto::v1::{event, ContentBlock, Event, Lease, SessionInfo, SessionStatus};
+use agentlog_proto::v1::{
+    content_block, event, ContentBlock, Event, ForkedFrom, Lease, SessionInfo, SessionStatus,
+};
 use prost::Message;
 
 /// A lease grant, renewal or release for one session, as the rules decide on it (and as the
@@ -25,6 +28,22 @@ pub struct LeaseRecord {
     pub expires_unix_ms: i64,
     #[prost(bool, tag = "5")]
     pub released: bool,
+}
+
+/// The start of a fork's log (`ForkSession`): the parent and the last seq taken from it,
+/// and when the fork was made (its creation and last update until it gets events of its
+/// own; the copied events keep their own times). The local log stores it as the first
+/// record of the fork's atomic append.
+#[derive(Clone, PartialEq, Message)]
+pub struct ForkRecord {
+    #[prost(string, tag = "1")]
+    pub session_id: String,
+    #[prost(string, tag = "2")]
+    pub parent: String,
+    #[prost(uint64, tag = "3")]
+    pub seq: u64,
+    #[prost(int64, tag = "4")]
+    pub ts_unix_ms: i64,
 }
 
 /// The first user message is kept up to this many bytes, for `ListSessions` queries.
@@ -59,13 +78,16 @@ pub struct SessionMeta {
     /// runnable.
     #[prost(bool, tag = "8")]
     pub user_since_interrupt: bool,
+    /// Set if the session is a fork (`SessionInfo.forked_from`).
+    #[prost(message, optional, tag = "9")]
+    pub forked_from: Option<ForkedFrom>,
     /// When the session was deleted (0: it was not). A deleted session keeps nothing else.
-    #[prost(int64, tag = "9")]
+    #[prost(int64, tag = "10")]
     pub deleted_unix_ms: i64,
     /// The seq of the user message `first_user_text` was taken from (0: none yet). Set
     /// with the text, once: the local index keeps this and not the text, which is read back
     /// from the log (so that no session's text is ever written into the index's files).
-    #[prost(uint64, tag = "10")]
+    #[prost(uint64, tag = "11")]
     pub first_user_seq: u64,
 }
 
@@ -113,7 +135,8 @@ impl SessionMeta {
 
     /// Folds one event (already given its seq) into the session's state.
     pub fn apply_event(&mut self, event: &Event) {
-        if self.last_seq == 0 {
+        // A fork was created when it was made, not when the parent's first event was.
+        if self.last_seq == 0 && self.forked_from.is_none() {
             self.created_unix_ms = event.ts_unix_ms;
         }
         self.last_seq = event.seq;
@@ -201,6 +224,16 @@ impl SessionMeta {
         self.lease = Some(lease.clone());
     }
 
+    /// Starts a fork's state: applied before the copied events.
+    pub fn apply_fork(&mut self, fork: &ForkRecord) {
+        self.forked_from = Some(ForkedFrom {
+            session_id: fork.parent.clone(),
+            seq: fork.seq,
+        });
+        self.created_unix_ms = fork.ts_unix_ms;
+        self.updated_unix_ms = self.updated_unix_ms.max(fork.ts_unix_ms);
+    }
+
     /// The lease, if one is live at `now_ms`.
     pub fn live_lease(&self, now_ms: i64) -> Option<&LeaseRecord> {
         self.lease
@@ -237,8 +270,59 @@ impl SessionMeta {
             status: self.status,
             lease: self.live_lease(now_ms).map(lease_of),
             title: self.title(),
-            forked_from: None,
+            forked_from: self.forked_from.clone(),
         }
+    }
+}
+
+/// Where a log may be forked, event by event: a seq is a *settled point* when its event is a
+/// `user_message`, a final `assistant_message`, an `interrupted`, or the `tool_result` that
+/// answers the last open call of an assistant message, and no call of the log up to it is
+/// left without its result. A fork at a settled point never holds a call whose outcome it
+/// cannot know. The store refuses a fork anywhere else (`crate::rules::ForkPoint`), and the
+/// CLI and the web view offer only these seqs.
+#[derive(Debug, Clone, Default)]
+pub struct SettledPoints {
+    /// Calls asked for and not answered yet, by `tool_use` id.
+    open: Vec<String>,
+}
+
+impl SettledPoints {
+    /// Takes in the log's next event; whether the log up to it is a settled point.
+    pub fn apply(&mut self, event: &Event) -> bool {
+        match &event.kind {
+            Some(event::Kind::UserMessage(_) | event::Kind::Interrupted(_)) => self.open.is_empty(),
+            Some(event::Kind::AssistantMessage(m)) => {
+                let calls = m.content.iter().filter_map(|b| match &b.block {
+                    Some(content_block::Block::ToolUse(t)) => Some(t.id.clone()),
+                    _ => None,
+                });
+                let before = self.open.len();
+                self.open.extend(calls);
+                before == self.open.len() && self.open.is_empty()
+            }
+            Some(event::Kind::ToolResult(r)) => {
+                let answered = match self.open.iter().position(|id| *id == r.tool_use_id) {
+                    Some(at) => {
+                        self.open.remove(at);
+                        true
+                    }
+                    None => false,
+                };
+                answered && self.open.is_empty()
+            }
+            _ => false,
+        }
+    }
+
+    /// The settled seqs of `events` (a log from seq 1, in order).
+    pub fn of<'a>(events: impl IntoIterator<Item = &'a Event>) -> Vec<u64> {
+        let mut points = SettledPoints::default();
+        events
+            .into_iter()
+            .filter(|e| points.apply(e))
+            .map(|e| e.seq)
+            .collect()
     }
 }
 

@@ -5,6 +5,9 @@
 //! - Appenders on both replicas, with random batches and retried event ids: every
 //!   acknowledgement matches the log, seqs are gapless, every id is in the log once and a
 //!   retry gets its original seq.
+//! - Pipelined appends (AppendStream's) from both replicas beside unary ones on one
+//!   session: each writer's land in the order queued, a refusal among them fails only
+//!   itself, and the log matches every acknowledgement.
 //! - A follower on one replica, appends through both: it sees every event once, in order.
 //! - Claimants on both replicas: each runnable session goes to exactly one of them.
 //! - Fencing: whatever the interleaving of acquires and appends, an append is accepted only
@@ -400,6 +403,110 @@ async fn crowd(replicas: &Replicas, seed: u64) {
     }
 }
 
+/// AppendStream's path: writers on both replicas queue appends (`enqueue_append`) without
+/// waiting for the ones before, beside unary appends to the same session. Each writer's
+/// appends land in the order it queued them, a refusal in the middle (a wrong
+/// `expected_last_seq`) fails only its own, retried ids get their original seq, and the
+/// log is gapless and holds every acknowledged id where it was acknowledged.
+async fn pipelined(replicas: &Replicas, seed: u64) {
+    let session = format!("p{seed}");
+    let mut tasks = Vec::new();
+    for w in 0..5u64 {
+        let backend = if w % 2 == 0 {
+            replicas.a.clone()
+        } else {
+            replicas.b.clone()
+        };
+        let session = session.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut rng = fastrand::Rng::with_seed(seed * 1000 + w);
+            let mut acked: Vec<(String, u64)> = Vec::new();
+            let mut last_new = 0;
+            for round in 0..6 {
+                // The unary writer (w == 4) appends one at a time.
+                let queued = if w == 4 { 1 } else { rng.usize(1..40) };
+                let mut answers = Vec::new();
+                for i in 0..queued {
+                    // (An append of ids all known is answered with their seqs whatever it
+                    // expects: a refused one carries a new id.)
+                    let refused = rng.u8(..8) == 0;
+                    let mut events = Vec::new();
+                    for j in 0..rng.usize(1..3) {
+                        let id = match acked.get(rng.usize(..acked.len().max(1))) {
+                            Some((id, _)) if !refused && rng.u8(..6) == 0 => id.clone(),
+                            _ => format!("w{w}-{round}-{i}-{j}"),
+                        };
+                        events.push(user(&id));
+                    }
+                    let ids: Vec<String> = events.iter().map(|e| e.event_id.clone()).collect();
+                    let mut append = op(&session, events);
+                    if refused {
+                        append.expected_last_seq = Some(1 << 40);
+                    }
+                    let answer = if w == 4 {
+                        let answer = backend.append(append).await;
+                        Box::pin(std::future::ready(answer))
+                    } else {
+                        backend.enqueue_append(append).await.unwrap()
+                    };
+                    answers.push((ids, refused, answer));
+                }
+                for (ids, refused, answer) in answers {
+                    match answer.await {
+                        Err(StoreError::Refused(Reason::SeqConflict, _)) if refused => {}
+                        Ok(resp) if !refused => {
+                            assert_eq!(resp.seqs.len(), ids.len());
+                            for (id, seq) in ids.into_iter().zip(resp.seqs) {
+                                match acked.iter().find(|(known, _)| *known == id) {
+                                    Some((_, first)) => {
+                                        assert_eq!(
+                                            *first, seq,
+                                            "a retried id gets its original seq"
+                                        )
+                                    }
+                                    None => {
+                                        assert!(
+                                            seq > last_new,
+                                            "writer {w}: {id} at {seq} after {last_new}"
+                                        );
+                                        last_new = seq;
+                                    }
+                                }
+                                acked.push((id, seq));
+                            }
+                        }
+                        other => panic!("writer {w} (refused: {refused}): {other:?}"),
+                    }
+                }
+            }
+            acked
+        }));
+    }
+    let mut acked: HashMap<String, u64> = HashMap::new();
+    for task in tasks {
+        for (id, seq) in task.await.unwrap() {
+            assert_eq!(*acked.entry(id).or_insert(seq), seq);
+        }
+    }
+    let log = read_all(replicas.b.as_ref(), &session).await;
+    let seqs: Vec<u64> = log.iter().map(|e| e.seq).collect();
+    assert_eq!(seqs, (1..=log.len() as u64).collect::<Vec<_>>(), "gapless");
+    let by_id: HashMap<&str, u64> = log.iter().map(|e| (e.event_id.as_str(), e.seq)).collect();
+    assert_eq!(by_id.len(), log.len(), "every id is in the log once");
+    assert_eq!(
+        by_id.len(),
+        acked.len(),
+        "every acknowledged id, nothing else"
+    );
+    for (id, seq) in &acked {
+        assert_eq!(
+            by_id.get(id.as_str()),
+            Some(seq),
+            "{id} is where it was acknowledged"
+        );
+    }
+}
+
 async fn deletion_races(replicas: &Replicas, seed: u64) {
     use std::sync::atomic::{AtomicBool, Ordering};
     let session = format!("del{seed}");
@@ -482,6 +589,7 @@ async fn deletion_races(replicas: &Replicas, seed: u64) {
 async fn contract(replicas: Replicas) {
     for seed in SEEDS {
         appenders(&replicas, seed).await;
+        pipelined(&replicas, seed).await;
         follower_sees_everything(&replicas, seed).await;
         claimants(&replicas, seed).await;
         fencing(&replicas, seed).await;

@@ -109,6 +109,9 @@ enum Summary {
         epoch: u64,
         released: bool,
     },
+    Fork {
+        session: String,
+    },
 }
 
 fn summary(record: &Record) -> Summary {
@@ -122,6 +125,14 @@ fn summary(record: &Record) -> Summary {
             session: l.session_id.clone(),
             epoch: l.epoch,
             released: l.released,
+        },
+        Record::Fork(f) => Summary::Fork {
+            session: f.session_id.clone(),
+        },
+        Record::Copied(c) => Summary::Event {
+            session: c.session_id.to_string(),
+            event_id: c.event_id.clone(),
+            seq: c.seq,
         },
         Record::Tombstone(t) => panic!("these tests delete no session, yet {t:?} is logged"),
     }
@@ -420,6 +431,7 @@ async fn check_index(store: &Store, log: &[Record]) {
             Record::Lease(l) => {
                 epochs.insert(&l.session_id, l.epoch);
             }
+            Record::Fork(_) | Record::Copied(_) => {}
             Record::Tombstone(t) => panic!("these tests delete no session, yet {t:?} is logged"),
         }
     }

@@ -126,6 +126,9 @@ async fn messages(State(inner): State<Shared>, headers: HeaderMap, body: Bytes) 
         record(&mut state, "rejected");
         return error(StatusCode::BAD_REQUEST, "invalid_request_error", &message);
     }
+    if let Some(hook) = state.hook.clone() {
+        (hook.0)(&request);
+    }
     let fault = state.next_fault(turn);
     let Some(reply) = state.replies.get(turn).cloned() else {
         record(&mut state, "rejected");

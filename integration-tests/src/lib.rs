@@ -15,8 +15,8 @@ use std::time::Duration;
 
 use agentlog_proto::v1::event_store_client::EventStoreClient;
 pub use testkit::{
-    bin_path, bin_path_for_any_user, parse_listen_line, pg, signal, test_backend_is_postgres,
-    Backing, Signal, Store,
+    bin_path, bin_path_for_any_user, netns, parse_listen_line, pg, signal,
+    test_backend_is_postgres, Backing, Signal, Store,
 };
 use tonic::transport::Channel;
 

@@ -26,6 +26,17 @@ pub struct RecordedRequest {
     pub body: Value,
 }
 
+/// Called with each well-formed request's body before it is answered (the model's caller
+/// waits meanwhile): for a test that looks at the world at that moment.
+#[derive(Clone)]
+pub struct Hook(pub Arc<dyn Fn(&Value) + Send + Sync>);
+
+impl std::fmt::Debug for Hook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Hook")
+    }
+}
+
 /// A stand-in's script (replies of type `R`, faults of type `F`) and what it has seen.
 #[derive(Debug)]
 pub struct Journal<R, F> {
@@ -33,6 +44,7 @@ pub struct Journal<R, F> {
     pub faults: HashMap<usize, VecDeque<F>>,
     pub requests: Vec<RecordedRequest>,
     pub violations: Vec<String>,
+    pub hook: Option<Hook>,
 }
 
 impl<R, F> Journal<R, F> {
@@ -42,6 +54,7 @@ impl<R, F> Journal<R, F> {
             faults: HashMap::new(),
             requests: Vec::new(),
             violations: Vec::new(),
+            hook: None,
         }
     }
 
@@ -103,6 +116,11 @@ impl<R, F> Standin<R, F> {
             .entry(turn)
             .or_default()
             .push_back(fault);
+    }
+
+    /// Runs `hook` on every well-formed request before it is answered.
+    pub fn on_request(&self, hook: impl Fn(&Value) + Send + Sync + 'static) {
+        lock(&self.journal).hook = Some(Hook(Arc::new(hook)));
     }
 
     pub fn requests(&self) -> Vec<RecordedRequest> {

@@ -16,8 +16,9 @@ use agentlog_proto::reason::Reason;
 use agentlog_proto::v1::event_store_client::EventStoreClient;
 use agentlog_proto::v1::{
     append_stream_response, event, AcquireLeaseRequest, AppendRequest, ClaimSessionRequest,
-    DeleteSessionRequest, Event, GetSessionRequest, GetSnapshotRequest, ListSessionsRequest,
-    ReleaseLeaseRequest, RenewLeaseRequest, SnapshotChunk, SubscribeRequest, ToolStarted,
+    DeleteSessionRequest, Event, ForkSessionRequest, GetSessionRequest, GetSnapshotRequest,
+    ListSessionsRequest, ReleaseLeaseRequest, RenewLeaseRequest, SnapshotChunk, SubscribeRequest,
+    ToolStarted,
 };
 use anyhow::{ensure, Context, Result};
 use integration_tests::{read_log, test_backend_is_postgres, user_event, Backing, Store};
@@ -259,6 +260,22 @@ async fn a_deleted_session_refuses_every_call_and_vanishes_from_lists_and_claims
         Err(status) => Err(status),
     };
     deleted("GetSnapshot", first);
+
+    // A fork can neither be made of it nor take its id.
+    let fork = |parent: &str, new: &str| ForkSessionRequest {
+        session_id: parent.into(),
+        at_seq: 1,
+        new_session_id: new.into(),
+        events: Vec::new(),
+    };
+    deleted(
+        "ForkSession of it",
+        client.fork_session(fork(gone, "del-fork")).await,
+    );
+    deleted(
+        "ForkSession into its id",
+        client.fork_session(fork(kept, gone)).await,
+    );
 
     // Lists and claims never show it; the other session is untouched.
     assert_eq!(listed(&mut client).await?, vec![kept.to_string()]);

@@ -34,11 +34,16 @@ pub enum Reason {
     ApprovalNotPending,
     /// The store's volume is full; appends resume by themselves once there is room.
     DiskFull,
+    /// `ForkSession` at a seq that is not a settled point (a call of the prefix would be
+    /// left without its result); the message names the nearest settled seqs.
+    ForkPointUnsettled,
+    /// `ForkSession` named a `new_session_id` that already exists.
+    SessionExists,
 }
 
 impl Reason {
     /// Every reason, for tables and tests.
-    pub const ALL: [Reason; 8] = [
+    pub const ALL: [Reason; 10] = [
         Reason::LeaseFenced,
         Reason::LeaseHeld,
         Reason::LeaseRequired,
@@ -47,6 +52,8 @@ impl Reason {
         Reason::SessionDeleted,
         Reason::ApprovalNotPending,
         Reason::DiskFull,
+        Reason::ForkPointUnsettled,
+        Reason::SessionExists,
     ];
 
     /// The `ErrorInfo.reason` string.
@@ -60,6 +67,8 @@ impl Reason {
             Reason::SessionDeleted => "SESSION_DELETED",
             Reason::ApprovalNotPending => "APPROVAL_NOT_PENDING",
             Reason::DiskFull => "DISK_FULL",
+            Reason::ForkPointUnsettled => "FORK_POINT_UNSETTLED",
+            Reason::SessionExists => "SESSION_EXISTS",
         }
     }
 
@@ -69,10 +78,12 @@ impl Reason {
             Reason::LeaseFenced
             | Reason::LeaseHeld
             | Reason::LeaseRequired
-            | Reason::ApprovalNotPending => Code::FailedPrecondition,
+            | Reason::ApprovalNotPending
+            | Reason::ForkPointUnsettled => Code::FailedPrecondition,
             Reason::SeqConflict => Code::Aborted,
             Reason::SessionNotFound | Reason::SessionDeleted => Code::NotFound,
             Reason::DiskFull => Code::ResourceExhausted,
+            Reason::SessionExists => Code::AlreadyExists,
         }
     }
 

@@ -13,7 +13,7 @@ use runner::drain::{Drain, EXIT_MARGIN};
 use runner::model::Model;
 use runner::secrets::{SecretFiles, Secrets};
 use runner::tools::sandbox::{self, Ids, Sandbox, SandboxMode, ToolNetwork, HELPER_ARG, SELF_EXE};
-use runner::tools::{ToolPolicy, Toolbox};
+use runner::tools::{IgnoreRules, ToolPolicy, Toolbox};
 use runner::turn::TurnContext;
 use runner::worker::{claim_loop, ClaimConfig};
 use tokio::signal::unix::{signal, SignalKind};
@@ -127,6 +127,16 @@ struct Args {
     /// the drain at once. `20s`, `1500ms`, `2m`.
     #[arg(long, env = "AGENTLOG_DRAIN_TIMEOUT", default_value = "20s", value_parser = parse_duration)]
     drain_timeout: Duration,
+    /// Paths the workspace checkpoints leave out (a fork does not get them back), as
+    /// .gitignore-style globs; repeatable. Giving any replaces the defaults; '' keeps every
+    /// path.
+    #[arg(
+        long,
+        env = "AGENTLOG_CHECKPOINT_IGNORE",
+        value_delimiter = ',',
+        default_values_t = runner::tools::checkpoint::DEFAULT_IGNORE.map(String::from)
+    )]
+    checkpoint_ignore: Vec<String>,
 }
 
 /// `20s`, `1500ms`, `2m`, or a number of seconds.
@@ -310,7 +320,8 @@ async fn run(args: Args, secrets: Secrets, non_dumpable: bool) -> Result<()> {
     );
     let context = Arc::new(TurnContext {
         model,
-        toolbox: Toolbox::new(args.workspace_root, sandbox),
+        toolbox: Toolbox::new(args.workspace_root, sandbox)
+            .with_checkpoint_ignore(IgnoreRules::new(&args.checkpoint_ignore)),
         tools: Toolbox::specs(),
         policy,
         max_tokens: args.max_tokens,

@@ -44,8 +44,8 @@ use agentlog_client::refusal::{is_lease_lost, is_session_not_found};
 use agentlog_client::retry::retry_transient;
 use agentlog_client::StoreClient;
 use agentlog_proto::v1::{
-    event::Kind, AppendRequest, Durability, Event, GetSessionRequest, GetSnapshotRequest,
-    SnapshotChunk,
+    event::Kind, AppendRequest, Durability, Event, ForkedFrom, GetSessionRequest,
+    GetSnapshotRequest, SnapshotChunk,
 };
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
@@ -288,6 +288,8 @@ pub struct SessionLog {
     /// The seq of the snapshot the store holds, as far as we know (0: none).
     snapshot_seq: u64,
     snapshot_every: u64,
+    /// Where the session was forked from, if it is a fork.
+    forked_from: Option<ForkedFrom>,
     follower: JoinHandle<()>,
 }
 
@@ -301,13 +303,16 @@ impl SessionLog {
     /// Starts following the session's log (call it after the lease is held): from the fold
     /// `cache` kept for it, else from the store's snapshot of it, else from seq 1.
     pub async fn open(appender: Appender, cache: &FoldCache) -> Result<SessionLog, StoreError> {
-        let claimed_tail = retry_transient("GetSession", STORE_PATIENCE, || {
+        let (claimed_tail, forked_from) = retry_transient("GetSession", STORE_PATIENCE, || {
             let mut client = appender.client.clone();
             let session_id = appender.session_id.clone();
             async move {
                 match client.get_session(GetSessionRequest { session_id }).await {
-                    Ok(info) => Ok(info.into_inner().last_seq),
-                    Err(status) if is_session_not_found(&status) => Ok(0),
+                    Ok(info) => {
+                        let info = info.into_inner();
+                        Ok((info.last_seq, info.forked_from))
+                    }
+                    Err(status) if is_session_not_found(&status) => Ok((0, None)),
                     Err(status) => Err(status),
                 }
             }
@@ -359,12 +364,22 @@ impl SessionLog {
             claimed_tail,
             snapshot_seq,
             snapshot_every: cache.snapshot_every,
+            forked_from,
             follower,
         })
     }
 
     pub fn appender(&self) -> &Appender {
         &self.appender
+    }
+
+    /// The parent and seq the session was forked at, if it is a fork (`GetSession`).
+    pub fn forked_from(&self) -> Option<&ForkedFrom> {
+        self.forked_from.as_ref()
+    }
+
+    pub fn client(&self) -> &StoreClient {
+        &self.appender.client
     }
 
     /// Stops following and leaves the fold in `cache` for the next claim of this session.

@@ -30,6 +30,7 @@ use crate::fold::{Conversation, Frontier, PendingCall, PendingInterrupt};
 use crate::lease::LeaseGuard;
 use crate::model::{Model, ModelError, ModelRequest, TextSink};
 use crate::session_log::{Appender, InterruptSignal, SessionLog, StoreError};
+use crate::tools::checkpoint::{self, ForkError};
 use crate::tools::guard::{self, CallsOutcome, GuardError};
 use crate::tools::{ToolPolicy, ToolSpec, Toolbox};
 use agentlog_client::retry::Backoff;
@@ -82,6 +83,8 @@ pub enum TurnError {
     Store(#[from] StoreError),
     #[error("the lease has too little time left to start a tool safely")]
     LeaseAtRisk,
+    #[error("could not restore the fork's workspace: {0}")]
+    Fork(#[from] ForkError),
 }
 
 impl From<GuardError> for TurnError {
@@ -100,6 +103,14 @@ pub async fn drive_session(
     lease: &LeaseGuard,
 ) -> Result<Outcome, TurnError> {
     let cancel = lease.cancelled().clone();
+    if let Some(fork) = log.forked_from().cloned() {
+        // Before any tool runs in it: the fork's workspace as it was at the fork point.
+        let checkpoints = context.toolbox.checkpoints();
+        tokio::select! {
+            _ = cancel.cancelled() => return Ok(Outcome::Stopped),
+            prepared = checkpoint::prepare_fork(checkpoints, log.client(), log.appender().session_id(), &fork) => prepared?,
+        }
+    }
     loop {
         // No new step once the runner drains.
         if cancel.is_cancelled() || lease.draining() {
@@ -118,7 +129,7 @@ pub async fn drive_session(
             Frontier::AnswerInterrupt {
                 interrupt: pending,
                 open,
-            } => answer_interrupt(appender, &pending, &open).await?,
+            } => answer_interrupt(&context.toolbox, appender, &pending, &open).await?,
             Frontier::CallModel(conversation) => {
                 let step = call_model(
                     context,
@@ -160,12 +171,13 @@ pub async fn drive_session(
 /// Ends the interrupted turn: every open call gets an error result, then `interrupted`.
 /// Both are deterministic, so a runner that takes over half-way finishes the same answer.
 async fn answer_interrupt(
+    toolbox: &Toolbox,
     appender: &Appender,
     interrupt: &PendingInterrupt,
     open: &[PendingCall],
 ) -> Result<Step, TurnError> {
     tracing::info!(seq = interrupt.seq, open_calls = open.len(), reason = %interrupt.reason, "answering an interrupt");
-    guard::close_interrupted(appender, open, &interrupt.reason).await?;
+    guard::close_interrupted(toolbox, appender, open, &interrupt.reason).await?;
     appender
         .append(
             format!("interrupted:{}", interrupt.seq),

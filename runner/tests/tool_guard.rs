@@ -1,10 +1,12 @@
 //! The tool guard (`runner::tools::guard::run_calls`) against an in-memory log, with the
 //! runner dying at every append of a clean run — just before the append is durable and
 //! just after — and the next runner folding the log and finishing: nothing runs twice that
-//! the policy does not allow, and every call ends with exactly one result. The bash calls
-//! run through the real sandbox helper (this package's `runner` binary). And a drain: the
-//! call in hand finishes and is logged, the next does not start; past the budget the call
-//! is stopped, its process tree killed, and left without a result.
+//! the policy does not allow, every call ends with exactly one result, and the checkpoint
+//! its result names holds the workspace as the calls left it (a death between a checkpoint
+//! and its result included). The bash calls run through the real sandbox helper (this
+//! package's `runner` binary). And a drain: the call in hand finishes and is logged, the
+//! next does not start; past the budget the call is stopped, its process tree killed, and
+//! left without a result.
 
 mod common;
 
@@ -234,6 +236,28 @@ async fn a_runner_killed_at_every_append_is_finished_by_the_next_with_nothing_tw
                         assert!(ran >= 1, "{death:?}: {id} ran to a result");
                     }
                 }
+                // Every result names a checkpoint, and the last one is the workspace as it
+                // is: right after a death between a checkpoint and its result too.
+                let checkpoints: Vec<String> = events
+                    .iter()
+                    .filter_map(|e| match &e.kind {
+                        Some(Kind::ToolResult(r)) => r.workspace_checkpoint.clone(),
+                        _ => None,
+                    })
+                    .collect();
+                assert_eq!(checkpoints.len(), 2, "{death:?}: every result names one");
+                let restored = root.path().join("restored");
+                let last = checkpoints.last().expect("two");
+                let missing = toolbox
+                    .checkpoints()
+                    .materialize(last, &restored)
+                    .expect("the last checkpoint restores");
+                assert!(missing.is_empty(), "{death:?}: {missing:?}");
+                assert_eq!(
+                    std::fs::read_to_string(restored.join("runs.txt")).expect("restored"),
+                    std::fs::read_to_string(root.path().join("s1/runs.txt")).expect("runs"),
+                    "{death:?}: the last checkpoint holds the workspace"
+                );
             }
         }
     }

@@ -6,6 +6,7 @@
 //! first (`cargo build --workspace --bins`, which `.ci/run` does).
 #![forbid(unsafe_code)]
 
+pub mod netns;
 pub mod pg;
 
 use std::io::{BufRead, BufReader};

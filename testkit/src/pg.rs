@@ -39,6 +39,8 @@ fn run_as() -> Result<Option<(u32, u32)>> {
 /// A PostgreSQL server process on its own data dir; killed (SIGKILL) when dropped.
 pub struct Postgres {
     child: Option<Child>,
+    /// The address it listens on (`127.0.0.1`, or its namespace's).
+    pub host: String,
     pub port: u16,
     pub data: PathBuf,
     /// The directory holding `data`, the socket and the server log.
@@ -63,6 +65,24 @@ impl Postgres {
 
     /// initdb in `<dir>/data` and start it with extra `-c` settings (e.g. replication).
     pub fn init(dir: &Path, settings: &[&str]) -> Result<Postgres> {
+        Postgres::init_at(dir, &Place::default(), settings)
+    }
+
+    /// initdb in `<dir>/data` and start it inside `netns`, listening on its address only
+    /// (reached over the namespace's link, which the test may cut).
+    pub fn init_in_netns(
+        dir: &Path,
+        netns: &crate::netns::NetNs,
+        settings: &[&str],
+    ) -> Result<Postgres> {
+        let place = Place {
+            host: netns.addr.clone(),
+            netns: Some(netns.name.clone()),
+        };
+        Postgres::init_at(dir, &place, settings)
+    }
+
+    fn init_at(dir: &Path, place: &Place, settings: &[&str]) -> Result<Postgres> {
         let user = run_as()?;
         if let Some((uid, gid)) = user {
             std::os::unix::fs::chown(dir, Some(uid), Some(gid))?;
@@ -88,21 +108,42 @@ impl Postgres {
             "initdb failed: {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        Postgres::start_on(dir, data, user, None, settings)
+        if place.netns.is_some() {
+            // initdb trusts loopback only; this one is reached over the namespace's link.
+            let mut hba = std::fs::OpenOptions::new()
+                .append(true)
+                .open(data.join("pg_hba.conf"))?;
+            std::io::Write::write_all(&mut hba, b"host all all 0.0.0.0/0 trust\n")?;
+        }
+        Postgres::start_on(dir, data, user, None, place, settings)
     }
 
     /// Starts a server on an existing data dir `<dir>/data` (e.g. a standby made by
     /// `pg_basebackup`) on a free port.
     pub fn start_existing(dir: &Path, settings: &[&str]) -> Result<Postgres> {
         let user = run_as()?;
-        Postgres::start_on(dir, dir.join("data"), user, None, settings)
+        Postgres::start_on(
+            dir,
+            dir.join("data"),
+            user,
+            None,
+            &Place::default(),
+            settings,
+        )
     }
 
     /// Starts a server on an existing data dir `<dir>/data` on `port` (e.g. the one a killed
     /// server had, so that its clients find it again).
     pub fn start_existing_on(dir: &Path, port: u16, settings: &[&str]) -> Result<Postgres> {
         let user = run_as()?;
-        Postgres::start_on(dir, dir.join("data"), user, Some(port), settings)
+        Postgres::start_on(
+            dir,
+            dir.join("data"),
+            user,
+            Some(port),
+            &Place::default(),
+            settings,
+        )
     }
 
     fn start_on(
@@ -110,6 +151,7 @@ impl Postgres {
         data: PathBuf,
         user: Option<(u32, u32)>,
         port: Option<u16>,
+        place: &Place,
         settings: &[&str],
     ) -> Result<Postgres> {
         let port = match port {
@@ -124,7 +166,7 @@ impl Postgres {
         // test running beside this one, for that test's few seconds: wait for both to go.
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            match Postgres::spawn(dir, data.clone(), user, port, settings) {
+            match Postgres::spawn(dir, data.clone(), user, port, place, settings) {
                 Err(e)
                     if ["pre-existing shared memory block", "Address already in use"]
                         .iter()
@@ -143,17 +185,42 @@ impl Postgres {
         data: PathBuf,
         user: Option<(u32, u32)>,
         port: u16,
+        place: &Place,
         settings: &[&str],
     ) -> Result<Postgres> {
         let log = std::fs::File::create(dir.join("postgres.log"))?;
         if let Some((uid, gid)) = user {
             std::os::unix::fs::chown(dir.join("postgres.log"), Some(uid), Some(gid))?;
         }
-        let mut cmd = Command::new(pg_bin("postgres"));
+        let mut cmd = match &place.netns {
+            // `ip netns exec` and setpriv each exec the next: the child is postgres itself.
+            Some(netns) => {
+                let mut cmd = Command::new("ip");
+                cmd.args(["netns", "exec", netns]);
+                if let Some((uid, gid)) = user {
+                    cmd.args([
+                        "setpriv",
+                        &format!("--reuid={uid}"),
+                        &format!("--regid={gid}"),
+                    ])
+                    .arg("--clear-groups");
+                }
+                cmd.arg(pg_bin("postgres"));
+                cmd
+            }
+            None => {
+                let mut cmd = Command::new(pg_bin("postgres"));
+                if let Some((uid, gid)) = user {
+                    cmd.uid(uid).gid(gid);
+                }
+                cmd
+            }
+        };
         cmd.arg("-D").arg(&data).args(["-p", &port.to_string()]);
         let socket_dir = format!("unix_socket_directories={}", dir.display());
+        let listen = format!("listen_addresses={}", place.host);
         for setting in [
-            "listen_addresses=127.0.0.1",
+            listen.as_str(),
             &socket_dir,
             "max_connections=300",
             "synchronous_commit=on",
@@ -163,9 +230,6 @@ impl Postgres {
         {
             cmd.args(["-c", setting]);
         }
-        if let Some((uid, gid)) = user {
-            cmd.uid(uid).gid(gid);
-        }
         let child = cmd
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
@@ -174,6 +238,7 @@ impl Postgres {
             .context("start postgres")?;
         let mut pg = Postgres {
             child: Some(child),
+            host: place.host.clone(),
             port,
             data,
             dir: dir.to_path_buf(),
@@ -194,7 +259,7 @@ impl Postgres {
                 }
             }
             let ready = Command::new(pg_bin("pg_isready"))
-                .args(["-q", "-h", "127.0.0.1", "-p", &self.port.to_string()])
+                .args(["-q", "-h", &self.host, "-p", &self.port.to_string()])
                 .status()?;
             if ready.success() {
                 return Ok(());
@@ -217,7 +282,7 @@ impl Postgres {
 
     /// The URL of database `db` on this server.
     pub fn url(&self, db: &str) -> String {
-        format!("postgres://postgres@127.0.0.1:{}/{db}", self.port)
+        format!("postgres://postgres@{}:{}/{db}", self.host, self.port)
     }
 
     /// Runs SQL with psql as the superuser; returns its output (unaligned, tuples only).
@@ -292,6 +357,21 @@ fn uuid_like() -> String {
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos());
     format!("{:x}{:x}", std::process::id(), nanos)
+}
+
+/// Where a server listens: on loopback here, or on a network namespace's address in it.
+struct Place {
+    host: String,
+    netns: Option<String>,
+}
+
+impl Default for Place {
+    fn default() -> Place {
+        Place {
+            host: "127.0.0.1".into(),
+            netns: None,
+        }
+    }
 }
 
 /// The server the stores of this test process share: started with the first store, stopped

@@ -1,5 +1,5 @@
-//! The JSON side of `agentlog web`: the session list, one session, and the POSTs that
-//! append a user message, an interrupt or an approval decision. Each store error becomes
+//! The JSON side of `agentlog web`: the session list, one session, the POSTs that append a
+//! user message, an interrupt or an approval decision, and the fork of a session. Each store error becomes
 //! one HTTP status, here and nowhere else, with a message that says what to fix.
 
 use agentlog_proto::v1::{
@@ -235,6 +235,78 @@ async fn decide(
         note: body.note,
     });
     append(app, id, "decision", kind).await
+}
+
+/// `GET /v1/sessions/{id}/settled`: `{"settledSeqs": […]}`, the seqs a fork may be made at
+/// (the store's own rule), for the page's "Fork from here".
+pub async fn settled(
+    State(app): State<App>,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let events = agentlog_client::log::read_log(&mut app.store.clone(), &id)
+        .await
+        .map_err(|s| ApiError::from_store("Subscribe", s))?;
+    let seqs: Vec<String> = event_store::session::SettledPoints::of(&events)
+        .into_iter()
+        .map(|seq| seq.to_string())
+        .collect();
+    Ok(Json(json!({ "settledSeqs": seqs })))
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct ForkBody {
+    #[serde(alias = "atSeq", default, deserialize_with = "seq_number_or_string")]
+    at_seq: Option<u64>,
+    #[serde(default)]
+    text: Option<String>,
+}
+
+/// A seq as JSON gives it: a number, or (the proto3 mapping of 64-bit integers) a string.
+fn seq_number_or_string<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    match Option::<Value>::deserialize(d)? {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Number(n)) => n
+            .as_u64()
+            .map(Some)
+            .ok_or_else(|| serde::de::Error::custom("atSeq: a seq is a whole number")),
+        Some(Value::String(s)) => s
+            .parse()
+            .map(Some)
+            .map_err(|_| serde::de::Error::custom("atSeq: a seq is a whole number")),
+        Some(_) => Err(serde::de::Error::custom("atSeq: a seq is a whole number")),
+    }
+}
+
+/// `POST /v1/sessions/{id}/fork {"atSeq": …, "text": …}`: as `agentlog fork` (`atSeq`
+/// defaults to the last settled point; `text`, at a user message, takes its place);
+/// `201 {"sessionId", "lastSeq"}`.
+pub async fn post_fork(
+    State(app): State<App>,
+    Path(id): Path<String>,
+    body: Result<Json<ForkBody>, JsonRejection>,
+) -> Result<Response, ApiError> {
+    let Json(body) = body?;
+    let text = body.text.as_deref().filter(|t| !t.is_empty());
+    let mut client = app.store.clone();
+    let (made, last_seq) = crate::fork::fork(&mut client, &id, body.at_seq, text)
+        .await
+        .map_err(|e| match e {
+            crate::fork::ForkError::Store { what, status } => ApiError::from_store(what, status),
+            crate::fork::ForkError::NoSession(_) => {
+                ApiError::new(StatusCode::NOT_FOUND, e.to_string())
+            }
+            crate::fork::ForkError::NothingSettled(_) => {
+                ApiError::new(StatusCode::CONFLICT, e.to_string())
+            }
+            crate::fork::ForkError::FirstMessage(_) | crate::fork::ForkError::EmptyText => {
+                ApiError::new(StatusCode::BAD_REQUEST, e.to_string())
+            }
+        })?;
+    Ok((
+        StatusCode::CREATED,
+        Json(json!({"sessionId": made, "lastSeq": last_seq.to_string()})),
+    )
+        .into_response())
 }
 
 /// Appends one client-written event; `201 {"sessionId", "seq"}`. Each POST is a new event

@@ -132,6 +132,8 @@ fn routes(app: App, guard: Arc<Guard>) -> Router {
         .route("/v1/sessions/{id}/cancel", post(api::post_cancel))
         .route("/v1/sessions/{id}/approve", post(api::post_approve))
         .route("/v1/sessions/{id}/deny", post(api::post_deny))
+        .route("/v1/sessions/{id}/fork", post(api::post_fork))
+        .route("/v1/sessions/{id}/settled", get(api::settled))
         .with_state(app)
         .layer(axum::Extension(guard.clone()))
         .layer(axum::middleware::from_fn_with_state(guard, guard::protect))

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use agentlog_proto::v1::AppendRequest;
+use agentlog_proto::v1::{AppendRequest, ForkSessionRequest};
 use bytes::Bytes;
 use http_body_util::BodyExt;
 use prost::Message;
@@ -194,12 +194,20 @@ fn decode_target(rpc: Rpc, message: &Bytes) -> Result<Target, Status> {
         Ok(Target {
             session_id: req.session_id,
             kinds: req.events.into_iter().map(|e| e.kind).collect(),
+            ..Target::default()
+        })
+    } else if rpc == Rpc::ForkSession {
+        let req = ForkSessionRequest::decode(message.clone()).map_err(undecodable)?;
+        Ok(Target {
+            session_id: req.session_id,
+            new_session_id: req.new_session_id,
+            kinds: Vec::new(),
         })
     } else {
         let req = NamesSession::decode(message.clone()).map_err(undecodable)?;
         Ok(Target {
             session_id: req.session_id,
-            kinds: Vec::new(),
+            ..Target::default()
         })
     }
 }

@@ -45,6 +45,9 @@ impl From<Denial> for Status {
 pub struct Target {
     /// The session the request names (empty for List/Claim).
     pub session_id: String,
+    /// `ForkSession`'s `new_session_id` (empty: the store names the fork within the
+    /// caller's scope).
+    pub new_session_id: String,
     /// For an append: each event's kind (`None`: no kind; validation refuses it).
     pub kinds: Vec<Option<agentlog_proto::v1::event::Kind>>,
 }
@@ -92,6 +95,12 @@ pub fn authorize(caller: &Caller, rpc: Rpc, target: &Target) -> Result<(), Denia
         } else {
             outside_prefixes(caller, &target.session_id)
         });
+    }
+    if rpc == Rpc::ForkSession
+        && !target.new_session_id.is_empty()
+        && !caller.scope.admits(&target.new_session_id)
+    {
+        return Err(outside_prefixes(caller, &target.new_session_id));
     }
     if rpc == Rpc::Append {
         check_kinds(caller, target.kinds.iter().map(Option::as_ref))?;
@@ -234,6 +243,7 @@ mod tests {
         let append = |id: &str, kinds: Vec<_>| Target {
             session_id: id.into(),
             kinds,
+            ..Target::default()
         };
         let code = |r: Result<(), Denial>| r.err().map(|s| s.code());
         use tonic::Code::*;
@@ -305,6 +315,39 @@ mod tests {
         assert_eq!(
             code(authorize(acme, Rpc::GetSnapshot, &append("beta:1", vec![]))),
             Some(NotFound)
+        );
+    }
+
+    #[test]
+    fn a_fork_needs_a_client_whose_scope_holds_the_parent_and_the_fork() {
+        let (acme, pool) = (&acme(), &pool());
+        let fork = |parent: &str, new: &str| Target {
+            session_id: parent.into(),
+            new_session_id: new.into(),
+            ..Target::default()
+        };
+        let code = |r: Result<(), Denial>| r.err().map(|s| s.code());
+        use tonic::Code::*;
+        assert_eq!(
+            code(authorize(acme, Rpc::ForkSession, &fork("acme:1", "acme:2"))),
+            None
+        );
+        // Left empty, the store names the fork within the caller's scope.
+        assert_eq!(
+            code(authorize(acme, Rpc::ForkSession, &fork("acme:1", ""))),
+            None
+        );
+        assert_eq!(
+            code(authorize(acme, Rpc::ForkSession, &fork("acme:1", "beta:2"))),
+            Some(PermissionDenied)
+        );
+        assert_eq!(
+            code(authorize(acme, Rpc::ForkSession, &fork("beta:1", "acme:2"))),
+            Some(PermissionDenied)
+        );
+        assert_eq!(
+            code(authorize(pool, Rpc::ForkSession, &fork("s1", "s2"))),
+            Some(PermissionDenied)
         );
     }
 

@@ -56,6 +56,29 @@ impl FramedEvents {
         self.bytes
     }
 
+    /// Each event's encoded `Event` message, in order (slices of the run's buffer).
+    pub fn messages(&self) -> impl Iterator<Item = Result<Bytes, StoreError>> + '_ {
+        let mut at = 0;
+        std::iter::from_fn(move || {
+            if at >= self.bytes.len() {
+                return None;
+            }
+            let cut = || StoreError::Internal("a stored event is undecodable: cut short".into());
+            let Some(header) = self.bytes.get(at..at + MESSAGE_HEADER_LEN) else {
+                at = self.bytes.len();
+                return Some(Err(cut()));
+            };
+            let len = u32::from_be_bytes([header[1], header[2], header[3], header[4]]) as usize;
+            let start = at + MESSAGE_HEADER_LEN;
+            if start + len > self.bytes.len() {
+                at = self.bytes.len();
+                return Some(Err(cut()));
+            }
+            at = start + len;
+            Some(Ok(self.bytes.slice(start..start + len)))
+        })
+    }
+
     /// The events themselves, decoded (for callers in this process).
     pub fn decode(&self) -> Result<Vec<Event>, StoreError> {
         let undecodable =

@@ -18,6 +18,11 @@
 //! - **A claim goes to exactly one claimant**: a runnable session is granted to one caller.
 //! - The derived session state (status, title, pending approvals) follows the rules in
 //!   [`crate::session`], the same functions in every backend.
+//! - **A fork is one atomic step** ([`Backend::fork`]): the new session holds the parent's
+//!   events `1..=at_seq` (ids, times and contents as they were; its own session id) and the
+//!   request's events, or nothing; from then on it is a session like any other, sharing
+//!   nothing with its parent. What may be forked where is [`crate::rules::ForkPoint`] and
+//!   [`crate::rules::plan_fork`], the same for every backend.
 //! - **Snapshots are derived, never the truth.** A [`Snapshot`] is kept per (session,
 //!   format) only for the session's live lease holder and a seq within the log
 //!   ([`crate::rules::check_snapshot`]); a newer seq replaces an older one, never the reverse. The backend
@@ -50,8 +55,8 @@
 use std::time::Duration;
 
 use agentlog_proto::v1::{
-    AppendResponse, Durability, Event, Lease, ListSessionsRequest, ListSessionsResponse,
-    SessionInfo,
+    AppendResponse, Durability, Event, ForkSessionResponse, Lease, ListSessionsRequest,
+    ListSessionsResponse, SessionInfo,
 };
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
@@ -72,6 +77,44 @@ pub struct AppendOp {
     pub expected_last_seq: Option<u64>,
     pub lease_epoch: Option<u64>,
     pub durability: Durability,
+}
+
+/// A validated fork request (ids checked, the new one made if the caller left it empty,
+/// the events' sizes and ids checked).
+pub struct ForkOp {
+    pub parent: String,
+    pub at_seq: u64,
+    pub new_session_id: String,
+    pub events: Vec<Event>,
+}
+
+/// The parent's events `1..=at_seq`, read through `backend`'s own subscription, once
+/// [`crate::rules::ForkPoint`] found `at_seq` a settled point (reading on to the next one
+/// only to name it in a refusal).
+pub async fn read_fork_prefix<B: Backend + ?Sized>(
+    backend: &B,
+    parent: &str,
+    at_seq: u64,
+) -> Result<Vec<Event>, StoreError> {
+    let last_seq = backend.get_session(parent).await?.last_seq;
+    let mut point = crate::rules::ForkPoint::new(at_seq);
+    let cancel = CancellationToken::new();
+    let _stop = cancel.clone().drop_guard();
+    let mut runs = backend.subscribe(parent.to_string(), 1, false, cancel);
+    let mut prefix = Vec::with_capacity(at_seq.min(last_seq) as usize);
+    'read: while let Some(run) = runs.recv().await {
+        for event in run?.into_events()? {
+            let done = point.apply(&event);
+            if event.seq <= at_seq {
+                prefix.push(event);
+            }
+            if done {
+                break 'read;
+            }
+        }
+    }
+    point.verdict(parent, last_seq)?;
+    Ok(prefix)
 }
 
 /// A run of a subscription's events, consecutive and ascending, as Subscribe sends them.
@@ -211,17 +254,22 @@ pub trait Backend: Send + Sync + 'static {
     /// return. `NOT_FOUND` if it never existed; deleting it again succeeds.
     async fn delete_session(&self, session_id: &str) -> Result<(), StoreError>;
 
+    /// `ForkSession`: the session `op.new_session_id` made of the parent's prefix and
+    /// `op.events` in one atomic step (see the module head); `SESSION_EXISTS` if that
+    /// session holds events (`SESSION_DELETED` if it was deleted: its id is dead for good),
+    /// `FORK_POINT_UNSETTLED` unless `at_seq` is a settled point.
+    async fn fork(&self, op: ForkOp) -> Result<ForkSessionResponse, StoreError>;
+
     /// Whether the backend can acknowledge appends now (health reports NOT_SERVING while
     /// it cannot); changes as it loses and regains its storage.
     fn serving(&self) -> watch::Receiver<bool>;
 
-    /// Queues an append and returns its answer to come, for `AppendStream`: appends queued
-    /// one after another are applied in that order, so the next may be queued before the
-    /// previous one is answered. A backend that cannot pipeline answers here, in order.
-    async fn enqueue_append(&self, op: AppendOp) -> Result<AppendAnswer, StoreError> {
-        let answer = self.append(op).await;
-        Ok(Box::pin(std::future::ready(answer)))
-    }
+    /// Queues an append and returns its answer to come, for `AppendStream`: appends to a
+    /// session queued one after another are applied in that order, so the next may be
+    /// queued before the previous one is answered (a stream's requests are read while the
+    /// ones before them commit). Waits only for room in the backend's queue, never for a
+    /// commit.
+    async fn enqueue_append(&self, op: AppendOp) -> Result<AppendAnswer, StoreError>;
 }
 
 /// The answer to a queued append.

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use agentlog_proto::v1::{
     append_stream_response, AppendError, AppendRequest, AppendResponse, AppendStreamResponse,
 };
+use prost::Message;
 use tokio_stream::Stream;
 use tonic::Status;
 use tracing::Instrument;
@@ -18,29 +19,38 @@ use crate::error::StoreError;
 use crate::limits::MessageBudget;
 use crate::metrics::{AppendCall, AppendObserver};
 
-/// Requests of one AppendStream queued for the writer and not answered yet, at most.
+/// Requests of one AppendStream read and not answered yet, at most: the stream's
+/// read-ahead, which lets the backend commit many of them at once. Beyond it the store
+/// stops reading, and the client is held back by the stream's HTTP/2 window (see
+/// ARCHITECTURE.md, "Flow control, not hang-ups").
 const APPEND_STREAM_IN_FLIGHT: usize = 1024;
 
-type AnswerToCome =
-    Pin<Box<dyn std::future::Future<Output = Result<AppendResponse, Status>> + Send>>;
+/// The read-ahead's bound in bytes (of the requests as encoded): no further request is
+/// read while those unanswered hold this much (one always is).
+const APPEND_STREAM_IN_FLIGHT_BYTES: usize = crate::wire::MAX_APPEND_BYTES;
 
-/// An AppendStream request on its way into the writer's queue, with its observer.
+/// An answer to come, with the size of its request.
+type AnswerToCome =
+    Pin<Box<dyn std::future::Future<Output = (usize, Result<AppendResponse, Status>)> + Send>>;
+
+/// An AppendStream request on its way into the writer's queue, with its observer and
+/// size.
 type Queuing = Pin<
     Box<
-        dyn std::future::Future<Output = (AppendObserver, Result<AppendAnswer, StoreError>)> + Send,
+        dyn std::future::Future<Output = (AppendObserver, usize, Result<AppendAnswer, StoreError>)>
+            + Send,
     >,
 >;
 
 /// The responses of one AppendStream. Requests are read, checked and queued for the writer
 /// as the response side is polled (so in order, and at most [`APPEND_STREAM_IN_FLIGHT`]
-/// unanswered), and their answers are sent in that same order: one task per call, no
-/// channel between reading a request and sending its answer. A request that breaks the
-/// stream (a bad frame) ends it with that status after the answers before it; shutdown
-/// stops the reading, the answers already queued still go out, and the stream ends with
-/// `UNAVAILABLE` (a request the store did not read is the client's to send again). Each
-/// request is counted,
-/// timed and traced as a unary Append is ([`AppendObserver`]), its span a child of the
-/// call's.
+/// and [`APPEND_STREAM_IN_FLIGHT_BYTES`] unanswered), and their answers are sent in that
+/// same order: one task per call, no channel between reading a request and sending its
+/// answer. A request that breaks the stream (a bad frame) ends it with that status after
+/// the answers before it; shutdown stops the reading, the answers already queued still go
+/// out, and the stream ends with `UNAVAILABLE` (a request the store did not read is the
+/// client's to send again). Each request is counted, timed and traced as a unary Append is
+/// ([`AppendObserver`]), its span a child of the call's.
 pub(super) struct AppendStreamAnswers {
     requests: tonic::Streaming<AppendRequest>,
     caller: Caller,
@@ -52,6 +62,8 @@ pub(super) struct AppendStreamAnswers {
     /// A request being queued (waiting for room in the writer's queue).
     queuing: Option<Queuing>,
     answers: futures::stream::FuturesOrdered<AnswerToCome>,
+    /// The encoded size of the requests read and not answered.
+    in_flight_bytes: usize,
     /// Set once no more requests are read; the status to end with after the answers, if
     /// the stream broke.
     reading_done: Option<Option<Status>>,
@@ -74,6 +86,7 @@ impl AppendStreamAnswers {
             shutdown: Box::pin(shutdown.clone().cancelled_owned()),
             queuing: None,
             answers: futures::stream::FuturesOrdered::new(),
+            in_flight_bytes: 0,
             reading_done: None,
         }
     }
@@ -86,11 +99,11 @@ impl AppendStreamAnswers {
         }
         if let Some(queuing) = self.queuing.as_mut() {
             return match queuing.as_mut().poll(cx) {
-                Poll::Ready((observer, queued)) => {
+                Poll::Ready((observer, size, queued)) => {
                     self.queuing = None;
                     self.answers.push_back(Box::pin(async move {
                         let answer = observer.observe(async move { queued?.await });
-                        answer.await.map_err(Status::from)
+                        (size, answer.await.map_err(Status::from))
                     }));
                     true
                 }
@@ -101,14 +114,18 @@ impl AppendStreamAnswers {
             self.reading_done = Some(Some(super::stopping_status("AppendStream")));
             return false;
         }
-        if self.answers.len() >= APPEND_STREAM_IN_FLIGHT {
+        if self.answers.len() >= APPEND_STREAM_IN_FLIGHT
+            || self.in_flight_bytes >= APPEND_STREAM_IN_FLIGHT_BYTES
+        {
             return false;
         }
         match Pin::new(&mut self.requests).poll_next(cx) {
             Poll::Ready(Some(Ok(req))) => {
+                let size = req.encoded_len();
+                self.in_flight_bytes += size;
                 if let Err(status) = admit_streamed(&self.caller, self.budget.as_ref(), &req) {
                     self.answers
-                        .push_back(Box::pin(std::future::ready(Err(status))));
+                        .push_back(Box::pin(std::future::ready((size, Err(status)))));
                     return true;
                 }
                 let observer = self
@@ -120,12 +137,12 @@ impl AppendStreamAnswers {
                         let span = observer.span().clone();
                         self.queuing = Some(Box::pin(async move {
                             let queued = store.enqueue_append(op).instrument(span).await;
-                            (observer, queued)
+                            (observer, size, queued)
                         }));
                     }
                     Err(e) => self.answers.push_back(Box::pin(async move {
                         let refused = observer.observe(std::future::ready(Err(e)));
-                        refused.await.map_err(Status::from)
+                        (size, refused.await.map_err(Status::from))
                     })),
                 }
                 true
@@ -155,7 +172,10 @@ impl Stream for AppendStreamAnswers {
         loop {
             let read = this.read_one(cx);
             match Pin::new(&mut this.answers).poll_next(cx) {
-                Poll::Ready(Some(answer)) => return Poll::Ready(Some(Ok(streamed(answer)))),
+                Poll::Ready(Some((size, answer))) => {
+                    this.in_flight_bytes -= size;
+                    return Poll::Ready(Some(Ok(streamed(answer))));
+                }
                 Poll::Ready(None) if this.queuing.is_none() => {
                     if let Some(end) = &mut this.reading_done {
                         return Poll::Ready(end.take().map(Err));

@@ -9,7 +9,7 @@ mod subscribe;
 mod validate;
 
 pub use serve::{local_addr, serve, serve_health, OversizedAsResourceExhausted, ServeOptions};
-pub use validate::{validate_append, validate_session_id};
+pub use validate::{validate_append, validate_fork, validate_session_id};
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -333,10 +333,9 @@ impl EventStore for EventStoreService {
         &self,
         request: Request<ForkSessionRequest>,
     ) -> Result<Response<ForkSessionResponse>, Status> {
-        validate_session_id(&request.get_ref().session_id)?;
-        Err(Status::unimplemented(
-            "ForkSession is not served by this build yet",
-        ))
+        let caller = caller_of(&request)?;
+        let op = validate_fork(request.into_inner(), &caller.scope)?;
+        Ok(Response::new(self.store.fork(op).await?))
     }
 }
 

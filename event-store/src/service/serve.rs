@@ -20,6 +20,18 @@ use crate::limits::{CallerLimits, LimitsLayer};
 use crate::tls::ReloadingTls;
 use crate::wire::MAX_APPEND_BYTES;
 
+/// How many bytes a client may send on one stream before the store reads them (HTTP/2's
+/// stream window). Sized with [`CONNECTION_WINDOW`] and h2's guard against small DATA
+/// frames; the arithmetic is in ARCHITECTURE.md ("Flow control, not hang-ups").
+pub const STREAM_WINDOW: u32 = 128 << 10;
+
+/// How many bytes a client may send on one connection, all its streams together, before
+/// the store reads them. h2 allows half of it in the framing overhead of small DATA frames
+/// left unread (each under 256 bytes counts 256 less its size, until read): at 64 MiB, 26
+/// streams each holding a whole [`STREAM_WINDOW`] of unread 24-byte appends, 129 of
+/// 86-byte ones, and any number of 171 bytes or more.
+pub const CONNECTION_WINDOW: u32 = 64 << 20;
+
 /// How the store is served: transport security, who may call, and how much.
 pub struct ServeOptions {
     /// Close each connection (gracefully) after this long, so that clients behind a
@@ -103,6 +115,8 @@ pub async fn serve(
         server = server.max_connection_age(age);
     }
     server
+        .initial_stream_window_size(STREAM_WINDOW)
+        .initial_connection_window_size(CONNECTION_WINDOW)
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .http2_keepalive_timeout(Some(Duration::from_secs(10)))
         .layer(telemetry::propagation::TraceContextLayer::new(

@@ -1,11 +1,12 @@
 //! What a request must be before any backend sees it: ids, owners, formats, ttls, and an
 //! append's counts, sizes and kinds. Each refusal names the field and what to fix.
 
-use agentlog_proto::v1::{AppendRequest, Durability};
+use agentlog_proto::v1::{AppendRequest, Durability, ForkSessionRequest};
 use prost::Message;
 
-use crate::backend::AppendOp;
+use crate::backend::{AppendOp, ForkOp};
 use crate::error::StoreError;
+use crate::scope::Scope;
 use crate::wire::{
     MAX_APPEND_BYTES, MAX_EVENTS_PER_APPEND, MAX_EVENT_BYTES, MAX_EVENT_ID_LEN, MAX_ID_LEN,
     MAX_TTL_MS,
@@ -28,6 +29,10 @@ fn shown(value: &str) -> String {
 
 /// A session id: 1-128 chars of `[A-Za-z0-9._:-]`, starting with a letter or digit.
 pub fn validate_session_id(id: &str) -> Result<(), StoreError> {
+    validate_id_field("session_id", id)
+}
+
+fn validate_id_field(field: &str, id: &str) -> Result<(), StoreError> {
     let ok = !id.is_empty()
         && id.len() <= MAX_ID_LEN
         && id.as_bytes()[0].is_ascii_alphanumeric()
@@ -38,7 +43,7 @@ pub fn validate_session_id(id: &str) -> Result<(), StoreError> {
         Ok(())
     } else {
         Err(invalid(format!(
-            "session_id: {} is not valid; use 1-128 characters of [A-Za-z0-9._:-] starting \
+            "{field}: {} is not valid; use 1-128 characters of [A-Za-z0-9._:-] starting \
              with a letter or digit",
             shown(id)
         )))
@@ -140,5 +145,55 @@ pub fn validate_append(req: AppendRequest) -> Result<AppendOp, StoreError> {
         expected_last_seq: req.expected_last_seq,
         lease_epoch: req.lease_epoch,
         durability,
+    })
+}
+
+/// Checks a fork request and names the fork if the caller did not: `fork-<uuid>` after the
+/// first of the caller's prefixes that holds the parent, so the new id is in its scope too.
+pub fn validate_fork(req: ForkSessionRequest, scope: &Scope) -> Result<ForkOp, StoreError> {
+    validate_session_id(&req.session_id)?;
+    if req.at_seq == 0 {
+        return Err(invalid(
+            "at_seq: 0 names no event; give the last seq of the parent the fork takes (a \
+             settled point)"
+                .into(),
+        ));
+    }
+    let new_session_id = if req.new_session_id.is_empty() {
+        let prefix = scope
+            .prefix_list()
+            .and_then(|prefixes| {
+                prefixes
+                    .iter()
+                    .find(|p| req.session_id.starts_with(p.as_str()))
+            })
+            .map_or("", String::as_str);
+        let made = format!("{prefix}fork-{}", crate::ids::random_uuid().simple());
+        validate_id_field("new_session_id", &made).map_err(|_| {
+            invalid(format!(
+                "new_session_id: the id the store would make ({made}) is too long; name one"
+            ))
+        })?;
+        made
+    } else {
+        validate_id_field("new_session_id", &req.new_session_id)?;
+        req.new_session_id
+    };
+    let events = if req.events.is_empty() {
+        Vec::new()
+    } else {
+        // The same limits and checks as an append of them to the fork.
+        validate_append(AppendRequest {
+            session_id: new_session_id.clone(),
+            events: req.events,
+            ..AppendRequest::default()
+        })?
+        .events
+    };
+    Ok(ForkOp {
+        parent: req.session_id,
+        at_seq: req.at_seq,
+        new_session_id,
+        events,
     })
 }

@@ -2,10 +2,13 @@
 //! deterministic appends.
 //!
 //! Promise: a tool runs only after its `tool_started` is durable, and never again once its
-//! `tool_result` is logged. A call whose `tool_started` is durable runs to its end and its
-//! result is logged even when the runner begins to drain; only a lease that is lost or
-//! about to run out, or a drain whose budget is spent, stops it, its process tree killed
-//! before the guard returns. Once the runner drains, no further call starts. A call that needs a person's yes (`runner --approve`, or the
+//! `tool_result` is logged. Every `tool_result` names the checkpoint of the session's
+//! workspace recorded just before it was appended (`tools/checkpoint/`), unless recording
+//! failed (then it names none and the runner's log says why). A call whose `tool_started`
+//! is durable runs to its end and its result is logged even when the runner begins to
+//! drain; only a lease that is lost or about to run out, or a drain whose budget is spent,
+//! stops it, its process tree killed before the guard returns. Once the runner drains, no
+//! further call starts. A call that needs a person's yes (`runner --approve`, or the
 //! `ask` unknown-outcome policy) runs only after an `approval_decision{approved}` logged
 //! since its last `tool_started`; a denied call gets an error result and never runs. A call
 //! with `tool_started` and no result follows its tool's [`UnknownOutcome`] policy. Every
@@ -247,7 +250,7 @@ pub async fn run_calls(
             }
             CallAction::Refuse { message } => {
                 tracing::info!(tool_use_id = %id, %message, "closing the call without running it");
-                append_result(appender, id, message, true).await?;
+                append_result(toolbox, appender, id, message, true).await?;
             }
             CallAction::Run { attempt } => {
                 let outcome =
@@ -311,19 +314,21 @@ async fn run_tool_guarded(
         tracing::warn!(tool_use_id = %id, attempt, "the call was stopped before its end (its process tree killed); its outcome is unknown");
         return Ok(CallsOutcome::Stopped);
     };
-    append_result(appender, id, output.content, output.is_error).await?;
+    append_result(toolbox, appender, id, output.content, output.is_error).await?;
     Ok(CallsOutcome::Done)
 }
 
 /// Closes every listed call with an error result saying it was interrupted and whether it
 /// had started. A call whose real result raced in first keeps it (same event id).
 pub async fn close_interrupted(
+    toolbox: &Toolbox,
     appender: &impl CallLog,
     open: &[PendingCall],
     reason: &str,
 ) -> Result<(), StoreError> {
     for call in open {
         append_result(
+            toolbox,
             appender,
             &call.tool_use.id,
             interrupted_message(call, reason),
@@ -334,24 +339,53 @@ pub async fn close_interrupted(
     Ok(())
 }
 
+/// Records the workspace's checkpoint, then appends the call's result naming it (with the
+/// note of a fork's restore in front, until one result has carried it).
 async fn append_result(
+    toolbox: &Toolbox,
     appender: &impl CallLog,
     id: &str,
     content: String,
     is_error: bool,
 ) -> Result<u64, StoreError> {
-    appender
+    let session_id = appender.session_id();
+    let checkpoints = toolbox.checkpoints();
+    let (workspace_checkpoint, note) = match checkpoints.record(session_id).await {
+        Ok(checkpoint) => {
+            tracing::debug!(
+                tool_use_id = %id,
+                checkpoint = %checkpoint.id,
+                files_read = checkpoint.files_read,
+                bytes_read = checkpoint.bytes_read,
+                "recorded the workspace"
+            );
+            (Some(checkpoint.id), checkpoint.note)
+        }
+        Err(e) => {
+            tracing::warn!(tool_use_id = %id, error = %e, "could not record the workspace; the result names no checkpoint");
+            (None, None)
+        }
+    };
+    let content = match &note {
+        Some(note) => format!("{note}\n{content}"),
+        None => content,
+    };
+    let seq = appender
         .append(
             format!("result:{id}"),
             Kind::ToolResult(ToolResult {
                 tool_use_id: id.to_string(),
                 content,
                 is_error,
-                workspace_checkpoint: None,
+                workspace_checkpoint,
             }),
             Durability::Sync,
         )
-        .await
+        .await?;
+    if note.is_some() {
+        checkpoints.note_delivered(session_id).await;
+    }
+    Ok(seq)
 }
 
 #[cfg(test)]

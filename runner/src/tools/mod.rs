@@ -7,6 +7,7 @@
 //! capped at [`OUTPUT_CAP`] bytes (plus a short note) and says so when it was cut.
 
 mod bash;
+pub mod checkpoint;
 mod files;
 pub mod guard;
 pub mod sandbox;
@@ -21,6 +22,7 @@ use serde::de::DeserializeOwned;
 use serde_json::{json, Map, Value};
 use tokio_util::sync::CancellationToken;
 
+pub use checkpoint::{Checkpoints, IgnoreRules};
 pub use sandbox::Sandbox;
 pub use workspace::Workspace;
 
@@ -222,19 +224,39 @@ impl ToolOutput {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Stopped;
 
-/// The five tools, bound to a workspace root and the sandbox bash calls run in.
+/// The five tools, bound to a workspace root and the sandbox bash calls run in, and the
+/// checkpoints of the workspaces under that root.
 #[derive(Debug, Clone)]
 pub struct Toolbox {
     root: PathBuf,
     sandbox: Arc<Sandbox>,
+    checkpoints: Arc<Checkpoints>,
 }
 
 impl Toolbox {
+    /// Tools in the workspaces under `root`, whose checkpoints leave out the default
+    /// `--checkpoint-ignore` patterns.
     pub fn new(root: PathBuf, sandbox: Sandbox) -> Toolbox {
+        let checkpoints = Checkpoints::new(&root, IgnoreRules::default(), sandbox.user);
         Toolbox {
             root,
             sandbox: Arc::new(sandbox),
+            checkpoints: Arc::new(checkpoints),
         }
+    }
+
+    /// The same toolbox whose checkpoints leave out what `ignore` matches.
+    pub fn with_checkpoint_ignore(self, ignore: IgnoreRules) -> Toolbox {
+        let checkpoints = Checkpoints::new(&self.root, ignore, self.sandbox.user);
+        Toolbox {
+            checkpoints: Arc::new(checkpoints),
+            ..self
+        }
+    }
+
+    /// The checkpoints of the workspaces this toolbox works in.
+    pub fn checkpoints(&self) -> &Arc<Checkpoints> {
+        &self.checkpoints
     }
 
     /// Every tool, for the model request.

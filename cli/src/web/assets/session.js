@@ -12,6 +12,8 @@ const KINDS = [
   "user_message", "assistant_message", "tool_started", "tool_result", "assistant_delta",
   "run_error", "interrupt", "interrupted", "approval_requested", "approval_decision", "unknown",
 ];
+// The kinds a settled point (where a fork may be made) can end at.
+const FORK_KINDS = new Set(["user_message", "assistant_message", "tool_result", "interrupted"]);
 const BACKOFF_FIRST_MS = 250;
 const BACKOFF_MAX_MS = 5000;
 
@@ -45,6 +47,7 @@ function connect() {
     backoff = BACKOFF_FIRST_MS;
     setConn("live");
     refreshInfo();
+    refreshForkPoints();
   });
   source.onerror = () => reconnectLater();
 }
@@ -72,6 +75,7 @@ function onEvent(message) {
   window.agentlogSeen.push(seq);
   render(message.type, JSON.parse(message.data), seq);
   if (message.type !== "assistant_delta") refreshInfoSoon();
+  if (FORK_KINDS.has(message.type)) refreshForkPointsSoon();
 }
 
 // ---- rendering -------------------------------------------------------------------------
@@ -250,11 +254,55 @@ async function refreshInfo() {
     const name = statusName(info.status);
     badge.textContent = name;
     badge.className = `badge ${name}`;
+    refreshForkedFrom(info);
   } catch (e) {
     if (e.status === 404) {
       document.getElementById("title").textContent = "(no events yet: send the first message)";
     }
   }
+}
+
+// "Fork from here" on each settled point: the server says which seqs those are (the
+// store's rule, never a copy of it here).
+let forkTimer = null;
+
+function refreshForkPointsSoon() {
+  if (!forkTimer) forkTimer = setTimeout(() => { forkTimer = null; refreshForkPoints(); }, 300);
+}
+
+async function refreshForkPoints() {
+  let settled;
+  try {
+    settled = (await api("GET", `${base}/settled`)).settledSeqs || [];
+  } catch (e) {
+    return;
+  }
+  for (const seq of settled) {
+    const node = transcript.querySelector(`[data-seq="${seq}"]`);
+    if (!node || node.dataset.forkable) continue;
+    node.dataset.forkable = "1";
+    const button = el("button", { class: "fork", "data-fork-seq": seq, title: `A new session with this one's log up to seq ${seq}, and its workspace as it was then` }, "Fork from here");
+    button.addEventListener("click", async () => {
+      button.disabled = true;
+      try {
+        const made = await api("POST", `${base}/fork`, { atSeq: String(seq) });
+        location.href = `/sessions/${encodeURIComponent(made.sessionId)}`;
+      } catch (e) {
+        showError(e.message);
+        button.disabled = false;
+      }
+    });
+    node.insertAdjacentElement("afterend", button);
+  }
+}
+
+async function refreshForkedFrom(info) {
+  const from = document.getElementById("forked-from");
+  if (!info.forkedFrom) return;
+  from.hidden = false;
+  from.replaceChildren("forked from ",
+    el("a", { href: `/sessions/${encodeURIComponent(info.forkedFrom.sessionId)}` }, info.forkedFrom.sessionId),
+    ` at ${info.forkedFrom.seq}`);
 }
 
 function showError(message) {

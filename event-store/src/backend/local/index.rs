@@ -121,21 +121,19 @@ impl IndexBatch {
             Some(new) => new,
             None => self.touched.entry(session_id.to_string()).or_default(),
         };
-        if let Record::Event(event) = record {
+        if let Some((session_id, seq, event_id)) = record.event_place() {
             if new.packed.is_empty() {
-                new.first_seq = event.seq;
+                new.first_seq = seq;
             }
             debug_assert_eq!(
                 new.first_seq + (new.packed.len() / POSITION_BYTES) as u64,
-                event.seq
+                seq
             );
             new.packed.extend_from_slice(&pos.offset.to_be_bytes());
             new.packed.extend_from_slice(&pos.len.to_be_bytes());
-            if self_named_seq(&event.event_id) != Some(event.seq) {
-                self.batch.insert(
-                    event_id_key(&event.session_id, &event.event_id),
-                    &event.seq.to_be_bytes()[..],
-                );
+            if self_named_seq(event_id) != Some(seq) {
+                self.batch
+                    .insert(event_id_key(session_id, event_id), &seq.to_be_bytes()[..]);
             }
         }
         if let Record::Tombstone(t) = record {
@@ -197,11 +195,11 @@ impl Recent {
     pub fn add(&self, positions: &[Position], records: &[Record]) {
         let mut map = self.positions.lock().unwrap_or_else(|p| p.into_inner());
         for (pos, record) in positions.iter().zip(records) {
-            if let Record::Event(event) = record {
-                match map.get_mut(event.session_id.as_str()) {
-                    Some(seqs) => seqs.push((event.seq, *pos)),
+            if let Some((session_id, seq, _)) = record.event_place() {
+                match map.get_mut(session_id) {
+                    Some(seqs) => seqs.push((seq, *pos)),
                     None => {
-                        map.insert(event.session_id.clone(), vec![(event.seq, *pos)]);
+                        map.insert(session_id.to_string(), vec![(seq, *pos)]);
                     }
                 }
             }

@@ -30,13 +30,16 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use agentlog_proto::v1::{
-    AppendResponse, Lease, ListSessionsRequest, ListSessionsResponse, SessionInfo,
+    AppendResponse, ForkSessionResponse, Lease, ListSessionsRequest, ListSessionsResponse,
+    SessionInfo,
 };
 use prost::Message;
 use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 use tokio_util::sync::CancellationToken;
 
-use crate::backend::{self, AppendAnswer, AppendOp, Backend, EventRun, Snapshot, SnapshotRead};
+use crate::backend::{
+    self, AppendAnswer, AppendOp, Backend, EventRun, ForkOp, Snapshot, SnapshotRead,
+};
 use crate::clock::now_unix_ms;
 use crate::error::StoreError;
 use crate::queries::{self, ClaimAttempt};
@@ -383,6 +386,61 @@ impl Store {
         .await
     }
 
+    /// `ForkSession`: the parent's prefix is read as it is stored and checked here, each
+    /// event parsed only as far as the settled-point rule and the fork's state need; the
+    /// writer then writes the whole fork as one atomic append of the stored events (each
+    /// with the fork's session id after it, [`log::record::CopiedEvent`]), after checking
+    /// in its own state that the new session does not exist. Nothing is decoded and encoded
+    /// again but what the rules read.
+    pub async fn fork(&self, op: ForkOp) -> Result<ForkSessionResponse, StoreError> {
+        rules::fork_target(
+            self.shared.get(&op.new_session_id).as_ref(),
+            &op.new_session_id,
+        )?;
+        let last_seq = Store::get_session(self, &op.parent)?.last_seq;
+        let now = now_unix_ms();
+        let fork_id: std::sync::Arc<str> = op.new_session_id.as_str().into();
+        let mut point = rules::ForkPoint::new(op.at_seq);
+        let mut state =
+            rules::ForkPrefix::new(&op.new_session_id, &op.parent, op.at_seq, &op.events, now);
+        let mut copied = Vec::with_capacity(op.at_seq.min(last_seq) as usize);
+        let cancel = CancellationToken::new();
+        let _stop = cancel.clone().drop_guard();
+        let mut runs = Store::subscribe(self, op.parent.clone(), 1, false, cancel);
+        let undecodable =
+            |e: log::record::FrameError| StoreError::Internal(format!("a stored event: {e}"));
+        'read: while let Some(run) = runs.recv().await {
+            let messages: Vec<bytes::Bytes> = match run? {
+                EventRun::Framed(framed) => framed.messages().collect::<Result<_, _>>()?,
+                EventRun::Decoded(events) => events
+                    .iter()
+                    .map(|e| bytes::Bytes::from(e.encode_to_vec()))
+                    .collect(),
+            };
+            for message in messages {
+                let event = log::record::event_for_state(&message, state.wants_text())
+                    .map_err(undecodable)?;
+                let done = point.apply(&event);
+                if event.seq <= op.at_seq {
+                    state.apply(&event);
+                    copied.push(log::record::CopiedEvent {
+                        session_id: fork_id.clone(),
+                        seq: event.seq,
+                        event_id: event.event_id,
+                        message,
+                    });
+                }
+                if done {
+                    break 'read;
+                }
+            }
+        }
+        point.verdict(&op.parent, last_seq)?;
+        let plan = rules::plan_fork(state, op.events, now)?;
+        self.submit(|tx| Op::Fork(Box::new(writer::ForkWrite { plan, copied }), tx))
+            .await
+    }
+
     /// Keeps a snapshot of the session if the caller holds its live lease of `lease_epoch`
     /// and `seq` is within the log; returns the seq of the snapshot kept.
     pub async fn put_snapshot(
@@ -621,6 +679,10 @@ impl Backend for Store {
 
     async fn enqueue_append(&self, op: AppendOp) -> Result<AppendAnswer, StoreError> {
         Ok(Box::pin(Store::enqueue_append(self, op).await?))
+    }
+
+    async fn fork(&self, op: ForkOp) -> Result<ForkSessionResponse, StoreError> {
+        Store::fork(self, op).await
     }
 }
 

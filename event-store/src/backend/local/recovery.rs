@@ -71,24 +71,33 @@ fn recover(
                 continue;
             }
             let meta = sessions.entry(session_id.to_string()).or_default();
-            match record {
-                Record::Event(event) => {
-                    if event.seq != meta.last_seq + 1 {
-                        jumped.insert(
-                            session_id.to_string(),
-                            IndexError::SeqGap {
-                                offset: pos.offset,
-                                session: event.session_id.clone(),
-                                seq: event.seq,
-                                expected: meta.last_seq + 1,
-                            },
-                        );
-                        batch.add_dead(session_id, *pos);
-                        continue;
-                    }
-                    meta.apply_event(event);
+            if let Some((session, seq, _)) = record.event_place() {
+                if seq != meta.last_seq + 1 {
+                    jumped.insert(
+                        session_id.to_string(),
+                        IndexError::SeqGap {
+                            offset: pos.offset,
+                            session: session.to_string(),
+                            seq,
+                            expected: meta.last_seq + 1,
+                        },
+                    );
+                    batch.add_dead(session_id, *pos);
+                    continue;
                 }
+            }
+            match record {
+                Record::Event(event) => meta.apply_event(event),
                 Record::Lease(lease) => meta.apply_lease(lease),
+                Record::Fork(fork) => meta.apply_fork(fork),
+                // What the log is read into: never a copy (it decodes as an event).
+                Record::Copied(copied) => match copied.decode() {
+                    Ok(event) => meta.apply_event(&event),
+                    Err(e) => {
+                        failure = Some(IndexError::Corrupt(format!("a copied event: {e}")));
+                        return;
+                    }
+                },
                 Record::Tombstone(t) => {
                     jumped.remove(session_id);
                     *meta = SessionMeta::tombstone(t.deleted_unix_ms);

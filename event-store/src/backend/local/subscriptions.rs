@@ -63,6 +63,12 @@ impl Hub {
             .subscribe()
     }
 
+    /// Whether anyone follows the session live.
+    pub fn follows(&self, session_id: &str) -> bool {
+        let channels = self.channels.lock().unwrap_or_else(|p| p.into_inner());
+        channels.contains_key(session_id)
+    }
+
     /// Hands durable events of one session (at least one, ascending) to its followers;
     /// never blocks.
     pub fn publish(&self, events: Vec<Event>) {

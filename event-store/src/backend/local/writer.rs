@@ -34,7 +34,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, LazyLock};
 use std::time::{Duration, Instant};
 
-use agentlog_proto::v1::{AppendResponse, Durability, Lease};
+use agentlog_proto::v1::{AppendResponse, Durability, ForkSessionResponse, Lease};
 use prost::Message;
 use tokio::sync::mpsc::error::TryRecvError;
 use tokio::sync::{mpsc, oneshot};
@@ -42,6 +42,7 @@ use tokio::sync::{mpsc, oneshot};
 use agentlog_proto::reason::Reason;
 
 use super::index::{self_named_seq, Index, IndexBatch, Recent, GENERATED_ID_PREFIX};
+use super::log::record::CopiedEvent;
 use super::log::record::Tombstone;
 use super::log::{record, LogError, LogReader, LogWriter, Record};
 use super::published::Shared;
@@ -78,6 +79,11 @@ pub enum Op {
         tracing::Span,
     ),
     Lease(LeaseOp, oneshot::Sender<Result<LeaseOutcome, StoreError>>),
+    /// A fork: written if its session does not exist yet.
+    Fork(
+        Box<ForkWrite>,
+        oneshot::Sender<Result<ForkSessionResponse, StoreError>>,
+    ),
     /// Answered with the sessions it deleted (none: the session was deleted before).
     Delete(DeleteOp, oneshot::Sender<Result<Vec<String>, StoreError>>),
     /// Seal the active segment, if it holds any record, so that it can be rewritten;
@@ -94,6 +100,13 @@ pub enum DeleteOp {
     /// A step of retention: up to `max` sessions whose last event is before `idle_before`
     /// and that hold no live lease ([`rules::expired`]).
     Idle { idle_before: i64, max: usize },
+}
+
+/// A fork as the local log writes it: the plan ([`rules::plan_fork`]) and the parent's
+/// prefix as it was stored ([`CopiedEvent`]s).
+pub struct ForkWrite {
+    pub plan: rules::ForkPlan,
+    pub copied: Vec<CopiedEvent>,
 }
 
 pub enum LeaseOp {
@@ -167,6 +180,10 @@ enum Pending {
     Delete(
         oneshot::Sender<Result<Vec<String>, StoreError>>,
         Vec<String>,
+    ),
+    Fork(
+        oneshot::Sender<Result<ForkSessionResponse, StoreError>>,
+        ForkSessionResponse,
     ),
 }
 
@@ -438,6 +455,12 @@ impl Writer {
                         let _ = reply.send(Err(e));
                     }
                 },
+                Op::Fork(fork, reply) => match self.prepare_fork(*fork, &mut batch) {
+                    Ok(answer) => pending.push(Pending::Fork(reply, answer)),
+                    Err(e) => {
+                        let _ = reply.send(Err(e));
+                    }
+                },
                 // Answered by `seal_first`, which takes every seal out of the batch.
                 Op::Seal(reply) => {
                     let _ = reply.send(Ok(self.log.reader().active_base()));
@@ -699,6 +722,59 @@ impl Writer {
         );
     }
 
+    /// A fork's records, as one atomic append: its start, the copied prefix, then the
+    /// request's new events.
+    fn prepare_fork(
+        &mut self,
+        fork: ForkWrite,
+        batch: &mut Batch,
+    ) -> Result<ForkSessionResponse, StoreError> {
+        let ForkWrite { plan, copied } = fork;
+        let rules::ForkPlan {
+            record,
+            mut fresh,
+            meta,
+            seqs: _,
+        } = plan;
+        let session_id = record.session_id.clone();
+        rules::fork_target(self.sessions.get(&session_id), &session_id)?;
+        let ids = self.recent_ids.entry(session_id.clone()).or_default();
+        ids.reserve(copied.len() + fresh.len());
+        for event in &copied {
+            if self_named_seq(&event.event_id) != Some(event.seq) {
+                ids.insert(event.event_id.clone(), event.seq);
+            }
+        }
+        for event in &mut fresh {
+            if event.event_id.is_empty() {
+                event.event_id = format!(
+                    "{GENERATED_ID_PREFIX}{}-{}",
+                    event.seq,
+                    crate::ids::random_uuid().simple()
+                );
+            } else {
+                ids.insert(event.event_id.clone(), event.seq);
+            }
+        }
+        let last_seq = meta.last_seq;
+        self.update_session(&session_id, |current| *current = meta);
+        let count = copied.len() + fresh.len();
+        batch.records.reserve(count + 1);
+        batch.continued.reserve(count + 1);
+        batch.push(Record::Fork(record), count > 0);
+        let records = copied
+            .into_iter()
+            .map(Record::Copied)
+            .chain(fresh.into_iter().map(Record::Event));
+        for (i, record) in records.enumerate() {
+            batch.push(record, i + 1 < count);
+        }
+        Ok(ForkSessionResponse {
+            session_id,
+            last_seq,
+        })
+    }
+
     /// Changes one session's state, keeping the runnable and idle orders in step.
     fn update_session<T>(&mut self, session_id: &str, f: impl FnOnce(&mut SessionMeta) -> T) -> T {
         let meta = match self.sessions.get_mut(session_id) {
@@ -758,6 +834,23 @@ impl Op {
             // Session id and owner (each at most 128 bytes, with tags and lengths), epoch,
             // expiry and the released flag.
             Op::Lease(..) => (record::HEADER_LEN + 1 + 2 * 131 + 11 + 11 + 2) as u64,
+            // The fork's start (as a lease record bounds it), then its events, which have
+            // their ids already but may still get a generated one.
+            Op::Fork(fork, _) => {
+                let id = fork.plan.record.session_id.len() + 3;
+                let copied: usize = fork
+                    .copied
+                    .iter()
+                    .map(|c| record::HEADER_LEN + 1 + c.message.len() + id)
+                    .sum();
+                let fresh: usize = fork
+                    .plan
+                    .fresh
+                    .iter()
+                    .map(|e| e.encoded_len() + id + PER_EVENT)
+                    .sum();
+                (record::HEADER_LEN + 1 + 2 * 131 + 11 + 11 + copied + fresh) as u64
+            }
             Op::Delete(DeleteOp::Session(_), _) => TOMBSTONE_BYTES,
             Op::Delete(DeleteOp::Idle { max, .. }, _) => TOMBSTONE_BYTES * *max as u64,
             Op::Seal(_) | Op::Room(_) => 0,
@@ -780,6 +873,9 @@ impl Op {
                 let _ = reply.send(Err(error));
             }
             Op::Room(reply) => {
+                let _ = reply.send(Err(error));
+            }
+            Op::Fork(_, reply) => {
                 let _ = reply.send(Err(error));
             }
         }
@@ -806,6 +902,9 @@ impl Pending {
             }
             Pending::Delete(reply, deleted) => {
                 let _ = reply.send(Ok(deleted));
+            }
+            Pending::Fork(reply, answer) => {
+                let _ = reply.send(Ok(answer));
             }
         }
     }

@@ -184,6 +184,20 @@ async fn run(
 }
 
 async fn write_batch(connector: &Connector, health: &Health, mut batch: Vec<Write>) {
+    // While the database is known lost (until the health probe finds it answering again,
+    // within half a second of it coming back), appends are answered at once rather than
+    // each waiting out the bound again, behind the batches already waiting it out.
+    if !health.serving_now() {
+        let error = StoreError::Unavailable(
+            "the database is unreachable (it did not answer the last call or health probe); \
+             retry"
+                .into(),
+        );
+        for write in batch {
+            let _ = write.answer.send(Err(error.clone()));
+        }
+        return;
+    }
     // One write per session: a second one was planned against the same state as the first
     // (or against one the first replaces), so it would be stale; it re-reads and re-plans.
     // Sorted by session_id (stable: a session's writes keep their order), the order rows

@@ -28,13 +28,19 @@
 //!   sweep of `agentlog_erasures` if that one stopped first. What PostgreSQL keeps after
 //!   that (dead tuples until vacuum, WAL and backups) is the cluster's own retention
 //!   (ARCHITECTURE.md).
-//! - **The database unreachable** (or read-only, during a failover): appends answer
-//!   `UNAVAILABLE`, never an acknowledgement that did not commit; health turns
-//!   NOT_SERVING; the pool reconnects with backoff (a multi-host URL with
-//!   `target_session_attrs=read-write` finds the new primary) and the store serves again
-//!   by itself.
+//! - **AppendStream pipelines**: a stream's appends are queued per session behind the
+//!   ones before them and written together as they arrive ([`pipeline`]), so a stream's
+//!   next request is read while the previous ones commit.
+//! - **The database unreachable** (down, read-only during a failover, or silently cut
+//!   off): a call answers `UNAVAILABLE` within about [`DB_ANSWER`] (2 s), never an
+//!   acknowledgement that did not commit (an append whose commit is in doubt is settled by
+//!   its retry with the same event ids); health turns NOT_SERVING and, until its probe
+//!   finds the database answering again, appends are answered at once; the pool
+//!   reconnects (a multi-host URL with `target_session_attrs=read-write` finds the new
+//!   primary) and the store serves again by itself.
 
 mod batch;
+mod pipeline;
 pub mod schema;
 pub mod wake;
 
@@ -44,8 +50,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use agentlog_proto::v1::{
-    AppendResponse, Event, Lease, ListSessionsRequest, ListSessionsResponse, SessionInfo,
-    SessionStatus,
+    AppendResponse, Event, ForkSessionResponse, Lease, ListSessionsRequest, ListSessionsResponse,
+    SessionInfo, SessionStatus,
 };
 use deadpool_postgres::{Hook, Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use prost::Message;
@@ -57,8 +63,8 @@ use tokio_rustls::rustls::pki_types::pem::PemObject;
 use tokio_rustls::rustls::pki_types::CertificateDer;
 use tokio_util::sync::CancellationToken;
 
-use crate::backend::AppendOp;
-use crate::backend::{Backend, EventRun, Snapshot, SnapshotRead};
+use crate::backend::{AppendAnswer, Backend, EventRun, Snapshot, SnapshotRead};
+use crate::backend::{AppendOp, ForkOp};
 use crate::clock::now_unix_ms;
 use crate::queries::{long_poll_claim, ClaimAttempt, ListQuery};
 use crate::retention::{Retention, BATCH};
@@ -72,12 +78,23 @@ pub use wake::NotifyMode;
 
 /// Events read per query by a subscription.
 const READ_BATCH: i64 = 500;
+/// A fork's events are inserted this many to a statement, all in its one transaction.
+const FORK_INSERT_BATCH: usize = 2000;
 /// Attempts of an optimistic write before answering UNAVAILABLE (only reached when one
 /// session is written by very many callers at once).
 const MAX_ATTEMPTS: usize = 64;
-/// A database call that takes longer is answered UNAVAILABLE (it may still commit: a
-/// retry with the same event ids is answered with the original seqs).
-const CALL_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long the database may leave us without an answer before a call says UNAVAILABLE
+/// (and health NOT_SERVING): what was sent and not acknowledged by its host's TCP
+/// (`TCP_USER_TIMEOUT`), a connection idle for 1 s whose keepalive probe is not answered
+/// within it (a statement whose answer never comes, the request having arrived), a
+/// connection attempt, a wait for a pooled connection, and the health probe. Together they
+/// answer a silently cut-off database within about this long, however the cut finds a
+/// connection (`integration-tests/tests/pg_network_cut.rs`).
+const DB_ANSWER: Duration = Duration::from_secs(2);
+/// A statement that has not completed by then is answered UNAVAILABLE: the backstop for a
+/// database whose host still acknowledges but which does not answer. Its commit may still
+/// happen: a retry with the same event ids is answered with the original seqs.
+const STATEMENT_DEADLINE: Duration = Duration::from_secs(5);
 /// `SessionStatus::Runnable`, written into the claim queries as a literal so that they use
 /// the partial index over runnable sessions (see [`schema`]).
 const RUNNABLE: i32 = SessionStatus::Runnable as i32;
@@ -159,7 +176,20 @@ struct Cached {
     meta: Arc<SessionMeta>,
 }
 
-pub struct PgBackend {
+/// The backend: a handle on one replica's state, cloned into the answers of pipelined
+/// appends ([`pipeline`]); the background tasks stop when the last handle is dropped.
+#[derive(Clone)]
+pub struct PgBackend(Arc<Replica>);
+
+impl std::ops::Deref for PgBackend {
+    type Target = Replica;
+
+    fn deref(&self) -> &Replica {
+        &self.0
+    }
+}
+
+pub struct Replica {
     connector: Arc<Connector>,
     board: Arc<Board>,
     /// Wake-ups for the other replicas (absent in poll mode).
@@ -169,11 +199,13 @@ pub struct PgBackend {
     writes: mpsc::UnboundedSender<batch::Write>,
     health: Arc<Health>,
     poll_interval: Duration,
+    /// Each session's appends queued by AppendStream on this replica, in order.
+    lanes: pipeline::Lanes,
     /// Stops the background tasks when the backend is dropped.
     tasks: CancellationToken,
 }
 
-impl Drop for PgBackend {
+impl Drop for Replica {
     fn drop(&mut self) {
         self.tasks.cancel();
     }
@@ -211,15 +243,22 @@ impl PgBackend {
     /// is unreachable), and starts the background tasks.
     pub async fn open(config: PgConfig) -> Result<PgBackend, PgOpenError> {
         let mut pg_config: tokio_postgres::Config = config.url.parse().map_err(PgOpenError::Url)?;
+        // A URL's own `connect_timeout` and `tcp_user_timeout` win.
         if pg_config.get_connect_timeout().is_none() {
-            pg_config.connect_timeout(Duration::from_secs(5));
+            pg_config.connect_timeout(DB_ANSWER);
+        }
+        if pg_config.get_tcp_user_timeout().is_none() {
+            pg_config.tcp_user_timeout(DB_ANSWER);
         }
         if pg_config.get_application_name().is_none() {
             pg_config.application_name("agentlog-event-store");
         }
+        // Probes after 1 s of silence; with the user timeout, one unanswered for DB_ANSWER
+        // closes the connection.
         pg_config
             .keepalives(true)
-            .keepalives_idle(Duration::from_secs(10));
+            .keepalives_idle(Duration::from_secs(1))
+            .keepalives_interval(Duration::from_secs(1));
         let tls = tls_config(config.ca_file.as_ref())?;
         let manager = Manager::from_config(
             pg_config.clone(),
@@ -248,9 +287,9 @@ impl PgBackend {
             }))
             .max_size(config.pool_size.max(1))
             .runtime(Runtime::Tokio1)
-            .wait_timeout(Some(CALL_TIMEOUT))
-            .create_timeout(Some(Duration::from_secs(5)))
-            .recycle_timeout(Some(Duration::from_secs(5)))
+            .wait_timeout(Some(DB_ANSWER))
+            .create_timeout(Some(DB_ANSWER))
+            .recycle_timeout(Some(DB_ANSWER))
             .build()
             .map_err(|e| PgOpenError::Pool(e.to_string()))?;
         let connector = Arc::new(Connector {
@@ -306,7 +345,7 @@ impl PgBackend {
             schema_version = schema::VERSION,
             "connected to PostgreSQL"
         );
-        Ok(PgBackend {
+        Ok(PgBackend(Arc::new(Replica {
             connector,
             board,
             notify,
@@ -314,8 +353,9 @@ impl PgBackend {
             writes,
             health,
             poll_interval: config.poll_interval,
+            lanes: pipeline::Lanes::default(),
             tasks,
-        })
+        })))
     }
 
     /// The connection pool, for its metrics.
@@ -681,6 +721,11 @@ struct Health {
 }
 
 impl Health {
+    /// Whether the database answered the last call or probe.
+    fn serving_now(&self) -> bool {
+        *self.serving.borrow()
+    }
+
     /// The database failed us: report NOT_SERVING until the health check passes again.
     fn lost(&self) {
         self.serving
@@ -689,7 +734,11 @@ impl Health {
     }
 
     fn db_error(&self, e: &tokio_postgres::Error) -> StoreError {
-        let unavailable = match e.code() {
+        let contended = matches!(
+            e.code(),
+            Some(&SqlState::T_R_SERIALIZATION_FAILURE) | Some(&SqlState::T_R_DEADLOCK_DETECTED)
+        );
+        let lost = match e.code() {
             None => true,
             Some(code) => {
                 let c = code.code();
@@ -697,11 +746,11 @@ impl Health {
                     || c.starts_with("57P")
                     || c.starts_with("53")
                     || *code == SqlState::READ_ONLY_SQL_TRANSACTION
-                    || *code == SqlState::T_R_SERIALIZATION_FAILURE
-                    || *code == SqlState::T_R_DEADLOCK_DETECTED
             }
         };
-        if unavailable {
+        if contended {
+            StoreError::Unavailable(format!("the database failed the call ({e}); retry"))
+        } else if lost {
             self.lost();
             StoreError::Unavailable(format!("the database failed the call ({e}); retry"))
         } else {
@@ -716,7 +765,7 @@ impl Health {
                 self.lost();
                 StoreError::Unavailable(format!(
                     "the database did not answer within {} s; retry",
-                    CALL_TIMEOUT.as_secs()
+                    STATEMENT_DEADLINE.as_secs()
                 ))
             }
         }
@@ -784,18 +833,75 @@ impl From<tokio_postgres::Error> for Timed {
     }
 }
 
-/// One database round trip, bounded by `CALL_TIMEOUT` and timed for the metrics under
-/// `statement`.
+/// One database round trip, bounded by [`STATEMENT_DEADLINE`] and timed for the metrics
+/// under `statement`.
 async fn timed<T>(
     statement: &'static str,
     call: impl std::future::Future<Output = Result<T, tokio_postgres::Error>>,
 ) -> Result<T, Timed> {
     let started = std::time::Instant::now();
-    let result = tokio::time::timeout(CALL_TIMEOUT, call).await;
+    let result = tokio::time::timeout(STATEMENT_DEADLINE, call).await;
     crate::metrics::pg_statement(statement, started.elapsed().as_secs_f64());
     match result {
         Ok(result) => result.map_err(Timed::Db),
         Err(_) => Err(Timed::Elapsed),
+    }
+}
+
+impl PgBackend {
+    /// Writes a planned fork in one transaction: the session's row first (so a session
+    /// that exists, or is being created by an append or another fork, refuses it), then its
+    /// events. `None` if the session exists.
+    async fn write_fork(
+        &self,
+        plan: &rules::ForkPlan,
+        prefix: &[Event],
+    ) -> Result<Option<i64>, StoreError> {
+        let mut client = self.client().await?;
+        let columns = Columns::of(&plan.meta);
+        let session_id = plan.record.session_id.as_str();
+        let tx = timed("fork", client.transaction())
+            .await
+            .map_err(|e| self.timed_error(e))?;
+        let created = timed(
+            "fork",
+            tx.query_opt(
+                "INSERT INTO agentlog_sessions (session_id, version, meta, last_seq,                  updated_unix_ms, status, lease_expires_unix_ms, first_user_text)                  VALUES ($1, 1, $2, $3, $4, $5, $6, $7)                  ON CONFLICT (session_id) DO NOTHING RETURNING version",
+                &[
+                    &session_id,
+                    &columns.meta,
+                    &columns.last_seq,
+                    &columns.updated,
+                    &columns.status,
+                    &columns.lease_expires,
+                    &columns.first_user_text,
+                ],
+            ),
+        )
+        .await
+        .map_err(|e| self.timed_error(e))?;
+        let Some(created) = created else {
+            return Ok(None);
+        };
+        let events: Vec<&Event> = prefix.iter().chain(&plan.fresh).collect();
+        for chunk in events.chunks(FORK_INSERT_BATCH) {
+            let seqs: Vec<i64> = chunk.iter().map(|e| e.seq as i64).collect();
+            let ids: Vec<&str> = chunk.iter().map(|e| e.event_id.as_str()).collect();
+            let bodies: Vec<Vec<u8>> = chunk.iter().map(|e| e.encode_to_vec()).collect();
+            timed(
+                "fork",
+                tx.execute(
+                    "INSERT INTO agentlog_events (session_id, seq, event_id, body)                      SELECT $1, seq, event_id, body                      FROM unnest($2::bigint[], $3::text[], $4::bytea[]) AS ev(seq, event_id, body)",
+                    &[&session_id, &seqs, &ids, &bodies],
+                ),
+            )
+            .await
+            .map_err(|e| self.timed_error(e))?;
+        }
+        timed("fork", tx.commit())
+            .await
+            .map_err(|e| self.timed_error(e))?;
+        Ok(Some(created.get(0)))
     }
 }
 
@@ -886,6 +992,46 @@ impl Backend for PgBackend {
             fresh_state = true;
         }
         Err(contended(&op.session_id))
+    }
+
+    async fn fork(&self, op: ForkOp) -> Result<ForkSessionResponse, StoreError> {
+        let client = self.client().await?;
+        let (existing, _) = self.refresh(&client, &op.new_session_id, &[]).await?;
+        drop(client);
+        rules::fork_target(Some(&existing.meta), &op.new_session_id)?;
+        let mut prefix = crate::backend::read_fork_prefix(self, &op.parent, op.at_seq).await?;
+        for event in &mut prefix {
+            event.session_id.clone_from(&op.new_session_id);
+        }
+        let mut events = op.events;
+        for event in &mut events {
+            if event.event_id.is_empty() {
+                event.event_id = crate::ids::random_uuid().to_string();
+            }
+        }
+        let now = now_unix_ms();
+        let mut state =
+            rules::ForkPrefix::new(&op.new_session_id, &op.parent, op.at_seq, &events, now);
+        for event in &prefix {
+            state.apply(event);
+        }
+        let plan = rules::plan_fork(state, events, now)?;
+        let Some(version) = self.write_fork(&plan, &prefix).await? else {
+            return Err(rules::session_exists(&op.new_session_id));
+        };
+        let meta = Arc::new(plan.meta);
+        self.remember(
+            &op.new_session_id,
+            &Cached {
+                version,
+                meta: meta.clone(),
+            },
+        );
+        self.changed(&op.new_session_id, &meta, now);
+        Ok(ForkSessionResponse {
+            session_id: op.new_session_id,
+            last_seq: meta.last_seq,
+        })
     }
 
     fn subscribe(
@@ -1174,6 +1320,10 @@ impl Backend for PgBackend {
 
     fn serving(&self) -> watch::Receiver<bool> {
         self.health.serving.subscribe()
+    }
+
+    async fn enqueue_append(&self, op: AppendOp) -> Result<AppendAnswer, StoreError> {
+        Ok(self.enqueue_pipelined(op))
     }
 }
 
@@ -1541,18 +1691,35 @@ async fn migrate_with_retry(connector: &Connector) -> Result<(), PgOpenError> {
     }
 }
 
-/// Keeps `serving` true while the database answers: checks every few seconds, and at once
-/// (then every half second until it answers) when a call found it gone.
+/// Keeps `serving` true while the database answers: a `SELECT 1` answered within
+/// [`DB_ANSWER`] on a connection of the probe's own (so that a busy pool is not taken for a
+/// lost database, nor a pooled connection for a live one), every second, and at once (then
+/// every half second until it answers) when a call found the database gone.
 async fn watch_health(connector: Arc<Connector>, health: Arc<Health>, shutdown: CancellationToken) {
+    let mut probe: Option<tokio_postgres::Client> = None;
     loop {
-        let up = tokio::time::timeout(Duration::from_secs(3), async {
-            let client = connector.pool.get().await.ok()?;
-            client.simple_query("SELECT 1").await.ok()
+        let answered = tokio::time::timeout(DB_ANSWER, async {
+            let client = match probe.take().filter(|c| !c.is_closed()) {
+                Some(client) => client,
+                None => {
+                    let (client, connection) =
+                        connector.pg_config.connect(connector.tls.clone()).await?;
+                    tokio::spawn(connection);
+                    client
+                }
+            };
+            client.simple_query("SELECT 1").await?;
+            Ok::<_, tokio_postgres::Error>(client)
         })
-        .await
-        .ok()
-        .flatten()
-        .is_some();
+        .await;
+        let up = match answered {
+            Ok(Ok(client)) => {
+                probe = Some(client);
+                true
+            }
+            // Dropped: a connection that did not answer in time is not asked again.
+            Ok(Err(_)) | Err(_) => false,
+        };
         if health
             .serving
             .send_if_modified(|now| std::mem::replace(now, up) != up)
@@ -1566,7 +1733,7 @@ async fn watch_health(connector: Arc<Connector>, health: Arc<Health>, shutdown: 
             }
         }
         let wait = if up {
-            Duration::from_secs(2)
+            Duration::from_secs(1)
         } else {
             Duration::from_millis(500)
         };

@@ -553,6 +553,9 @@ impl LogWriter {
         if active_len > 0 && active_len + bytes > self.config.segment_bytes {
             self.roll()?;
         }
+        // The batch is encoded into one buffer: grown once, not doubling as it fills.
+        self.buf.clear();
+        self.buf.reserve(bytes as usize);
         self.preallocate(self.end + bytes)
     }
 
@@ -564,7 +567,8 @@ impl LogWriter {
         records: impl IntoIterator<Item = (&'a Record, bool)>,
     ) -> Result<Vec<Position>, LogError> {
         self.buf.clear();
-        let mut lens = Vec::new();
+        let records = records.into_iter();
+        let mut lens = Vec::with_capacity(records.size_hint().0);
         for (record, continued) in records {
             lens.push(record.encode_into(&mut self.buf, continued) as u32);
         }

@@ -2,10 +2,13 @@
 //! kind byte and a protobuf payload and the CRC covers the body. A torn write or a flipped
 //! bit fails the CRC (or the length check) and ends the valid log there.
 
-use agentlog_proto::v1::Event;
+use std::sync::Arc;
+
+use agentlog_proto::v1::{event, AssistantDelta, Event, UserMessage};
+use bytes::Bytes;
 use prost::Message;
 
-use crate::session::LeaseRecord;
+use crate::session::{ForkRecord, LeaseRecord};
 
 pub const HEADER_LEN: usize = 8;
 /// No valid record is larger: an event is at most 1 MiB, plus its envelope.
@@ -13,20 +16,25 @@ pub const MAX_BODY_LEN: usize = 4 << 20;
 
 const KIND_EVENT: u8 = 1;
 const KIND_LEASE: u8 = 2;
-const KIND_TOMBSTONE: u8 = 3;
+const KIND_FORK: u8 = 3;
+const KIND_TOMBSTONE: u8 = 4;
 /// Set on every record of a multi-record append but its last: recovery keeps an append
 /// only if its last record survived, so an append is all or nothing even when power is
 /// cut in the middle of its write.
 const CONTINUED: u8 = 0x80;
 
 /// What the log holds: session events, lease grants (so a lease epoch is durable before
-/// it is handed out and never repeats, even across crashes), and the tombstones of deleted
-/// sessions (kept for good: the segment rewrite drops a deleted session's other records,
-/// never its tombstone).
+/// it is handed out and never repeats, even across crashes), the start of a fork (the
+/// first record of its atomic append, before the copied events), and the tombstones of
+/// deleted sessions (kept for good: the segment rewrite drops a deleted session's other
+/// records, never its tombstone).
 #[derive(Clone, Debug, PartialEq)]
 pub enum Record {
     Event(Event),
     Lease(LeaseRecord),
+    Fork(ForkRecord),
+    /// An event of a fork's prefix, as its parent stored it; on disk an event like any other.
+    Copied(CopiedEvent),
     Tombstone(Tombstone),
 }
 
@@ -39,12 +47,45 @@ pub struct Tombstone {
     pub deleted_unix_ms: i64,
 }
 
+/// An event copied into a fork as its parent stored it: the stored `Event` message, then the
+/// fork's session id as field 1 once more. A protobuf decoder keeps a field's last value,
+/// so the record decodes (and [`StoredEvent`] reads) as an event of the fork, its id, time
+/// and content the parent's, without a decode and an encode per event.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CopiedEvent {
+    pub session_id: Arc<str>,
+    pub seq: u64,
+    pub event_id: String,
+    /// The parent's stored `Event` message.
+    pub message: Bytes,
+}
+
+impl CopiedEvent {
+    /// The event itself, decoded (for live followers of the fork).
+    pub fn decode(&self) -> Result<Event, prost::DecodeError> {
+        let mut event = Event::decode(&self.message[..])?;
+        event.session_id = self.session_id.to_string();
+        Ok(event)
+    }
+}
+
 impl Record {
     pub fn session_id(&self) -> &str {
         match self {
             Record::Event(e) => &e.session_id,
             Record::Lease(l) => &l.session_id,
+            Record::Fork(f) => &f.session_id,
+            Record::Copied(c) => &c.session_id,
             Record::Tombstone(t) => &t.session_id,
+        }
+    }
+
+    /// An event record's session, seq and event id.
+    pub fn event_place(&self) -> Option<(&str, u64, &str)> {
+        match self {
+            Record::Event(e) => Some((&e.session_id, e.seq, &e.event_id)),
+            Record::Copied(c) => Some((&c.session_id, c.seq, &c.event_id)),
+            Record::Lease(_) | Record::Fork(_) | Record::Tombstone(_) => None,
         }
     }
 
@@ -62,6 +103,18 @@ impl Record {
             Record::Lease(l) => {
                 buf.push(KIND_LEASE | flag);
                 l.encode(buf).expect("Vec grows as needed");
+            }
+            Record::Fork(f) => {
+                buf.push(KIND_FORK | flag);
+                f.encode(buf).expect("Vec grows as needed");
+            }
+            Record::Copied(c) => {
+                buf.push(KIND_EVENT | flag);
+                buf.extend_from_slice(&c.message);
+                // Field 1 (session_id), length-delimited.
+                buf.push(0x0a);
+                prost::encoding::encode_varint(c.session_id.len() as u64, buf);
+                buf.extend_from_slice(c.session_id.as_bytes());
             }
             Record::Tombstone(t) => {
                 buf.push(KIND_TOMBSTONE | flag);
@@ -126,6 +179,7 @@ pub fn decode(frame: &[u8]) -> Result<Frame, FrameError> {
     let record = match body[0] & !CONTINUED {
         KIND_EVENT => Record::Event(Event::decode(payload).map_err(bad)?),
         KIND_LEASE => Record::Lease(LeaseRecord::decode(payload).map_err(bad)?),
+        KIND_FORK => Record::Fork(ForkRecord::decode(payload).map_err(bad)?),
         KIND_TOMBSTONE => Record::Tombstone(Tombstone::decode(payload).map_err(bad)?),
         other => return Err(FrameError::Body(format!("unknown record kind {other}"))),
     };
@@ -137,7 +191,8 @@ pub fn decode(frame: &[u8]) -> Result<Frame, FrameError> {
 
 /// The session a framed record (header and body) belongs to, checksum verified, and
 /// whether it is a tombstone (kept for good). Reads the session id without decoding the
-/// rest: it is field 1 of every record kind's message.
+/// rest: it is field 1 of every record kind's message, and of an event copied into a fork
+/// the last field 1 (the fork's), as a decode would take it.
 pub fn session_of(frame: &[u8]) -> Result<(&[u8], bool), FrameError> {
     let len = body_len(frame)?;
     let body = frame
@@ -148,7 +203,7 @@ pub fn session_of(frame: &[u8]) -> Result<(&[u8], bool), FrameError> {
         return Err(FrameError::Checksum);
     }
     let kind = body[0] & !CONTINUED;
-    if !matches!(kind, KIND_EVENT | KIND_LEASE | KIND_TOMBSTONE) {
+    if !matches!(kind, KIND_EVENT | KIND_LEASE | KIND_FORK | KIND_TOMBSTONE) {
         return Err(FrameError::Body(format!("unknown record kind {kind}")));
     }
     let (session_id, _) = place(&body[1..], kind == KIND_EVENT)?;
@@ -248,6 +303,71 @@ fn place(mut message: &[u8], with_seq: bool) -> Result<(&[u8], u64), FrameError>
     Ok((session_id, seq))
 }
 
+/// What a stored `Event` message says that a session's state needs ([`SessionMeta`]'s
+/// rules): its seq, event id, time and kind, decoding only what the kind requires. A user
+/// message's text is read only if `want_text`, and a streamed delta's never; any other kind
+/// is decoded whole.
+///
+/// [`SessionMeta`]: crate::session::SessionMeta
+pub fn event_for_state(message: &[u8], want_text: bool) -> Result<Event, FrameError> {
+    const USER_MESSAGE: u64 = 10;
+    const ASSISTANT_DELTA: u64 = 14;
+    let bad = |what: &str| FrameError::Body(format!("undecodable event: {what}"));
+    let mut event = Event::default();
+    let mut rest = message;
+    while !rest.is_empty() {
+        let key = varint(&mut rest).ok_or_else(|| bad("a field key"))?;
+        let (field, wire_type) = (key >> 3, key & 7);
+        match wire_type {
+            0 => {
+                let value = varint(&mut rest).ok_or_else(|| bad("a varint"))?;
+                match field {
+                    2 => event.seq = value,
+                    4 => event.ts_unix_ms = value as i64,
+                    5 => event.schema_version = value as u32,
+                    _ => {}
+                }
+            }
+            1 | 5 => {
+                let n = if wire_type == 1 { 8 } else { 4 };
+                rest = rest.get(n..).ok_or_else(|| bad("a fixed-size field"))?;
+            }
+            2 => {
+                let len = varint(&mut rest).ok_or_else(|| bad("a length"))?;
+                let len = usize::try_from(len).map_err(|_| bad("a length"))?;
+                if len > rest.len() {
+                    return Err(bad("a field past the end"));
+                }
+                let (value, after) = rest.split_at(len);
+                match field {
+                    3 => {
+                        event.event_id = String::from_utf8(value.to_vec())
+                            .map_err(|_| bad("an event id that is not UTF-8"))?
+                    }
+                    USER_MESSAGE if want_text => {
+                        let m = UserMessage::decode(value).map_err(|e| bad(&e.to_string()))?;
+                        event.kind = Some(event::Kind::UserMessage(m));
+                    }
+                    USER_MESSAGE => {
+                        event.kind = Some(event::Kind::UserMessage(UserMessage::default()))
+                    }
+                    ASSISTANT_DELTA => {
+                        event.kind = Some(event::Kind::AssistantDelta(AssistantDelta::default()))
+                    }
+                    11..=19 => {
+                        let whole = Event::decode(message).map_err(|e| bad(&e.to_string()))?;
+                        return Ok(whole);
+                    }
+                    _ => {}
+                }
+                rest = after;
+            }
+            _ => return Err(bad(&format!("wire type {wire_type}"))),
+        }
+    }
+    Ok(event)
+}
+
 /// Takes one base-128 varint off the front of `bytes`.
 fn varint(bytes: &mut &[u8]) -> Option<u64> {
     let mut value = 0u64;
@@ -279,11 +399,17 @@ mod tests {
 
     #[test]
     fn round_trips() {
+        let fork = Record::Fork(ForkRecord {
+            session_id: "f".into(),
+            parent: "s1".into(),
+            seq: 7,
+            ts_unix_ms: 9,
+        });
         let tombstone = Record::Tombstone(Tombstone {
             session_id: "s1".into(),
             deleted_unix_ms: 1_700_000_000_000,
         });
-        for record in [sample(), tombstone] {
+        for record in [sample(), fork, tombstone] {
             for continued in [false, true] {
                 let mut buf = Vec::new();
                 let n = record.encode_into(&mut buf, continued);
@@ -297,6 +423,43 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn a_copied_event_reads_back_as_the_forks_whole() {
+        let Record::Event(original) = sample() else {
+            unreachable!()
+        };
+        let copied = Record::Copied(CopiedEvent {
+            session_id: "fork-1".into(),
+            seq: original.seq,
+            event_id: original.event_id.clone(),
+            message: Bytes::from(original.encode_to_vec()),
+        });
+        let mut buf = Vec::new();
+        copied.encode_into(&mut buf, false);
+        let expected = Event {
+            session_id: "fork-1".into(),
+            ..original.clone()
+        };
+        assert_eq!(decode(&buf).map(|f| f.record), Ok(Record::Event(expected)));
+        let stored = StoredEvent::from_frame(&buf).expect("an event");
+        assert_eq!((stored.session_id, stored.seq), (&b"fork-1"[..], 7));
+        let message = &original.encode_to_vec();
+        let state = event_for_state(message, false).expect("decodes");
+        assert_eq!(
+            (state.seq, state.event_id.as_str(), state.ts_unix_ms),
+            (7, "e7", 1)
+        );
+        assert!(matches!(state.kind, Some(event::Kind::UserMessage(ref m)) if m.text.is_empty()));
+        let with_text = event_for_state(message, true).expect("decodes");
+        assert_eq!(
+            with_text,
+            Event {
+                session_id: String::new(),
+                ..original
+            }
+        );
     }
 
     #[test]
