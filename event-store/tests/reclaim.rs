@@ -6,7 +6,9 @@
 //! - the power cut at each of its crash points (and after each segment it rewrites): every
 //!   acknowledged event of a live session is there at its seq, the deleted sessions stay
 //!   deleted (their old event ids and epochs write nothing), the index rebuilt from the log
-//!   alone agrees, and the reclamation finishes after the restart.
+//!   alone agrees, and the reclamation finishes after the restart;
+//! - a fork's copies of its parent's events are the fork's: they stay when the parent is
+//!   deleted and go with the fork.
 
 mod common;
 
@@ -349,4 +351,64 @@ async fn a_cut_after_the_rewrites_before_the_index_forgets_loses_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cut_after_the_index_forgot_before_the_marks_go_loses_nothing() {
     cut_at(CrashPoint::Purged, 1).await;
+}
+
+/// A fork holds its parent's prefix as its own records: deleting the parent leaves the
+/// fork whole (its copies are not the parent's records), and deleting the fork then takes
+/// the last of the text off the disk.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forks_copies_outlive_its_deleted_parent_and_go_with_the_fork() {
+    use event_store::backend::ForkOp;
+    let disk = SimStorage::new();
+    let dir = tempfile::tempdir().unwrap();
+    let index_dir = dir.path().join("index");
+    let store = open_store_reclaiming(&disk, &index_dir, LOG, reclaim_now());
+    for i in 0..40 {
+        let text = format!("{MARK} parent {i} {}", "p".repeat(300));
+        store
+            .append(op("parent", vec![user(&format!("p{i}"), &text)]))
+            .await
+            .unwrap();
+        store
+            .append(op(LIVE[0], vec![user(&format!("l{i}"), "kept")]))
+            .await
+            .unwrap();
+    }
+    store
+        .fork(ForkOp {
+            parent: "parent".into(),
+            at_seq: 40,
+            new_session_id: "fork".into(),
+            events: Vec::new(),
+        })
+        .await
+        .unwrap();
+    let copied = history(&store, "fork").await;
+    assert_eq!(copied.len(), 40);
+
+    let marks = |d: &SimStorage| {
+        d.all_bytes()
+            .windows(MARK.len())
+            .filter(|w| *w == MARK.as_bytes())
+            .count()
+    };
+    assert_eq!(marks(&disk), 80, "the parent's 40 and the fork's 40 copies");
+
+    store.delete_session("parent").await.unwrap();
+    // The parent's records go; the fork's copies of them stay, and read back the same.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while marks(&disk) > 40 {
+        assert!(
+            Instant::now() < deadline,
+            "the parent's reclamation never ended"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(marks(&disk), 40, "the fork's copies stay");
+    assert_eq!(history(&store, "fork").await, copied);
+
+    store.delete_session("fork").await.unwrap();
+    erased(&disk, &index_dir).await;
+    assert_eq!(history(&store, LIVE[0]).await.len(), 40);
+    store.close().unwrap();
 }
