@@ -9,6 +9,10 @@
 //! nothing more can be acknowledged safely, and a restart recovers from what is really on
 //! disk. The database being unreachable is not fatal: the store answers UNAVAILABLE and
 //! reports NOT_SERVING until it is back.
+//!
+//! Test-only: `AGENTLOG_TEST_CLOCK_FILE=PATH` runs the store's clock ahead of the system's
+//! by the milliseconds in that file (see `event_store::clock`), so that a test can make
+//! sessions idle for a month in a second.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -17,11 +21,13 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Parser;
 use event_store::auth::{Access, TokensFileWatch};
+use event_store::backend::local::reclaim::ReclaimConfig;
 use event_store::backend::local::{Store, StoreConfig};
 use event_store::backend::postgres::{NotifyMode, PgBackend, PgConfig};
 use event_store::backend::Backend;
 use event_store::incoming::ConnLimits;
 use event_store::limits::CallerLimits;
+use event_store::retention::{self, Retention};
 use event_store::service;
 use event_store::service::ServeOptions;
 use event_store::tls::{self, Reload, ReloadingTls, TlsFiles};
@@ -72,6 +78,42 @@ struct Args {
     /// `--notify listen`, 100 with `--notify poll`).
     #[arg(long, env = "AGENTLOG_POLL_INTERVAL_MS")]
     poll_interval_ms: Option<u64>,
+    /// Delete every session whose last event is older than this and that holds no live
+    /// lease, as DeleteSession does (e.g. 30d, 12h; units d, h, m, s, ms). Off by default:
+    /// sessions are kept for good. With PostgreSQL one replica at a time runs it.
+    #[arg(long, env = "AGENTLOG_RETAIN_IDLE", value_parser = retention::parse_duration)]
+    retain_idle: Option<Duration>,
+    /// How long retention waits after one pass before the next.
+    #[arg(
+        long,
+        env = "AGENTLOG_RETENTION_INTERVAL",
+        value_parser = retention::parse_duration,
+        default_value = "1m",
+        requires = "retain_idle"
+    )]
+    retention_interval: Duration,
+    /// The local backend: a deleted session's records are rewritten out of the log at the
+    /// latest this long after its deletion (sooner once a quarter of a segment is dead).
+    #[arg(
+        long,
+        env = "AGENTLOG_RECLAIM_AFTER",
+        value_parser = retention::parse_duration,
+        default_value = "30s"
+    )]
+    reclaim_after: Duration,
+    /// The local backend: the share of one core a reclamation pass takes at most (it rests
+    /// between its pieces of work so that appends keep the machine; 1: never rests).
+    #[arg(
+        long,
+        env = "AGENTLOG_RECLAIM_SHARE",
+        default_value_t = 0.25,
+        hide = true
+    )]
+    reclaim_share: f64,
+    /// The local backend: roll to a new segment file once the current one holds this many
+    /// bytes (for tests that want many segments; the default suits production).
+    #[arg(long, env = "AGENTLOG_SEGMENT_BYTES", hide = true)]
+    segment_bytes: Option<u64>,
     /// Close each client connection gracefully after this many seconds (0: never), so that
     /// long-lived HTTP/2 clients reconnect and rebalance.
     #[arg(long, env = "AGENTLOG_MAX_CONNECTION_AGE_SECS", default_value_t = 0)]
@@ -148,6 +190,9 @@ struct Args {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    if let Some(path) = std::env::var_os("AGENTLOG_TEST_CLOCK_FILE") {
+        event_store::clock::follow_offset_file(path.into());
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
@@ -166,6 +211,10 @@ enum Opened {
 }
 
 async fn open_backend(args: &Args) -> anyhow::Result<Opened> {
+    let retention = args.retain_idle.map(|idle| Retention {
+        idle,
+        interval: args.retention_interval,
+    });
     if let Some(url) = &args.database_url {
         let poll_ms = args.poll_interval_ms.unwrap_or(match args.notify {
             NotifyMode::Listen => 1000,
@@ -177,6 +226,7 @@ async fn open_backend(args: &Args) -> anyhow::Result<Opened> {
             pool_size: args.database_pool_size,
             notify: args.notify,
             poll_interval: Duration::from_millis(poll_ms.max(10)),
+            retention,
         })
         .await
         .context("opening the PostgreSQL backend")?;
@@ -188,7 +238,30 @@ async fn open_backend(args: &Args) -> anyhow::Result<Opened> {
         .context("give --data-dir DIR or --database-url URL")?;
     std::fs::create_dir_all(data_dir)
         .with_context(|| format!("creating --data-dir {}", data_dir.display()))?;
-    let store = Store::open(StoreConfig::in_dir(data_dir)?)
+    let mut config = StoreConfig {
+        retention,
+        ..StoreConfig::in_dir(data_dir)?
+    };
+    if let Some(segment_bytes) = args.segment_bytes {
+        anyhow::ensure!(
+            segment_bytes >= 64 << 10,
+            "--segment-bytes {segment_bytes} is below the smallest segment, 64 KiB"
+        );
+        config.log_config.segment_bytes = segment_bytes;
+        config.log_config.preallocate_bytes =
+            config.log_config.preallocate_bytes.min(segment_bytes / 4);
+    }
+    anyhow::ensure!(
+        args.reclaim_share > 0.0 && args.reclaim_share <= 1.0,
+        "--reclaim-share {} is not a share of a core; give one above 0 and at most 1",
+        args.reclaim_share
+    );
+    config.reclaim = ReclaimConfig {
+        after: args.reclaim_after,
+        busy_share: args.reclaim_share,
+        ..ReclaimConfig::for_segments(config.log_config.segment_bytes)
+    };
+    let store = Store::open(config)
         .with_context(|| format!("opening the store in {}", data_dir.display()))?;
     Ok(Opened::Local(Arc::new(store)))
 }

@@ -1,4 +1,5 @@
-//! The store's Prometheus metrics: appends, the group commit, subscribers and leases.
+//! The store's Prometheus metrics: appends, the group commit, subscribers, leases, and
+//! deletions with the reclamation of their space.
 //!
 //! Promise: every label value comes from a fixed, small set (a durability, an outcome, a
 //! lease operation); no session id, owner or event text ever becomes a label. Recording is
@@ -41,6 +42,11 @@ struct StoreMetrics {
     lease_renewals: Counter,
     fencing_refusals: Family<Labels1, Counter>,
     claims_waiting: Gauge,
+    sessions_deleted: Family<Labels1, Counter>,
+    reclaim_dead_bytes: Gauge,
+    reclaim_runs: Counter,
+    reclaimed_bytes: Counter,
+    reclaim_seconds: Counter<f64, std::sync::atomic::AtomicU64>,
     pg_statement_seconds: Family<Labels1, Histogram>,
     pg_batch_appends: Histogram,
 }
@@ -60,6 +66,11 @@ static METRICS: LazyLock<StoreMetrics> = LazyLock::new(|| StoreMetrics {
     lease_renewals: Counter::default(),
     fencing_refusals: Family::default(),
     claims_waiting: Gauge::default(),
+    sessions_deleted: Family::default(),
+    reclaim_dead_bytes: Gauge::default(),
+    reclaim_runs: Counter::default(),
+    reclaimed_bytes: Counter::default(),
+    reclaim_seconds: Counter::default(),
     pg_statement_seconds: Family::new_with_constructor(|| {
         Histogram::new(exponential_buckets(0.000_1, 2.0, 16))
     }),
@@ -89,6 +100,9 @@ pub fn registry(log_dir: Option<PathBuf>) -> Registry {
     }
     for op in ["append", "renew"] {
         let _ = m.fencing_refusals.get_or_create(&[("op", op)]);
+    }
+    for how in ["request", "retention"] {
+        let _ = m.sessions_deleted.get_or_create(&[("how", how)]);
     }
     let mut r = Registry::default();
     r.register(
@@ -152,6 +166,34 @@ pub fn registry(log_dir: Option<PathBuf>) -> Registry {
         "agentlog_store_claims_waiting",
         "ClaimSession long-polls waiting for a runnable session",
         m.claims_waiting.clone(),
+    );
+    r.register(
+        "agentlog_store_sessions_deleted",
+        "Sessions deleted (tombstones made), by how: request (DeleteSession) or retention \
+         (--retain-idle)",
+        m.sessions_deleted.clone(),
+    );
+    r.register(
+        "agentlog_store_reclaim_dead_bytes",
+        "Local backend: bytes of deleted sessions' events still in the log, awaiting \
+         reclamation",
+        m.reclaim_dead_bytes.clone(),
+    );
+    r.register(
+        "agentlog_store_reclaim_runs",
+        "Local backend: reclamation passes run (segments rewritten without deleted \
+         sessions' records)",
+        m.reclaim_runs.clone(),
+    );
+    r.register(
+        "agentlog_store_reclaimed_bytes",
+        "Local backend: bytes of disk given back by reclamation",
+        m.reclaimed_bytes.clone(),
+    );
+    r.register(
+        "agentlog_store_reclaim_seconds",
+        "Local backend: seconds spent in reclamation passes",
+        m.reclaim_seconds.clone(),
     );
     r.register(
         "agentlog_store_pg_statement_duration_seconds",
@@ -397,6 +439,32 @@ pub fn fencing_refused(op: &'static str) {
     METRICS.fencing_refusals.get_or_create(&[("op", op)]).inc();
 }
 
+/// `count` sessions deleted (`how`: "request" or "retention"); a repeated deletion, which
+/// changes nothing, counts 0.
+pub fn sessions_deleted(how: &'static str, count: usize) {
+    if count > 0 {
+        METRICS
+            .sessions_deleted
+            .get_or_create(&[("how", how)])
+            .inc_by(count as u64);
+    }
+}
+
+/// Bytes of deleted sessions' events still in the log.
+pub fn reclaim_dead_bytes(bytes: u64) {
+    METRICS
+        .reclaim_dead_bytes
+        .set(bytes.min(i64::MAX as u64) as i64);
+}
+
+/// One reclamation pass: the disk bytes it gave back and how long it took.
+pub fn reclaimed(bytes: u64, seconds: f64) {
+    let m = &*METRICS;
+    m.reclaim_runs.inc();
+    m.reclaimed_bytes.inc_by(bytes);
+    m.reclaim_seconds.inc_by(seconds);
+}
+
 /// One database round trip of the PostgreSQL backend (`statement`: what it does, from a
 /// fixed set), failed ones included.
 pub fn pg_statement(statement: &'static str, seconds: f64) {
@@ -458,7 +526,11 @@ impl Collector for LogOnDisk {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let (mut segments, mut bytes) = (0i64, 0i64);
         if let Ok(entries) = std::fs::read_dir(&self.dir) {
-            for meta in entries.flatten().filter_map(|e| e.metadata().ok()) {
+            // Segment files only: not the reserve, nor a rewrite in progress.
+            let segment_files = entries
+                .flatten()
+                .filter(|e| e.file_name().to_string_lossy().ends_with(".seg"));
+            for meta in segment_files.filter_map(|e| e.metadata().ok()) {
                 if meta.is_file() {
                     segments += 1;
                     bytes += meta.len() as i64;

@@ -10,8 +10,9 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use crate::clock::now_unix_ms;
 use crate::error::StoreError;
-use crate::session::{now_unix_ms, SessionMeta};
+use crate::session::SessionMeta;
 
 /// Sessions per page, at most.
 const MAX_PAGE: usize = 1000;

@@ -1,9 +1,14 @@
-//! The rules of appends and leases, as pure functions of a session's state
+//! The rules of appends, leases and a session's end, as pure functions of a session's state
 //! ([`SessionMeta`]) and the time: who may write, which epoch a grant gets, which events of
 //! an append are new and what seqs they get, when `expected_last_seq` or an approval
-//! decision refuses an append. Both backends ([`crate::writer`] for the local log,
-//! [`crate::postgres`]) decide through these functions and only add how they make the
-//! outcome durable, so they cannot drift apart; every refusal carries its [`Reason`].
+//! decision refuses an append, what a deletion leaves and which sessions retention takes.
+//! Both backends (`backend::local::writer` for the local log, `backend::postgres`) decide
+//! through these functions and only add how they make the outcome durable, so they cannot
+//! drift apart; every refusal carries its [`Reason`].
+//!
+//! A deleted session refuses everything for good ([`Reason::SessionDeleted`]): its
+//! tombstone is checked before any other rule, so no retried append (whatever its event
+//! ids) and no holder of an old epoch can write it again.
 
 use std::collections::HashMap;
 
@@ -14,13 +19,66 @@ use crate::error::StoreError;
 use crate::session::{is_runner_kind, kind_name, SessionMeta, SCHEMA_VERSION};
 use crate::session::{ForkRecord, LeaseRecord, SettledPoints};
 
-/// The session, if any event was ever appended to it (leases exist only on such sessions).
+/// The session, if any event was ever appended to it (leases exist only on such sessions)
+/// and it was not deleted.
 pub fn existing<'a>(
     meta: Option<&'a SessionMeta>,
     session_id: &str,
 ) -> Result<&'a SessionMeta, StoreError> {
-    meta.filter(|m| m.last_seq > 0)
-        .ok_or_else(|| session_not_found(session_id))
+    match meta {
+        Some(m) if m.is_deleted() => Err(session_deleted(session_id)),
+        Some(m) if m.last_seq > 0 => Ok(m),
+        _ => Err(session_not_found(session_id)),
+    }
+}
+
+/// The refusal for a session that was deleted: for good, whatever the call.
+pub fn session_deleted(session_id: &str) -> StoreError {
+    StoreError::Refused(
+        Reason::SessionDeleted,
+        format!("session {session_id} was deleted; it can be neither read nor written again"),
+    )
+}
+
+/// Refuses a deleted session (one that never existed passes: an append creates it).
+pub fn not_deleted(meta: &SessionMeta, session_id: &str) -> Result<(), StoreError> {
+    if meta.is_deleted() {
+        return Err(session_deleted(session_id));
+    }
+    Ok(())
+}
+
+/// What DeleteSession does to a session.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Deletion {
+    /// Replace the session by this tombstone: its events, title, snapshots and lease go.
+    Tombstone(SessionMeta),
+    /// It was deleted before: nothing changes, and the call succeeds.
+    AlreadyDeleted,
+}
+
+/// DeleteSession at `now`: a session that never existed is `NOT_FOUND`
+/// ([`Reason::SessionNotFound`]); a live lease does not stop a deletion (its holder is
+/// refused from then on, like everyone).
+pub fn delete(
+    meta: Option<&SessionMeta>,
+    session_id: &str,
+    now: i64,
+) -> Result<Deletion, StoreError> {
+    match meta {
+        Some(m) if m.is_deleted() => Ok(Deletion::AlreadyDeleted),
+        Some(m) if m.last_seq > 0 => Ok(Deletion::Tombstone(SessionMeta::tombstone(now))),
+        _ => Err(session_not_found(session_id)),
+    }
+}
+
+/// Whether retention (`--retain-idle`) deletes the session at `now`: its last event is
+/// older than `idle_before` (a time, `now` minus the idle span) and it holds no live lease.
+pub fn expired(meta: &SessionMeta, idle_before: i64, now: i64) -> bool {
+    !meta.is_deleted()
+        && meta.last_seq > 0
+        && meta.updated_unix_ms < idle_before
+        && meta.live_lease(now).is_none()
 }
 
 /// The refusal for a session no event was ever appended to.
@@ -31,9 +89,10 @@ pub fn session_not_found(session_id: &str) -> StoreError {
     )
 }
 
-/// Whether a claim may take the session now: it has work and no live lease.
+/// Whether a claim may take the session now: it has work and no live lease (a tombstone has
+/// neither).
 pub fn claimable(meta: &SessionMeta, now: i64) -> bool {
-    meta.is_runnable() && meta.live_lease(now).is_none()
+    !meta.is_deleted() && meta.is_runnable() && meta.live_lease(now).is_none()
 }
 
 /// A new lease for `owner`, one epoch above every lease the session ever had.
@@ -149,8 +208,8 @@ fn current_lease<'a>(
     }
 }
 
-/// Who may append `events`: with a `lease_epoch`, only under the session's current,
-/// unexpired lease; without one, only the kinds a person writes.
+/// Who may append `events`: nobody to a deleted session; with a `lease_epoch`, only under
+/// the session's current, unexpired lease; without one, only the kinds a person writes.
 pub fn check_writer<'a>(
     meta: &SessionMeta,
     session_id: &str,
@@ -158,6 +217,7 @@ pub fn check_writer<'a>(
     events: impl IntoIterator<Item = &'a Event>,
     now: i64,
 ) -> Result<(), StoreError> {
+    not_deleted(meta, session_id)?;
     let Some(epoch) = lease_epoch else {
         let runner_kind = events
             .into_iter()
@@ -493,6 +553,16 @@ pub fn plan_fork(prefix: ForkPrefix, extra: Vec<Event>, now: i64) -> Result<Fork
     })
 }
 
+/// Whether a fork may take the id `session_id`: not one of a session that exists, nor one
+/// of a session that was deleted (its id is dead for good).
+pub fn fork_target(meta: Option<&SessionMeta>, session_id: &str) -> Result<(), StoreError> {
+    match meta {
+        Some(m) if m.is_deleted() => Err(session_deleted(session_id)),
+        Some(m) if m.last_seq > 0 => Err(session_exists(session_id)),
+        _ => Ok(()),
+    }
+}
+
 /// The refusal for a fork whose `new_session_id` exists.
 pub fn session_exists(session_id: &str) -> StoreError {
     StoreError::Refused(
@@ -552,6 +622,82 @@ mod tests {
         let empty = SessionMeta::default();
         assert_eq!(reason(existing(Some(&empty), "s")), Reason::SessionNotFound);
         assert!(existing(Some(&session(None)), "s").is_ok());
+    }
+
+    #[test]
+    fn a_deleted_session_is_a_tombstone_that_refuses_everything_for_good() {
+        let leased = session(Some(("a", 3, NOW + 10_000, false)));
+        let Deletion::Tombstone(tombstone) = delete(Some(&leased), "s", NOW).unwrap() else {
+            panic!("a live session is deleted, even under a live lease");
+        };
+        assert!(tombstone.is_deleted());
+        assert_eq!(
+            tombstone,
+            SessionMeta::tombstone(NOW),
+            "the tombstone keeps nothing else"
+        );
+        assert!(tombstone.title().is_empty() && tombstone.lease.is_none());
+        // Deleting again changes nothing; a session that never existed is not found.
+        assert_eq!(
+            delete(Some(&tombstone), "s", NOW + 1).unwrap(),
+            Deletion::AlreadyDeleted
+        );
+        assert_eq!(reason(delete(None, "s", NOW)), Reason::SessionNotFound);
+        assert_eq!(
+            reason(delete(Some(&SessionMeta::default()), "s", NOW)),
+            Reason::SessionNotFound
+        );
+        // Every rule refuses it: reads, leases, and any append, by a person or by the holder
+        // of the old epoch, with any event id.
+        let t = &tombstone;
+        assert_eq!(reason(existing(Some(t), "s")), Reason::SessionDeleted);
+        let person = [with_id("e1", user("again"))];
+        assert_eq!(
+            reason(check_writer(t, "s", None, &person, NOW)),
+            Reason::SessionDeleted
+        );
+        let zombie = [with_id("result:t", result("t"))];
+        assert_eq!(
+            reason(check_writer(t, "s", Some(3), &zombie, NOW)),
+            Reason::SessionDeleted
+        );
+        assert_eq!(
+            reason(check_snapshot(t, "s", 3, 1, NOW)),
+            Reason::SessionDeleted
+        );
+        assert!(!claimable(t, NOW) && !expired(t, NOW, NOW));
+    }
+
+    #[test]
+    fn a_fork_takes_neither_a_live_nor_a_deleted_sessions_id() {
+        assert!(fork_target(None, "f").is_ok());
+        assert!(fork_target(Some(&SessionMeta::default()), "f").is_ok());
+        assert_eq!(
+            reason(fork_target(Some(&session(None)), "f")),
+            Reason::SessionExists
+        );
+        assert_eq!(
+            reason(fork_target(Some(&SessionMeta::tombstone(NOW)), "f")),
+            Reason::SessionDeleted
+        );
+    }
+
+    #[test]
+    fn retention_takes_sessions_idle_since_before_the_cutoff_without_a_live_lease() {
+        let mut idle = session(None);
+        idle.updated_unix_ms = NOW - 100;
+        assert!(expired(&idle, NOW - 50, NOW));
+        assert!(
+            !expired(&idle, NOW - 100, NOW),
+            "idle exactly that long: kept"
+        );
+        let mut leased = session(Some(("a", 1, NOW + 1, false)));
+        leased.updated_unix_ms = NOW - 100;
+        assert!(!expired(&leased, NOW - 50, NOW), "a live lease keeps it");
+        let mut lapsed = session(Some(("a", 1, NOW, false)));
+        lapsed.updated_unix_ms = NOW - 100;
+        assert!(expired(&lapsed, NOW - 50, NOW), "an expired lease does not");
+        assert!(!expired(&SessionMeta::default(), NOW, NOW), "no session");
     }
 
     #[test]

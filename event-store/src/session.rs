@@ -4,6 +4,10 @@
 //! message, the lease from the last lease record, and where a fork came from. Recovery and
 //! the live writer apply records through the same functions, so both always agree.
 //! [`SettledPoints`] says where a log may be forked.
+//!
+//! A deleted session is a tombstone ([`SessionMeta::tombstone`]): the time of its deletion
+//! and nothing else (no title, no text, no lease, `last_seq` 0), kept for good so that its
+//! id stays dead.
 
 use agentlog_proto::v1::{
     content_block, event, ContentBlock, Event, ForkedFrom, Lease, SessionInfo, SessionStatus,
@@ -77,6 +81,14 @@ pub struct SessionMeta {
     /// Set if the session is a fork (`SessionInfo.forked_from`).
     #[prost(message, optional, tag = "9")]
     pub forked_from: Option<ForkedFrom>,
+    /// When the session was deleted (0: it was not). A deleted session keeps nothing else.
+    #[prost(int64, tag = "10")]
+    pub deleted_unix_ms: i64,
+    /// The seq of the user message `first_user_text` was taken from (0: none yet). Set
+    /// with the text, once: the local index keeps this and not the text, which is read back
+    /// from the log (so that no session's text is ever written into the index's files).
+    #[prost(uint64, tag = "11")]
+    pub first_user_seq: u64,
 }
 
 /// Who writes an event kind. Runner-written kinds need the session's current lease; the
@@ -105,6 +117,18 @@ pub fn kind_name(kind: &event::Kind) -> &'static str {
 }
 
 impl SessionMeta {
+    /// The tombstone of a session deleted at `deleted_unix_ms`: the deletion time alone.
+    pub fn tombstone(deleted_unix_ms: i64) -> SessionMeta {
+        SessionMeta {
+            deleted_unix_ms: deleted_unix_ms.max(1),
+            ..SessionMeta::default()
+        }
+    }
+
+    pub fn is_deleted(&self) -> bool {
+        self.deleted_unix_ms > 0
+    }
+
     pub fn is_runnable(&self) -> bool {
         self.status() == SessionStatus::Runnable
     }
@@ -120,8 +144,8 @@ impl SessionMeta {
         let Some(kind) = &event.kind else { return };
         match kind {
             event::Kind::UserMessage(m) => {
-                if self.first_user_text.is_empty() {
-                    self.first_user_text = truncate_chars_to_bytes(&m.text, FIRST_USER_TEXT_BYTES);
+                if self.first_user_seq == 0 && self.first_user_text.is_empty() {
+                    self.set_first_user_text(event.seq, &m.text);
                 }
                 self.user_since_interrupt = true;
                 self.status = self.runnable_unless_waiting();
@@ -175,6 +199,14 @@ impl SessionMeta {
             }
             // Streamed text says nothing about who has work.
             event::Kind::AssistantDelta(_) => {}
+        }
+    }
+
+    /// Takes `text`, the user message at `seq`, as the first one (what is kept of it).
+    pub fn set_first_user_text(&mut self, seq: u64, text: &str) {
+        self.first_user_text = truncate_chars_to_bytes(text, FIRST_USER_TEXT_BYTES);
+        if !self.first_user_text.is_empty() {
+            self.first_user_seq = seq;
         }
     }
 
@@ -312,14 +344,6 @@ fn truncate_chars_to_bytes(text: &str, max: usize) -> String {
         end -= 1;
     }
     text[..end].to_string()
-}
-
-/// Milliseconds since the Unix epoch, by the store's wall clock (lease expiry and event
-/// timestamps).
-pub fn now_unix_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as i64)
 }
 
 /// Events for the unit tests of the session rules here and in `rules.rs`.

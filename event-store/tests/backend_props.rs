@@ -15,6 +15,10 @@
 //! - A crowd of appends at once on many sessions, some refused (a wrong
 //!   `expected_last_seq`), some retries, some racing for the same seq: each gets its own
 //!   answer, and a refusal or a lost race never fails the others written with it.
+//! - A deletion racing appends and a follower on both replicas: an append is either
+//!   acknowledged or refused as deleted; every append that starts after the deletion
+//!   returned is refused, on both replicas, retries of acknowledged ids included; the
+//!   follower sees a gapless prefix and then the refusal.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -65,6 +69,7 @@ async fn postgres() -> Replicas {
             pool_size: 8,
             notify: NotifyMode::Listen,
             poll_interval: Duration::from_millis(500),
+            retention: None,
         })
     };
     let a: Arc<dyn Backend> = Arc::new(open().await.unwrap());
@@ -502,6 +507,85 @@ async fn pipelined(replicas: &Replicas, seed: u64) {
     }
 }
 
+async fn deletion_races(replicas: &Replicas, seed: u64) {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let session = format!("del{seed}");
+    replicas
+        .a
+        .append(op(&session, vec![user("first")]))
+        .await
+        .unwrap();
+    let mut follower = replicas
+        .b
+        .subscribe(session.clone(), 1, true, CancellationToken::new());
+    let deleted = Arc::new(AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for w in 0..4u64 {
+        let backend = if w % 2 == 0 {
+            replicas.a.clone()
+        } else {
+            replicas.b.clone()
+        };
+        let (session, deleted) = (session.clone(), deleted.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut acked: Vec<String> = Vec::new();
+            let mut refusals_after = 0;
+            for i in 0.. {
+                let started_after = deleted.load(Ordering::SeqCst);
+                // Now and then a retry of an id already acknowledged.
+                let id = match acked.get(i % 7) {
+                    Some(id) if i % 3 == 0 => id.clone(),
+                    _ => format!("w{w}-{i}"),
+                };
+                match backend.append(op(&session, vec![user(&id)])).await {
+                    Ok(_) => {
+                        assert!(!started_after, "an append after the deletion was accepted");
+                        acked.push(id);
+                    }
+                    Err(e) => {
+                        assert_eq!(e.reason(), Some(Reason::SessionDeleted), "{e}");
+                        if started_after {
+                            refusals_after += 1;
+                            if refusals_after == 3 {
+                                return;
+                            }
+                        }
+                    }
+                }
+            }
+        }));
+    }
+    let mut rng = fastrand::Rng::with_seed(seed);
+    tokio::time::sleep(Duration::from_millis(rng.u64(5..60))).await;
+    replicas.a.delete_session(&session).await.unwrap();
+    deleted.store(true, Ordering::SeqCst);
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let mut next = 1;
+    let end = loop {
+        match follower
+            .recv()
+            .await
+            .expect("the follower ends with a refusal")
+        {
+            Ok(run) => {
+                for event in run.into_events().unwrap() {
+                    assert_eq!(event.seq, next, "the follower's events are gapless");
+                    next += 1;
+                }
+            }
+            Err(e) => break e,
+        }
+    };
+    assert_eq!(end.reason(), Some(Reason::SessionDeleted), "{end}");
+    for backend in [&replicas.a, &replicas.b] {
+        let got = backend.get_session(&session).await.unwrap_err();
+        assert_eq!(got.reason(), Some(Reason::SessionDeleted));
+        backend.delete_session(&session).await.unwrap();
+    }
+}
+
 async fn contract(replicas: Replicas) {
     for seed in SEEDS {
         appenders(&replicas, seed).await;
@@ -510,6 +594,7 @@ async fn contract(replicas: Replicas) {
         claimants(&replicas, seed).await;
         fencing(&replicas, seed).await;
         crowd(&replicas, seed).await;
+        deletion_races(&replicas, seed).await;
     }
 }
 

@@ -10,8 +10,9 @@ use agentlog_proto::v1::{
 use event_store::backend::postgres::{schema, NotifyMode, PgBackend, PgConfig};
 use event_store::backend::AppendOp;
 use event_store::backend::Backend;
+use event_store::clock::now_unix_ms;
 use event_store::scope::Scope;
-use event_store::session::{now_unix_ms, SessionMeta};
+use event_store::session::SessionMeta;
 use prost::Message;
 use testkit::pg::Postgres;
 
@@ -25,6 +26,7 @@ fn config(url: &str) -> PgConfig {
         pool_size: 4,
         notify: NotifyMode::Listen,
         poll_interval: Duration::from_millis(500),
+        retention: None,
     }
 }
 
@@ -285,4 +287,145 @@ async fn found(backend: &PgBackend, query: &str) -> Vec<(String, String)> {
         .into_iter()
         .map(|s| (s.session_id, s.title))
         .collect()
+}
+
+/// A database of schema version 4 (the last before deletion) migrates at start: its
+/// sessions read back as they were written, event for event, and can be deleted; the
+/// tombstone keeps no text (the version 4 trigger that keeps the longest text lets it go)
+/// and the session's rows go. A replica of version 4 still running beside the upgraded ones
+/// (a rolling update) can write the tombstoned session no more: its update finds no row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_schema_4_database_migrates_and_its_sessions_read_back_and_can_be_deleted() {
+    let pg = tokio::task::block_in_place(Postgres::start).unwrap();
+    let url = tokio::task::block_in_place(|| pg.create_database()).unwrap();
+    let db = database(&url).to_string();
+    let sql = |query: &str| tokio::task::block_in_place(|| pg.psql(&db, query)).unwrap();
+    let (mut client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    schema::migrate_to(&mut client, 4).await.unwrap();
+
+    // Two sessions as version 4 wrote them: the state in `meta` with the title only, the
+    // whole first message in its column, the events prost-encoded.
+    let now = now_unix_ms();
+    let mut written: Vec<(String, Vec<Event>)> = Vec::new();
+    for (s, text) in [("v4-a", "the first message of a"), ("v4-b", "b's words")] {
+        let mut meta = SessionMeta::default();
+        let mut events = Vec::new();
+        for seq in 1..=3u64 {
+            let mut event = user(&format!("{s}-{seq}"), &format!("{text} #{seq}"));
+            event.session_id = s.into();
+            event.seq = seq;
+            event.ts_unix_ms = now + seq as i64;
+            event.schema_version = 1;
+            meta.apply_event(&event);
+            client
+                .execute(
+                    "INSERT INTO agentlog_events (session_id, seq, event_id, body) \
+                     VALUES ($1, $2, $3, $4)",
+                    &[&s, &(seq as i64), &event.event_id, &event.encode_to_vec()],
+                )
+                .await
+                .unwrap();
+            events.push(event);
+        }
+        client
+            .execute(
+                "INSERT INTO agentlog_sessions (session_id, version, meta, last_seq, \
+                 updated_unix_ms, status, lease_expires_unix_ms, first_user_text) \
+                 VALUES ($1, 3, $2, 3, $3, $4, 0, $5)",
+                &[
+                    &s,
+                    &meta.encode_to_vec(),
+                    &meta.updated_unix_ms,
+                    &meta.status,
+                    &meta.first_user_text,
+                ],
+            )
+            .await
+            .unwrap();
+        written.push((s.to_string(), events));
+    }
+
+    let backend = PgBackend::open(config(&url)).await.unwrap();
+    assert_eq!(sql("SELECT max(version) FROM agentlog_schema"), "5");
+    for (s, events) in &written {
+        assert_eq!(
+            &read(&backend, s).await,
+            events,
+            "{s} reads back event for event"
+        );
+        let info = backend.get_session(s).await.unwrap();
+        assert_eq!((info.last_seq, info.title), (3, text_of(&events[0])));
+    }
+
+    backend.delete_session("v4-a").await.unwrap();
+    let gone = backend.get_session("v4-a").await.unwrap_err();
+    assert_eq!(
+        gone.reason(),
+        Some(agentlog_proto::reason::Reason::SessionDeleted)
+    );
+    assert_eq!(
+        sql(
+            "SELECT first_user_text, last_seq, deleted_unix_ms > 0 FROM agentlog_sessions \
+             WHERE session_id = 'v4-a'"
+        ),
+        "|0|t"
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while sql("SELECT count(*) FROM agentlog_events WHERE session_id = 'v4-a'") != "0" {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the rows were not erased"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(sql("SELECT count(*) FROM agentlog_erasures"), "0");
+    assert_eq!(
+        &read(&backend, "v4-b").await,
+        &written[1].1,
+        "the other is whole"
+    );
+
+    // A replica of version 4: its append's update of the row it read, and its insert of a
+    // row it believes missing, both land nowhere.
+    let updated = sql(
+        "WITH u AS (UPDATE agentlog_sessions SET version = version + 1, last_seq = 1, \
+         status = 1 WHERE session_id = 'v4-a' RETURNING 1) SELECT count(*) FROM u",
+    );
+    assert_eq!(updated, "0", "an earlier replica rewrote a tombstone");
+    sql(
+        "INSERT INTO agentlog_sessions (session_id, version, meta, last_seq, updated_unix_ms, \
+         status, lease_expires_unix_ms, first_user_text) VALUES ('v4-a', 1, '', 1, 0, 1, 0, 'x') \
+         ON CONFLICT (session_id) DO NOTHING",
+    );
+    let gone = backend.get_session("v4-a").await.unwrap_err();
+    assert_eq!(
+        gone.reason(),
+        Some(agentlog_proto::reason::Reason::SessionDeleted)
+    );
+}
+
+/// The whole session as Subscribe (without follow) returns it.
+async fn read(backend: &PgBackend, session_id: &str) -> Vec<Event> {
+    let mut rx = backend.subscribe(
+        session_id.into(),
+        1,
+        false,
+        tokio_util::sync::CancellationToken::new(),
+    );
+    let mut events = Vec::new();
+    while let Some(run) = rx.recv().await {
+        events.extend(run.unwrap().into_events().unwrap());
+    }
+    events
+}
+
+/// A user message's text.
+fn text_of(event: &Event) -> String {
+    match &event.kind {
+        Some(event::Kind::UserMessage(m)) => m.text.clone(),
+        _ => String::new(),
+    }
 }

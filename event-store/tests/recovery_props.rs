@@ -134,6 +134,7 @@ fn summary(record: &Record) -> Summary {
             event_id: c.event_id.clone(),
             seq: c.seq,
         },
+        Record::Tombstone(t) => panic!("these tests delete no session, yet {t:?} is logged"),
     }
 }
 
@@ -431,6 +432,7 @@ async fn check_index(store: &Store, log: &[Record]) {
                 epochs.insert(&l.session_id, l.epoch);
             }
             Record::Fork(_) | Record::Copied(_) => {}
+            Record::Tombstone(t) => panic!("these tests delete no session, yet {t:?} is logged"),
         }
     }
     for session in SESSIONS.into_iter().chain(["rp-tail"]) {

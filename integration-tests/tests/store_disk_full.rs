@@ -3,15 +3,21 @@
 //! naming the cause, reads and followers go on, health says the EventStore service is
 //! NOT_SERVING; once space is freed appends resume by themselves, and a store killed and
 //! restarted on the same volume holds every acknowledged event, with no gap.
+//!
+//! And a volume the store filled itself, with another file taking its very last bytes,
+//! comes back without a restart and without anyone touching a file: sessions are deleted
+//! through the API, the store reclaims their space (its reserve gives the tombstones and
+//! the rewrites room), and appends resume.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use agentlog_proto::reason::Reason;
+use agentlog_proto::v1::DeleteSessionRequest;
 use agentlog_proto::v1::{AppendRequest, GetSessionRequest, SubscribeRequest};
 use anyhow::{bail, ensure, Context, Result};
-use integration_tests::{read_log, user_event, Store};
+use integration_tests::{bin_path, read_log, user_event, Backing, Store};
 use tonic::Code;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
@@ -174,5 +180,105 @@ async fn a_full_volume_refuses_appends_keeps_reads_and_resumes_when_space_is_fre
         .map(|e| e.seq)
         .collect();
     assert_eq!(seqs, (1..=11).collect::<Vec<_>>());
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_volume_filled_by_sessions_recovers_when_they_are_deleted_without_a_restart() -> Result<()>
+{
+    if !is_root() {
+        eprintln!("SKIPPED: mounting a small tmpfs needs root (CI runs as root)");
+        return Ok(());
+    }
+    let tmp = tempfile::tempdir()?;
+    let volume = tmp.path().join("volume");
+    let _tmpfs = Tmpfs::mount(&volume, "32m")?;
+    let data = volume.join("data");
+    let flags = ["--segment-bytes", "1048576", "--reclaim-after", "200ms"];
+    let start = || {
+        Store::start_backed(
+            &bin_path("event-store"),
+            Backing::Dir(data.clone()),
+            "127.0.0.1:0",
+            &flags,
+        )
+    };
+    let mut store = start()?;
+    let mut client = store.client().await?;
+    let kept = "df-kept";
+    let doomed: Vec<String> = (0..4).map(|i| format!("df-doomed-{i}")).collect();
+
+    // The sessions fill the volume, in appends of 128 KiB, until the store refuses.
+    let text = "z".repeat(16 << 10);
+    let mut kept_ids = Vec::new();
+    let mut round = 0;
+    let refused = 'fill: loop {
+        for session in doomed.iter().map(String::as_str).chain([kept]) {
+            let ids: Vec<String> = (0..8).map(|k| format!("{session}-{round}-{k}")).collect();
+            let request = AppendRequest {
+                session_id: session.into(),
+                events: ids.iter().map(|id| user_event(id, &text)).collect(),
+                ..Default::default()
+            };
+            match client.append(request).await {
+                Ok(_) if session == kept => kept_ids.extend(ids),
+                Ok(_) => {}
+                Err(status) => break 'fill status,
+            }
+        }
+        round += 1;
+        ensure!(round < 1000, "the volume never filled");
+    };
+    assert_eq!(Reason::of(&refused), Some(Reason::DiskFull), "{refused:?}");
+    // Something else takes the volume's last bytes.
+    fill(&volume.join("filler"))?;
+    assert_eq!(store_health(&store).await?, ServingStatus::NotServing);
+
+    for session in &doomed {
+        client
+            .delete_session(DeleteSessionRequest {
+                session_id: session.clone(),
+            })
+            .await
+            .with_context(|| format!("deleting {session} on a full volume"))?;
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let request = AppendRequest {
+            session_id: kept.into(),
+            events: vec![user_event("after", "room again")],
+            ..Default::default()
+        };
+        match client.append(request).await {
+            Ok(_) => break,
+            Err(s) if s.code() == Code::ResourceExhausted && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await
+            }
+            Err(s) => bail!("appends did not resume after the deletions: {s:?}"),
+        }
+    }
+    kept_ids.push("after".into());
+    assert_eq!(store_health(&store).await?, ServingStatus::Serving);
+    assert!(store.is_running(), "no restart");
+    assert!(volume.join("filler").exists(), "nobody touched a file");
+    let ids = |events: Vec<agentlog_proto::v1::Event>| -> Vec<String> {
+        events.into_iter().map(|e| e.event_id).collect()
+    };
+    assert_eq!(ids(read_log(&mut client, kept).await), kept_ids);
+
+    // And all of it survives a kill.
+    store.kill9();
+    let store = start()?;
+    let mut client = store.client().await?;
+    assert_eq!(ids(read_log(&mut client, kept).await), kept_ids);
+    for session in &doomed {
+        let gone = client
+            .get_session(GetSessionRequest {
+                session_id: session.clone(),
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(Reason::of(&gone), Some(Reason::SessionDeleted));
+    }
     Ok(())
 }

@@ -104,6 +104,10 @@ pub struct Store {
     /// The data dir (a PostgreSQL-backed store has none: an empty path).
     pub data_dir: PathBuf,
     pub backing: Backing,
+    /// The arguments it was started with beyond the backend's (kept for [`Store::restart`]).
+    pub extra: Vec<String>,
+    /// The environment it was started with beyond this process's.
+    pub env: Vec<(String, String)>,
     _tmp: Option<Arc<tempfile::TempDir>>,
 }
 
@@ -111,24 +115,45 @@ impl Store {
     /// Starts a store on a fresh temp data dir, or on a fresh database when
     /// [`test_backend_is_postgres`].
     pub fn start() -> Result<Store> {
+        Store::start_with(&[])
+    }
+
+    /// [`Store::start`] with `extra` arguments (e.g. `--retain-idle 30d`).
+    pub fn start_with(extra: &[&str]) -> Result<Store> {
+        Store::start_with_env(extra, &[])
+    }
+
+    /// [`Store::start_with`], with `env` set for the process too.
+    pub fn start_with_env(extra: &[&str], env: &[(&str, &str)]) -> Result<Store> {
+        let env: Vec<(String, String)> = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
         if test_backend_is_postgres() {
             let pg = pg::shared()?;
             let url = pg.create_database()?;
-            return Store::start_backed(
+            return Store::spawn(
                 &bin_path("event-store"),
                 Backing::Database(url, Some(pg)),
                 "127.0.0.1:0",
-                &[],
+                extra,
+                env,
             );
         }
         let tmp = tempfile::tempdir()?;
-        let mut store = Store::start_in(tmp.path())?;
+        let mut store = Store::spawn(
+            &bin_path("event-store"),
+            Backing::Dir(tmp.path().to_path_buf()),
+            "127.0.0.1:0",
+            extra,
+            env,
+        )?;
         store._tmp = Some(Arc::new(tmp));
         Ok(store)
     }
 
     /// Starts another store process on the same data (after this one stopped, or beside it
-    /// on a shared database), on a free port.
+    /// on a shared database), on a free port, with the same arguments and environment.
     pub fn restart(&self) -> Result<Store> {
         self.restart_on("127.0.0.1:0")
     }
@@ -136,8 +161,23 @@ impl Store {
     /// [`Store::restart`] listening on `listen` (this store's own address, once it has
     /// stopped, for clients that reconnect to where it was).
     pub fn restart_on(&self, listen: &str) -> Result<Store> {
-        let mut store =
-            Store::start_backed(&bin_path("event-store"), self.backing.clone(), listen, &[])?;
+        let extra: Vec<&str> = self.extra.iter().map(String::as_str).collect();
+        self.restart_at(listen, &extra)
+    }
+
+    /// [`Store::restart`] with other arguments (the same environment).
+    pub fn restart_with(&self, extra: &[&str]) -> Result<Store> {
+        self.restart_at("127.0.0.1:0", extra)
+    }
+
+    fn restart_at(&self, listen: &str, extra: &[&str]) -> Result<Store> {
+        let mut store = Store::spawn(
+            &bin_path("event-store"),
+            self.backing.clone(),
+            listen,
+            extra,
+            self.env.clone(),
+        )?;
         store._tmp = self._tmp.clone();
         Ok(store)
     }
@@ -170,10 +210,21 @@ impl Store {
         listen: &str,
         extra: &[&str],
     ) -> Result<Store> {
+        Store::spawn(binary, backing, listen, extra, Vec::new())
+    }
+
+    fn spawn(
+        binary: &Path,
+        backing: Backing,
+        listen: &str,
+        extra: &[&str],
+        env: Vec<(String, String)>,
+    ) -> Result<Store> {
         let mut child = Command::new(binary)
             .args(["--listen", listen])
             .args(backing.args())
             .args(extra)
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .env(
                 "RUST_LOG",
                 std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
@@ -197,6 +248,8 @@ impl Store {
             addr,
             data_dir,
             backing,
+            extra: extra.iter().map(|a| a.to_string()).collect(),
+            env,
             _tmp: None,
         })
     }

@@ -27,9 +27,28 @@
 //!   format) only for the session's live lease holder and a seq within the log
 //!   ([`crate::rules::check_snapshot`]); a newer seq replaces an older one, never the reverse. The backend
 //!   never reads the data; nothing in the log depends on a snapshot being there.
+//! - **A deletion is for good.** [`Backend::delete_session`] replaces the session by a
+//!   small tombstone ([`crate::session::SessionMeta::tombstone`], decided by
+//!   [`crate::rules::delete`]) and returns once the tombstone is durable. From then on, on
+//!   every replica: `GetSession`, `Append`/`AppendStream`, `Subscribe`, the lease calls and
+//!   `PutSnapshot`/`GetSnapshot` answer `NOT_FOUND` with reason `SESSION_DELETED`;
+//!   `ListSessions` and `ClaimSession` never show it; a live subscription ends with that
+//!   status (on another replica too, within its wake-up or safety poll); and nothing writes
+//!   it again: not a retried append with its old event ids, not the holder of an old
+//!   epoch, not after a restart between the tombstone and the reclamation (the tombstone is
+//!   read before any other rule, [`crate::rules::check_writer`]). Deleting a deleted
+//!   session succeeds and changes nothing; one that never existed is `NOT_FOUND`
+//!   (`SESSION_NOT_FOUND`). Its events, title, snapshots and lease then leave the storage:
+//!   the local log rewrites the segments that hold them (`local::reclaim`), PostgreSQL
+//!   deletes the rows in bounded transactions and its vacuum frees them.
+//! - **Retention** (`--retain-idle`) deletes, as `delete_session` does, every session whose
+//!   last event is older than the span and that holds no live lease
+//!   ([`crate::rules::expired`]), in bounded batches that appends pass between, and on
+//!   PostgreSQL on one replica at a time.
 //!
 //! The integration suites `store_append`, `store_leases`, `store_subscribe`,
-//! `store_bad_input` and `store_protocol` run against each backend through the real binary,
+//! `store_bad_input`, `store_protocol` and `store_delete` run against each backend through
+//! the real binary,
 //! and `event-store/tests/backend_props.rs` checks the concurrent parts of the contract
 //! in-process against both.
 
@@ -231,9 +250,14 @@ pub trait Backend: Send + Sync + 'static {
         format: &str,
     ) -> Result<Option<SnapshotRead>, StoreError>;
 
+    /// Deletes the session for good, as the module head says: the tombstone is durable on
+    /// return. `NOT_FOUND` if it never existed; deleting it again succeeds.
+    async fn delete_session(&self, session_id: &str) -> Result<(), StoreError>;
+
     /// `ForkSession`: the session `op.new_session_id` made of the parent's prefix and
     /// `op.events` in one atomic step (see the module head); `SESSION_EXISTS` if that
-    /// session holds events, `FORK_POINT_UNSETTLED` unless `at_seq` is a settled point.
+    /// session holds events (`SESSION_DELETED` if it was deleted: its id is dead for good),
+    /// `FORK_POINT_UNSETTLED` unless `at_seq` is a settled point.
     async fn fork(&self, op: ForkOp) -> Result<ForkSessionResponse, StoreError>;
 
     /// Whether the backend can acknowledge appends now (health reports NOT_SERVING while

@@ -323,10 +323,10 @@ impl EventStore for EventStoreService {
         &self,
         request: Request<DeleteSessionRequest>,
     ) -> Result<Response<DeleteSessionResponse>, Status> {
-        validate_session_id(&request.get_ref().session_id)?;
-        Err(Status::unimplemented(
-            "DeleteSession is not served by this build yet",
-        ))
+        let req = request.into_inner();
+        validate_session_id(&req.session_id)?;
+        self.store.delete_session(&req.session_id).await?;
+        Ok(Response::new(DeleteSessionResponse {}))
     }
 
     async fn fork_session(

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use agentlog_proto::v1::{event, Durability, Event, UserMessage};
 use event_store::backend::local::log::storage::SimStorage;
 use event_store::backend::local::log::{LogConfig, LogWriter, Record};
+use event_store::backend::local::reclaim::ReclaimConfig;
 use event_store::backend::local::{Store, StoreConfig};
 use event_store::backend::AppendOp;
 use event_store::backend::EventRun;
@@ -47,6 +48,27 @@ fn try_open_store_with(
     index_dir: &Path,
     log_config: LogConfig,
 ) -> Result<Store, event_store::backend::local::OpenError> {
+    let reclaim = ReclaimConfig::for_segments(log_config.segment_bytes);
+    try_open_store_reclaiming(disk, index_dir, log_config, reclaim)
+}
+
+/// Like [`open_store_with`], reclaiming deleted sessions' space as `reclaim` says.
+pub fn open_store_reclaiming(
+    disk: &SimStorage,
+    index_dir: &Path,
+    log_config: LogConfig,
+    reclaim: ReclaimConfig,
+) -> Store {
+    try_open_store_reclaiming(disk, index_dir, log_config, reclaim)
+        .expect("the store opens and recovers")
+}
+
+fn try_open_store_reclaiming(
+    disk: &SimStorage,
+    index_dir: &Path,
+    log_config: LogConfig,
+    reclaim: ReclaimConfig,
+) -> Result<Store, event_store::backend::local::OpenError> {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let result = Store::open(StoreConfig {
@@ -54,6 +76,8 @@ fn try_open_store_with(
             index_dir: index_dir.to_path_buf(),
             snapshot_dir: index_dir.with_extension("snapshots"),
             log_config,
+            retention: None,
+            reclaim,
         });
         match result {
             Err(e)

@@ -14,6 +14,16 @@
 //! `event_id → seq`: dedup reads the event at that seq and compares instead, which saves
 //! an index write per such event.
 //!
+//! No text of a session is ever written into sled: a session's entry keeps the seq of its
+//! first user message, not the message (its title and `ListSessions` text are read back
+//! from the log at open, [`Index::without_text`]). sled keeps the old versions of what it
+//! overwrote or removed in its files until it happens to rewrite them, so this is what
+//! makes a deleted session's text leave the disk with the log's segments. What sled may go
+//! on holding of a deleted session is its id, its event ids and its records' positions.
+//! A deleted session's entries are removed by [`Index::purge`] once its records are gone
+//! from the log; until then `x<session>` marks it as awaiting that (with where its
+//! tombstone ends in the log), so that a restart takes the work up again.
+//!
 //! sled is never on the acknowledgement path and never needs its own flush to be correct:
 //! each batch of index updates carries the log offset it brings the index up to, in one
 //! atomic sled batch, and on start the store replays the log from that offset. Whatever
@@ -31,10 +41,12 @@ use crate::session::SessionMeta;
 // Key prefixes in the one sled tree (one tree, so one batch is atomic across all of them).
 // Session ids never contain 0x00, so `<session>\0<rest>` is unambiguous.
 const ABSORBED: &[u8] = b"m:absorbed";
-/// Names the layout of the position entries; an index without it (or with another value)
-/// is rebuilt from the log.
+/// Names the layout of the entries; an index without it (or with another value) is removed
+/// and rebuilt from the log ([`Index::open_current`]). "chunks-of-64": positions in chunks;
+/// "no-text": sessions' entries hold no text (an index of the earlier layout, which held
+/// the first user messages, goes with its files).
 const LAYOUT: &[u8] = b"m:positions-layout";
-pub const POSITIONS_LAYOUT: &[u8] = b"chunks-of-64";
+pub const POSITIONS_LAYOUT: &[u8] = b"chunks-of-64,no-text";
 /// Positions per sled entry.
 pub const POSITIONS_PER_CHUNK: u64 = 64;
 /// Bytes of one position in a chunk: offset (8) and length (4), big-endian.
@@ -42,6 +54,14 @@ const POSITION_BYTES: usize = 12;
 const SESSION: u8 = b's';
 const POSITION: u8 = b'p';
 const EVENT_ID: u8 = b'e';
+/// A deleted session whose records may still be in the log: `x<session>` → the log offset
+/// its tombstone ends at.
+const ERASING: u8 = b'x';
+/// A record of a deleted session that recovery found but could not index (its seqs jump,
+/// see `recovery`): `d<session>\0<offset>` → its length, so that reclamation still finds it.
+const DEAD: u8 = b'd';
+/// Keys one sled batch of a purge removes at most.
+const PURGE_BATCH: usize = 4096;
 
 #[derive(Debug, thiserror::Error)]
 pub enum IndexError {
@@ -51,6 +71,8 @@ pub enum IndexError {
     Corrupt(String),
     #[error(transparent)]
     Log(#[from] LogError),
+    #[error("index directory {0}: {1}")]
+    Dir(String, std::io::Error),
     #[error(
         "log record at offset {offset} has seq {seq} for session {session}, expected {expected}"
     )]
@@ -114,6 +136,19 @@ impl IndexBatch {
                     .insert(event_id_key(session_id, event_id), &seq.to_be_bytes()[..]);
             }
         }
+        if let Record::Tombstone(t) = record {
+            let end = pos.offset + u64::from(pos.len);
+            self.batch
+                .insert(erasing_key(&t.session_id), &end.to_be_bytes()[..]);
+        }
+        self.records += 1;
+    }
+
+    /// A record of a deleted session at `pos` that is not indexed by seq (recovery found
+    /// the session's seqs jumping: some of its records were already reclaimed).
+    pub fn add_dead(&mut self, session_id: &str, pos: Position) {
+        self.batch
+            .insert(dead_key(session_id, pos.offset), &pos.len.to_be_bytes()[..]);
         self.records += 1;
     }
 
@@ -194,6 +229,105 @@ impl Index {
     pub fn open(dir: &Path) -> Result<Index, IndexError> {
         let db = sled::Config::new().path(dir).open()?;
         Ok(Index { db })
+    }
+
+    /// Opens the index in `dir`, of this build's layout: one of another layout is removed
+    /// first, files and all (so that nothing it kept lingers in sled's files), and an empty
+    /// one is given the layout; the caller then rebuilds it from the log.
+    pub fn open_current(dir: &Path) -> Result<Index, IndexError> {
+        let discarded = dir.with_extension("discarded");
+        let dir_error = |path: &Path, e| IndexError::Dir(path.display().to_string(), e);
+        match std::fs::remove_dir_all(&discarded) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(dir_error(&discarded, e))
+            }
+            _ => {}
+        }
+        let index = Index::open(dir)?;
+        if index.has_current_layout()? {
+            return Ok(index);
+        }
+        tracing::warn!("the index has an earlier layout; removing it, to rebuild it from the log");
+        drop(index);
+        std::fs::rename(dir, &discarded).map_err(|e| dir_error(dir, e))?;
+        std::fs::remove_dir_all(&discarded).map_err(|e| dir_error(&discarded, e))?;
+        let index = Index::open(dir)?;
+        index.has_current_layout()?;
+        Ok(index)
+    }
+
+    /// The deleted sessions whose records may still be in the log, with where each one's
+    /// tombstone ends.
+    pub fn erasing(&self) -> Result<Vec<(String, u64)>, IndexError> {
+        let mut erasing = Vec::new();
+        for entry in self.db.scan_prefix([ERASING]) {
+            let (key, value) = entry?;
+            let id = String::from_utf8(key[1..].to_vec())
+                .map_err(|_| IndexError::Corrupt("erasing key".into()))?;
+            let end = u64::from_be_bytes(
+                value
+                    .as_ref()
+                    .try_into()
+                    .map_err(|_| IndexError::Corrupt(format!("erasing {id}")))?,
+            );
+            erasing.push((id, end));
+        }
+        Ok(erasing)
+    }
+
+    /// Forgets a deleted session's positions and event ids (in sled batches of at most
+    /// [`PURGE_BATCH`] keys); its entry (the tombstone) stays, and so does the mark that it
+    /// awaits erasure, until [`Index::erased`]. Called once its records are gone from the
+    /// log and the index has absorbed its tombstone (so that nothing of it is written
+    /// again). A crash in the middle leaves it marked, and a later purge finishes.
+    pub fn purge_entries(&self, session_id: &str) -> Result<(), IndexError> {
+        for prefix in [POSITION, EVENT_ID, DEAD] {
+            let mut start = Vec::with_capacity(2 + session_id.len());
+            start.push(prefix);
+            start.extend_from_slice(session_id.as_bytes());
+            start.push(0);
+            loop {
+                let mut batch = sled::Batch::default();
+                let mut keys = 0;
+                for entry in self.db.scan_prefix(&start).keys().take(PURGE_BATCH) {
+                    batch.remove(entry?);
+                    keys += 1;
+                }
+                if keys == 0 {
+                    break;
+                }
+                self.db.apply_batch(batch)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The records of a deleted session recovery could not index by seq
+    /// ([`IndexBatch::add_dead`]).
+    pub fn dead_positions(&self, session_id: &str) -> Result<Vec<Position>, IndexError> {
+        let mut prefix = Vec::with_capacity(2 + session_id.len());
+        prefix.push(DEAD);
+        prefix.extend_from_slice(session_id.as_bytes());
+        prefix.push(0);
+        let mut positions = Vec::new();
+        for entry in self.db.scan_prefix(&prefix) {
+            let (key, value) = entry?;
+            let bad = || IndexError::Corrupt(format!("dead record of {session_id}"));
+            let offset = key[prefix.len()..].try_into().map_err(|_| bad())?;
+            let len = value.as_ref().try_into().map_err(|_| bad())?;
+            positions.push(Position {
+                offset: u64::from_be_bytes(offset),
+                len: u32::from_be_bytes(len),
+            });
+        }
+        Ok(positions)
+    }
+
+    /// The deleted session no longer awaits erasure: its records are gone from the log and
+    /// its entries from the index.
+    pub fn erased(&self, session_id: &str) -> Result<(), IndexError> {
+        self.db.remove(erasing_key(session_id))?;
+        Ok(())
     }
 
     /// The log offset up to which every record is in the index.
@@ -285,7 +419,9 @@ impl Index {
     ) -> Result<(), IndexError> {
         for (id, new) in &batch.touched {
             if let Some(meta) = sessions.get(id) {
-                batch.batch.insert(session_key(id), meta.encode_to_vec());
+                batch
+                    .batch
+                    .insert(session_key(id), Index::without_text(meta).encode_to_vec());
             }
             if !new.packed.is_empty() {
                 self.add_positions(&mut batch.batch, id, new)?;
@@ -294,6 +430,17 @@ impl Index {
         batch.batch.insert(ABSORBED, &absorbed.to_be_bytes()[..]);
         self.db.apply_batch(batch.batch)?;
         Ok(())
+    }
+
+    /// A session's state as the index keeps it: without its first user message (the seq
+    /// of that message says where the text is read back from).
+    fn without_text(meta: &SessionMeta) -> std::borrow::Cow<'_, SessionMeta> {
+        if meta.first_user_text.is_empty() {
+            return std::borrow::Cow::Borrowed(meta);
+        }
+        let mut kept = meta.clone();
+        kept.first_user_text.clear();
+        std::borrow::Cow::Owned(kept)
     }
 
     /// Puts a session's new positions into `batch`, chunk by chunk: the first chunk they
@@ -386,6 +533,22 @@ fn unpack(position: &[u8]) -> Position {
     Position { offset, len }
 }
 
+fn dead_key(session_id: &str, offset: u64) -> Vec<u8> {
+    let mut key = Vec::with_capacity(10 + session_id.len());
+    key.push(DEAD);
+    key.extend_from_slice(session_id.as_bytes());
+    key.push(0);
+    key.extend_from_slice(&offset.to_be_bytes());
+    key
+}
+
+fn erasing_key(session_id: &str) -> Vec<u8> {
+    let mut key = Vec::with_capacity(1 + session_id.len());
+    key.push(ERASING);
+    key.extend_from_slice(session_id.as_bytes());
+    key
+}
+
 fn event_id_key(session_id: &str, event_id: &str) -> Vec<u8> {
     let mut key = Vec::with_capacity(2 + session_id.len() + event_id.len());
     key.push(EVENT_ID);
@@ -455,6 +618,84 @@ mod tests {
         }
         assert_eq!(index.absorbed().unwrap(), end);
         assert!(index.positions("s-none", 1, 10).unwrap().is_empty());
+    }
+
+    #[test]
+    fn no_text_goes_into_the_index_and_a_purge_leaves_the_tombstone_alone() {
+        use crate::backend::local::log::record::Tombstone;
+        use agentlog_proto::v1::{event, UserMessage};
+        let dir = tempfile::tempdir().unwrap();
+        let index = Index::open_current(dir.path()).unwrap();
+        let first = Event {
+            session_id: "s-a".into(),
+            seq: 1,
+            event_id: "u1".into(),
+            kind: Some(event::Kind::UserMessage(UserMessage {
+                text: "TEXT-OF-A-SESSION".into(),
+            })),
+            ..Default::default()
+        };
+        let mut meta = SessionMeta::default();
+        meta.apply_event(&first);
+        let sessions: HashMap<String, SessionMeta> = [("s-a".to_string(), meta)].into();
+        let mut batch = IndexBatch::default();
+        batch.add(position(0, 1), &Record::Event(first));
+        index.apply(batch, &sessions, 1).unwrap();
+        let loaded = &index.load_sessions().unwrap()["s-a"];
+        assert_eq!(loaded.first_user_text, "", "the text is not in the index");
+        assert_eq!(loaded.first_user_seq, 1, "where it is read back from");
+        index.flush().unwrap();
+        for entry in std::fs::read_dir(dir.path()).unwrap().flatten() {
+            if let Ok(bytes) = std::fs::read(entry.path()) {
+                assert!(!bytes.windows(17).any(|w| w == b"TEXT-OF-A-SESSION"));
+            }
+        }
+
+        let tombstone = SessionMeta::tombstone(5);
+        let sessions: HashMap<String, SessionMeta> = [("s-a".to_string(), tombstone)].into();
+        let mut batch = IndexBatch::default();
+        let record = Record::Tombstone(Tombstone {
+            session_id: "s-a".into(),
+            deleted_unix_ms: 5,
+        });
+        batch.add(
+            Position {
+                offset: 40,
+                len: 20,
+            },
+            &record,
+        );
+        batch.add_dead("s-a", Position { offset: 30, len: 9 });
+        index.apply(batch, &sessions, 60).unwrap();
+        assert_eq!(index.erasing().unwrap(), vec![("s-a".to_string(), 60)]);
+        assert_eq!(index.dead_positions("s-a").unwrap().len(), 1);
+        index.purge_entries("s-a").unwrap();
+        assert!(index.positions("s-a", 1, 10).unwrap().is_empty());
+        assert_eq!(index.event_seq("s-a", "u1").unwrap(), None);
+        assert!(index.dead_positions("s-a").unwrap().is_empty());
+        assert_eq!(index.erasing().unwrap().len(), 1, "marked until erased");
+        index.erased("s-a").unwrap();
+        assert!(index.erasing().unwrap().is_empty());
+        assert!(index.load_sessions().unwrap()["s-a"].is_deleted());
+    }
+
+    #[test]
+    fn an_index_of_an_earlier_layout_goes_with_its_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("index");
+        {
+            let index = Index::open(&path).unwrap();
+            index.db.insert(LAYOUT, &b"chunks-of-64"[..]).unwrap();
+            index
+                .db
+                .insert(session_key("s-a"), &b"OLD-TEXT"[..])
+                .unwrap();
+            index.flush().unwrap();
+        }
+        let index = Index::open_current(&path).unwrap();
+        assert!(index.has_current_layout().unwrap());
+        assert!(index.load_sessions().unwrap().is_empty());
+        assert!(!path.with_extension("discarded").exists());
     }
 
     #[test]

@@ -9,13 +9,17 @@
 //! - [`subscriptions`]: history then live, with disk catch-up for slow readers, history
 //!   handed out in its wire form ([`framed`]).
 //! - [`snapshots`]: the snapshot files.
+//! - [`reclaim`]: deleted sessions' space given back, by rewriting the segments that hold
+//!   their records; [`background`]: the store's own threads (retention, reclamation).
 //!
 //! [`Store`] is the facade the gRPC service runs over (through [`super::Backend`]).
 
+mod background;
 pub mod framed;
 pub mod index;
 pub mod log;
 pub mod published;
+pub mod reclaim;
 mod recovery;
 pub mod snapshots;
 pub mod subscriptions;
@@ -36,17 +40,19 @@ use tokio_util::sync::CancellationToken;
 use crate::backend::{
     self, AppendAnswer, AppendOp, Backend, EventRun, ForkOp, Snapshot, SnapshotRead,
 };
+use crate::clock::now_unix_ms;
 use crate::error::StoreError;
 use crate::queries::{self, ClaimAttempt};
+use crate::retention::Retention;
 use crate::rules;
 use crate::scope::{self, Scope};
-use crate::session::now_unix_ms;
 use index::{Index, IndexError, Recent};
 use log::storage::{FsStorage, Storage};
 use log::LogError;
 use published::Shared;
+use reclaim::{ReclaimConfig, Reclaimer};
 use subscriptions::{Hub, Source};
-use writer::{LeaseOp, LeaseOutcome, Op, Writer};
+use writer::{DeleteOp, LeaseOp, LeaseOutcome, Op, Writer};
 
 /// Pending operations the writer may have queued; beyond this, callers wait (backpressure).
 const QUEUE_DEPTH: usize = 8192;
@@ -73,6 +79,9 @@ pub struct StoreConfig {
     /// Snapshot files ([`snapshots`]); created when the first snapshot is written.
     pub snapshot_dir: std::path::PathBuf,
     pub log_config: log::LogConfig,
+    /// `--retain-idle`, if set.
+    pub retention: Option<Retention>,
+    pub reclaim: ReclaimConfig,
 }
 
 impl StoreConfig {
@@ -86,6 +95,8 @@ impl StoreConfig {
             index_dir: data_dir.join("index"),
             snapshot_dir: data_dir.join("snapshots"),
             log_config: log::LogConfig::default(),
+            retention: None,
+            reclaim: ReclaimConfig::for_segments(log::DEFAULT_SEGMENT_BYTES),
         })
     }
 }
@@ -99,13 +110,21 @@ pub struct Store {
     writer: Option<std::thread::JoinHandle<Result<(), StoreError>>>,
     writer_done: watch::Receiver<bool>,
     snapshots: Arc<snapshots::SnapshotDir>,
+    /// Stops the background threads (retention, reclamation), which hold senders of
+    /// `queue`.
+    background: Vec<background::Signal>,
+    background_threads: Vec<std::thread::JoinHandle<()>>,
 }
 
 impl Store {
     /// Opens (and recovers) the store: replays the log past what the index absorbed,
     /// dropping a torn tail, then starts the writer.
     pub fn open(config: StoreConfig) -> Result<Store, OpenError> {
-        let index = Index::open(&config.index_dir)?;
+        config
+            .log
+            .keep_reserve(reclaim::reserve_bytes(config.log_config.segment_bytes))
+            .map_err(|e| OpenError::DataDir("the log's reserve".into(), e))?;
+        let index = Index::open_current(&config.index_dir)?;
         let (log, sessions) = recovery::open(&config, &index)?;
         let shared = Arc::new(Shared {
             sessions: RwLock::new(sessions.clone()),
@@ -114,16 +133,42 @@ impl Store {
             claimable: watch::channel(0).0,
             full: watch::channel(None).0,
             serving: watch::channel(true).0,
+            erasing: Default::default(),
+            reclaimer: background::Signal::default(),
+            absorbed: log.end().into(),
         });
+        // Deletions whose records may still be in the log (their reclamation had not
+        // finished when the store stopped).
+        shared.erase(index.erasing()?);
         let source = Source {
-            hub: shared.hub.clone(),
+            shared: shared.clone(),
             index: index.clone(),
-            recent: shared.recent.clone(),
             log: log.reader(),
         };
+        let snapshots = Arc::new(snapshots::SnapshotDir::new(config.snapshot_dir.clone()));
+        // A deletion whose tombstone was durable when the store stopped may not have removed
+        // the session's snapshots yet.
+        let deleted = sessions.iter().filter(|(_, m)| m.is_deleted());
+        snapshots
+            .remove_sessions(deleted.map(|(id, _)| id.as_str()))
+            .map_err(|e| OpenError::DataDir(config.snapshot_dir.display().to_string(), e))?;
         let (queue, rx) = mpsc::channel(QUEUE_DEPTH);
         let (done_tx, writer_done) = watch::channel(false);
-        let writer = Writer::new(log, index, sessions, shared.clone());
+        let reclaimer = Reclaimer::new(
+            log.rewriter(),
+            log.reader(),
+            index.clone(),
+            shared.clone(),
+            queue.clone(),
+            config.reclaim,
+        );
+        let writer = Writer::new(
+            log,
+            index,
+            sessions,
+            shared.clone(),
+            config.retention.is_some(),
+        );
         let writer = std::thread::Builder::new()
             .name("log-writer".into())
             .spawn(move || {
@@ -135,6 +180,21 @@ impl Store {
                 result
             })
             .map_err(|e| OpenError::DataDir("writer thread".into(), e))?;
+        let mut background = vec![shared.reclaimer.clone()];
+        let mut background_threads = vec![std::thread::Builder::new()
+            .name("log-reclaimer".into())
+            .spawn(move || reclaimer.run())
+            .map_err(|e| OpenError::DataDir("reclaimer thread".into(), e))?];
+        if let Some(retention) = config.retention {
+            let stop = background::Signal::default();
+            background.push(stop.clone());
+            let (queue, snapshots) = (queue.clone(), snapshots.clone());
+            let thread = std::thread::Builder::new()
+                .name("retention".into())
+                .spawn(move || background::run_retention(queue, retention, snapshots, stop))
+                .map_err(|e| OpenError::DataDir("retention thread".into(), e))?;
+            background_threads.push(thread);
+        }
         Ok(Store {
             queue,
             queued_kib: Arc::new(Semaphore::new(QUEUED_KIB)),
@@ -142,7 +202,9 @@ impl Store {
             source,
             writer: Some(writer),
             writer_done,
-            snapshots: Arc::new(snapshots::SnapshotDir::new(config.snapshot_dir.clone())),
+            snapshots,
+            background,
+            background_threads,
         })
     }
 
@@ -169,6 +231,10 @@ impl Store {
     /// Stops taking operations, lets the writer finish and fsync what it has queued, and
     /// waits for it. Returns the writer's error, if the log failed.
     pub fn close(mut self) -> Result<(), StoreError> {
+        self.background.iter().for_each(background::Signal::stop);
+        for thread in std::mem::take(&mut self.background_threads) {
+            let _ = thread.join();
+        }
         let writer = self.writer.take();
         drop(self);
         match writer.map(|w| w.join()) {
@@ -327,9 +393,10 @@ impl Store {
     /// in its own state that the new session does not exist. Nothing is decoded and encoded
     /// again but what the rules read.
     pub async fn fork(&self, op: ForkOp) -> Result<ForkSessionResponse, StoreError> {
-        if self.shared.get(&op.new_session_id).is_some() {
-            return Err(rules::session_exists(&op.new_session_id));
-        }
+        rules::fork_target(
+            self.shared.get(&op.new_session_id).as_ref(),
+            &op.new_session_id,
+        )?;
         let last_seq = Store::get_session(self, &op.parent)?.last_seq;
         let now = now_unix_ms();
         let fork_id: std::sync::Arc<str> = op.new_session_id.as_str().into();
@@ -381,19 +448,46 @@ impl Store {
         snapshot: backend::Snapshot,
         lease_epoch: u64,
     ) -> Result<u64, StoreError> {
-        let meta = self.shared.get(&snapshot.session_id);
-        let meta = rules::existing(meta.as_ref(), &snapshot.session_id)?;
-        rules::check_snapshot(
-            meta,
-            &snapshot.session_id,
-            lease_epoch,
-            snapshot.seq,
-            now_unix_ms(),
-        )?;
         let snapshots = self.snapshots.clone();
-        tokio::task::spawn_blocking(move || snapshots.put(&snapshot))
+        let shared = self.shared.clone();
+        tokio::task::spawn_blocking(move || {
+            // Checked while puts are held off: a deletion that removes the session's
+            // snapshots after its tombstone is published either comes after this put (and
+            // removes what it wrote) or before it (and this check sees the tombstone).
+            snapshots.put(&snapshot, || {
+                let meta = shared.get(&snapshot.session_id);
+                let meta = rules::existing(meta.as_ref(), &snapshot.session_id)?;
+                rules::check_snapshot(
+                    meta,
+                    &snapshot.session_id,
+                    lease_epoch,
+                    snapshot.seq,
+                    now_unix_ms(),
+                )
+            })
+        })
+        .await
+        .map_err(|e| StoreError::Internal(format!("the snapshot write stopped: {e}")))?
+    }
+
+    /// Deletes the session for good (see [`crate::backend`]'s head): its tombstone is durable
+    /// on return, and its snapshots are gone; its records leave the log with the next
+    /// reclamation of the segments that hold them.
+    pub async fn delete_session(&self, session_id: &str) -> Result<(), StoreError> {
+        let id = session_id.to_string();
+        let deleted = self
+            .submit(|tx| Op::Delete(DeleteOp::Session(id), tx))
+            .await?;
+        crate::metrics::sessions_deleted("request", deleted.len());
+        // Again when it was deleted before: the first call may have stopped short of this.
+        let snapshots = self.snapshots.clone();
+        let id = session_id.to_string();
+        tokio::task::spawn_blocking(move || snapshots.remove_sessions([id.as_str()]))
             .await
-            .map_err(|e| StoreError::Internal(format!("the snapshot write stopped: {e}")))?
+            .map_err(|e| StoreError::Internal(format!("the snapshot removal stopped: {e}")))?
+            .map_err(|e| {
+                StoreError::Internal(format!("removing the snapshots of {session_id}: {e}"))
+            })
     }
 
     /// The kept snapshot of `format` for the session, if any: its file is read a piece at a
@@ -405,6 +499,9 @@ impl Store {
     ) -> Result<Option<backend::SnapshotRead>, StoreError> {
         const PIECE_BYTES: usize = 1 << 20;
         const PIECES_AHEAD: usize = 2;
+        if self.shared.is_deleted(session_id) {
+            return Err(rules::session_deleted(session_id));
+        }
         let snapshots = self.snapshots.clone();
         let (session_id, format) = (session_id.to_string(), format.to_string());
         let opened = tokio::task::spawn_blocking(move || snapshots.open(&session_id, &format))
@@ -431,15 +528,8 @@ impl Store {
     }
 
     pub fn get_session(&self, session_id: &str) -> Result<SessionInfo, StoreError> {
-        self.shared
-            .get(session_id)
-            .map(|m| m.info(session_id, now_unix_ms()))
-            .ok_or_else(|| {
-                StoreError::Refused(
-                    agentlog_proto::reason::Reason::SessionNotFound,
-                    format!("session {session_id} does not exist"),
-                )
-            })
+        let meta = self.shared.get(session_id);
+        rules::existing(meta.as_ref(), session_id).map(|m| m.info(session_id, now_unix_ms()))
     }
 
     /// Sessions in `scope`, most recently updated first; `page_token` is where the
@@ -486,6 +576,14 @@ impl Store {
             cancel,
         ));
         rx
+    }
+}
+
+impl Drop for Store {
+    /// The background threads let go of the writer's queue (a store dropped without
+    /// [`Store::close`] still lets its writer finish).
+    fn drop(&mut self) {
+        self.background.iter().for_each(background::Signal::stop);
     }
 }
 
@@ -567,6 +665,10 @@ impl Backend for Store {
         format: &str,
     ) -> Result<Option<SnapshotRead>, StoreError> {
         Store::get_snapshot(self, session_id, format).await
+    }
+
+    async fn delete_session(&self, session_id: &str) -> Result<(), StoreError> {
+        Store::delete_session(self, session_id).await
     }
 
     /// Not serving while the log's volume is full (appends resume by themselves once there

@@ -1,14 +1,17 @@
-//! What the writer has made durable, as readers see it: the published session states, the
-//! positions the index has not absorbed yet, the live hub, and the signals (a session may
-//! have become claimable; the volume is full). The writer is its only writer, and only
-//! after the fsync that covers what it publishes.
+//! What the writer has made durable, as readers see it: the published session states
+//! (tombstones included), the positions the index has not absorbed yet, the live hub, and
+//! the signals (a session may have become claimable; the volume is full). The writer is its
+//! only writer, and only after the fsync that covers what it publishes.
 
-use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, RwLock};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Instant;
 
 use agentlog_proto::v1::Event;
 use tokio::sync::watch;
 
+use crate::backend::local::background::Signal;
 use crate::backend::local::index::Recent;
 use crate::backend::local::log::Record;
 use crate::backend::local::subscriptions::Hub;
@@ -28,6 +31,23 @@ pub struct Shared {
     /// Whether appends can be acknowledged now (false while the volume is full): what
     /// health reports for `agentlog.v1.EventStore`.
     pub(crate) serving: watch::Sender<bool>,
+    /// Deleted sessions whose records may still be in the log: the reclaimer's work
+    /// (`reclaim`), filled by the writer as tombstones become durable (and at open).
+    pub(crate) erasing: Mutex<BTreeMap<String, Erasing>>,
+    /// Woken when a tombstone becomes durable.
+    pub(crate) reclaimer: Signal,
+    /// The log offset the index has absorbed up to.
+    pub(crate) absorbed: AtomicU64,
+}
+
+/// A deleted session awaiting the erasure of its records.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Erasing {
+    /// Where its tombstone ends in the log: once the index has absorbed this far, nothing
+    /// of the session is written to it again.
+    pub tombstone_end: u64,
+    /// Since when it waits (at open, for one deleted before).
+    pub since: Instant,
 }
 
 impl Shared {
@@ -54,13 +74,22 @@ impl Shared {
                 }
             }
         }
-        // Each run of one session's events goes to its followers as one slice, in order.
+        // Each run of one session's events goes to its followers as one slice, in order; a
+        // tombstone ends its session's followers (after the state above says it is deleted,
+        // so that a subscription that registers later sees the tombstone instead).
         let mut run: Vec<Event> = Vec::new();
         // Whether the session of the copies at hand is followed, asked once per session.
         let mut followed: Option<(std::sync::Arc<str>, bool)> = None;
         for record in records {
             let event = match record {
                 Record::Event(event) => event,
+                Record::Tombstone(t) => {
+                    if run.last().is_some_and(|e| e.session_id == t.session_id) {
+                        self.hub.publish(std::mem::take(&mut run));
+                    }
+                    self.hub.end(&t.session_id);
+                    continue;
+                }
                 // A fork's copied prefix is decoded only for someone already following the
                 // fork (rare: it is a new session); the others read it from the log.
                 Record::Copied(copied)
@@ -96,14 +125,49 @@ impl Shared {
         }
     }
 
+    /// Tombstones made durable (session, where its tombstone ends in the log): the
+    /// sessions' records await reclamation.
+    pub(crate) fn erase(&self, tombstones: impl IntoIterator<Item = (String, u64)>) {
+        let now = Instant::now();
+        let mut erasing = self.erasing.lock().unwrap_or_else(|p| p.into_inner());
+        let before = erasing.len();
+        for (session_id, tombstone_end) in tombstones {
+            erasing.entry(session_id).or_insert(Erasing {
+                tombstone_end,
+                since: now,
+            });
+        }
+        if erasing.len() > before {
+            self.reclaimer.nudge();
+        }
+    }
+
+    /// The index has absorbed the log up to `end`.
+    pub(crate) fn absorbed_to(&self, end: u64) {
+        self.absorbed.store(end, Ordering::Release);
+    }
+
+    pub(crate) fn absorbed(&self) -> u64 {
+        self.absorbed.load(Ordering::Acquire)
+    }
+
     /// The log's volume is full (`Some(why)`) or has room again (`None`).
     pub(crate) fn set_full(&self, reason: Option<String>) {
         self.serving.send_replace(reason.is_none());
         self.full.send_replace(reason);
     }
 
+    /// The session's published state (a tombstone if it was deleted), if it has one.
     pub(crate) fn get(&self, session_id: &str) -> Option<SessionMeta> {
         let sessions = self.sessions.read().unwrap_or_else(|p| p.into_inner());
-        sessions.get(session_id).filter(|m| m.last_seq > 0).cloned()
+        sessions.get(session_id).cloned()
+    }
+
+    /// Whether the session's deletion is durable.
+    pub(crate) fn is_deleted(&self, session_id: &str) -> bool {
+        let sessions = self.sessions.read().unwrap_or_else(|p| p.into_inner());
+        sessions
+            .get(session_id)
+            .is_some_and(SessionMeta::is_deleted)
     }
 }

@@ -9,6 +9,9 @@
 //! - A snapshot never replaces one with a higher seq (puts of one session are serialised).
 //! - A snapshot is derived data: losing one costs a reader a longer read of the log, never
 //!   correctness, so the directory is not part of recovery and the log never refers to it.
+//! - A deleted session's snapshots go with it: its directory is removed once its tombstone
+//!   is durable (and again at open, for a deletion a crash cut short), and a put that checks
+//!   the session while removals are held off can never write one back.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -42,8 +45,15 @@ impl SnapshotDir {
     }
 
     /// Keeps `snapshot` unless a newer one is kept; returns the seq of the kept one.
-    pub fn put(&self, snapshot: &Snapshot) -> Result<u64, StoreError> {
+    /// `allowed` decides whether it may be kept at all, called while puts and removals are
+    /// held off.
+    pub fn put(
+        &self,
+        snapshot: &Snapshot,
+        allowed: impl FnOnce() -> Result<(), StoreError>,
+    ) -> Result<u64, StoreError> {
         let _writing = self.writing.lock().unwrap_or_else(|p| p.into_inner());
+        allowed()?;
         let path = self.path(&snapshot.session_id, &snapshot.format);
         if let Some(kept) = read_seq(&path)? {
             if kept > snapshot.seq {
@@ -67,6 +77,26 @@ impl SnapshotDir {
         std::fs::rename(&tmp, &path).map_err(|e| io_error(&path, e))?;
         sync_dir(session_dir)?;
         Ok(snapshot.seq)
+    }
+
+    /// Removes every snapshot of these sessions (deleted ones), durably.
+    pub fn remove_sessions<'a>(
+        &self,
+        session_ids: impl IntoIterator<Item = &'a str>,
+    ) -> std::io::Result<()> {
+        let _writing = self.writing.lock().unwrap_or_else(|p| p.into_inner());
+        let mut removed = false;
+        for session_id in session_ids {
+            match std::fs::remove_dir_all(self.dir.join(session_id)) {
+                Ok(()) => removed = true,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(e),
+            }
+        }
+        if removed {
+            std::fs::File::open(&self.dir)?.sync_all()?;
+        }
+        Ok(())
     }
 
     /// The kept snapshot of `format`, if any, opened: its seq read, its data to come.
@@ -182,14 +212,30 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let snapshots = SnapshotDir::new(dir.path().join("snapshots"));
         assert_eq!(read(&snapshots, "fold"), None);
-        assert_eq!(snapshots.put(&snapshot(10, b"ten")).unwrap(), 10);
-        assert_eq!(snapshots.put(&snapshot(7, b"seven")).unwrap(), 10);
+        let put = |s: Snapshot| snapshots.put(&s, || Ok(())).unwrap();
+        assert_eq!(put(snapshot(10, b"ten")), 10);
+        assert_eq!(put(snapshot(7, b"seven")), 10);
         assert_eq!(read(&snapshots, "fold"), Some(snapshot(10, b"ten")));
-        assert_eq!(snapshots.put(&snapshot(12, b"")).unwrap(), 12);
+        assert_eq!(put(snapshot(12, b"")), 12);
         assert_eq!(read(&snapshots, "fold"), Some(snapshot(12, b"")));
         assert_eq!(read(&snapshots, "other"), None);
         // Reopened (a restarted store), the kept snapshot is still there.
         let reopened = SnapshotDir::new(dir.path().join("snapshots"));
         assert_eq!(read(&reopened, "fold"), Some(snapshot(12, b"")));
+    }
+
+    #[test]
+    fn a_deleted_sessions_snapshots_are_removed_and_a_refused_put_writes_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let snapshots = SnapshotDir::new(dir.path().join("snapshots"));
+        snapshots.put(&snapshot(3, b"three"), || Ok(())).unwrap();
+        snapshots.remove_sessions(["s1", "never-had-one"]).unwrap();
+        assert_eq!(read(&snapshots, "fold"), None);
+        assert!(!dir.path().join("snapshots/s1").exists());
+        let refused = snapshots.put(&snapshot(4, b"four"), || {
+            Err(StoreError::Internal("deleted".into()))
+        });
+        assert!(refused.is_err());
+        assert!(!dir.path().join("snapshots/s1").exists());
     }
 }

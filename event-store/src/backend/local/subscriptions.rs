@@ -13,6 +13,11 @@
 //! event already behind its gRPC message header ([`FramedEvents`]), so catching up costs a
 //! read, a checksum and a move within that buffer per event, not a decode, an encode and a
 //! channel hand-off.
+//!
+//! A deleted session's subscription ends with `NOT_FOUND` (`SESSION_DELETED`): at once if the
+//! tombstone was there when it started, else when the tombstone is published (the hub tells
+//! every follower), and a read that fails because the reclamation already took the records
+//! is reported the same way.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -21,25 +26,36 @@ use agentlog_proto::v1::Event;
 use tokio::sync::{broadcast, mpsc};
 use tokio_util::sync::CancellationToken;
 
-use crate::backend::local::index::{Index, Recent};
+use crate::backend::local::index::Index;
 use crate::backend::local::log::{LogReader, Position};
+use crate::backend::local::published::Shared;
 use crate::backend::EventRun;
 use crate::backend::FramedEvents;
 use crate::error::StoreError;
+use crate::rules;
 
 /// Live batches buffered per session before a subscriber counts as lagging.
 const LIVE_BUFFER_BATCHES: usize = 1024;
 /// Events read from disk per blocking read while catching up.
 const HISTORY_CHUNK: usize = 512;
 
+/// What a session's followers are told.
+#[derive(Clone)]
+pub enum Live {
+    /// Durable events, ascending.
+    Events(Arc<[Event]>),
+    /// The session was deleted: the last word.
+    Deleted,
+}
+
 /// The live fan-out: one broadcast channel per session that has followers.
 #[derive(Default)]
 pub struct Hub {
-    channels: Mutex<HashMap<String, broadcast::Sender<Arc<[Event]>>>>,
+    channels: Mutex<HashMap<String, broadcast::Sender<Live>>>,
 }
 
 impl Hub {
-    fn subscribe(&self, session_id: &str) -> broadcast::Receiver<Arc<[Event]>> {
+    fn subscribe(&self, session_id: &str) -> broadcast::Receiver<Live> {
         let mut channels = self.channels.lock().unwrap_or_else(|p| p.into_inner());
         channels
             .entry(session_id.to_string())
@@ -60,20 +76,29 @@ impl Hub {
         let mut channels = self.channels.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(tx) = channels.get(first.session_id.as_str()) {
             let session_id = first.session_id.clone();
-            if tx.send(events.into()).is_err() {
+            if tx.send(Live::Events(events.into())).is_err() {
                 // Nobody follows this session any more.
                 channels.remove(&session_id);
             }
         }
     }
+
+    /// The session was deleted (durably): its followers are told, and its channel goes (one
+    /// that lagged past the message finds the channel closed, then the tombstone).
+    pub fn end(&self, session_id: &str) {
+        let mut channels = self.channels.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(tx) = channels.remove(session_id) {
+            let _ = tx.send(Live::Deleted);
+        }
+    }
 }
 
-/// What a subscription needs to read.
+/// What a subscription needs to read: the published state (the hub, the positions the
+/// index has not absorbed, the tombstones), the index and the log.
 #[derive(Clone)]
 pub struct Source {
-    pub hub: Arc<Hub>,
+    pub shared: Arc<Shared>,
     pub index: Index,
-    pub recent: Arc<Recent>,
     pub log: Arc<LogReader>,
 }
 
@@ -88,10 +113,15 @@ pub async fn run(
     cancel: CancellationToken,
 ) {
     let _counted = crate::metrics::Subscriber::open();
-    // Register before reading history: nothing published from now on can be missed.
-    let mut live = follow.then(|| source.hub.subscribe(&session_id));
+    // Register before reading history: nothing published from now on can be missed. The
+    // tombstone is looked for after registering: one published before is seen here, one
+    // published after comes through the hub.
+    let mut live = follow.then(|| source.shared.hub.subscribe(&session_id));
     let mut next = from_seq.max(1);
     let result = async {
+        if source.shared.is_deleted(&session_id) {
+            return Err(Stop::Failed(rules::session_deleted(&session_id)));
+        }
         next = catch_up(&source, &session_id, next, &tx).await?;
         let Some(live) = live.as_mut() else {
             return Ok(());
@@ -103,7 +133,10 @@ pub async fn run(
                 batch = live.recv() => batch,
             };
             match batch {
-                Ok(events) => {
+                Ok(Live::Deleted) => {
+                    return Err(Stop::Failed(rules::session_deleted(&session_id)));
+                }
+                Ok(Live::Events(events)) => {
                     let mut run = Vec::with_capacity(events.len());
                     for event in events.iter() {
                         if event.seq < next {
@@ -132,13 +165,22 @@ pub async fn run(
                     );
                     next = catch_up(&source, &session_id, next, &tx).await?;
                 }
-                Err(broadcast::error::RecvError::Closed) => return Ok(()),
+                Err(broadcast::error::RecvError::Closed) => {
+                    if source.shared.is_deleted(&session_id) {
+                        return Err(Stop::Failed(rules::session_deleted(&session_id)));
+                    }
+                    return Ok(());
+                }
             }
         }
     }
     .await;
-    if let Err(Stop::Failed(e)) = result {
-        tracing::error!(session_id, error = %e, "subscription failed");
+    if let Err(Stop::Failed(mut e)) = result {
+        if source.shared.is_deleted(&session_id) {
+            e = rules::session_deleted(&session_id);
+        } else {
+            tracing::error!(session_id, error = %e, "subscription failed");
+        }
         let _ = tx.send(Err(e)).await;
     }
 }
@@ -191,7 +233,10 @@ fn read_chunk(
 ) -> Result<(Vec<FramedEvents>, u64), StoreError> {
     // The recent ones first, then the index: the writer forgets a recent position only
     // after the index holds it, so every durable event is in one or the other.
-    let recent = source.recent.positions(session_id, from, HISTORY_CHUNK);
+    let recent = source
+        .shared
+        .recent
+        .positions(session_id, from, HISTORY_CHUNK);
     let indexed = source.index.positions(session_id, from, HISTORY_CHUNK)?;
     let mut positions: Vec<Position> = Vec::with_capacity(HISTORY_CHUNK);
     for (expected, (seq, position)) in (from..).zip(indexed) {

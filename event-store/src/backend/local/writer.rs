@@ -21,6 +21,11 @@
 //!   index has not absorbed yet, and the index;
 //! - a full volume refuses what would write (`RESOURCE_EXHAUSTED`, saying why) before
 //!   anything of the batch is written, and appends resume by themselves once there is room;
+//!   a deletion's tombstone still goes in, into the room kept free for the index, so that
+//!   deleting sessions is how an operator frees a full volume;
+//! - a deletion is answered only after its tombstone's fsync, and from the moment it is
+//!   decided the session refuses every later op of the queue (and of the batch in hand);
+//!   readers see the tombstone, and live subscribers are ended, only after that fsync;
 //! - any other I/O error on the log stops the writer for good: after a failed fsync the
 //!   kernel may have dropped the dirty pages, so nothing more may be acknowledged (the
 //!   process exits and recovery re-reads what is really on disk).
@@ -38,14 +43,16 @@ use agentlog_proto::reason::Reason;
 
 use super::index::{self_named_seq, Index, IndexBatch, Recent, GENERATED_ID_PREFIX};
 use super::log::record::CopiedEvent;
+use super::log::record::Tombstone;
 use super::log::{record, LogError, LogReader, LogWriter, Record};
 use super::published::Shared;
 use crate::backend::AppendOp;
+use crate::clock::now_unix_ms;
 use crate::error::StoreError;
 use crate::metrics;
-use crate::rules;
+use crate::rules::{self, Deletion};
 use crate::scope::Scope;
-use crate::session::{lease_of, now_unix_ms, SessionMeta};
+use crate::session::{lease_of, SessionMeta};
 
 /// At most this many operations share one fsync, so one batch's latency stays bounded.
 const MAX_BATCH_OPS: usize = 4096;
@@ -77,6 +84,22 @@ pub enum Op {
         Box<ForkWrite>,
         oneshot::Sender<Result<ForkSessionResponse, StoreError>>,
     ),
+    /// Answered with the sessions it deleted (none: the session was deleted before).
+    Delete(DeleteOp, oneshot::Sender<Result<Vec<String>, StoreError>>),
+    /// Seal the active segment, if it holds any record, so that it can be rewritten;
+    /// answered with the base of the active segment after it.
+    Seal(oneshot::Sender<Result<u64, StoreError>>),
+    /// Look whether the volume has room again (after a reclamation freed some): appends
+    /// resume, and health says so, without waiting for an append to find out.
+    Room(oneshot::Sender<Result<(), StoreError>>),
+}
+
+pub enum DeleteOp {
+    /// DeleteSession.
+    Session(String),
+    /// A step of retention: up to `max` sessions whose last event is before `idle_before`
+    /// and that hold no live lease ([`rules::expired`]).
+    Idle { idle_before: i64, max: usize },
 }
 
 /// A fork as the local log writes it: the plan ([`rules::plan_fork`]) and the parent's
@@ -129,6 +152,9 @@ pub struct Writer {
     sessions: HashMap<String, SessionMeta>,
     /// Runnable sessions, oldest update first: the order `ClaimSession` hands them out.
     runnable: BTreeSet<(i64, String)>,
+    /// Live sessions, oldest last event first: the order retention takes them in (kept only
+    /// when retention is on).
+    idle: Option<BTreeSet<(i64, String)>>,
     shared: Arc<Shared>,
     /// Durable records the index has not absorbed yet.
     unindexed: IndexBatch,
@@ -150,6 +176,10 @@ enum Pending {
     Lease(
         oneshot::Sender<Result<LeaseOutcome, StoreError>>,
         LeaseOutcome,
+    ),
+    Delete(
+        oneshot::Sender<Result<Vec<String>, StoreError>>,
+        Vec<String>,
     ),
     Fork(
         oneshot::Sender<Result<ForkSessionResponse, StoreError>>,
@@ -196,22 +226,33 @@ fn next_op(queue: &mut mpsc::Receiver<Op>, linger: Duration) -> Option<Op> {
 }
 
 impl Writer {
+    /// `retention`: whether [`DeleteOp::Idle`] will come (then the writer keeps its
+    /// sessions in the order of their last event).
     pub fn new(
         log: LogWriter,
         index: Index,
         sessions: HashMap<String, SessionMeta>,
         shared: Arc<Shared>,
+        retention: bool,
     ) -> Writer {
         let runnable = sessions
             .iter()
             .filter(|(_, m)| m.is_runnable())
             .map(|(id, m)| (m.updated_unix_ms, id.clone()))
             .collect();
+        let idle = retention.then(|| {
+            sessions
+                .iter()
+                .filter(|(_, m)| retained(m))
+                .map(|(id, m)| (m.updated_unix_ms, id.clone()))
+                .collect()
+        });
         Writer {
             log,
             index,
             sessions,
             runnable,
+            idle,
             shared,
             unindexed: IndexBatch::default(),
             unindexed_since: None,
@@ -282,13 +323,15 @@ impl Writer {
         // Only now: a reader that missed them in `recent` finds them in the index.
         self.shared.recent.clear();
         self.recent_ids.clear();
+        self.shared.absorbed_to(self.log.end());
         Ok(())
     }
 
     /// Makes room in the log for everything `ops` may write and hands them back. While the
-    /// volume is full, every op of the batch is answered `RESOURCE_EXHAUSTED` here instead,
-    /// before anything of it is written or any state changes (nothing torn), and none is
-    /// handed back.
+    /// volume is full, every op of the batch but the deletions is answered
+    /// `RESOURCE_EXHAUSTED` here instead, before anything of it is written or any state
+    /// changes (nothing torn), and is not handed back; the deletions get their few bytes from
+    /// the room kept free for the index (a tombstone is how space comes back).
     fn make_room(&mut self, ops: Vec<Op>) -> Result<Vec<Op>, StoreError> {
         let bound: u64 = ops.iter().map(Op::max_log_bytes).sum();
         let reason = match self.log.reserve(bound) {
@@ -305,7 +348,8 @@ impl Writer {
         if self.full.is_none() {
             tracing::warn!(
                 %reason,
-                "the log's volume is full: refusing appends until there is room (reads go on)"
+                "the log's volume is full: refusing appends until there is room (reads and \
+                 deletions go on)"
             );
             self.shared.set_full(Some(reason.clone()));
         }
@@ -314,29 +358,65 @@ impl Writer {
                 Reason::DiskFull,
                 format!(
                     "the store's disk is full ({reason}); nothing was written. Appends resume by \
-                 themselves once there is room; retry later"
+                 themselves once there is room (deleting sessions makes room); retry later"
                 ),
             )
         };
-        for op in ops {
-            match op {
-                Op::Append(_, reply, _) => {
-                    let _ = reply.send(Err(refusal()));
+        let (deletions, refused): (Vec<Op>, Vec<Op>) =
+            ops.into_iter().partition(|op| matches!(op, Op::Delete(..)));
+        for op in refused {
+            op.refuse(refusal());
+        }
+        let bound: u64 = deletions.iter().map(Op::max_log_bytes).sum();
+        let mut room = self.log.reserve_in_headroom(bound);
+        if matches!(room, Err(LogError::NoSpace(_))) && self.log.release_reserve()? > 0 {
+            room = self.log.reserve_in_headroom(bound);
+        }
+        let kept = match room {
+            Ok(()) => deletions,
+            Err(LogError::NoSpace(_)) => {
+                for op in deletions {
+                    op.refuse(refusal());
                 }
-                Op::Lease(_, reply) => {
-                    let _ = reply.send(Err(refusal()));
-                }
-                Op::Fork(_, reply) => {
-                    let _ = reply.send(Err(refusal()));
-                }
+                Vec::new()
+            }
+            Err(e) => return Err(e.into()),
+        };
+        self.full = Some(reason);
+        Ok(kept)
+    }
+
+    /// Seals the active segment for the [`Op::Seal`]s among `ops` (before anything of the
+    /// batch is written, so the batch goes to the new segment) and hands back the others.
+    fn seal_first(&mut self, ops: Vec<Op>) -> Result<Vec<Op>, StoreError> {
+        let (seals, ops): (Vec<Op>, Vec<Op>) =
+            ops.into_iter().partition(|op| matches!(op, Op::Seal(_)));
+        if seals.is_empty() {
+            return Ok(ops);
+        }
+        let mut sealed = self.log.seal();
+        if matches!(sealed, Err(LogError::NoSpace(_))) && self.log.release_reserve()? > 0 {
+            sealed = self.log.seal();
+        }
+        let sealed = match sealed {
+            Ok(base) => Ok(base),
+            Err(LogError::NoSpace(reason)) => Err(StoreError::Refused(
+                Reason::DiskFull,
+                format!("no room for a new segment: {reason}"),
+            )),
+            Err(e) => return Err(e.into()),
+        };
+        for op in seals {
+            if let Op::Seal(reply) = op {
+                let _ = reply.send(sealed.clone());
             }
         }
-        self.full = Some(reason);
-        Ok(Vec::new())
+        Ok(ops)
     }
 
     fn commit(&mut self, ops: Vec<Op>) -> Result<(), StoreError> {
         let now = now_unix_ms();
+        let ops = self.seal_first(ops)?;
         let ops = self.make_room(ops)?;
         let mut batch = Batch::default();
         let mut pending = Vec::new();
@@ -369,12 +449,26 @@ impl Writer {
                         let _ = reply.send(Err(e));
                     }
                 },
+                Op::Delete(req, reply) => match self.prepare_delete(req, now, &mut batch) {
+                    Ok(deleted) => pending.push(Pending::Delete(reply, deleted)),
+                    Err(e) => {
+                        let _ = reply.send(Err(e));
+                    }
+                },
                 Op::Fork(fork, reply) => match self.prepare_fork(*fork, &mut batch) {
                     Ok(answer) => pending.push(Pending::Fork(reply, answer)),
                     Err(e) => {
                         let _ = reply.send(Err(e));
                     }
                 },
+                // Answered by `seal_first`, which takes every seal out of the batch.
+                Op::Seal(reply) => {
+                    let _ = reply.send(Ok(self.log.reader().active_base()));
+                }
+                // `make_room` looked.
+                Op::Room(reply) => {
+                    let _ = reply.send(Ok(()));
+                }
             }
         }
         if batch.records.is_empty() {
@@ -405,11 +499,22 @@ impl Writer {
 
         // Durable: readers find these records in `recent` until the index absorbs them.
         self.shared.recent.add(&positions, &batch.records);
-        for (pos, record) in positions.into_iter().zip(&batch.records) {
-            self.unindexed.add(pos, record);
+        for (pos, record) in positions.iter().zip(&batch.records) {
+            self.unindexed.add(*pos, record);
         }
         self.unindexed_since.get_or_insert_with(Instant::now);
+        let tombstones: Vec<(String, u64)> = positions
+            .iter()
+            .zip(&batch.records)
+            .filter_map(|(pos, record)| match record {
+                Record::Tombstone(t) => Some((t.session_id.clone(), pos.offset + pos.len as u64)),
+                _ => None,
+            })
+            .collect();
         self.shared.publish(batch.records, &self.sessions, now);
+        if !tombstones.is_empty() {
+            self.shared.erase(tombstones);
+        }
         for p in pending {
             p.send();
         }
@@ -558,6 +663,65 @@ impl Writer {
         Ok(outcome)
     }
 
+    fn prepare_delete(
+        &mut self,
+        req: DeleteOp,
+        now: i64,
+        batch: &mut Batch,
+    ) -> Result<Vec<String>, StoreError> {
+        match req {
+            DeleteOp::Session(session_id) => {
+                match rules::delete(self.sessions.get(&session_id), &session_id, now)? {
+                    Deletion::Tombstone(tombstone) => {
+                        self.tombstone(&session_id, tombstone, batch);
+                        Ok(vec![session_id])
+                    }
+                    Deletion::AlreadyDeleted => Ok(Vec::new()),
+                }
+            }
+            DeleteOp::Idle { idle_before, max } => {
+                let Some(idle) = &self.idle else {
+                    return Ok(Vec::new());
+                };
+                // Looks at a bounded prefix, so that one step stays short even when many of
+                // the oldest sessions are leased (a later pass looks again).
+                let expired: Vec<String> = idle
+                    .iter()
+                    .take_while(|(updated, _)| *updated < idle_before)
+                    .take(max.saturating_mul(8))
+                    .filter(|(_, id)| {
+                        let meta = self.sessions.get(id);
+                        meta.is_some_and(|m| rules::expired(m, idle_before, now))
+                    })
+                    .map(|(_, id)| id.clone())
+                    .take(max)
+                    .collect();
+                for session_id in &expired {
+                    let meta = self.sessions.get(session_id);
+                    if let Deletion::Tombstone(tombstone) = rules::delete(meta, session_id, now)? {
+                        self.tombstone(session_id, tombstone, batch);
+                    }
+                }
+                Ok(expired)
+            }
+        }
+    }
+
+    /// Replaces the session's state by its tombstone (from now on every op refuses it) and
+    /// writes the tombstone record.
+    fn tombstone(&mut self, session_id: &str, tombstone: SessionMeta, batch: &mut Batch) {
+        let deleted_unix_ms = tombstone.deleted_unix_ms;
+        self.update_session(session_id, |meta| *meta = tombstone);
+        self.recent_ids.remove(session_id);
+        batch.push(
+            Record::Tombstone(Tombstone {
+                session_id: session_id.to_string(),
+                deleted_unix_ms,
+            }),
+            false,
+        );
+    }
+
     /// A fork's records, as one atomic append: its start, the copied prefix, then the
     /// request's new events.
     fn prepare_fork(
@@ -573,13 +737,7 @@ impl Writer {
             seqs: _,
         } = plan;
         let session_id = record.session_id.clone();
-        if self
-            .sessions
-            .get(&session_id)
-            .is_some_and(|m| m.last_seq > 0)
-        {
-            return Err(rules::session_exists(&session_id));
-        }
+        rules::fork_target(self.sessions.get(&session_id), &session_id)?;
         let ids = self.recent_ids.entry(session_id.clone()).or_default();
         ids.reserve(copied.len() + fresh.len());
         for event in &copied {
@@ -617,21 +775,29 @@ impl Writer {
         })
     }
 
-    /// Changes one session's state, keeping the runnable order in step.
+    /// Changes one session's state, keeping the runnable and idle orders in step.
     fn update_session<T>(&mut self, session_id: &str, f: impl FnOnce(&mut SessionMeta) -> T) -> T {
         let meta = match self.sessions.get_mut(session_id) {
             Some(meta) => meta,
             None => self.sessions.entry(session_id.to_string()).or_default(),
         };
-        let before = (meta.is_runnable(), meta.updated_unix_ms);
+        let before = (meta.is_runnable(), meta.updated_unix_ms, retained(meta));
         let out = f(meta);
-        let after = (meta.is_runnable(), meta.updated_unix_ms);
+        let after = (meta.is_runnable(), meta.updated_unix_ms, retained(meta));
         if before != after {
             if before.0 {
                 self.runnable.remove(&(before.1, session_id.to_string()));
             }
             if after.0 {
                 self.runnable.insert((after.1, session_id.to_string()));
+            }
+            if let Some(idle) = &mut self.idle {
+                if before.2 {
+                    idle.remove(&(before.1, session_id.to_string()));
+                }
+                if after.2 {
+                    idle.insert((after.1, session_id.to_string()));
+                }
             }
         }
         out
@@ -685,9 +851,45 @@ impl Op {
                     .sum();
                 (record::HEADER_LEN + 1 + 2 * 131 + 11 + 11 + copied + fresh) as u64
             }
+            Op::Delete(DeleteOp::Session(_), _) => TOMBSTONE_BYTES,
+            Op::Delete(DeleteOp::Idle { max, .. }, _) => TOMBSTONE_BYTES * *max as u64,
+            Op::Seal(_) | Op::Room(_) => 0,
+        }
+    }
+
+    /// Answers the op with `error`, having done nothing.
+    fn refuse(self, error: StoreError) {
+        match self {
+            Op::Append(_, reply, _) => {
+                let _ = reply.send(Err(error));
+            }
+            Op::Lease(_, reply) => {
+                let _ = reply.send(Err(error));
+            }
+            Op::Delete(_, reply) => {
+                let _ = reply.send(Err(error));
+            }
+            Op::Seal(reply) => {
+                let _ = reply.send(Err(error));
+            }
+            Op::Room(reply) => {
+                let _ = reply.send(Err(error));
+            }
+            Op::Fork(_, reply) => {
+                let _ = reply.send(Err(error));
+            }
         }
     }
 }
+
+/// Whether retention may ever take the session (it has events and was not deleted).
+fn retained(meta: &SessionMeta) -> bool {
+    meta.last_seq > 0 && !meta.is_deleted()
+}
+
+/// The most bytes of log one tombstone takes: frame and kind byte, the session id (at most
+/// 128 bytes, with tag and length) and the time.
+const TOMBSTONE_BYTES: u64 = (record::HEADER_LEN + 1 + 131 + 11) as u64;
 
 impl Pending {
     fn send(self) {
@@ -697,6 +899,9 @@ impl Pending {
             }
             Pending::Lease(reply, outcome) => {
                 let _ = reply.send(Ok(outcome));
+            }
+            Pending::Delete(reply, deleted) => {
+                let _ = reply.send(Ok(deleted));
             }
             Pending::Fork(reply, answer) => {
                 let _ = reply.send(Ok(answer));

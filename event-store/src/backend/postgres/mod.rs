@@ -20,6 +20,14 @@
 //! - **Live tail across replicas** without NOTIFY in the append transaction: see [`wake`].
 //! - **ClaimSession** picks with `FOR UPDATE SKIP LOCKED`: one claimant per session across
 //!   replicas, and claimants never queue behind each other.
+//! - **Deletion**: the session row becomes its tombstone (version-checked, like every
+//!   write, so no append planned against the state before lands after it; a trigger keeps
+//!   the row from changing again, see [`schema`]) with an entry in `agentlog_erasures`, in
+//!   one statement; then its events and snapshots are deleted in transactions of at most
+//!   [`ERASE_BATCH`] rows ([`erase`]), by the replica that deleted it, or by any replica's
+//!   sweep of `agentlog_erasures` if that one stopped first. What PostgreSQL keeps after
+//!   that (dead tuples until vacuum, WAL and backups) is the cluster's own retention
+//!   (ARCHITECTURE.md).
 //! - **AppendStream pipelines**: a stream's appends are queued per session behind the
 //!   ones before them and written together as they arrive ([`pipeline`]), so a stream's
 //!   next request is read while the previous ones commit.
@@ -55,15 +63,15 @@ use tokio_rustls::rustls::pki_types::pem::PemObject;
 use tokio_rustls::rustls::pki_types::CertificateDer;
 use tokio_util::sync::CancellationToken;
 
-use agentlog_proto::reason::Reason;
-
 use crate::backend::{AppendAnswer, Backend, EventRun, Snapshot, SnapshotRead};
 use crate::backend::{AppendOp, ForkOp};
+use crate::clock::now_unix_ms;
 use crate::queries::{long_poll_claim, ClaimAttempt, ListQuery};
-use crate::rules;
+use crate::retention::{Retention, BATCH};
+use crate::rules::{self, Deletion};
 use crate::scope::Scope;
 use crate::session::LeaseRecord;
-use crate::session::{lease_of, now_unix_ms, SessionMeta};
+use crate::session::{lease_of, SessionMeta};
 use crate::StoreError;
 use wake::Board;
 pub use wake::NotifyMode;
@@ -90,8 +98,21 @@ const STATEMENT_DEADLINE: Duration = Duration::from_secs(5);
 /// `SessionStatus::Runnable`, written into the claim queries as a literal so that they use
 /// the partial index over runnable sessions (see [`schema`]).
 const RUNNABLE: i32 = SessionStatus::Runnable as i32;
+/// The share of the time a retention pass keeps the database busy: it rests between its
+/// steps (measured, a pass deleting 100,000 sessions against appends at 64 clients: no
+/// rest, p99 2.4x the same load alone; busy half the time, 1.52x and 1.94x; a third, 1.08x
+/// and 1.44x, the pass taking 25-27 s; bench/RESULTS.md).
+const RETENTION_BUSY_SHARE: f64 = 1.0 / 3.0;
+/// Retention's advisory lock: the replica that holds it runs the pass, the others skip it.
+pub const RETENTION_LOCK: i64 = 0x6167_656e_745f_7265; // "agent_re"
 /// Sessions a replica keeps in its cache; beyond this it starts over.
 const MAX_CACHED: usize = 100_000;
+/// Rows one transaction of an erasure deletes at most, so that it never holds many locks
+/// or writes much WAL at once.
+const ERASE_BATCH: i64 = 5_000;
+/// How often every replica looks for erasures left unfinished (by a replica that stopped
+/// in the middle of one), and how old one must be to be taken up.
+const ERASURE_SWEEP: Duration = Duration::from_secs(30);
 
 /// Batches of appends in flight at once ([`batch`]), out of a pool of `pool_size`
 /// connections: two, so that one commits while the next is written, and the appends
@@ -122,6 +143,8 @@ pub struct PgConfig {
     pub notify: NotifyMode,
     /// How often followers and claimants re-read without a wake-up.
     pub poll_interval: Duration,
+    /// `--retain-idle`, if set (run by one replica at a time).
+    pub retention: Option<Retention>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -306,6 +329,16 @@ impl PgBackend {
             batches_in_flight(config.pool_size),
             tasks.clone(),
         );
+        tokio::spawn(sweep_erasures(connector.clone(), tasks.clone()));
+        if let Some(retention) = config.retention {
+            tokio::spawn(run_retention(
+                connector.clone(),
+                board.clone(),
+                notify.clone(),
+                retention,
+                tasks.clone(),
+            ));
+        }
         tracing::info!(
             pool_size = config.pool_size,
             notify = ?config.notify,
@@ -508,14 +541,16 @@ impl PgBackend {
         let mut state = self.cached(session_id);
         let mut fresh = false;
         for _ in 0..MAX_ATTEMPTS {
-            let Some(current) = state.take().filter(|s| s.meta.last_seq > 0) else {
+            let current = state.take();
+            if let Err(e) = rules::existing(current.as_ref().map(|s| &*s.meta), session_id) {
                 if fresh {
-                    return Err(rules::session_not_found(session_id));
+                    return Err(e);
                 }
                 state = Some(self.refresh(&client, session_id, &[]).await?.0);
                 fresh = true;
                 continue;
-            };
+            }
+            let current = current.expect("checked above");
             let now = now_unix_ms();
             match rule(&current.meta, now) {
                 Ok((Some(meta), answer)) => {
@@ -543,6 +578,42 @@ impl PgBackend {
             fresh = true;
         }
         Err(contended(session_id))
+    }
+
+    /// Writes the session's tombstone over its row if it is still at `version`, with its
+    /// entry in `agentlog_erasures`; the new version, or `None` if someone wrote in between.
+    async fn write_tombstone(
+        &self,
+        client: &deadpool_postgres::Object,
+        session_id: &str,
+        version: i64,
+        tombstone: &SessionMeta,
+    ) -> Result<Option<i64>, StoreError> {
+        let meta = tombstone.encode_to_vec();
+        let result = timed("delete_session", async {
+            let stmt = client
+                .prepare_cached(
+                    "WITH t AS (UPDATE agentlog_sessions SET version = version + 1, meta = $3, \
+                     last_seq = 0, status = 0, lease_expires_unix_ms = 0, \
+                     first_user_text = '', deleted_unix_ms = $4 \
+                     WHERE session_id = $1 AND version = $2 RETURNING version), \
+                     e AS (INSERT INTO agentlog_erasures (session_id, deleted_unix_ms) \
+                     SELECT $1, $4 FROM t ON CONFLICT (session_id) DO NOTHING) \
+                     SELECT version FROM t",
+                )
+                .await?;
+            client
+                .query_opt(
+                    &stmt,
+                    &[&session_id, &version, &meta, &tombstone.deleted_unix_ms],
+                )
+                .await
+        })
+        .await;
+        match result {
+            Ok(row) => Ok(row.map(|r| r.get(0))),
+            Err(e) => Err(self.timed_error(e)),
+        }
     }
 
     /// One attempt at a claim: the oldest runnable, unleased session in `scope`, locked
@@ -927,9 +998,7 @@ impl Backend for PgBackend {
         let client = self.client().await?;
         let (existing, _) = self.refresh(&client, &op.new_session_id, &[]).await?;
         drop(client);
-        if existing.meta.last_seq > 0 {
-            return Err(rules::session_exists(&op.new_session_id));
-        }
+        rules::fork_target(Some(&existing.meta), &op.new_session_id)?;
         let mut prefix = crate::backend::read_fork_prefix(self, &op.parent, op.at_seq).await?;
         for event in &mut prefix {
             event.session_id.clone_from(&op.new_session_id);
@@ -995,13 +1064,8 @@ impl Backend for PgBackend {
     async fn get_session(&self, session_id: &str) -> Result<SessionInfo, StoreError> {
         let client = self.client().await?;
         let (state, _) = self.refresh(&client, session_id, &[]).await?;
-        if state.meta.last_seq == 0 {
-            return Err(StoreError::Refused(
-                Reason::SessionNotFound,
-                format!("session {session_id} does not exist"),
-            ));
-        }
-        Ok(state.meta.info(session_id, now_unix_ms()))
+        let meta = rules::existing(Some(&state.meta), session_id)?;
+        Ok(meta.info(session_id, now_unix_ms()))
     }
 
     async fn list_sessions(
@@ -1139,11 +1203,9 @@ impl Backend for PgBackend {
         let seq = snapshot.seq as i64;
         for _ in 0..MAX_ATTEMPTS {
             let (state, _) = self.refresh(&client, &snapshot.session_id, &[]).await?;
-            if state.meta.last_seq == 0 {
-                return Err(rules::session_not_found(&snapshot.session_id));
-            }
+            let meta = rules::existing(Some(&state.meta), &snapshot.session_id)?;
             rules::check_snapshot(
-                &state.meta,
+                meta,
                 &snapshot.session_id,
                 lease_epoch,
                 snapshot.seq,
@@ -1182,23 +1244,78 @@ impl Backend for PgBackend {
         format: &str,
     ) -> Result<Option<SnapshotRead>, StoreError> {
         let client = self.client().await?;
+        // The snapshot and whether the session was deleted, as of one moment.
         let row = timed("get_snapshot", async {
             let statement = client
                 .prepare_cached(
-                    "SELECT seq, data FROM agentlog_snapshots \
-                     WHERE session_id = $1 AND format = $2",
+                    "SELECT (SELECT deleted_unix_ms FROM agentlog_sessions \
+                     WHERE session_id = $1), seq, data FROM agentlog_snapshots \
+                     RIGHT JOIN (SELECT 1) one ON session_id = $1 AND format = $2",
                 )
                 .await?;
-            client.query_opt(&statement, &[&session_id, &format]).await
+            client.query_one(&statement, &[&session_id, &format]).await
         })
         .await
         .map_err(|e| self.timed_error(e))?;
-        Ok(row.map(|row| SnapshotRead {
-            seq: row.get::<_, i64>(0) as u64,
+        if row
+            .get::<_, Option<i64>>(0)
+            .is_some_and(|deleted| deleted > 0)
+        {
+            return Err(rules::session_deleted(session_id));
+        }
+        let seq: Option<i64> = row.get(1);
+        let data: Option<Vec<u8>> = row.get(2);
+        let (Some(seq), Some(data)) = (seq, data) else {
+            return Ok(None);
+        };
+        Ok(Some(SnapshotRead {
+            seq: seq as u64,
             pieces: Box::pin(futures::stream::once(std::future::ready(Ok(
-                bytes::Bytes::from(row.get::<_, Vec<u8>>(1)),
+                bytes::Bytes::from(data),
             )))),
         }))
+    }
+
+    async fn delete_session(&self, session_id: &str) -> Result<(), StoreError> {
+        let client = self.client().await?;
+        for _ in 0..MAX_ATTEMPTS {
+            let (state, _) = self.refresh(&client, session_id, &[]).await?;
+            let now = now_unix_ms();
+            let tombstone = match rules::delete(Some(&state.meta), session_id, now)? {
+                Deletion::AlreadyDeleted => return Ok(()),
+                Deletion::Tombstone(tombstone) => tombstone,
+            };
+            let Some(version) = self
+                .write_tombstone(&client, session_id, state.version, &tombstone)
+                .await?
+            else {
+                continue; // Written in between: decide again on what is there now.
+            };
+            let tombstone = Arc::new(tombstone);
+            self.remember(
+                session_id,
+                &Cached {
+                    version,
+                    meta: tombstone.clone(),
+                },
+            );
+            // Followers here and on every replica look again and find the tombstone.
+            self.changed(session_id, &tombstone, now);
+            crate::metrics::sessions_deleted("request", 1);
+            let connector = self.connector.clone();
+            let id = session_id.to_string();
+            tokio::spawn(async move {
+                let erased = match connector.pool.get().await {
+                    Ok(client) => erase(&client, std::slice::from_ref(&id)).await,
+                    Err(e) => Err(e.to_string()),
+                };
+                if let Err(e) = erased {
+                    tracing::warn!(session_id = %id, error = %e, "erasing a deleted session's rows stopped; the sweep takes it up again");
+                }
+            });
+            return Ok(());
+        }
+        Err(contended(session_id))
     }
 
     fn serving(&self) -> watch::Receiver<bool> {
@@ -1207,6 +1324,220 @@ impl Backend for PgBackend {
 
     async fn enqueue_append(&self, op: AppendOp) -> Result<AppendAnswer, StoreError> {
         Ok(self.enqueue_pipelined(op))
+    }
+}
+
+/// Deletes deleted sessions' events and snapshots, in transactions of at most
+/// [`ERASE_BATCH`] rows, then their `agentlog_erasures` entries. Safe to run twice at once
+/// (two replicas, or a sweep beside the deleting replica): each deletes what is left.
+async fn erase(client: &tokio_postgres::Client, session_ids: &[String]) -> Result<(), String> {
+    if session_ids.is_empty() {
+        return Ok(());
+    }
+    let failed = |e: Timed| match e {
+        Timed::Db(e) => e.to_string(),
+        Timed::Elapsed => "the database did not answer".to_string(),
+    };
+    loop {
+        let deleted = timed("erase", async {
+            client
+                .execute(
+                    "DELETE FROM agentlog_events WHERE (session_id, seq) IN \
+                     (SELECT session_id, seq FROM agentlog_events \
+                     WHERE session_id = ANY($1) LIMIT $2)",
+                    &[&session_ids, &ERASE_BATCH],
+                )
+                .await
+        })
+        .await
+        .map_err(failed)?;
+        if deleted < ERASE_BATCH as u64 {
+            break;
+        }
+    }
+    for statement in [
+        "DELETE FROM agentlog_snapshots WHERE session_id = ANY($1)",
+        "DELETE FROM agentlog_erasures WHERE session_id = ANY($1)",
+    ] {
+        timed("erase", async {
+            client.execute(statement, &[&session_ids]).await
+        })
+        .await
+        .map_err(failed)?;
+    }
+    Ok(())
+}
+
+/// Retention: every `retention.interval`, the replica that gets [`RETENTION_LOCK`] runs a
+/// pass; the others skip it.
+async fn run_retention(
+    connector: Arc<Connector>,
+    board: Arc<Board>,
+    notify: Option<mpsc::UnboundedSender<(String, bool)>>,
+    retention: Retention,
+    stop: CancellationToken,
+) {
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(retention.interval) => {}
+            _ = stop.cancelled() => return,
+        }
+        let pass = retention_pass(&connector, &board, notify.as_ref(), retention);
+        let result = tokio::select! {
+            result = pass => result,
+            _ = stop.cancelled() => return,
+        };
+        if let Err(e) = result {
+            tracing::warn!(error = %e, "a retention pass stopped; the next one tries again");
+        }
+    }
+}
+
+/// One pass of retention, on a connection of its own (the advisory lock is the
+/// connection's: it goes with it, should this replica die in the middle): steps of at most
+/// [`BATCH`] sessions, each read, decided by [`rules::expired`], tombstoned in one
+/// version-checked statement (a session written since it was read is left for the next
+/// pass) and erased, until no idle session is left.
+async fn retention_pass(
+    connector: &Connector,
+    board: &Board,
+    notify: Option<&mpsc::UnboundedSender<(String, bool)>>,
+    retention: Retention,
+) -> Result<(), String> {
+    let (client, connection) = connector
+        .pg_config
+        .connect(connector.tls.clone())
+        .await
+        .map_err(|e| e.to_string())?;
+    let driver = tokio::spawn(connection);
+    // Planned as the pool's connections plan (see `PgBackend::open`).
+    for setting in CONNECTION_SETTINGS {
+        if let Err(e) = client.batch_execute(setting).await {
+            tracing::debug!(error = %e, setting, "not set");
+        }
+    }
+    let locked: bool = client
+        .query_one("SELECT pg_try_advisory_lock($1)", &[&RETENTION_LOCK])
+        .await
+        .map_err(|e| e.to_string())?
+        .get(0);
+    if !locked {
+        driver.abort();
+        return Ok(());
+    }
+    let result = async {
+        loop {
+            let step_started = std::time::Instant::now();
+            let now = now_unix_ms();
+            let idle_before = retention.idle_before(now);
+            let rows = client
+                .query(
+                    "SELECT session_id, version, meta FROM agentlog_sessions \
+                     WHERE updated_second <= $1 AND updated_unix_ms < $2 AND last_seq > 0 \
+                     AND lease_expires_unix_ms <= $3 ORDER BY updated_second LIMIT $4",
+                    &[&(idle_before / 1000), &idle_before, &now, &(BATCH as i64)],
+                )
+                .await
+                .map_err(|e| e.to_string())?;
+            let mut expired: Vec<(String, i64)> = Vec::with_capacity(rows.len());
+            for row in &rows {
+                let meta = decode_meta(row.get(2)).map_err(|e| e.to_string())?;
+                if rules::expired(&meta, idle_before, now) {
+                    expired.push((row.get(0), row.get(1)));
+                }
+            }
+            if expired.is_empty() {
+                return Ok(());
+            }
+            // Locked in session_id order, as the append batches lock them.
+            expired.sort_unstable();
+            let (ids, versions): (Vec<String>, Vec<i64>) = expired.into_iter().unzip();
+            let tombstone = SessionMeta::tombstone(now);
+            let deleted: Vec<String> = timed("retention", async {
+                client
+                    .query(
+                        "WITH w AS (SELECT * FROM unnest($1::text[], $2::bigint[]) \
+                         AS w(session_id, version)), \
+                         t AS (UPDATE agentlog_sessions s SET version = s.version + 1, \
+                         meta = $3, last_seq = 0, status = 0, lease_expires_unix_ms = 0, \
+                         first_user_text = '', deleted_unix_ms = $4 FROM w \
+                         WHERE s.session_id = w.session_id COLLATE \"C\" \
+                         AND s.version = w.version RETURNING s.session_id), \
+                         e AS (INSERT INTO agentlog_erasures (session_id, deleted_unix_ms) \
+                         SELECT session_id, $4 FROM t ON CONFLICT (session_id) DO NOTHING) \
+                         SELECT session_id FROM t",
+                        &[&ids, &versions, &tombstone.encode_to_vec(), &now],
+                    )
+                    .await
+            })
+            .await
+            .map_err(|e| match e {
+                Timed::Db(e) => e.to_string(),
+                Timed::Elapsed => "the database did not answer".to_string(),
+            })?
+            .iter()
+            .map(|row| row.get(0))
+            .collect();
+            for session_id in &deleted {
+                board.wake(session_id, false);
+                if let Some(notify) = notify {
+                    let _ = notify.send((session_id.clone(), false));
+                }
+            }
+            crate::metrics::sessions_deleted("retention", deleted.len());
+            tracing::info!(sessions = deleted.len(), "retention deleted idle sessions");
+            erase(&client, &deleted).await?;
+            if rows.len() < BATCH || deleted.is_empty() {
+                return Ok(());
+            }
+            // The database's time between steps is the appends' (their commits share its
+            // WAL flushes): the pass rests twice as long as each step took.
+            let rest = step_started
+                .elapsed()
+                .mul_f64((1.0 - RETENTION_BUSY_SHARE) / RETENTION_BUSY_SHARE);
+            tokio::time::sleep(rest.min(Duration::from_secs(1))).await;
+        }
+    }
+    .await;
+    let _ = client
+        .execute("SELECT pg_advisory_unlock($1)", &[&RETENTION_LOCK])
+        .await;
+    driver.abort();
+    result
+}
+
+/// Every [`ERASURE_SWEEP`], finishes the erasures that a replica left behind (it stopped,
+/// or lost the database, in the middle of one).
+async fn sweep_erasures(connector: Arc<Connector>, stop: CancellationToken) {
+    loop {
+        let left: Result<Vec<String>, String> = async {
+            let client = connector.pool.get().await.map_err(|e| e.to_string())?;
+            let before = now_unix_ms() - ERASURE_SWEEP.as_millis() as i64;
+            let rows = client
+                .query(
+                    "SELECT session_id FROM agentlog_erasures WHERE deleted_unix_ms < $1 \
+                     ORDER BY deleted_unix_ms LIMIT 100",
+                    &[&before],
+                )
+                .await
+                .map_err(|e| e.to_string())?;
+            Ok(rows.iter().map(|r| r.get(0)).collect())
+        }
+        .await;
+        let left = left.unwrap_or_default();
+        if !left.is_empty() {
+            let erased = match connector.pool.get().await {
+                Ok(client) => erase(&client, &left).await,
+                Err(e) => Err(e.to_string()),
+            };
+            if let Err(e) = erased {
+                tracing::debug!(error = %e, "an erasure sweep stopped; retrying later");
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(ERASURE_SWEEP) => {}
+            _ = stop.cancelled() => return,
+        }
     }
 }
 
@@ -1251,8 +1582,9 @@ impl Follower {
                     }
                     full
                 }
-                // A follower rides out an outage; a one-off read reports it.
-                Err(e) if !follow => {
+                // A follower rides out an outage; a one-off read reports it, and a refusal
+                // (the session was deleted) ends either.
+                Err(e) if !follow || e.reason().is_some() => {
                     let _ = tx.send(Err(e)).await;
                     return;
                 }
@@ -1280,6 +1612,8 @@ impl Follower {
         }
     }
 
+    /// The next events, or the refusal of a deleted session: none is read once its tombstone
+    /// is committed (the erasure of its rows may still be under way).
     async fn read(&self) -> Result<Vec<Event>, StoreError> {
         let unavailable = |e: String| StoreError::Unavailable(format!("reading events: {e}"));
         let client = self
@@ -1288,10 +1622,16 @@ impl Follower {
             .get()
             .await
             .map_err(|e| unavailable(e.to_string()))?;
+        let failed = |e| match e {
+            Timed::Db(e) => unavailable(e.to_string()),
+            Timed::Elapsed => unavailable("the database did not answer".into()),
+        };
         let rows = timed("read_events", async {
             let stmt = client
                 .prepare_cached(
                     "SELECT body FROM agentlog_events WHERE session_id = $1 AND seq >= $2 \
+                     AND NOT EXISTS (SELECT 1 FROM agentlog_sessions \
+                     WHERE session_id = $1 AND deleted_unix_ms > 0) \
                      ORDER BY seq LIMIT $3",
                 )
                 .await?;
@@ -1300,10 +1640,23 @@ impl Follower {
                 .await
         })
         .await
-        .map_err(|e| match e {
-            Timed::Db(e) => unavailable(e.to_string()),
-            Timed::Elapsed => unavailable("the database did not answer".into()),
-        })?;
+        .map_err(failed)?;
+        if rows.is_empty() {
+            let deleted = timed("read_events", async {
+                let stmt = client
+                    .prepare_cached(
+                        "SELECT 1 FROM agentlog_sessions WHERE session_id = $1 \
+                         AND deleted_unix_ms > 0",
+                    )
+                    .await?;
+                client.query_opt(&stmt, &[&self.session_id]).await
+            })
+            .await
+            .map_err(failed)?;
+            if deleted.is_some() {
+                return Err(rules::session_deleted(&self.session_id));
+            }
+        }
         rows.iter()
             .map(|row| {
                 Event::decode(row.get::<_, &[u8]>(0))

@@ -28,7 +28,8 @@ use tokio::sync::oneshot;
 
 use super::{plan, Cached, PgBackend};
 use crate::backend::{AppendAnswer, AppendOp, Backend};
-use crate::session::{now_unix_ms, SessionMeta};
+use crate::clock::now_unix_ms;
+use crate::session::SessionMeta;
 use crate::StoreError;
 
 /// Every session's lane on this replica (a lane exists while its session has appends

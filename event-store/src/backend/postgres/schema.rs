@@ -27,6 +27,18 @@
 //!   index on `(session_id, event_id)` makes dedup permanent.
 //! - `agentlog_snapshots` (version 2): the kept snapshot per (session, format), derived
 //!   data the store never reads; stored uncompressed (the writer chose its encoding).
+//! - Deletion (version 5): a deleted session's row stays as its tombstone
+//!   (`deleted_unix_ms` set, `meta` the tombstone, `last_seq` and `status` 0, no lease, no
+//!   text), and a trigger keeps every later update off it, so that no replica, not even
+//!   one of an earlier version during a rolling update, can write the session again (its
+//!   write finds no row to update, re-reads and is refused or gives up). The text trigger
+//!   of version 4 lets the tombstone clear the text. `agentlog_erasures` lists the deleted
+//!   sessions whose rows (events, snapshots) are still being deleted; the tombstone and its
+//!   entry are written in one statement, the rows go afterwards in bounded transactions.
+//!   The index on `updated_second` holds live sessions only (`last_seq > 0`, which
+//!   `ListSessions` asks for too), so that a retention pass, which walks it from the oldest,
+//!   never walks over the tombstones it left (a pass deleting 100,000 sessions otherwise
+//!   walked over every tombstone of the batches before, step after step).
 //!
 //! [`SessionMeta`]: crate::session::SessionMeta
 
@@ -87,6 +99,31 @@ CREATE TRIGGER agentlog_first_user_text_kept BEFORE UPDATE ON agentlog_sessions
     WHEN (octet_length(NEW.first_user_text) < octet_length(OLD.first_user_text))
     EXECUTE FUNCTION agentlog_keep_first_user_text();
 "#,
+    r#"
+ALTER TABLE agentlog_sessions ADD COLUMN deleted_unix_ms bigint NOT NULL DEFAULT 0;
+DROP TRIGGER agentlog_first_user_text_kept ON agentlog_sessions;
+CREATE TRIGGER agentlog_first_user_text_kept BEFORE UPDATE ON agentlog_sessions
+    FOR EACH ROW
+    WHEN (octet_length(NEW.first_user_text) < octet_length(OLD.first_user_text)
+        AND NEW.deleted_unix_ms = 0)
+    EXECUTE FUNCTION agentlog_keep_first_user_text();
+CREATE FUNCTION agentlog_keep_tombstone() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    RETURN NULL;
+END
+$$;
+CREATE TRIGGER agentlog_tombstone_kept BEFORE UPDATE ON agentlog_sessions
+    FOR EACH ROW
+    WHEN (OLD.deleted_unix_ms > 0)
+    EXECUTE FUNCTION agentlog_keep_tombstone();
+CREATE TABLE agentlog_erasures (
+    session_id text COLLATE "C" PRIMARY KEY,
+    deleted_unix_ms bigint NOT NULL
+);
+DROP INDEX agentlog_sessions_recent;
+CREATE INDEX agentlog_sessions_recent ON agentlog_sessions (updated_second DESC)
+    WHERE last_seq > 0;
+"#,
 ];
 
 /// The schema version this build writes.
@@ -128,7 +165,7 @@ pub async fn migrate_to(client: &mut Client, target: i32) -> Result<(), SchemaEr
         tx.batch_execute(migration).await?;
         tx.execute(
             "INSERT INTO agentlog_schema (version, applied_unix_ms) VALUES ($1, $2)",
-            &[&(i as i32 + 1), &crate::session::now_unix_ms()],
+            &[&(i as i32 + 1), &crate::clock::now_unix_ms()],
         )
         .await?;
         tracing::info!(version = i + 1, "migrated the database schema");

@@ -7,7 +7,14 @@
 //! its fsync finished) and everything after it are dropped, so what survives is always a
 //! prefix of what was written. An invalid record in an earlier segment, which was fully
 //! fsync'd before the next one was created, is real corruption and refuses the open.
+//!
+//! A sealed segment may be rewritten without the records of deleted sessions
+//! ([`compacted`], by [`SegmentRewriter`]): the records it keeps stay at their log offsets
+//! and the segment keeps its place in the offset space, so positions never change; readers
+//! look a record up through the rewritten file's run map, and one reading the segment as it
+//! was finishes on the file it opened.
 
+pub mod compacted;
 pub mod record;
 pub mod storage;
 
@@ -17,8 +24,9 @@ use std::sync::{Arc, Mutex, RwLock};
 
 use bytes::Bytes;
 
+use compacted::{FormatError, RunMap};
 pub use record::Record;
-use storage::{SegmentFile, Storage};
+use storage::{CrashPoint, SegmentFile, Storage};
 
 /// Roll to a new segment once the current one holds this many bytes.
 pub const DEFAULT_SEGMENT_BYTES: u64 = 64 << 20;
@@ -75,6 +83,13 @@ pub enum LogError {
         offset: u64,
         reason: record::FrameError,
     },
+    #[error("segment {base}: {reason}; restore the data dir from a backup")]
+    BadRewrite { base: u64, reason: FormatError },
+    #[error("rewriting segment {base}: {reason}")]
+    Rewrite {
+        base: u64,
+        reason: compacted::RewriteError,
+    },
 }
 
 impl From<LogError> for crate::StoreError {
@@ -92,8 +107,26 @@ pub struct Position {
 
 /// The read side of the log, shared by the writer and every subscriber.
 pub struct LogReader {
-    segments: RwLock<BTreeMap<u64, Arc<dyn SegmentFile>>>,
+    segments: RwLock<BTreeMap<u64, Arc<Segment>>>,
     buffers: Arc<ReadBuffers>,
+}
+
+/// One segment as readers see it: its file, and for a rewritten one where its records are
+/// in that file.
+struct Segment {
+    file: Arc<dyn SegmentFile>,
+    map: Option<RunMap>,
+}
+
+impl Segment {
+    /// Where in the file the `len` bytes at `offset` (from the segment's base) are; `None`
+    /// if the segment no longer holds them (a deleted session's record).
+    fn locate(&self, offset: u64, len: u64) -> Option<u64> {
+        match &self.map {
+            None => Some(offset),
+            Some(map) => map.physical(offset, len),
+        }
+    }
 }
 
 /// Buffers that reads of runs of records are made into, kept for the next read once the
@@ -135,18 +168,19 @@ impl ReadBuffers {
 impl LogReader {
     /// Reads and verifies the record at `pos`.
     pub fn read(&self, pos: Position) -> Result<Record, LogError> {
-        let segment = {
+        let (base, segment) = {
             let segments = self.segments.read().unwrap_or_else(|p| p.into_inner());
-            let (base, file) = segments
+            let (base, segment) = segments
                 .range(..=pos.offset)
                 .next_back()
                 .ok_or(LogError::NoRecord(pos.offset))?;
-            (*base, file.clone())
+            (*base, segment.clone())
         };
+        let at = segment
+            .locate(pos.offset - base, u64::from(pos.len))
+            .ok_or(LogError::NoRecord(pos.offset))?;
         let mut frame = vec![0; pos.len as usize];
-        segment
-            .1
-            .read_exact_at(&mut frame, pos.offset - segment.0)?;
+        segment.file.read_exact_at(&mut frame, at)?;
         record::decode(&frame)
             .map(|f| f.record)
             .map_err(|reason| LogError::BadRecord {
@@ -187,11 +221,14 @@ impl LogReader {
         /// ...and no two of its records are further apart than this.
         const MAX_GAP: u64 = 64 << 10;
         let mut i = 0;
+        // The positions of one segment where they are in its file, as offsets from the
+        // segment's base (so a plain segment's are the log offsets themselves).
+        let mut placed: Vec<Position> = Vec::new();
         while i < positions.len() {
-            let start = positions[i].offset;
-            let (base, limit, file) = {
+            let (base, limit, segment) = {
+                let start = positions[i].offset;
                 let segments = self.segments.read().unwrap_or_else(|p| p.into_inner());
-                let (base, file) = segments
+                let (base, segment) = segments
                     .range(..=start)
                     .next_back()
                     .ok_or(LogError::NoRecord(start))?;
@@ -199,48 +236,90 @@ impl LogReader {
                     .range(start + 1..)
                     .next()
                     .map_or(u64::MAX, |(next, _)| *next);
-                (*base, limit, file.clone())
+                (*base, limit, segment.clone())
             };
-            let mut end = start + u64::from(positions[i].len);
-            let mut j = i + 1;
-            while let Some(p) = positions.get(j) {
-                let p_end = p.offset + u64::from(p.len);
-                if p.offset < end
-                    || p.offset - end > MAX_GAP
-                    || p_end - start > MAX_RUN
-                    || p_end > limit
-                {
-                    break;
-                }
-                end = p_end;
-                j += 1;
+            placed.clear();
+            let mut next = i;
+            while let Some(p) = positions.get(next).filter(|p| p.offset < limit) {
+                let at = segment
+                    .locate(p.offset - base, u64::from(p.len))
+                    .ok_or(LogError::NoRecord(p.offset))?;
+                placed.push(Position {
+                    offset: base + at,
+                    len: p.len,
+                });
+                next += 1;
             }
-            let len = (end - start) as usize;
-            let mut bytes = self.buffers.take(len);
-            file.read_exact_at(&mut bytes[..len], start - base)
-                .map_err(LogError::from)?;
-            take(ReadRun {
-                bytes,
-                start,
-                records: &positions[i..j],
-                buffers: self.buffers.clone(),
-            })?;
-            i = j;
+            let mut k = 0;
+            while k < placed.len() {
+                let start = placed[k].offset;
+                let mut end = start + u64::from(placed[k].len);
+                let mut j = k + 1;
+                while let Some(p) = placed.get(j) {
+                    let p_end = p.offset + u64::from(p.len);
+                    if p.offset < end || p.offset - end > MAX_GAP || p_end - start > MAX_RUN {
+                        break;
+                    }
+                    end = p_end;
+                    j += 1;
+                }
+                let len = (end - start) as usize;
+                let mut bytes = self.buffers.take(len);
+                segment
+                    .file
+                    .read_exact_at(&mut bytes[..len], start - base)
+                    .map_err(LogError::from)?;
+                take(ReadRun {
+                    bytes,
+                    start,
+                    records: &placed[k..j],
+                    buffers: self.buffers.clone(),
+                })?;
+                k = j;
+            }
+            i = next;
         }
         Ok(())
     }
 
-    fn insert(&self, base: u64, file: Arc<dyn SegmentFile>) {
+    fn insert(&self, base: u64, file: Arc<dyn SegmentFile>, map: Option<RunMap>) {
         self.segments
             .write()
             .unwrap_or_else(|p| p.into_inner())
-            .insert(base, file);
+            .insert(base, Arc::new(Segment { file, map }));
+    }
+
+    /// The base of the segment that holds log offset `offset`.
+    pub fn segment_of(&self, offset: u64) -> Option<u64> {
+        let segments = self.segments.read().unwrap_or_else(|p| p.into_inner());
+        segments.range(..=offset).next_back().map(|(base, _)| *base)
+    }
+
+    /// The base of the active segment (the last): every segment before it is sealed.
+    pub fn active_base(&self) -> u64 {
+        let segments = self.segments.read().unwrap_or_else(|p| p.into_inner());
+        segments.keys().next_back().copied().unwrap_or(0)
+    }
+
+    /// Bytes the segment files take (what a rewrite gives back is the difference).
+    pub fn file_bytes(&self, base: u64) -> Result<u64, LogError> {
+        let segment = self
+            .segments
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&base)
+            .cloned();
+        match segment {
+            Some(segment) => Ok(segment.file.size()?),
+            None => Ok(0),
+        }
     }
 }
 
-/// Records read with one read: the bytes of the log from offset `start`, and where each
-/// record is in them. Dropped, or once the [`Bytes`] made of it are, its buffer is kept for
-/// a later read.
+/// Records read with one read: the bytes from offset `start`, and where each record is in
+/// them. Offsets are log offsets (for a rewritten segment: its base plus the place in its
+/// file). Dropped, or once the [`Bytes`] made of it are, its buffer is kept for a later
+/// read.
 pub struct ReadRun<'a> {
     /// At least up to the end of the last record (what follows is left from other reads).
     pub bytes: Vec<u8>,
@@ -326,6 +405,8 @@ impl LogWriter {
         from: u64,
         mut absorb: impl FnMut(&[(Position, Record)]),
     ) -> Result<LogWriter, LogError> {
+        // A rewrite a crash left unfinished: the segment it was made from is still whole.
+        storage.remove_rewrite(None)?;
         let mut bases = storage.list()?;
         if bases.is_empty() {
             storage.create(0)?;
@@ -347,6 +428,27 @@ impl LogWriter {
                 });
             }
             let is_last = i + 1 == bases.len();
+            let map = compacted::read_map(file.as_ref())
+                .map_err(|reason| LogError::BadRewrite { base, reason })?;
+            if let Some(map) = map {
+                // A rewritten segment: sealed, fully fsync'd before it was put in place,
+                // so any bad record in it is damage.
+                end = base + map.logical_len();
+                allocated = end;
+                if end > from {
+                    scan_rewritten(file.as_ref(), &map, base, from, &mut absorb)?;
+                }
+                reader.insert(base, file, Some(map));
+                if is_last {
+                    // Never left last by the store (only sealed segments are rewritten),
+                    // but should it be: the log goes on in a new segment.
+                    storage.create(end)?;
+                    bases.push(end);
+                    reader.insert(end, storage.open(end)?, None);
+                    break;
+                }
+                continue;
+            }
             if is_last {
                 // After a crash of the process alone (SIGKILL), bytes written but never
                 // fsync'd are still in the page cache and read back as valid records. They
@@ -399,7 +501,7 @@ impl LogWriter {
                     }
                 }
             }
-            reader.insert(base, file);
+            reader.insert(base, file, None);
         }
         if from > end {
             return Err(LogError::IndexAhead {
@@ -440,6 +542,13 @@ impl LogWriter {
         if let Some(reason) = self.storage.low_space()? {
             return Err(LogError::NoSpace(reason));
         }
+        self.reserve_in_headroom(bytes)
+    }
+
+    /// [`LogWriter::reserve`] without asking whether the volume is running out of room: for
+    /// the few bytes of a tombstone, which go into the room kept free for the index even when
+    /// appends are refused (a deletion is how space comes back).
+    pub fn reserve_in_headroom(&mut self, bytes: u64) -> Result<(), LogError> {
         let active_len = self.end - self.active_base;
         if active_len > 0 && active_len + bytes > self.config.segment_bytes {
             self.roll()?;
@@ -543,6 +652,30 @@ impl LogWriter {
         Ok(())
     }
 
+    /// Seals the active segment if it holds any record (a new, empty one takes its place),
+    /// so that it can be rewritten; returns the active segment's base. A full volume is
+    /// [`LogError::NoSpace`], with nothing changed but the cut of the zero-filled room.
+    pub fn seal(&mut self) -> Result<u64, LogError> {
+        if self.end > self.active_base {
+            self.roll()?;
+        }
+        Ok(self.active_base)
+    }
+
+    /// Frees the volume's reserve (see [`Storage::keep_reserve`]) for a deletion or a new
+    /// segment that found no room; the bytes it freed.
+    pub fn release_reserve(&self) -> Result<u64, LogError> {
+        Ok(self.storage.release_reserve()?)
+    }
+
+    /// What rewrites sealed segments (it shares this log's reader and storage).
+    pub fn rewriter(&self) -> SegmentRewriter {
+        SegmentRewriter {
+            storage: self.storage.clone(),
+            reader: self.reader.clone(),
+        }
+    }
+
     fn roll(&mut self) -> Result<(), LogError> {
         // The closed segment ends exactly at its last record (its zero-filled room is cut
         // off), so the next segment's base is where this one ends, durably.
@@ -551,7 +684,7 @@ impl LogWriter {
         self.allocated = self.end;
         // No room for a new file: nothing changed but the cut, which a retry repeats.
         let file = self.storage.create(self.end).map_err(no_space)?;
-        self.reader.insert(self.end, file.clone());
+        self.reader.insert(self.end, file.clone(), None);
         self.active_base = self.end;
         self.allocated = self.end;
         self.active = file;
@@ -569,6 +702,122 @@ fn no_space(e: impl Into<LogError>) -> LogError {
     }
 }
 
+/// What a segment's rewrite changed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Rewritten {
+    /// Bytes the segment's file took before, and takes now.
+    pub file_bytes_before: u64,
+    pub file_bytes_after: u64,
+    /// Records dropped, and their bytes.
+    pub dropped_records: usize,
+    pub dropped_bytes: u64,
+}
+
+/// Rewrites sealed segments without the records of deleted sessions, while the writer
+/// appends and readers read (see [`compacted`]).
+pub struct SegmentRewriter {
+    storage: Arc<dyn Storage>,
+    reader: Arc<LogReader>,
+}
+
+impl SegmentRewriter {
+    /// Rewrites segment `base`, which must be sealed, without the records of the sessions
+    /// `dead` names: the new file is written beside it, fsync'd, renamed over it (the
+    /// directory fsync'd) and then read from; a reader in the middle of the old file goes on
+    /// reading it. `None` if the segment holds no such record (nothing changes).
+    /// `pause` is called between the pieces of the work (see [`compacted::rewrite`]).
+    pub fn rewrite(
+        &self,
+        base: u64,
+        dead: impl Fn(&[u8]) -> bool,
+        pause: &mut dyn FnMut() -> io::Result<()>,
+    ) -> Result<Option<Rewritten>, LogError> {
+        let segment = {
+            let segments = self
+                .reader
+                .segments
+                .read()
+                .unwrap_or_else(|p| p.into_inner());
+            let sealed = segments.range(base + 1..).next().is_some();
+            match segments.get(&base) {
+                Some(segment) if sealed => segment.clone(),
+                _ => return Ok(None),
+            }
+        };
+        let before = segment.file.size()?;
+        let out = self.storage.create_rewrite(base).map_err(no_space)?;
+        let written = compacted::rewrite(
+            segment.file.as_ref(),
+            segment.map.as_ref(),
+            before,
+            &out,
+            dead,
+            pause,
+        );
+        let written = match written {
+            Ok(Some(written)) => written,
+            Ok(None) => {
+                self.storage.remove_rewrite(Some(base))?;
+                return Ok(None);
+            }
+            Err(reason) => {
+                let _ = self.storage.remove_rewrite(Some(base));
+                return Err(match reason {
+                    compacted::RewriteError::Io(e) => no_space(e),
+                    reason => LogError::Rewrite { base, reason },
+                });
+            }
+        };
+        self.storage.crash_point(CrashPoint::RewriteWritten)?;
+        out.sync_data()?;
+        self.storage.crash_point(CrashPoint::RewriteSynced)?;
+        self.storage.install_rewrite(base)?;
+        let after = out.size()?;
+        self.reader.insert(base, out, Some(written.map));
+        Ok(Some(Rewritten {
+            file_bytes_before: before,
+            file_bytes_after: after,
+            dropped_records: written.dropped_records,
+            dropped_bytes: written.dropped_bytes,
+        }))
+    }
+
+    /// The storage it rewrites on (for the crash points after the rewrites).
+    pub fn storage(&self) -> &Arc<dyn Storage> {
+        &self.storage
+    }
+}
+
+/// Scans a rewritten segment's records from log offset `from` on, as [`scan_segment`]
+/// does; any bad record is damage (the file was fsync'd whole before it was put in place).
+fn scan_rewritten(
+    file: &dyn SegmentFile,
+    map: &RunMap,
+    base: u64,
+    from: u64,
+    absorb: &mut impl FnMut(&[(Position, Record)]),
+) -> Result<(), LogError> {
+    let from_rel = from.saturating_sub(base);
+    for (logical, physical, len) in map.runs() {
+        if logical + len <= from_rel {
+            continue;
+        }
+        // `from` is an append boundary, and runs hold whole appends.
+        let skip = from_rel.saturating_sub(logical);
+        let mut bytes = vec![0; (len - skip) as usize];
+        file.read_exact_at(&mut bytes, physical + skip)?;
+        let start = base + logical + skip;
+        if let Err((offset, reason)) = scan_bytes(&bytes, start, from, absorb) {
+            return Err(LogError::Corrupt {
+                base,
+                offset,
+                reason,
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Scans `file` from log offset `from`, verifying every record and giving those at or past
 /// `absorb_from` to `absorb`, one whole append at a time. Returns the offset and reason of
 /// the first invalid record, or of the start of an append cut short, if any.
@@ -583,6 +832,16 @@ fn scan_segment(
     let len = file.size()?;
     let mut bytes = vec![0; (len - (from - base)) as usize];
     file.read_exact_at(&mut bytes, from - base)?;
+    Ok(scan_bytes(&bytes, from, absorb_from, absorb))
+}
+
+/// [`scan_segment`] over `bytes`, which are the log from offset `from`.
+fn scan_bytes(
+    bytes: &[u8],
+    from: u64,
+    absorb_from: u64,
+    absorb: &mut impl FnMut(&[(Position, Record)]),
+) -> Result<(), (u64, record::FrameError)> {
     let mut at = 0usize;
     // The records of the append being read, held back until its last record is seen.
     let mut append: Vec<(Position, Record)> = Vec::new();
@@ -591,7 +850,7 @@ fn scan_segment(
         let frame = &bytes[at..];
         let invalid = |reason| {
             let start = append.first().map_or(offset, |(pos, _)| pos.offset);
-            Ok(Err((start, reason)))
+            Err((start, reason))
         };
         let body = match record::body_len(frame) {
             Ok(body) => body,
@@ -617,8 +876,8 @@ fn scan_segment(
         at += total;
     }
     match append.first() {
-        Some((pos, _)) => Ok(Err((pos.offset, record::FrameError::IncompleteAppend))),
-        None => Ok(Ok(())),
+        Some((pos, _)) => Err((pos.offset, record::FrameError::IncompleteAppend)),
+        None => Ok(()),
     }
 }
 

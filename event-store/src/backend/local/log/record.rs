@@ -16,6 +16,7 @@ pub const MAX_BODY_LEN: usize = 4 << 20;
 
 const KIND_EVENT: u8 = 1;
 const KIND_LEASE: u8 = 2;
+const KIND_TOMBSTONE: u8 = 3;
 const KIND_FORK: u8 = 4;
 /// Set on every record of a multi-record append but its last: recovery keeps an append
 /// only if its last record survived, so an append is all or nothing even when power is
@@ -23,8 +24,10 @@ const KIND_FORK: u8 = 4;
 const CONTINUED: u8 = 0x80;
 
 /// What the log holds: session events, lease grants (so a lease epoch is durable before
-/// it is handed out and never repeats, even across crashes), and the start of a fork (the
-/// first record of its atomic append, before the copied events).
+/// it is handed out and never repeats, even across crashes), the start of a fork (the
+/// first record of its atomic append, before the copied events), and the tombstones of
+/// deleted sessions (kept for good: the segment rewrite drops a deleted session's other
+/// records, never its tombstone).
 #[derive(Clone, Debug, PartialEq)]
 pub enum Record {
     Event(Event),
@@ -32,6 +35,16 @@ pub enum Record {
     Fork(ForkRecord),
     /// An event of a fork's prefix, as its parent stored it; on disk an event like any other.
     Copied(CopiedEvent),
+    Tombstone(Tombstone),
+}
+
+/// The session was deleted: everything before this record about it is dead.
+#[derive(Clone, PartialEq, Message)]
+pub struct Tombstone {
+    #[prost(string, tag = "1")]
+    pub session_id: String,
+    #[prost(int64, tag = "2")]
+    pub deleted_unix_ms: i64,
 }
 
 /// An event copied into a fork as its parent stored it: the stored `Event` message, then the
@@ -63,6 +76,7 @@ impl Record {
             Record::Lease(l) => &l.session_id,
             Record::Fork(f) => &f.session_id,
             Record::Copied(c) => &c.session_id,
+            Record::Tombstone(t) => &t.session_id,
         }
     }
 
@@ -71,7 +85,7 @@ impl Record {
         match self {
             Record::Event(e) => Some((&e.session_id, e.seq, &e.event_id)),
             Record::Copied(c) => Some((&c.session_id, c.seq, &c.event_id)),
-            Record::Lease(_) | Record::Fork(_) => None,
+            Record::Lease(_) | Record::Fork(_) | Record::Tombstone(_) => None,
         }
     }
 
@@ -101,6 +115,10 @@ impl Record {
                 buf.push(0x0a);
                 prost::encoding::encode_varint(c.session_id.len() as u64, buf);
                 buf.extend_from_slice(c.session_id.as_bytes());
+            }
+            Record::Tombstone(t) => {
+                buf.push(KIND_TOMBSTONE | flag);
+                t.encode(buf).expect("Vec grows as needed");
             }
         }
         let body_len = buf.len() - start - HEADER_LEN;
@@ -162,12 +180,34 @@ pub fn decode(frame: &[u8]) -> Result<Frame, FrameError> {
         KIND_EVENT => Record::Event(Event::decode(payload).map_err(bad)?),
         KIND_LEASE => Record::Lease(LeaseRecord::decode(payload).map_err(bad)?),
         KIND_FORK => Record::Fork(ForkRecord::decode(payload).map_err(bad)?),
+        KIND_TOMBSTONE => Record::Tombstone(Tombstone::decode(payload).map_err(bad)?),
         other => return Err(FrameError::Body(format!("unknown record kind {other}"))),
     };
     Ok(Frame {
         record,
         continued: body[0] & CONTINUED != 0,
     })
+}
+
+/// The session a framed record (header and body) belongs to, checksum verified, and
+/// whether it is a tombstone (kept for good). Reads the session id without decoding the
+/// rest: it is field 1 of every record kind's message, and of an event copied into a fork
+/// the last field 1 (the fork's), as a decode would take it.
+pub fn session_of(frame: &[u8]) -> Result<(&[u8], bool), FrameError> {
+    let len = body_len(frame)?;
+    let body = frame
+        .get(HEADER_LEN..HEADER_LEN + len)
+        .ok_or(FrameError::Truncated)?;
+    let crc = u32::from_le_bytes([frame[4], frame[5], frame[6], frame[7]]);
+    if crc32c::crc32c(body) != crc {
+        return Err(FrameError::Checksum);
+    }
+    let kind = body[0] & !CONTINUED;
+    if !matches!(kind, KIND_EVENT | KIND_LEASE | KIND_FORK | KIND_TOMBSTONE) {
+        return Err(FrameError::Body(format!("unknown record kind {kind}")));
+    }
+    let (session_id, _) = place(&body[1..], kind == KIND_EVENT)?;
+    Ok((session_id, kind == KIND_TOMBSTONE))
 }
 
 /// An event record as it is on disk, checksum verified: where in its frame its body's
@@ -211,15 +251,23 @@ impl StoredEvent<'_> {
 /// The `session_id` (field 1) and `seq` (field 2) of an encoded `Event`, as a decode of the
 /// whole message would give them (the last occurrence of a field wins); every other field
 /// is only stepped over.
-fn event_place(mut message: &[u8]) -> Result<(&[u8], u64), FrameError> {
+fn event_place(message: &[u8]) -> Result<(&[u8], u64), FrameError> {
+    place(message, true)
+}
+
+/// The `session_id` (field 1) of a record's message, whatever its kind; `with_seq`: field 2
+/// is an event's seq, read too.
+fn place(mut message: &[u8], with_seq: bool) -> Result<(&[u8], u64), FrameError> {
     const SESSION_ID: u64 = 1;
-    const SEQ: u64 = 2;
+    let seq_field = if with_seq { 2 } else { 0 };
     let bad = |what: &str| FrameError::Body(format!("undecodable event: {what}"));
     let (mut session_id, mut seq) = (&message[..0], 0);
     while !message.is_empty() {
         let key = varint(&mut message).ok_or_else(|| bad("a field key"))?;
         let (field, wire_type) = (key >> 3, key & 7);
-        if field == 0 || (field == SESSION_ID && wire_type != 2) || (field == SEQ && wire_type != 0)
+        if field == 0
+            || (field == SESSION_ID && wire_type != 2)
+            || (field == seq_field && wire_type != 0)
         {
             return Err(bad(&format!("field {field} of wire type {wire_type}")));
         }
@@ -227,7 +275,7 @@ fn event_place(mut message: &[u8]) -> Result<(&[u8], u64), FrameError> {
             // varint
             0 => {
                 let value = varint(&mut message).ok_or_else(|| bad("a varint"))?;
-                if field == SEQ {
+                if field == seq_field {
                     seq = value;
                 }
             }
@@ -357,7 +405,11 @@ mod tests {
             seq: 7,
             ts_unix_ms: 9,
         });
-        for record in [sample(), fork] {
+        let tombstone = Record::Tombstone(Tombstone {
+            session_id: "s1".into(),
+            deleted_unix_ms: 1_700_000_000_000,
+        });
+        for record in [sample(), fork, tombstone] {
             for continued in [false, true] {
                 let mut buf = Vec::new();
                 let n = record.encode_into(&mut buf, continued);

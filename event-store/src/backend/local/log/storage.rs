@@ -1,7 +1,10 @@
 //! Where segment bytes live. The log only needs a few things from a disk: list, create,
-//! allocate, append, read, `fdatasync`, and whether the volume is running out of room. Behind this trait sit the real filesystem and a
-//! power-loss simulator that forgets every byte not covered by the last `sync_data`, so the
-//! same durability tests run against both (the way redb tests crash consistency).
+//! allocate, append, read, `fdatasync`, whether the volume is running out of room, and
+//! for the rewrite of a segment a file beside it that is put in its place atomically.
+//! Behind this trait sit the real filesystem and a power-loss simulator that forgets every
+//! byte not covered by the last `sync_data`, so the same durability tests run against both
+//! (the way redb tests crash consistency); the simulator can also cut the power at the
+//! named [`CrashPoint`]s of a rewrite.
 
 use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
@@ -27,6 +30,48 @@ pub trait SegmentFile: Send + Sync {
     fn sync_data(&self) -> io::Result<()>;
     /// Cuts the file to `len` bytes and makes the cut durable (drops a torn tail).
     fn truncate(&self, len: u64) -> io::Result<()>;
+    /// Writes here, at `at`, the `len` bytes of `source` at `offset` (not yet synced). A
+    /// file on the real disk has the kernel copy them (`copy_file_range`), so that they do
+    /// not pass through this process; otherwise through a buffer.
+    fn copy_from(
+        &self,
+        source: &dyn SegmentFile,
+        offset: u64,
+        len: u64,
+        at: u64,
+    ) -> io::Result<()> {
+        copy_through_buffer(self, source, offset, len, at)
+    }
+    /// The file's descriptor, if it is one on the real disk (for [`SegmentFile::copy_from`]).
+    fn fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        None
+    }
+    /// Starts writing the `len` bytes at `offset` out to the disk without waiting for it
+    /// (and lets their pages leave the cache once written), so that a later `sync_data`
+    /// finds little left: a large write then never reaches the disk in one burst that
+    /// other files' `fdatasync`s would queue behind.
+    fn start_writeback(&self, _offset: u64, _len: u64) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// [`SegmentFile::copy_from`] through a buffer of at most 1 MiB.
+fn copy_through_buffer<F: SegmentFile + ?Sized>(
+    to: &F,
+    source: &dyn SegmentFile,
+    offset: u64,
+    len: u64,
+    at: u64,
+) -> io::Result<()> {
+    let mut buf = vec![0u8; len.min(1 << 20) as usize];
+    let mut done = 0;
+    while done < len {
+        let n = buf.len().min((len - done) as usize);
+        source.read_exact_at(&mut buf[..n], offset + done)?;
+        to.write_all_at(&buf[..n], at + done)?;
+        done += n as u64;
+    }
+    Ok(())
 }
 
 /// A set of segment files, each named by the log offset of its first byte.
@@ -39,6 +84,53 @@ pub trait Storage: Send + Sync {
     /// Why the log should not grow now, if the volume is (nearly) full: the last of its
     /// room is kept for the index, which must never fail a write of its own.
     fn low_space(&self) -> io::Result<Option<String>>;
+    /// Creates, empty, the file a rewrite of segment `base` is written into (replacing one
+    /// left from before). It is no segment: [`Storage::list`] never names it.
+    fn create_rewrite(&self, base: u64) -> io::Result<Arc<dyn SegmentFile>>;
+    /// Puts the rewrite of `base` (written and synced) in place of the segment: atomically
+    /// (a crash leaves the old segment or the new one, each whole) and durably on return.
+    fn install_rewrite(&self, base: u64) -> io::Result<()>;
+    /// Removes the rewrite of `base`, or every rewrite left behind (`None`, at open).
+    fn remove_rewrite(&self, base: Option<u64>) -> io::Result<()>;
+    /// A moment of a rewrite where a crash may cut it: the simulator cuts the power here
+    /// when told to (and fails, as a machine that is gone would); the real disk goes on.
+    fn crash_point(&self, _point: CrashPoint) -> io::Result<()> {
+        Ok(())
+    }
+    /// Keeps `bytes` of the volume taken by a file of its own (the reserve), so that a
+    /// deletion's tombstone and the reclamation of its space can run on a volume that is
+    /// full (whoever filled it); put in place now if there is room, else later
+    /// ([`Storage::restore_reserve`]). While it is not in place the volume counts as full
+    /// for appends ([`Storage::low_space`]), so appends never eat into it. (The simulator
+    /// keeps none.)
+    fn keep_reserve(&self, _bytes: u64) -> io::Result<()> {
+        Ok(())
+    }
+    /// Gives the reserve's room back to the volume, for a deletion or a rewrite that found
+    /// none; the bytes it freed.
+    fn release_reserve(&self) -> io::Result<u64> {
+        Ok(0)
+    }
+    /// Puts the reserve back if the volume has room for it and the headroom above it;
+    /// whether it is in place.
+    fn restore_reserve(&self) -> io::Result<bool> {
+        Ok(true)
+    }
+}
+
+/// The moments of the reclamation of deleted sessions' space where a crash may cut it
+/// (`backend::local::reclaim` states what each leaves behind).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CrashPoint {
+    /// A segment's rewrite is written but not synced.
+    RewriteWritten,
+    /// It is synced, not yet in place of the segment.
+    RewriteSynced,
+    /// Every rewrite of the pass is in place; the index still holds the deleted sessions'
+    /// entries.
+    Installed,
+    /// The index no longer holds them but still marks the sessions as awaiting erasure.
+    Purged,
 }
 
 /// Bytes kept free on the log's volume for the index: 1/32 of the volume, between 1 MiB
@@ -50,20 +142,46 @@ pub fn headroom(volume_bytes: u64) -> u64 {
 /// Segment files in a directory on the real filesystem.
 pub struct FsStorage {
     dir: PathBuf,
+    /// The reserve's size (0: none kept) and whether its file is in place.
+    reserve: Mutex<(u64, bool)>,
 }
+
+/// The reserve's file in the log directory.
+const RESERVE_FILE: &str = "reserve";
 
 impl FsStorage {
     pub fn open_dir(dir: &Path) -> io::Result<FsStorage> {
         std::fs::create_dir_all(dir)?;
         Ok(FsStorage {
             dir: dir.to_path_buf(),
+            reserve: Mutex::new((0, false)),
         })
+    }
+
+    /// The volume's free bytes, and what is kept free for the index.
+    fn room(&self) -> io::Result<(u64, u64, u64)> {
+        let stat = nix::sys::statvfs::statvfs(&self.dir).map_err(io::Error::from)?;
+        let unit = stat.fragment_size() as u64;
+        let volume = stat.blocks() as u64 * unit;
+        let free = stat.blocks_available() as u64 * unit;
+        Ok((free, headroom(volume), volume))
     }
 
     fn path(&self, base: u64) -> PathBuf {
         self.dir.join(format!("{base:020}.seg"))
     }
+
+    fn rewrite_path(&self, base: u64) -> PathBuf {
+        self.dir.join(format!("{base:020}.seg{REWRITE_SUFFIX}"))
+    }
+
+    fn sync_dir(&self) -> io::Result<()> {
+        File::open(&self.dir)?.sync_all()
+    }
 }
+
+/// A rewrite of `X.seg` is written as `X.seg.rewrite`.
+const REWRITE_SUFFIX: &str = ".rewrite";
 
 impl Storage for FsStorage {
     fn list(&self) -> io::Result<Vec<u64>> {
@@ -99,17 +217,140 @@ impl Storage for FsStorage {
         Ok(Arc::new(FsSegment { file }))
     }
 
+    fn create_rewrite(&self, base: u64) -> io::Result<Arc<dyn SegmentFile>> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(self.rewrite_path(base))?;
+        Ok(Arc::new(FsSegment { file }))
+    }
+
+    fn install_rewrite(&self, base: u64) -> io::Result<()> {
+        std::fs::rename(self.rewrite_path(base), self.path(base))?;
+        self.sync_dir()
+    }
+
+    fn remove_rewrite(&self, base: Option<u64>) -> io::Result<()> {
+        let paths = match base {
+            Some(base) => vec![self.rewrite_path(base)],
+            None => std::fs::read_dir(&self.dir)?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.to_str().is_some_and(|p| p.ends_with(REWRITE_SUFFIX)))
+                .collect(),
+        };
+        let mut removed = false;
+        for path in paths {
+            match std::fs::remove_file(&path) {
+                Ok(()) => removed = true,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(e),
+            }
+        }
+        if removed {
+            self.sync_dir()?;
+        }
+        Ok(())
+    }
+
     fn low_space(&self) -> io::Result<Option<String>> {
-        let stat = nix::sys::statvfs::statvfs(&self.dir).map_err(io::Error::from)?;
-        let unit = stat.fragment_size() as u64;
-        let free = stat.blocks_available() as u64 * unit;
-        let keep = headroom(stat.blocks() as u64 * unit);
+        let (free, keep, _) = self.room()?;
+        let (reserve, in_place) = *lock(&self.reserve);
+        if reserve > 0 && !in_place {
+            return Ok(Some(format!(
+                "{} has no room for the {reserve} bytes kept in reserve for deletions and \
+                 their reclamation ({free} bytes free)",
+                self.dir.display()
+            )));
+        }
         Ok((free < keep).then(|| {
             format!(
                 "{} has {free} bytes free, less than the {keep} kept free for the index",
                 self.dir.display()
             )
         }))
+    }
+
+    fn keep_reserve(&self, bytes: u64) -> io::Result<()> {
+        let (_, _, volume) = self.room()?;
+        // Never more than an eighth of the volume.
+        let bytes = bytes.min(volume / 8);
+        let path = self.dir.join(RESERVE_FILE);
+        let in_place = std::fs::metadata(&path).is_ok_and(|m| m.len() == bytes);
+        *lock(&self.reserve) = (bytes, in_place);
+        if !in_place {
+            let _ = std::fs::remove_file(&path);
+            if !self.restore_reserve()? {
+                tracing::warn!(
+                    reserve_bytes = bytes,
+                    "no room on the log's volume for the reserve kept for deletions; \
+                     appends wait until there is"
+                );
+            }
+        }
+        Ok(())
+    }
+
+    fn release_reserve(&self) -> io::Result<u64> {
+        let mut reserve = lock(&self.reserve);
+        if !reserve.1 {
+            return Ok(0);
+        }
+        std::fs::remove_file(self.dir.join(RESERVE_FILE))?;
+        reserve.1 = false;
+        tracing::warn!(
+            bytes = reserve.0,
+            "the log's volume is full: the reserve is released for deletions and their \
+             reclamation; appends wait until it is back"
+        );
+        Ok(reserve.0)
+    }
+
+    fn restore_reserve(&self) -> io::Result<bool> {
+        let mut reserve = lock(&self.reserve);
+        let (bytes, in_place) = *reserve;
+        if bytes == 0 || in_place {
+            return Ok(true);
+        }
+        let (free, keep, _) = self.room()?;
+        if free < bytes + keep {
+            return Ok(false);
+        }
+        let path = self.dir.join(RESERVE_FILE);
+        let file = File::create(&path)?;
+        let flags = nix::fcntl::FallocateFlags::empty();
+        let len = i64::try_from(bytes).map_err(io::Error::other)?;
+        match nix::fcntl::fallocate(&file, flags, 0, len) {
+            Ok(()) => {}
+            // A filesystem without fallocate: zeros take the room instead.
+            Err(nix::errno::Errno::EOPNOTSUPP) => {
+                let zeros = vec![0u8; 1 << 20];
+                let mut at = 0;
+                while at < bytes {
+                    let n = zeros.len().min((bytes - at) as usize);
+                    if let Err(e) = FileExt::write_all_at(&file, &zeros[..n], at) {
+                        drop(file);
+                        let _ = std::fs::remove_file(&path);
+                        return if e.kind() == io::ErrorKind::StorageFull {
+                            Ok(false)
+                        } else {
+                            Err(e)
+                        };
+                    }
+                    at += n as u64;
+                }
+            }
+            Err(nix::errno::Errno::ENOSPC) => {
+                drop(file);
+                std::fs::remove_file(&path)?;
+                return Ok(false);
+            }
+            Err(e) => return Err(e.into()),
+        }
+        file.sync_all()?;
+        reserve.1 = true;
+        Ok(true)
     }
 }
 
@@ -146,6 +387,66 @@ impl SegmentFile for FsSegment {
         self.file.set_len(len)?;
         self.file.sync_all()
     }
+    fn copy_from(
+        &self,
+        source: &dyn SegmentFile,
+        offset: u64,
+        len: u64,
+        at: u64,
+    ) -> io::Result<()> {
+        let Some(from) = source.fd() else {
+            return copy_through_buffer(self, source, offset, len, at);
+        };
+        let as_off = |n: u64| {
+            i64::try_from(n).map_err(|_| io::Error::other(format!("offset {n} is out of range")))
+        };
+        let (mut from_off, mut to_off) = (as_off(offset)?, as_off(at)?);
+        let mut left = len;
+        while left > 0 {
+            let want = left.min(1 << 30) as usize;
+            match nix::fcntl::copy_file_range(
+                from,
+                Some(&mut from_off),
+                &self.file,
+                Some(&mut to_off),
+                want,
+            ) {
+                Ok(0) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "the source ended before the range was copied",
+                    ))
+                }
+                Ok(n) => left -= n as u64,
+                // A kernel or filesystem that cannot: the rest through a buffer.
+                Err(
+                    nix::errno::Errno::ENOSYS
+                    | nix::errno::Errno::EXDEV
+                    | nix::errno::Errno::EINVAL
+                    | nix::errno::Errno::EOPNOTSUPP,
+                ) => {
+                    let done = len - left;
+                    return copy_through_buffer(self, source, offset + done, left, at + done);
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(())
+    }
+    fn fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        use std::os::fd::AsFd;
+        Some(self.file.as_fd())
+    }
+    fn start_writeback(&self, offset: u64, len: u64) -> io::Result<()> {
+        let as_off = |n: u64| {
+            i64::try_from(n).map_err(|_| io::Error::other(format!("offset {n} is out of range")))
+        };
+        // Linux starts the writeback of the range's dirty pages (not waiting) and drops the
+        // clean ones.
+        let advice = nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED;
+        nix::fcntl::posix_fadvise(&self.file, as_off(offset)?, as_off(len)?, advice)?;
+        Ok(())
+    }
 }
 
 /// A power-loss simulator: bytes live in memory, and [`SimStorage::power_loss`] forgets
@@ -163,8 +464,12 @@ impl SegmentFile for FsSegment {
 #[derive(Clone, Default)]
 pub struct SimStorage {
     files: Arc<Mutex<BTreeMap<u64, Arc<SimSegment>>>>,
+    /// Rewrites of segments, not yet in place.
+    rewrites: Arc<Mutex<BTreeMap<u64, Arc<SimSegment>>>>,
     health: Arc<AtomicU8>,
     full: Arc<AtomicBool>,
+    /// Cut the power when a rewrite reaches this point for the n-th time (1 = the first).
+    crash_at: Arc<Mutex<Option<(CrashPoint, usize)>>>,
 }
 
 const HEALTHY: u8 = 0;
@@ -193,11 +498,12 @@ impl SimStorage {
     /// off (every operation fails) until [`SimStorage::power_on`].
     pub fn power_loss(&self, mut torn: impl FnMut(usize) -> usize, garble: Option<u8>) {
         let files = lock(&self.files);
+        let rewrites = lock(&self.rewrites);
         // Off before any file is cut: a write or sync that takes a file's lock after this
         // sees the disk off, and one that took it before is either cut away (unsynced) or
         // was synced before the cut, so its acknowledgement was true.
         self.health.store(POWERED_OFF, Ordering::SeqCst);
-        for segment in files.values() {
+        for segment in files.values().chain(rewrites.values()) {
             let mut bytes = lock(&segment.state);
             let unsynced = bytes.data.len() - bytes.synced;
             let keep = bytes.synced + torn(unsynced).min(unsynced);
@@ -216,6 +522,11 @@ impl SimStorage {
         self.health.store(SYNCS_FAIL, Ordering::SeqCst);
     }
 
+    /// Whether the power is off (after [`SimStorage::power_loss`], or a crash point).
+    pub fn is_off(&self) -> bool {
+        self.health.load(Ordering::SeqCst) == POWERED_OFF
+    }
+
     /// Power (or a healthy disk) is back: the bytes are what the fault left.
     pub fn power_on(&self) {
         let _files = lock(&self.files);
@@ -225,6 +536,23 @@ impl SimStorage {
     /// The volume is full (`true`: allocations fail) or has room again (`false`).
     pub fn set_full(&self, full: bool) {
         self.full.store(full, Ordering::SeqCst);
+    }
+
+    /// Cuts the power (every unsynced byte forgotten) the `nth` time (from 1) a rewrite
+    /// reaches `point`; the rewrite then fails there, as on a machine that is gone.
+    pub fn crash_at(&self, point: CrashPoint, nth: usize) {
+        *lock(&self.crash_at) = Some((point, nth.max(1)));
+    }
+
+    /// Every byte of every file, segments and rewrites alike (to look for what must be gone).
+    pub fn all_bytes(&self) -> Vec<u8> {
+        let files = lock(&self.files);
+        let rewrites = lock(&self.rewrites);
+        let mut all = Vec::new();
+        for segment in files.values().chain(rewrites.values()) {
+            all.extend_from_slice(&lock(&segment.state).data);
+        }
+        all
     }
 
     /// Total bytes across all files (for tests that corrupt a chosen byte).
@@ -305,6 +633,62 @@ impl Storage for SimStorage {
         let _files = lock(&self.files);
         check_health(&self.health, false)?;
         Ok(None)
+    }
+    fn create_rewrite(&self, base: u64) -> io::Result<Arc<dyn SegmentFile>> {
+        let mut rewrites = lock(&self.rewrites);
+        check_health(&self.health, false)?;
+        if self.full.load(Ordering::SeqCst) {
+            return Err(io::ErrorKind::StorageFull.into());
+        }
+        let segment = Arc::new(SimSegment {
+            state: Mutex::default(),
+            health: self.health.clone(),
+            full: self.full.clone(),
+        });
+        rewrites.insert(base, segment.clone());
+        Ok(segment)
+    }
+    /// The rename and the directory's fsync, as one step: a cut before it leaves the old
+    /// segment, a cut after it the new one (a real disk may show either until the directory
+    /// is synced; both are whole, so both are tested through the points around it).
+    fn install_rewrite(&self, base: u64) -> io::Result<()> {
+        let mut files = lock(&self.files);
+        let mut rewrites = lock(&self.rewrites);
+        check_health(&self.health, true)?;
+        let segment = rewrites.remove(&base).ok_or(io::ErrorKind::NotFound)?;
+        files.insert(base, segment);
+        Ok(())
+    }
+    fn remove_rewrite(&self, base: Option<u64>) -> io::Result<()> {
+        let mut rewrites = lock(&self.rewrites);
+        check_health(&self.health, true)?;
+        match base {
+            Some(base) => {
+                rewrites.remove(&base);
+            }
+            None => rewrites.clear(),
+        }
+        Ok(())
+    }
+    fn crash_point(&self, point: CrashPoint) -> io::Result<()> {
+        let cut = {
+            let mut armed = lock(&self.crash_at);
+            match armed.as_mut() {
+                Some((at, n)) if *at == point => {
+                    *n -= 1;
+                    let cut = *n == 0;
+                    if cut {
+                        *armed = None;
+                    }
+                    cut
+                }
+                _ => false,
+            }
+        };
+        if cut {
+            self.power_loss(|_| 0, None);
+        }
+        check_health(&self.health, false)
     }
 }
 

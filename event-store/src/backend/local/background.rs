@@ -1,0 +1,115 @@
+//! The store's own background threads (retention, and the reclamation of deleted sessions'
+//! space): each sends its work through the writer's queue like any caller, paces itself,
+//! and stops when the store closes ([`Signal`]), letting go of the queue so that the writer
+//! can finish.
+
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+use tokio::sync::{mpsc, oneshot};
+
+use super::snapshots::SnapshotDir;
+use super::writer::{DeleteOp, Op};
+use crate::clock::now_unix_ms;
+use crate::error::StoreError;
+use crate::retention::{Retention, BATCH};
+
+/// Wakes one background thread: to stop (for good), or to look for work now.
+#[derive(Clone, Default)]
+pub struct Signal(Arc<(Mutex<Woken>, Condvar)>);
+
+#[derive(Default)]
+struct Woken {
+    stopped: bool,
+    nudged: bool,
+}
+
+impl Signal {
+    pub fn stop(&self) {
+        let (woken, wake) = &*self.0;
+        woken.lock().unwrap_or_else(|p| p.into_inner()).stopped = true;
+        wake.notify_all();
+    }
+
+    /// There may be work: the thread's wait ends now.
+    pub fn nudge(&self) {
+        let (woken, wake) = &*self.0;
+        woken.lock().unwrap_or_else(|p| p.into_inner()).nudged = true;
+        wake.notify_all();
+    }
+
+    /// Waits up to `wait`, or until nudged or stopped; whether the store is stopping.
+    pub fn wait(&self, wait: Duration) -> bool {
+        let (woken, wake) = &*self.0;
+        let guard = woken.lock().unwrap_or_else(|p| p.into_inner());
+        let (mut guard, _) = wake
+            .wait_timeout_while(guard, wait, |w| !w.stopped && !w.nudged)
+            .unwrap_or_else(|p| p.into_inner());
+        guard.nudged = false;
+        guard.stopped
+    }
+
+    /// Waits up to `wait`, or until stopped (a nudge does not end it); whether the store is
+    /// stopping.
+    pub fn rest(&self, wait: Duration) -> bool {
+        let (woken, wake) = &*self.0;
+        let guard = woken.lock().unwrap_or_else(|p| p.into_inner());
+        let (guard, _) = wake
+            .wait_timeout_while(guard, wait, |w| !w.stopped)
+            .unwrap_or_else(|p| p.into_inner());
+        guard.stopped
+    }
+
+    pub fn is_stopped(&self) -> bool {
+        self.0 .0.lock().unwrap_or_else(|p| p.into_inner()).stopped
+    }
+}
+
+/// Sends `op` (made with its reply channel) to the writer and waits for the answer; `None`
+/// if the writer is gone.
+pub fn ask<T>(
+    queue: &mpsc::Sender<Op>,
+    make: impl FnOnce(oneshot::Sender<Result<T, StoreError>>) -> Op,
+) -> Option<Result<T, StoreError>> {
+    let (tx, rx) = oneshot::channel();
+    queue.blocking_send(make(tx)).ok()?;
+    rx.blocking_recv().ok()
+}
+
+/// Retention: every `retention.interval`, deletes the sessions idle for longer than
+/// `retention.idle`, [`BATCH`] at a time (each step one op of the writer's queue, with
+/// appends between them), and removes their snapshots.
+pub fn run_retention(
+    queue: mpsc::Sender<Op>,
+    retention: Retention,
+    snapshots: Arc<SnapshotDir>,
+    stop: Signal,
+) {
+    while !stop.wait(retention.interval) {
+        loop {
+            let idle_before = retention.idle_before(now_unix_ms());
+            let step = DeleteOp::Idle {
+                idle_before,
+                max: BATCH,
+            };
+            let deleted = match ask(&queue, |tx| Op::Delete(step, tx)) {
+                None => return,
+                Some(Ok(deleted)) => deleted,
+                Some(Err(e)) => {
+                    tracing::warn!(error = %e, "a retention step failed; the next pass tries again");
+                    break;
+                }
+            };
+            crate::metrics::sessions_deleted("retention", deleted.len());
+            if !deleted.is_empty() {
+                tracing::info!(sessions = deleted.len(), "retention deleted idle sessions");
+            }
+            if let Err(e) = snapshots.remove_sessions(deleted.iter().map(String::as_str)) {
+                tracing::warn!(error = %e, "removing deleted sessions' snapshots failed; the next open does it");
+            }
+            if deleted.len() < BATCH || stop.is_stopped() {
+                break;
+            }
+        }
+    }
+}

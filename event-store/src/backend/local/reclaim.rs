@@ -1,0 +1,375 @@
+//! Reclamation: a deleted session's bytes leave the disk, online.
+//!
+//! Once a tombstone is durable the session's records are dead: the reclaimer (a thread of
+//! its own) counts the bytes they take per segment (from the index's positions of the
+//! session's events) and runs a pass when a segment's dead bytes pass
+//! [`ReclaimConfig::dead_bytes`], or at the latest [`ReclaimConfig::after`] a deletion.
+//! A pass:
+//! 1. seals the active segment if it holds dead records (the writer rolls to a new one);
+//! 2. rewrites every sealed segment that holds dead records without them, most dead first
+//!    ([`SegmentRewriter::rewrite`]: written beside it, fsync'd, renamed over it); appends
+//!    go on into the active segment, and readers read on, a reader in the middle of an old
+//!    file on that file;
+//! 3. once the index has absorbed the sessions' tombstones, removes their entries from it
+//!    (positions and event ids, [`Index::purge_entries`]) and then the mark that they await
+//!    erasure ([`Index::erased`]).
+//!
+//! A record is dropped only if its session's tombstone is durable (the writer hands the
+//! session over only after the tombstone's fsync), and tombstones are never dropped, so
+//! a deleted session stays deleted whatever survives. A crash (`kill -9`, power loss) at
+//! any point leaves:
+//! - [`CrashPoint::RewriteWritten`], [`CrashPoint::RewriteSynced`]: a rewrite file beside
+//!   the whole old segment; it is removed at open, and the old segment is read as before;
+//! - between the rename and the directory's fsync: the old segment or the new one, each
+//!   whole, each holding every record of every live session at the same offsets;
+//! - [`CrashPoint::Installed`]: segments without the dead records, and an index that still
+//!   lists the sessions as awaiting erasure: the next pass (after the restart: the sessions
+//!   are read back from the index) rewrites what is left, and a segment with nothing left
+//!   to drop is not written again; recovery replays a log where a deleted session's seqs
+//!   jump (see `recovery`);
+//! - [`CrashPoint::Purged`]: the index without the sessions' entries but still marking
+//!   them: the next pass finds nothing to rewrite and removes the marks.
+//!
+//! `event-store/tests/reclaim_crash.rs` cuts the power at each of these points and after
+//! every step of a pass, and `integration-tests/tests/store_reclaim.rs` kills the real
+//! binary while it rewrites.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc;
+
+use super::background::{ask, Signal};
+use super::index::Index;
+use super::log::storage::CrashPoint;
+use super::log::{LogError, LogReader, SegmentRewriter};
+use super::published::{Erasing, Shared};
+use super::writer::Op;
+use crate::error::StoreError;
+use crate::metrics;
+
+/// When reclamation runs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ReclaimConfig {
+    /// A deletion's records are reclaimed at the latest about this long after it.
+    pub after: Duration,
+    /// A pass starts as soon as one segment holds this many bytes of deleted sessions.
+    pub dead_bytes: u64,
+    /// How often the reclaimer looks (besides when a deletion wakes it).
+    pub check_every: Duration,
+    /// The share of one core a rewrite takes at most (it rests between its pieces of
+    /// work), so that appends keep the machine; 1: no rest. On a full volume, where no
+    /// append waits, it never rests.
+    pub busy_share: f64,
+}
+
+impl ReclaimConfig {
+    /// The defaults for segments of `segment_bytes`: a pass within 30 s of a deletion, or
+    /// as soon as a quarter of a segment is dead.
+    pub fn for_segments(segment_bytes: u64) -> ReclaimConfig {
+        ReclaimConfig {
+            after: Duration::from_secs(30),
+            dead_bytes: (segment_bytes / 4).max(1),
+            check_every: Duration::from_secs(1),
+            busy_share: 0.25,
+        }
+    }
+}
+
+/// The reserve the log's volume keeps for deletions and their reclamation
+/// ([`super::log::storage::Storage::keep_reserve`]): room to rewrite one segment (its kept
+/// records are at most the segment), and a MiB for the tombstones and the index.
+pub fn reserve_bytes(segment_bytes: u64) -> u64 {
+    segment_bytes.saturating_add(1 << 20)
+}
+
+pub(crate) struct Reclaimer {
+    pub rewriter: SegmentRewriter,
+    pub reader: Arc<LogReader>,
+    pub index: Index,
+    pub shared: Arc<Shared>,
+    pub queue: mpsc::Sender<Op>,
+    pub config: ReclaimConfig,
+    /// Dead bytes per segment of each session awaiting erasure, counted once.
+    dead: HashMap<String, Vec<(u64, u64)>>,
+    /// Tells a rewrite to stop when the store does.
+    signal: Signal,
+}
+
+impl Reclaimer {
+    pub fn new(
+        rewriter: SegmentRewriter,
+        reader: Arc<LogReader>,
+        index: Index,
+        shared: Arc<Shared>,
+        queue: mpsc::Sender<Op>,
+        config: ReclaimConfig,
+    ) -> Reclaimer {
+        Reclaimer {
+            rewriter,
+            reader,
+            index,
+            signal: shared.reclaimer.clone(),
+            shared,
+            queue,
+            config,
+            dead: HashMap::new(),
+        }
+    }
+
+    /// Looks for work every `check_every` (and when a deletion wakes it) until the store
+    /// stops. A failed pass is retried at the next look.
+    pub fn run(mut self) {
+        let signal = self.signal.clone();
+        while !signal.wait(self.config.check_every) {
+            if let Err(Failed::WriterGone) = self.restore_reserve() {
+                return;
+            }
+            match self.step() {
+                Ok(()) => {}
+                Err(Failed::WriterGone) => return,
+                Err(Failed::Store(e)) => {
+                    tracing::warn!(error = %e, "a reclamation pass stopped; it is tried again");
+                }
+            }
+        }
+    }
+
+    /// Puts the volume's reserve back once there is room for it (it was released for a
+    /// deletion or a rewrite on a full volume), and then tells the writer, so that appends
+    /// resume without waiting for one to find out.
+    fn restore_reserve(&self) -> Result<(), Failed> {
+        let storage = self.rewriter.storage();
+        let full = self.shared.full.borrow().is_some();
+        match storage.restore_reserve() {
+            Ok(true) if full => {
+                // Refused while the volume is still short of its headroom: the writer says so.
+                let _ = ask(&self.queue, Op::Room).ok_or(Failed::WriterGone)?;
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "putting the volume's reserve back failed"),
+        }
+        Ok(())
+    }
+
+    /// Counts the dead bytes, rewrites the segments that hold them if a pass is due, and
+    /// makes the index forget the sessions whose records are gone.
+    fn step(&mut self) -> Result<(), Failed> {
+        let erasing: Vec<(String, Erasing)> = {
+            let erasing = self
+                .shared
+                .erasing
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            erasing.iter().map(|(id, e)| (id.clone(), *e)).collect()
+        };
+        if erasing.is_empty() {
+            self.dead.clear();
+            metrics::reclaim_dead_bytes(0);
+            return Ok(());
+        }
+        let mut by_segment: BTreeMap<u64, u64> = BTreeMap::new();
+        for (session_id, _) in &erasing {
+            for (base, bytes) in self.dead_of(session_id)? {
+                *by_segment.entry(base).or_default() += bytes;
+            }
+        }
+        metrics::reclaim_dead_bytes(by_segment.values().sum());
+        let oldest = erasing.iter().map(|(_, e)| e.since).min();
+        let due = oldest.is_some_and(|since| since.elapsed() >= self.config.after)
+            || by_segment.values().any(|b| *b >= self.config.dead_bytes);
+        if due && !by_segment.is_empty() {
+            self.rewrite(&erasing, &by_segment)?;
+            // Their records are gone from the log: only the index is left to forget them.
+            for (session_id, _) in &erasing {
+                self.dead.insert(session_id.clone(), Vec::new());
+            }
+            metrics::reclaim_dead_bytes(0);
+        }
+        self.forget(&erasing)
+    }
+
+    /// Where a deleted session's events are (segment, bytes), from the index's positions,
+    /// those it has not absorbed yet, and the records recovery could not index.
+    fn dead_of(&mut self, session_id: &str) -> Result<Vec<(u64, u64)>, Failed> {
+        if let Some(dead) = self.dead.get(session_id) {
+            return Ok(dead.clone());
+        }
+        let mut positions = self
+            .index
+            .positions(session_id, 1, usize::MAX)
+            .map_err(StoreError::from)?;
+        let after = positions.last().map_or(1, |(seq, _)| seq + 1);
+        positions.extend(self.shared.recent.positions(session_id, after, usize::MAX));
+        let unindexed = self
+            .index
+            .dead_positions(session_id)
+            .map_err(StoreError::from)?;
+        let mut by_segment: BTreeMap<u64, u64> = BTreeMap::new();
+        let all = positions.into_iter().map(|(_, p)| p).chain(unindexed);
+        for position in all {
+            if let Some(base) = self.reader.segment_of(position.offset) {
+                *by_segment.entry(base).or_default() += u64::from(position.len);
+            }
+        }
+        let dead: Vec<(u64, u64)> = by_segment.into_iter().collect();
+        self.dead.insert(session_id.to_string(), dead.clone());
+        Ok(dead)
+    }
+
+    /// A pass: rewrites every segment of `by_segment` without the records of `erasing`'s
+    /// sessions (sealing the active segment first if it is one of them).
+    fn rewrite(
+        &mut self,
+        erasing: &[(String, Erasing)],
+        by_segment: &BTreeMap<u64, u64>,
+    ) -> Result<(), Failed> {
+        let started = Instant::now();
+        let dead: HashSet<&str> = erasing.iter().map(|(id, _)| id.as_str()).collect();
+        if by_segment
+            .keys()
+            .any(|base| *base >= self.reader.active_base())
+        {
+            ask(&self.queue, Op::Seal).ok_or(Failed::WriterGone)??;
+        }
+        let active = self.reader.active_base();
+        // The segments with the fewest live bytes first: on a full volume their rewrites
+        // need the least room and free the most.
+        let mut order: Vec<(u64, u64)> = Vec::new();
+        for (base, dead) in by_segment.range(..active) {
+            let live = self.reader.file_bytes(*base)?.saturating_sub(*dead);
+            order.push((*base, live));
+        }
+        order.sort_unstable_by_key(|(base, live)| (*live, *base));
+        let mut reclaimed = 0u64;
+        let storage = self.rewriter.storage().clone();
+        let mut pace = Pace {
+            share: self.config.busy_share,
+            busy_since: Instant::now(),
+            signal: &self.signal,
+            shared: &self.shared,
+        };
+        let mut pause = || pace.rest();
+        for (base, _) in order {
+            let is_dead =
+                |session: &[u8]| std::str::from_utf8(session).is_ok_and(|s| dead.contains(s));
+            let mut rewritten = self.rewriter.rewrite(base, is_dead, &mut pause);
+            // A full volume: the reserve is there for this.
+            if matches!(rewritten, Err(LogError::NoSpace(_)))
+                && storage.release_reserve().map_err(LogError::from)? > 0
+            {
+                rewritten = self.rewriter.rewrite(base, is_dead, &mut pause);
+            }
+            if let Some(r) = rewritten? {
+                reclaimed += r.file_bytes_before.saturating_sub(r.file_bytes_after);
+                tracing::debug!(
+                    segment = base,
+                    dropped_records = r.dropped_records,
+                    dropped_bytes = r.dropped_bytes,
+                    "rewrote a segment without deleted sessions' records"
+                );
+            }
+        }
+        storage
+            .crash_point(CrashPoint::Installed)
+            .map_err(LogError::from)?;
+        self.restore_reserve()?;
+        let seconds = started.elapsed().as_secs_f64();
+        metrics::reclaimed(reclaimed, seconds);
+        tracing::info!(
+            sessions = erasing.len(),
+            reclaimed_bytes = reclaimed,
+            seconds,
+            "reclaimed deleted sessions' space"
+        );
+        Ok(())
+    }
+
+    /// Makes the index forget the sessions whose records are gone from the log and whose
+    /// tombstones it holds (nothing of them is written to it again); the others wait.
+    fn forget(&mut self, erasing: &[(String, Erasing)]) -> Result<(), Failed> {
+        let absorbed = self.shared.absorbed();
+        let done: Vec<&str> = erasing
+            .iter()
+            .filter(|(id, e)| {
+                e.tombstone_end <= absorbed && self.dead.get(id).is_some_and(Vec::is_empty)
+            })
+            .map(|(id, _)| id.as_str())
+            .collect();
+        if done.is_empty() {
+            return Ok(());
+        }
+        for session_id in &done {
+            self.index
+                .purge_entries(session_id)
+                .map_err(StoreError::from)?;
+        }
+        let storage = self.rewriter.storage().clone();
+        storage
+            .crash_point(CrashPoint::Purged)
+            .map_err(LogError::from)?;
+        for session_id in &done {
+            self.index.erased(session_id).map_err(StoreError::from)?;
+            self.dead.remove(*session_id);
+        }
+        let mut erasing = self
+            .shared
+            .erasing
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        for session_id in &done {
+            erasing.remove(*session_id);
+        }
+        Ok(())
+    }
+}
+
+/// Keeps a rewrite's share of a core at about `share`: after each piece of work it rests
+/// long enough that work / (work + rest) is `share`; while the volume is full (no append
+/// to leave room for) it does not rest. Stops the rewrite when the store stops.
+struct Pace<'a> {
+    share: f64,
+    busy_since: Instant,
+    signal: &'a Signal,
+    shared: &'a Shared,
+}
+
+impl Pace<'_> {
+    fn rest(&mut self) -> std::io::Result<()> {
+        let full = self.shared.full.borrow().is_some();
+        if self.share < 1.0 && self.share > 0.0 && !full {
+            let rest = self
+                .busy_since
+                .elapsed()
+                .mul_f64((1.0 - self.share) / self.share);
+            self.signal.rest(rest.min(Duration::from_secs(1)));
+        }
+        if self.signal.is_stopped() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::Interrupted,
+                "the store is stopping",
+            ));
+        }
+        self.busy_since = Instant::now();
+        Ok(())
+    }
+}
+
+enum Failed {
+    /// The store is closing.
+    WriterGone,
+    Store(StoreError),
+}
+
+impl From<StoreError> for Failed {
+    fn from(e: StoreError) -> Failed {
+        Failed::Store(e)
+    }
+}
+
+impl From<LogError> for Failed {
+    fn from(e: LogError) -> Failed {
+        Failed::Store(e.into())
+    }
+}
