@@ -164,17 +164,17 @@ async fn messages(State(inner): State<Shared>, headers: HeaderMap, body: Bytes) 
         Some(Fault::CutStream) => {
             record(&mut state, "cut_stream");
             drop(state);
-            stream(turn, reply, Ending::Cut)
+            stream(inner.clone(), turn, reply, Ending::Cut)
         }
         Some(Fault::ErrorEvent) => {
             record(&mut state, "error_event");
             drop(state);
-            stream(turn, reply, Ending::ErrorEvent)
+            stream(inner.clone(), turn, reply, Ending::ErrorEvent)
         }
         None => {
             record(&mut state, "reply");
             drop(state);
-            stream(turn, reply, Ending::Complete)
+            stream(inner.clone(), turn, reply, Ending::Complete)
         }
     }
 }
@@ -403,12 +403,19 @@ fn sse(event: &str, data: Value) -> Bytes {
 }
 
 /// Streams the reply as the real API does.
-fn stream(turn: usize, reply: StandinReply, ending: Ending) -> Response {
+fn stream(journal: Shared, turn: usize, reply: StandinReply, ending: Ending) -> Response {
     let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(64);
     tokio::spawn(async move {
+        let dropped = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let send = |bytes: Bytes| {
-            let tx = tx.clone();
-            async move { tx.send(Ok(bytes)).await.is_ok() }
+            let (tx, journal, dropped) = (tx.clone(), journal.clone(), dropped.clone());
+            async move {
+                let sent = tx.send(Ok(bytes)).await.is_ok();
+                if !sent && !dropped.swap(true, std::sync::atomic::Ordering::SeqCst) {
+                    lock(&journal).streams_dropped.push(now_ms());
+                }
+                sent
+            }
         };
         let id = format!("msg_standin_{turn}_{}", now_ms());
         let start = json!({"type": "message_start", "message": {"id": id, "type": "message", "role": "assistant", "model": "standin", "content": [], "stop_reason": null, "stop_sequence": null, "usage": {"input_tokens": 10 + turn, "output_tokens": 1}}});

@@ -45,6 +45,8 @@ pub struct Journal<R, F> {
     pub requests: Vec<RecordedRequest>,
     pub violations: Vec<String>,
     pub hook: Option<Hook>,
+    /// When a streamed reply's caller went away before its end (unix ms), in order.
+    pub streams_dropped: Vec<i64>,
 }
 
 impl<R, F> Journal<R, F> {
@@ -55,6 +57,7 @@ impl<R, F> Journal<R, F> {
             requests: Vec::new(),
             violations: Vec::new(),
             hook: None,
+            streams_dropped: Vec::new(),
         }
     }
 
@@ -130,5 +133,11 @@ impl<R, F> Standin<R, F> {
     /// Every rule a request broke, in the words of the error it got.
     pub fn violations(&self) -> Vec<String> {
         lock(&self.journal).violations.clone()
+    }
+
+    /// When each streamed reply whose caller went away before its end was found dropped
+    /// (unix ms): at the stand-in's next piece of the stream after the connection closed.
+    pub fn streams_dropped(&self) -> Vec<i64> {
+        lock(&self.journal).streams_dropped.clone()
     }
 }

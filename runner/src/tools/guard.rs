@@ -70,6 +70,11 @@ pub trait LeaseCheck: Sync {
     fn cancelled(&self) -> &CancellationToken;
     /// Whether the runner is draining: the call in hand finishes, no other starts.
     fn draining(&self) -> bool;
+    /// Whether the work stopped because the session was deleted (nothing will settle its
+    /// calls: they are gone with it).
+    fn session_deleted(&self) -> bool {
+        false
+    }
 }
 
 impl LeaseCheck for LeaseGuard {
@@ -83,6 +88,10 @@ impl LeaseCheck for LeaseGuard {
 
     fn draining(&self) -> bool {
         LeaseGuard::draining(self)
+    }
+
+    fn session_deleted(&self) -> bool {
+        LeaseGuard::is_deleted(self)
     }
 }
 
@@ -311,7 +320,11 @@ async fn run_tool_guarded(
         ) => output,
     };
     let Ok(output) = output else {
-        tracing::warn!(tool_use_id = %id, attempt, "the call was stopped before its end (its process tree killed); its outcome is unknown");
+        if lease.session_deleted() {
+            tracing::info!(tool_use_id = %id, attempt, "the session was deleted: its call was stopped (its process tree killed)");
+        } else {
+            tracing::warn!(tool_use_id = %id, attempt, "the call was stopped before its end (its process tree killed); its outcome is unknown");
+        }
         return Ok(CallsOutcome::Stopped);
     };
     append_result(toolbox, appender, id, output.content, output.is_error).await?;
