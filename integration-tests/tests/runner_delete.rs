@@ -12,7 +12,7 @@
 //! - deleted while no runner runs: the next runner's sweep at start removes its workspace
 //!   and its checkpoints, keeps a live session's workspace and a directory whose session was
 //!   never written, and keeps what a fork of it still needs: the fork, resumed, has the
-//!   files of its fork point;
+//!   files of its fork point; an idle session deleted later goes by the periodic sweep;
 //! - a parent deleted while its runner holds it: the fork made earlier resumes on the same
 //!   runner with its workspace restored, and none of the parent's later files.
 
@@ -80,12 +80,16 @@ async fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
     }
 }
 
-/// Follows the session's log from seq 1 until the stream ends; returns the events seen
-/// and the status it ended with.
-fn follow(client: &Client, session: &str) -> tokio::task::JoinHandle<(Vec<Event>, tonic::Status)> {
+/// Follows the session's log from seq 1 until the stream ends; returns (once the first
+/// event has come) the task that gives the events seen and the status it ended with.
+async fn follow(
+    client: &Client,
+    session: &str,
+) -> tokio::task::JoinHandle<(Vec<Event>, tonic::Status)> {
     let mut client = client.clone();
     let session = session.to_string();
-    tokio::spawn(async move {
+    let (first, following) = tokio::sync::oneshot::channel();
+    let task = tokio::spawn(async move {
         let mut stream = client
             .subscribe(SubscribeRequest {
                 session_id: session,
@@ -96,14 +100,24 @@ fn follow(client: &Client, session: &str) -> tokio::task::JoinHandle<(Vec<Event>
             .expect("subscribe")
             .into_inner();
         let mut events = Vec::new();
+        let mut first = Some(first);
         loop {
             match stream.next().await {
-                Some(Ok(event)) => events.push(event),
+                Some(Ok(event)) => {
+                    events.push(event);
+                    if let Some(first) = first.take() {
+                        let _ = first.send(());
+                    }
+                }
                 Some(Err(status)) => return (events, status),
                 None => return (events, tonic::Status::ok("the stream ended")),
             }
         }
-    })
+    });
+    following
+        .await
+        .expect("the subscription showed the first event");
+    task
 }
 
 fn checkpoint_sessions(root: &Path) -> Vec<String> {
@@ -141,7 +155,7 @@ async fn a_deletion_mid_tool_call_kills_the_call_at_once_and_removes_the_workspa
         read_pid(&workspace.join("child.pid")),
     );
     assert!(!process_gone(shell) && !process_gone(child));
-    let following = follow(&client, "victim");
+    let following = follow(&client, "victim").await;
     wait_for_log(&mut client, "victim", BOUND, |events| {
         has(events, "started")
     })
@@ -222,7 +236,7 @@ async fn a_deletion_mid_model_stream_drops_the_stream_at_once() {
             .any(|e| matches!(e.kind, Some(Kind::AssistantDelta(_))))
     })
     .await;
-    let following = follow(&client, "talker");
+    let following = follow(&client, "talker").await;
     assert!(rig.standin.streams_dropped().is_empty());
 
     delete(&mut client, "talker").await;
@@ -379,7 +393,7 @@ async fn the_sweep_at_start_removes_what_deleted_sessions_left_and_keeps_what_ot
 
     // Deleted while no runner runs: the next one's sweep at start finds it.
     delete(&mut client, "parent").await;
-    let second = rig.runner("r2", TTL_MS, &[]);
+    let second = rig.runner("r2", TTL_MS, &["--sweep-every", "1s"]);
     wait_until("the deleted session's workspace removed", || {
         !root.join("parent").exists()
     })
@@ -400,11 +414,22 @@ async fn the_sweep_at_start_removes_what_deleted_sessions_left_and_keeps_what_ot
         std::fs::read_to_string(root.join("never-written/sub/f")).expect("kept"),
         "not a session's"
     );
-    assert!(!second
-        .log_lines("swept deleted sessions' workspaces")
-        .is_empty());
+    wait_until("the sweep said what it removed", || {
+        !second
+            .log_lines("workspaces_removed=[\"parent\"]")
+            .is_empty()
+    })
+    .await;
 
     fork_resumes_with_its_files(&mut client, root, "fork").await;
+
+    // An idle session deleted while the runner runs goes by its next periodic sweep.
+    delete(&mut client, "live").await;
+    wait_until("the idle session's workspace removed", || {
+        !root.join("live").exists()
+    })
+    .await;
+    assert!(root.join("fork/a.txt").exists() && root.join("never-written").exists());
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -615,3 +615,29 @@ async fn follow_log(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use agentlog_proto::reason::Reason;
+
+    use super::*;
+
+    #[test]
+    fn a_refusal_is_classified_by_its_reason() {
+        let class = |status: tonic::Status| match StoreError::from(status) {
+            StoreError::LeaseLost => "lost",
+            StoreError::SessionDeleted => "deleted",
+            StoreError::Failed(_) => "failed",
+        };
+        assert_eq!(class(Reason::SessionDeleted.status("gone")), "deleted");
+        for reason in [
+            Reason::LeaseFenced,
+            Reason::LeaseHeld,
+            Reason::SessionNotFound,
+        ] {
+            assert_eq!(class(reason.status("x")), "lost", "{reason}");
+        }
+        assert_eq!(class(tonic::Status::not_found("no reason")), "failed");
+        assert_eq!(class(Reason::DiskFull.status("full")), "failed");
+    }
+}
