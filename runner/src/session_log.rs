@@ -103,6 +103,8 @@ pub struct Appender {
     /// reach it means the store lost an acknowledged event. (BUFFERED deltas are
     /// acknowledged before they are durable and readable; the fold ignores them anyway.)
     appended: Arc<AtomicU64>,
+    /// Told when an append is refused because the session was deleted.
+    deletion: Option<Deletion>,
 }
 
 impl Appender {
@@ -115,6 +117,16 @@ impl Appender {
             session_id,
             epoch,
             appended: Arc::new(AtomicU64::new(0)),
+            deletion: None,
+        }
+    }
+
+    /// The same appender, telling `deletion` at once when an append of any of its clones
+    /// (the delta writer's too) is refused because the session was deleted.
+    pub fn telling(self, deletion: Deletion) -> Appender {
+        Appender {
+            deletion: Some(deletion),
+            ..self
         }
     }
 
@@ -147,7 +159,12 @@ impl Appender {
         let response = retry_transient("Append", STORE_PATIENCE, || {
             self.appends.append(request.clone())
         })
-        .await?;
+        .await
+        .map_err(StoreError::from);
+        if let (Err(StoreError::SessionDeleted), Some(deletion)) = (&response, &self.deletion) {
+            deletion.seen("an append");
+        }
+        let response = response?;
         let seq = response.seqs.first().copied().unwrap_or(response.last_seq);
         if durability == Durability::Sync {
             self.appended.fetch_max(seq, Ordering::SeqCst);

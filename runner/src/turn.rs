@@ -35,6 +35,7 @@ use crate::session_log::{Appender, InterruptSignal, SessionLog, StoreError};
 use crate::tools::checkpoint::{self, ForkError};
 use crate::tools::guard::{self, CallsOutcome, GuardError};
 use crate::tools::{ToolPolicy, ToolSpec, Toolbox};
+use agentlog_client::refusal::is_session_deleted;
 use agentlog_client::retry::Backoff;
 
 /// Streamed text is gathered for this long before it is appended as one delta.
@@ -87,6 +88,17 @@ pub enum TurnError {
     LeaseAtRisk,
     #[error("could not restore the fork's workspace: {0}")]
     Fork(#[from] ForkError),
+}
+
+impl TurnError {
+    /// Whether the store refused because the session was deleted.
+    pub fn is_session_deleted(&self) -> bool {
+        match self {
+            TurnError::Store(StoreError::SessionDeleted) => true,
+            TurnError::Fork(ForkError::Store(status)) => is_session_deleted(status),
+            _ => false,
+        }
+    }
 }
 
 impl From<GuardError> for TurnError {

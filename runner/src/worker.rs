@@ -198,7 +198,8 @@ async fn work_session(
     };
     tracing::info!("claimed");
     let deletion = guard.deletion();
-    let appender = Appender::new(client, lease.session_id.clone(), lease.epoch);
+    let appender =
+        Appender::new(client, lease.session_id.clone(), lease.epoch).telling(deletion.clone());
     let opened = tokio::select! {
         biased;
         _ = drain.begun() => None,
@@ -232,8 +233,8 @@ async fn work_session(
             Ok(Outcome::Stopped)
         }
     };
-    if let Err(TurnError::Store(StoreError::SessionDeleted)) = outcome {
-        deletion.seen("an append");
+    if outcome.as_ref().is_err_and(TurnError::is_session_deleted) {
+        deletion.seen("a store call");
     }
     if guard.is_deleted() {
         // Stopped already: the model stream dropped, a tool's process tree killed and reaped.
