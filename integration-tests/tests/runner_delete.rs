@@ -4,8 +4,9 @@
 //! - deleted during a tool call: the runner that holds it kills the call's whole process
 //!   tree within about a second of the store's answer (the session's subscription ends
 //!   with `SESSION_DELETED`; the lease here is long, so its timer cannot be what stops it),
-//!   appends nothing more, gives no lease back, removes the workspace and, through the
-//!   checkpoints' GC, its checkpoints; and goes on working other sessions;
+//!   appends nothing more, gives no lease back, removes the workspace (following none of
+//!   the links the call left there) and, through the checkpoints' GC, its checkpoints; and
+//!   goes on working other sessions;
 //! - deleted during a model stream: the stream is dropped within about a second;
 //! - deleted while a runner waits in a claim long-poll and its lease (another owner's)
 //!   runs out: the session is never handed out;
@@ -133,12 +134,19 @@ fn checkpoint_sessions(root: &Path) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_deletion_mid_tool_call_kills_the_call_at_once_and_removes_the_workspace() {
+    // Links the call leaves in its workspace point at files outside it, which must stay.
+    let outside = tempfile::tempdir().expect("temp dir");
+    std::fs::write(outside.path().join("keep.txt"), "not the session's").expect("write");
+    let out = outside.path().display();
     // The session "victim" starts a long call; any other session's call is quick.
     let rig = Rig::start(vec![
         StandinReply::text("Starting the long job.").tool(
             "bash",
-            json!({"command": "case \"$PWD\" in */victim) echo $$ > bash.pid; sleep 300 & echo $! > child.pid; \
-                               echo started > marker; sleep 300;; *) echo quick;; esac"}),
+            json!({"command": format!(
+                "case \"$PWD\" in */victim) ln -s {out} escape; ln -s {out}/keep.txt file_link; \
+                 echo $$ > bash.pid; sleep 300 & echo $! > child.pid; echo started > marker; \
+                 sleep 300;; *) echo quick;; esac"
+            )}),
         ),
         StandinReply::text("Done."),
     ])
@@ -187,6 +195,11 @@ async fn a_deletion_mid_tool_call_kills_the_call_at_once_and_removes_the_workspa
     );
 
     wait_until("the workspace removed", || !workspace.exists()).await;
+    assert_eq!(
+        std::fs::read_to_string(outside.path().join("keep.txt")).expect("kept"),
+        "not the session's",
+        "the removal followed no link"
+    );
     wait_until("the checkpoints forgotten", || {
         !checkpoint_sessions(root).contains(&"victim".to_string())
     })
