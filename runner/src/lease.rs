@@ -121,7 +121,8 @@ impl LeaseGuard {
         &self.cancel
     }
 
-    /// What the session's log follower tells when the store says the session was deleted.
+    /// What the session's log follower and appender tell when the store says the session
+    /// was deleted.
     pub fn deletion(&self) -> Deletion {
         Deletion {
             deleted: self.deleted.clone(),
