@@ -16,8 +16,8 @@ pub const MAX_BODY_LEN: usize = 4 << 20;
 
 const KIND_EVENT: u8 = 1;
 const KIND_LEASE: u8 = 2;
-const KIND_FORK: u8 = 3;
-const KIND_TOMBSTONE: u8 = 4;
+const KIND_TOMBSTONE: u8 = 3;
+const KIND_FORK: u8 = 4;
 /// Set on every record of a multi-record append but its last: recovery keeps an append
 /// only if its last record survived, so an append is all or nothing even when power is
 /// cut in the middle of its write.
