@@ -20,8 +20,9 @@
 //! quietly); `worker.rs` then removes the session's workspace.
 //!
 //! Guarded by `integration-tests/tests/runner_partition.rs` (a runner cut off mid-call by a
-//! network namespace: no two runs of the call overlap, at several ttls) and this module's
-//! tests of the timer.
+//! network namespace: no two runs of the call overlap, at several ttls),
+//! `integration-tests/tests/runner_delete.rs` (a deletion mid call and mid stream) and this
+//! module's tests of the timer.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
