@@ -5,12 +5,24 @@ use agentlog_proto::reason::Reason;
 
 /// Whether a refused append or renewal means the caller no longer holds the session's
 /// lease and must stop working it: it was fenced off (a newer epoch, or the lease expired or
-/// was released), the epoch belongs to another owner, or the session is gone.
+/// was released), the epoch belongs to another owner, or the session is gone (never
+/// there, or deleted).
 pub fn is_lease_lost(status: &tonic::Status) -> bool {
     matches!(
         Reason::of(status),
-        Some(Reason::LeaseFenced | Reason::LeaseHeld | Reason::SessionNotFound)
+        Some(
+            Reason::LeaseFenced
+                | Reason::LeaseHeld
+                | Reason::SessionNotFound
+                | Reason::SessionDeleted
+        )
     )
+}
+
+/// Whether the store refused because the session was deleted: it is gone for good, and
+/// nothing more may be done for it (its work stops, its workspace goes).
+pub fn is_session_deleted(status: &tonic::Status) -> bool {
+    Reason::of(status) == Some(Reason::SessionDeleted)
 }
 
 /// Whether the store refused because the session does not exist.
@@ -36,6 +48,7 @@ mod tests {
             Reason::LeaseFenced,
             Reason::LeaseHeld,
             Reason::SessionNotFound,
+            Reason::SessionDeleted,
         ] {
             assert!(is_lease_lost(&reason.status("x")), "{reason}");
         }
@@ -56,6 +69,9 @@ mod tests {
     fn session_and_approval_refusals_are_told_by_their_reason() {
         assert!(is_session_not_found(&Reason::SessionNotFound.status("x")));
         assert!(!is_session_not_found(&Status::not_found("x")));
+        assert!(is_session_deleted(&Reason::SessionDeleted.status("x")));
+        assert!(!is_session_deleted(&Reason::SessionNotFound.status("x")));
+        assert!(!is_session_deleted(&Status::not_found("x")));
         assert!(is_approval_not_pending(
             &Reason::ApprovalNotPending.status("x")
         ));
