@@ -272,7 +272,7 @@ pub async fn settled(
     let events = agentlog_client::log::read_log(&mut app.store.clone(), &id)
         .await
         .map_err(|s| ApiError::from_store("Subscribe", s))?;
-    let seqs: Vec<String> = event_store::session::SettledPoints::of(&events)
+    let seqs: Vec<String> = agentlog_proto::settled::SettledPoints::of(&events)
         .into_iter()
         .map(|seq| seq.to_string())
         .collect();
