@@ -68,12 +68,12 @@ def check_cnpg_cluster(cluster):
 
 
 def seconds(duration):
-    """`20s`, `1500ms`, `2m` or a number of seconds, as `runner --drain-timeout` takes it."""
-    m = re.fullmatch(r"\s*([0-9.]+)\s*(ms|s|m)?\s*", duration)
-    if not m:
+    """`20s`, `1500ms`, `2m`, `1m 30s`: the forms `runner --drain-timeout` takes."""
+    units = {"ms": 0.001, "s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600}
+    parts = re.findall(r"([0-9]+)\s*([a-z]+)", duration)
+    if not parts or re.sub(r"[0-9]+\s*[a-z]+|\s", "", duration):
         raise ValueError(f"not a duration: {duration!r}")
-    scale = {"ms": 0.001, "s": 1, "m": 60, None: 1}[m.group(2)]
-    return float(m.group(1)) * scale
+    return sum(int(n) * units[u] for n, u in parts)
 
 
 def check_grace(where, pod, binary, args, env, help_text):

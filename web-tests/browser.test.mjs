@@ -11,6 +11,8 @@
 // 3. Cancel on the page appends an interrupt (it is in the log and in the transcript);
 // 4. a re-run call and an interrupted turn are marked;
 // 5. "Fork from here" on a settled point makes a fork and opens it ("forked from S at N").
+// 6. Delete on the page, once confirmed, deletes the session: the page says so, the API
+//    answers 404 SESSION_DELETED, and the list no longer shows it.
 //
 // Screenshots of the list and of session pages go to screenshots/.
 //
@@ -241,10 +243,24 @@ async function main() {
     assert.deepEqual(forkLog.map((e) => e.eventId), log.map((e) => e.eventId));
     await page.screenshot({ path: join(shots, "fork.png"), fullPage: true });
 
+    // ---- 6. delete from the page, after a confirmation ----
+    await page.goto(url(`/sessions/${rerun}`));
+    await page.waitForSelector(".note.interrupted");
+    page.once("dialog", (dialog) => dialog.dismiss());
+    await page.click("#delete");
+    assert.equal((await fetch(url(`/v1/sessions/${rerun}`))).status, 200, "a dismissed confirmation deletes nothing");
+    page.once("dialog", (dialog) => dialog.accept());
+    await page.click("#delete");
+    await page.waitForSelector("#deleted:not([hidden])");
+    const gone = await fetch(url(`/v1/sessions/${rerun}`));
+    assert.equal(gone.status, 404);
+    assert.equal((await gone.json()).error.reason, "SESSION_DELETED");
+
     // ---- the list, live ----
     await page.goto(url("/"));
     await page.waitForSelector(`tr[data-session="${waiting}"]`);
     await page.waitForSelector(`tr[data-session="${session}"] .badge.idle`);
+    assert.equal(await page.locator(`tr[data-session="${rerun}"]`).count(), 0, "a deleted session is not listed");
     await page.screenshot({ path: join(shots, "list.png"), fullPage: true });
     console.log("browser test: ok");
   } finally {

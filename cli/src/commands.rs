@@ -261,13 +261,15 @@ pub async fn fork(out: &Output, session: &str, at: Option<u64>, text: Option<&st
 }
 
 /// `ls`: sessions, most recently updated first.
-pub async fn ls(
+/// Up to `limit` sessions matching `query` and `status`, most recently updated first, read
+/// page after page.
+pub async fn list_sessions(
     out: &Output,
-    query: Option<String>,
+    client: &mut store::Client,
+    query: Option<&str>,
     status: Option<SessionStatus>,
     limit: usize,
-) -> Result<()> {
-    let mut client = store::connect(&out.addr).await?;
+) -> Result<Vec<SessionInfo>> {
     let mut sessions: Vec<SessionInfo> = Vec::new();
     let mut page_token = String::new();
     while sessions.len() < limit {
@@ -275,7 +277,7 @@ pub async fn ls(
             .list_sessions(ListSessionsRequest {
                 page_size: (limit - sessions.len()).min(1000) as u32,
                 page_token: page_token.clone(),
-                query: query.clone().unwrap_or_default(),
+                query: query.unwrap_or_default().to_string(),
                 status: status.unwrap_or(SessionStatus::Unspecified) as i32,
             })
             .await
@@ -288,6 +290,17 @@ pub async fn ls(
         page_token = page.next_page_token;
     }
     sessions.truncate(limit);
+    Ok(sessions)
+}
+
+pub async fn ls(
+    out: &Output,
+    query: Option<String>,
+    status: Option<SessionStatus>,
+    limit: usize,
+) -> Result<()> {
+    let mut client = store::connect(&out.addr).await?;
+    let sessions = list_sessions(out, &mut client, query.as_deref(), status, limit).await?;
     let stdout = std::io::stdout();
     let mut stdout = stdout.lock();
     if out.json {
@@ -370,7 +383,7 @@ fn new_session_id() -> String {
     format!("s-{}", &id[..12])
 }
 
-fn now_ms() -> i64 {
+pub fn now_ms() -> i64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_millis() as i64)

@@ -2,14 +2,14 @@
 //! fork is made and what it starts with, decided once for both.
 //!
 //! Promise: `--at` defaults to the session's last settled point (the store's own rule,
-//! `event_store::session::SettledPoints`). With TEXT, a fork at a `user_message` is made
+//! `agentlog_proto::settled::SettledPoints`). With TEXT, a fork at a `user_message` is made
 //! just before it, with TEXT in its place (edit and resend); at any other point TEXT is the
 //! fork's next message. The store is the judge of the point: a refusal is passed on, with
 //! the nearest settled seqs it names.
 
 use agentlog_client::log::read_log;
+use agentlog_proto::settled::SettledPoints;
 use agentlog_proto::v1::{event::Kind, Event, ForkSessionRequest, UserMessage};
-use event_store::session::SettledPoints;
 
 use crate::store;
 

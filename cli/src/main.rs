@@ -6,6 +6,7 @@ mod control;
 mod demo;
 mod follow;
 mod fork;
+mod lifecycle;
 mod render;
 mod stack;
 mod store;
@@ -145,6 +146,18 @@ enum Command {
         #[arg(long, default_value = "")]
         note: String,
     },
+    /// Delete sessions for good: their events, title, snapshots and workspace go, and the
+    /// store reclaims their space. `--idle-for 30d` picks the sessions whose last event is
+    /// older than that and that no runner holds, and lists them; `--yes` deletes them.
+    Rm {
+        sessions: Vec<String>,
+        /// Sessions idle for longer than this (`30d`, `12h`, `90m`) instead of named ones.
+        #[arg(long, value_parser = humantime::parse_duration, conflicts_with = "sessions")]
+        idle_for: Option<std::time::Duration>,
+        /// With --idle-for: delete what it lists (without it, nothing is deleted).
+        #[arg(long, requires = "idle_for")]
+        yes: bool,
+    },
     /// SIGKILL a runner mid-tool and watch a new one finish, each side effect applied once.
     Demo {
         /// Keep the demo's data in this (new) directory instead of a temp dir.
@@ -228,6 +241,12 @@ async fn main() -> ExitCode {
             tool_use_id,
             note,
         } => control::decide(&out, &session, tool_use_id, false, &note).await,
+        Command::Rm {
+            idle_for: Some(idle_for),
+            yes,
+            ..
+        } => lifecycle::rm_idle(&out, idle_for, yes).await,
+        Command::Rm { sessions, .. } => lifecycle::rm(&out, &sessions).await,
         Command::Demo { keep } => demo::demo(keep).await,
         Command::Web {
             listen,

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 use std::time::Duration;
 
+use agentlog_client::refusal::is_session_deleted;
 use agentlog_client::{BearerToken, StoreConnection};
 use anyhow::{anyhow, Result};
 use tonic::transport::{Channel, Endpoint};
@@ -89,8 +90,17 @@ pub fn not_reachable(addr: &str) -> anyhow::Error {
     )
 }
 
-/// A failed call as the user should read it.
+/// The store refused a call because the session was deleted: it is gone for good.
+#[derive(Debug, thiserror::Error)]
+#[error("the session was deleted: its events are gone and it takes no more")]
+pub struct SessionDeleted;
+
+/// A failed call as the user should read it (a deleted session as [`SessionDeleted`], so
+/// that callers can tell it apart).
 pub fn explain(addr: &str, what: &str, status: tonic::Status) -> anyhow::Error {
+    if is_session_deleted(&status) {
+        return anyhow::Error::new(SessionDeleted);
+    }
     match status.code() {
         Code::Unavailable => not_reachable(addr),
         Code::InvalidArgument => anyhow!("{what}: the store refused it: {}", status.message()),

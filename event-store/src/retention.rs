@@ -26,37 +26,17 @@ impl Retention {
     }
 }
 
-/// A span written as a number and a unit: `30d`, `12h`, `90m`, `45s`, `500ms`.
+/// A span people write (`30d`, `12h`, `90m`, `45s`, `500ms`; humantime's forms), above
+/// zero.
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
-    let text = text.trim();
-    let split = text
-        .find(|c: char| !c.is_ascii_digit())
-        .ok_or_else(|| format!("{text:?} has no unit; write e.g. 30d, 12h, 90m, 45s or 500ms"))?;
-    let (number, unit) = text.split_at(split);
-    let n: u64 = number
-        .parse()
-        .map_err(|_| format!("{text:?} does not start with a whole number; write e.g. 30d"))?;
-    let unit_ms: u64 = match unit {
-        "ms" => 1,
-        "s" => 1_000,
-        "m" => 60_000,
-        "h" => 3_600_000,
-        "d" => 86_400_000,
-        _ => {
-            return Err(format!(
-                "{text:?}: unknown unit {unit:?}; use d, h, m, s or ms (e.g. 30d)"
-            ))
-        }
-    };
-    let ms = n
-        .checked_mul(unit_ms)
-        .ok_or_else(|| format!("{text:?} is too long a span"))?;
-    if ms == 0 {
+    let span = humantime::parse_duration(text.trim())
+        .map_err(|e| format!("{text:?}: {e}; write e.g. 30d, 12h, 90m, 45s or 500ms"))?;
+    if span.is_zero() {
         return Err(format!(
             "{text:?} is no time at all; give a span above zero"
         ));
     }
-    Ok(Duration::from_millis(ms))
+    Ok(span)
 }
 
 #[cfg(test)]
@@ -71,16 +51,8 @@ mod tests {
         assert_eq!(parse_duration("90m"), Ok(Duration::from_secs(90 * 60)));
         assert_eq!(parse_duration("45s"), Ok(Duration::from_secs(45)));
         assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
-        for bad in [
-            "30",
-            "d",
-            "3x",
-            "-1d",
-            "0h",
-            "1.5d",
-            "99999999999999999999d",
-            "",
-        ] {
+        assert_eq!(parse_duration("1.5d"), Ok(Duration::from_secs(36 * 3600)));
+        for bad in ["30", "d", "3x", "-1d", "0h", "99999999999999999999d", ""] {
             assert!(parse_duration(bad).is_err(), "{bad:?} was accepted");
         }
     }

@@ -17,7 +17,8 @@ use agentlog_proto::v1::{event, Event};
 
 use crate::error::StoreError;
 use crate::session::{is_runner_kind, kind_name, SessionMeta, SCHEMA_VERSION};
-use crate::session::{ForkRecord, LeaseRecord, SettledPoints};
+use crate::session::{ForkRecord, LeaseRecord};
+use agentlog_proto::settled::SettledPoints;
 
 /// The session, if any event was ever appended to it (leases exist only on such sessions)
 /// and it was not deleted.

@@ -441,3 +441,68 @@ async fn posts_append_what_people_decide_and_store_errors_become_http_statuses()
     assert_eq!(response.status(), 403);
     assert_eq!(read_log(&mut client, session).await.len(), 4);
 }
+
+async fn delete(web: &Web, session: &str, with_header: bool) -> (u16, Value) {
+    let mut request = reqwest::Client::new().delete(web.url(&format!("/v1/sessions/{session}")));
+    if with_header {
+        request = request.header("X-Agentlog-Request", "1");
+    }
+    let response = request.send().await.expect("DELETE");
+    let status = response.status().as_u16();
+    (status, response.json().await.unwrap_or(Value::Null))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_delete_ends_the_session_for_its_readers_and_its_json() {
+    let store = Store::start().expect("store");
+    let web = Web::start(&store);
+    let session = "sse-deleted";
+    append(&store, session, 1..=3).await;
+    let mut stream = open(&web, session, 1, None).await;
+    read_events(&mut stream, 3).await;
+    expect_caught_up(&mut stream, 3).await;
+
+    // Without the request header (a cross-site form) nothing is deleted.
+    let (status, _) = delete(&web, session, false).await;
+    assert_eq!(status, 403);
+    assert_eq!(get(&web, &format!("/v1/sessions/{session}")).await.0, 200);
+
+    let (status, body) = delete(&web, session, true).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body, json!({"sessionId": session, "deleted": true}));
+    // The live reader is told, and its stream ends.
+    let e = next(&mut stream).await;
+    assert_eq!(e.event, "deleted", "{e:?}");
+    assert!(
+        e.id.is_none() || e.id == Some(3),
+        "the marker moves no resume point: {e:?}"
+    );
+    assert!(
+        tokio::time::timeout(PATIENCE, stream.next())
+            .await
+            .expect("the stream ends")
+            .is_none(),
+        "nothing follows the deleted marker"
+    );
+    // Every later request says why, with the store's reason.
+    let (status, body) = get(&web, &format!("/v1/sessions/{session}")).await;
+    assert_eq!(status, 404);
+    assert_eq!(body["error"]["reason"], json!("SESSION_DELETED"), "{body}");
+    let response = reqwest::get(web.url(&format!("/v1/sessions/{session}/events")))
+        .await
+        .expect("GET events");
+    assert_eq!(response.status(), 404);
+    let (status, body) = post(
+        &web,
+        &format!("/v1/sessions/{session}/messages"),
+        json!({"text": "bring it back"}),
+    )
+    .await;
+    assert_eq!(status, 404, "{body}");
+    assert_eq!(body["error"]["reason"], json!("SESSION_DELETED"));
+    // Deleting it again is done already; a session that never was is not found.
+    assert_eq!(delete(&web, session, true).await.0, 200);
+    let (status, body) = delete(&web, "never-written", true).await;
+    assert_eq!(status, 404);
+    assert_eq!(body["error"]["reason"], json!("SESSION_NOT_FOUND"));
+}

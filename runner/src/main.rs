@@ -126,7 +126,7 @@ struct Args {
     /// running after this long is stopped (its process tree killed) and left to its tool's
     /// unknown-outcome policy. The runner exits within this plus 3 s; a second signal ends
     /// the drain at once. `20s`, `1500ms`, `2m`.
-    #[arg(long, env = "AGENTLOG_DRAIN_TIMEOUT", default_value = "20s", value_parser = parse_duration)]
+    #[arg(long, env = "AGENTLOG_DRAIN_TIMEOUT", default_value = "20s", value_parser = humantime::parse_duration)]
     drain_timeout: Duration,
     /// Paths the workspace checkpoints leave out (a fork does not get them back), as
     /// .gitignore-style globs; repeatable. Giving any replaces the defaults; '' keeps every
@@ -144,25 +144,6 @@ struct Args {
     /// leaves the disk within this. `0` sweeps only then. `5m`, `30s`.
     #[arg(long, env = "AGENTLOG_SWEEP_EVERY", default_value = "5m", value_parser = parse_duration)]
     sweep_every: Duration,
-}
-
-/// `20s`, `1500ms`, `2m`, or a number of seconds.
-fn parse_duration(text: &str) -> Result<Duration, String> {
-    let text = text.trim();
-    let split = text
-        .find(|c: char| !c.is_ascii_digit() && c != '.')
-        .unwrap_or(text.len());
-    let (number, unit) = text.split_at(split);
-    let number: f64 = number
-        .parse()
-        .map_err(|_| format!("{text:?} is not a duration: write 20s, 1500ms or 2m"))?;
-    let seconds = match unit.trim() {
-        "" | "s" => number,
-        "ms" => number / 1000.0,
-        "m" => number * 60.0,
-        other => return Err(format!("{other:?} is not a unit: use ms, s or m")),
-    };
-    Duration::try_from_secs_f64(seconds).map_err(|e| format!("{text:?}: {e}"))
 }
 
 fn main() -> Result<()> {

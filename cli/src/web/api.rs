@@ -1,10 +1,12 @@
 //! The JSON side of `agentlog web`: the session list, one session, the POSTs that append a
-//! user message, an interrupt or an approval decision, and the fork of a session. Each store error becomes
-//! one HTTP status, here and nowhere else, with a message that says what to fix.
+//! user message, an interrupt or an approval decision, the fork of a session, and the DELETE
+//! that ends one. Each store error becomes one HTTP status, here and nowhere else, with a
+//! message that says what to fix.
 
+use agentlog_proto::reason::Reason;
 use agentlog_proto::v1::{
-    event::Kind, AppendRequest, ApprovalDecision, Event, GetSessionRequest, Interrupt,
-    ListSessionsRequest, SessionStatus, UserMessage,
+    event::Kind, AppendRequest, ApprovalDecision, DeleteSessionRequest, Event, GetSessionRequest,
+    Interrupt, ListSessionsRequest, SessionStatus, UserMessage,
 };
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{Path, Query, State};
@@ -23,11 +25,14 @@ const DEFAULT_PAGE: u32 = 100;
 /// The largest page the store serves.
 const MAX_PAGE: u32 = 1000;
 
-/// An HTTP error with a JSON body: `{"error": {"status": …, "message": …}}`.
+/// An HTTP error with a JSON body: `{"error": {"status": …, "message": …}}`, with the
+/// store's `grpcCode` and refusal `reason` (e.g. `SESSION_DELETED`) when it came from the
+/// store.
 #[derive(Debug)]
 pub struct ApiError {
     status: StatusCode,
     grpc: Option<Code>,
+    reason: Option<Reason>,
     message: String,
 }
 
@@ -36,6 +41,7 @@ impl ApiError {
         ApiError {
             status,
             grpc: None,
+            reason: None,
             message: message.into(),
         }
     }
@@ -64,6 +70,7 @@ impl ApiError {
         ApiError {
             status: http,
             grpc: Some(status.code()),
+            reason: Reason::of(&status),
             message,
         }
     }
@@ -86,6 +93,9 @@ impl IntoResponse for ApiError {
         let mut body = json!({"status": self.status.as_u16(), "message": self.message});
         if let Some(code) = self.grpc {
             body["grpcCode"] = json!(format!("{code:?}"));
+        }
+        if let Some(reason) = self.reason {
+            body["reason"] = json!(reason.name());
         }
         (self.status, Json(json!({ "error": body }))).into_response()
     }
@@ -148,6 +158,22 @@ pub async fn get_session(
         .map_err(|s| ApiError::from_store("GetSession", s))?
         .into_inner();
     Ok(Json(session_json(&info)))
+}
+
+/// `DELETE /v1/sessions/{id}`: the session is deleted for good; `200 {"sessionId",
+/// "deleted": true}` (also for a session already deleted), 404 for one that never existed.
+pub async fn delete_session(
+    State(app): State<App>,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    app.store
+        .clone()
+        .delete_session(DeleteSessionRequest {
+            session_id: id.clone(),
+        })
+        .await
+        .map_err(|s| ApiError::from_store("DeleteSession", s))?;
+    Ok(Json(json!({"sessionId": id, "deleted": true})))
 }
 
 #[derive(Debug, Deserialize)]
@@ -246,7 +272,7 @@ pub async fn settled(
     let events = agentlog_client::log::read_log(&mut app.store.clone(), &id)
         .await
         .map_err(|s| ApiError::from_store("Subscribe", s))?;
-    let seqs: Vec<String> = event_store::session::SettledPoints::of(&events)
+    let seqs: Vec<String> = agentlog_proto::settled::SettledPoints::of(&events)
         .into_iter()
         .map(|seq| seq.to_string())
         .collect();

@@ -7,7 +7,9 @@
 //! kind's field name (`unknown` for a kind newer than this server), `data:` the event in
 //! the proto3 JSON mapping. The stream rides out store restarts (see `follow`), sends
 //! keep-alive comments, and ends for a reader that stops reading — that reader's next
-//! request (browsers send `Last-Event-ID` by themselves) resumes where it stopped.
+//! request (browsers send `Last-Event-ID` by themselves) resumes where it stopped. A
+//! session deleted while it is followed ends its stream with one `deleted` event (no id);
+//! one already deleted is answered 404 (`reason` `SESSION_DELETED`).
 
 use std::convert::Infallible;
 use std::time::Duration;
@@ -27,6 +29,7 @@ use super::api::ApiError;
 use super::App;
 use crate::follow::{follow_async, Flow};
 use crate::render::{event_json, kind_name};
+use crate::store::SessionDeleted;
 
 /// Events queued for one reader before the reader counts as slow.
 const READER_BUFFER: usize = 256;
@@ -123,14 +126,22 @@ async fn feed(app: App, session: String, from: u64, head: u64, tx: mpsc::Sender<
             Ok(Flow::Continue)
         }
     });
-    tokio::select! {
-        result = following => {
-            if let Err(e) = result {
+    let deleted = tokio::select! {
+        result = following => match result {
+            Err(e) if e.is::<SessionDeleted>() => true,
+            Err(e) => {
                 eprintln!("agentlog web: following {session}: {e:#}");
+                false
             }
-        }
-        _ = reader.closed() => {}
-        _ = shutdown.wait_for(|stop| *stop) => {}
+            Ok(()) => false,
+        },
+        _ = reader.closed() => false,
+        _ = shutdown.wait_for(|stop| *stop) => false,
+    };
+    if deleted {
+        let _ = reader
+            .send(SseEvent::default().event("deleted").data("{}"))
+            .await;
     }
 }
 

@@ -126,7 +126,10 @@ fn routes(app: App, guard: Arc<Guard>) -> Router {
         .route("/logout", post(pages::post_logout))
         .route("/assets/{file}", get(pages::asset))
         .route("/v1/sessions", get(api::list_sessions))
-        .route("/v1/sessions/{id}", get(api::get_session))
+        .route(
+            "/v1/sessions/{id}",
+            get(api::get_session).delete(api::delete_session),
+        )
         .route("/v1/sessions/{id}/events", get(events::events))
         .route("/v1/sessions/{id}/messages", post(api::post_message))
         .route("/v1/sessions/{id}/cancel", post(api::post_cancel))

@@ -19,6 +19,7 @@ async function api(method, path, body) {
     const message = data && data.error ? data.error.message : response.statusText;
     const err = new Error(message);
     err.status = response.status;
+    err.reason = data && data.error ? data.error.reason : undefined;
     throw err;
   }
   return data;

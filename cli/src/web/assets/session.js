@@ -5,7 +5,8 @@
 // event below it is a repeat and skipped, one above it is a gap and answered by
 // reconnecting from `next`. The connection is the page's own: on any error it reconnects
 // from `next` with capped, jittered backoff, so a server restart or a sleeping laptop
-// only delays the transcript.
+// only delays the transcript. A deleted session (a `deleted` event, or a 404 whose reason
+// is SESSION_DELETED) ends it: the page says so and stops reconnecting.
 "use strict";
 
 const KINDS = [
@@ -26,6 +27,7 @@ let next = 1;
 let source = null;
 let backoff = BACKOFF_FIRST_MS;
 let retryTimer = null;
+let deleted = false;
 // Every seq rendered, in order (the browser test reads it).
 window.agentlogSeen = [];
 
@@ -43,6 +45,7 @@ function connect() {
   setConn(next === 1 ? "connecting" : "reconnecting");
   source = new EventSource(`${base}/events?from_seq=${next}`);
   for (const kind of KINDS) source.addEventListener(kind, onEvent);
+  source.addEventListener("deleted", showDeleted);
   source.addEventListener("caught_up", () => {
     backoff = BACKOFF_FIRST_MS;
     setConn("live");
@@ -52,9 +55,24 @@ function connect() {
   source.onerror = () => reconnectLater();
 }
 
-function reconnectLater() {
+// The session is gone for good: no more reconnects, no more sending.
+function showDeleted() {
+  deleted = true;
+  clearTimeout(retryTimer);
   if (source) source.close();
   source = null;
+  setConn("deleted");
+  document.getElementById("deleted").hidden = false;
+  for (const id of ["send", "delete"]) document.getElementById(id).hidden = true;
+  for (const button of document.querySelectorAll("button.fork")) button.hidden = true;
+}
+
+async function reconnectLater() {
+  if (source) source.close();
+  source = null;
+  // An error may be the session's deletion (its stream is then answered 404).
+  await refreshInfo();
+  if (deleted) return;
   setConn("reconnecting");
   const wait = backoff / 2 + Math.random() * backoff / 2;
   backoff = Math.min(backoff * 2, BACKOFF_MAX_MS);
@@ -256,7 +274,9 @@ async function refreshInfo() {
     badge.className = `badge ${name}`;
     refreshForkedFrom(info);
   } catch (e) {
-    if (e.status === 404) {
+    if (e.reason === "SESSION_DELETED") {
+      showDeleted();
+    } else if (e.status === 404) {
       document.getElementById("title").textContent = "(no events yet: send the first message)";
     }
   }
@@ -318,6 +338,18 @@ document.getElementById("send").addEventListener("submit", async (event) => {
     await api("POST", `${base}/messages`, { text: box.value });
     box.value = "";
     showError("");
+  } catch (e) {
+    showError(e.message);
+  }
+});
+
+document.getElementById("delete").addEventListener("click", async () => {
+  if (!confirm(`Delete session ${sessionId} for good? Its events, title and workspace go, and it cannot be undone.`)) {
+    return;
+  }
+  try {
+    await api("DELETE", base);
+    showDeleted();
   } catch (e) {
     showError(e.message);
   }
