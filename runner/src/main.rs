@@ -142,7 +142,7 @@ struct Args {
     /// --workspace-root (it also sweeps at start, and after a session it holds is deleted,
     /// when it removes that workspace at once): a session deleted while no runner held it
     /// leaves the disk within this. `0` sweeps only then. `5m`, `30s`.
-    #[arg(long, env = "AGENTLOG_SWEEP_EVERY", default_value = "5m", value_parser = parse_duration)]
+    #[arg(long, env = "AGENTLOG_SWEEP_EVERY", default_value = "5m", value_parser = humantime::parse_duration)]
     sweep_every: Duration,
 }
 
