@@ -320,9 +320,18 @@ impl Postgres {
         self.child.as_ref().map(Child::id)
     }
 
-    /// SIGKILL the postmaster (its backends notice and exit).
+    /// SIGKILL the server: the postmaster and every backend at once, as a crash of its machine
+    /// would.
     pub fn kill9(&mut self) {
         if let Some(mut child) = self.child.take() {
+            // The postmaster alone dying leaves its backends finishing the statements in hand
+            // on their open connections (they notice the death only later), so a commit could
+            // still be acknowledged after the "crash". Stopped first, it forks no new one.
+            let pid = child.id();
+            crate::signal(pid, crate::Signal::SIGSTOP);
+            for backend in children_of(pid) {
+                crate::signal(backend, crate::Signal::SIGKILL);
+            }
             let _ = child.kill();
             let _ = child.wait();
         }
@@ -385,4 +394,24 @@ pub fn shared() -> Result<Arc<Postgres>> {
     let pg = Arc::new(Postgres::start()?);
     *shared = Arc::downgrade(&pg);
     Ok(pg)
+}
+
+/// The processes whose parent is `pid` (from `/proc/<pid>/stat`).
+fn children_of(pid: u32) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|candidate| {
+            std::fs::read_to_string(format!("/proc/{candidate}/stat"))
+                .ok()
+                .and_then(|stat| {
+                    // `pid (comm) state ppid …`; comm may hold spaces and parentheses.
+                    let after = stat.rsplit_once(')')?.1;
+                    after.split_whitespace().nth(1)?.parse::<u32>().ok()
+                })
+                == Some(pid)
+        })
+        .collect()
 }
