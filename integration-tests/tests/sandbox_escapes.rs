@@ -306,11 +306,7 @@ async fn run_configuration(name: &str, config: Config, tool_uid: u32, escapes: E
     let mut victim_client = client.clone();
     let victim_seq = user_says(&mut victim_client, "victim", "go").await;
     let pid_file = runner.workspace("victim").join("pid");
-    wait_for_file(&pid_file);
-    let victim_pid = std::fs::read_to_string(&pid_file)
-        .expect("pid")
-        .trim()
-        .to_string();
+    let victim_pid = wait_for_file(&pid_file).trim().to_string();
     let helper_pid = parent_of(&victim_pid);
     let (env_start, env_end) = env_bounds(runner.pid());
     plant(

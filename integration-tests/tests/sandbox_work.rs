@@ -14,7 +14,7 @@ use sandbox_support::*;
 async fn killing_the_runner_kills_its_running_tools() {
     let store = Store::start().expect("store");
     let mut client = store.client().await.expect("client");
-    let command = "setsid sleep 4281 & (sleep 4282 &) ; touch running; sleep 4283";
+    let command = "setsid sleep 4281 & (sleep 4282 &) ; echo yes > running; sleep 4283";
     let mut runner = start(
         &store.url(),
         &[bash(command), done()],

@@ -1,13 +1,14 @@
 //! A malicious tenant (a valid client token of tenant B) tries everything against tenant
 //! A's sessions: append, subscribe (with follow), get, list (with queries that match A's
-//! ids and titles), claim and lease. Nothing of A is revealed, nothing of A changes, and
-//! the answers for an existing and a missing session of A are the same.
+//! ids and titles), claim and lease, delete and fork. Nothing of A is revealed, nothing of A
+//! changes, and the answers for an existing and a missing session of A are the same. A
+//! runner token deletes and forks nothing, even in its own scope.
 
 use std::time::Duration;
 
 use agentlog_proto::v1::{
-    AcquireLeaseRequest, AppendRequest, ClaimSessionRequest, GetSessionRequest,
-    ListSessionsRequest, SubscribeRequest,
+    AcquireLeaseRequest, AppendRequest, ClaimSessionRequest, DeleteSessionRequest,
+    ForkSessionRequest, GetSessionRequest, ListSessionsRequest, SubscribeRequest,
 };
 use integration_tests::secure::{tls_client, tokens_json, LoggedStore, SecureFiles, TokenSpec};
 use integration_tests::user_event;
@@ -212,6 +213,55 @@ async fn tenant_b_learns_and_changes_nothing_of_tenant_a() {
         .lease
         .expect("B's session is handed to B's runner");
     assert_eq!(lease.session_id, "beta:mine");
+
+    // Delete and fork: B may not touch A's sessions, nor fork into A's prefix; B's runner
+    // token may do neither, even in B's scope; B and the admin may.
+    let delete = |id: &str| DeleteSessionRequest {
+        session_id: id.into(),
+    };
+    let fork = |from: &str, to: &str| ForkSessionRequest {
+        session_id: from.into(),
+        at_seq: 1,
+        new_session_id: to.into(),
+        events: vec![],
+    };
+    for (who, id) in [(&b, "acme:payroll"), (&runner_b, "beta:mine")] {
+        let err = who
+            .clone()
+            .delete_session(delete(id))
+            .await
+            .expect_err("refused");
+        assert_eq!(err.code(), Code::PermissionDenied, "{id}: {err:?}");
+    }
+    for (who, from, to) in [
+        (&b, "acme:payroll", "beta:copy"),
+        (&b, "beta:mine", "acme:planted"),
+        (&runner_b, "beta:mine", "beta:copy"),
+    ] {
+        let err = who
+            .clone()
+            .fork_session(fork(from, to))
+            .await
+            .expect_err("refused");
+        assert_eq!(
+            err.code(),
+            Code::PermissionDenied,
+            "{from} -> {to}: {err:?}"
+        );
+    }
+    b.clone()
+        .fork_session(fork("beta:mine", "beta:copy"))
+        .await
+        .expect("B forks its own session within its scope");
+    b.clone()
+        .delete_session(delete("beta:copy"))
+        .await
+        .expect("B deletes its own session");
+    admin
+        .clone()
+        .delete_session(delete("beta:mine"))
+        .await
+        .expect("the admin deletes any session");
 
     // A's session is exactly as it was: same seq, same title, no lease.
     let after = admin

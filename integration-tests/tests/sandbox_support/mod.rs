@@ -395,13 +395,19 @@ pub fn processes_with(needle: &str) -> Vec<String> {
     found
 }
 
-/// Waits until `path` exists (up to 30 s).
-pub fn wait_for_file(path: &Path) {
+/// Waits until `path` holds a whole line (up to 30 s) and returns its text. A shell's
+/// `echo x > file` creates the file before it writes, so existing is not enough.
+pub fn wait_for_file(path: &Path) -> String {
     let deadline = Instant::now() + Duration::from_secs(30);
-    while !path.exists() {
+    loop {
+        if let Ok(text) = std::fs::read_to_string(path) {
+            if text.ends_with('\n') {
+                return text;
+            }
+        }
         assert!(
             Instant::now() < deadline,
-            "{} never appeared",
+            "{} never got a whole line",
             path.display()
         );
         std::thread::sleep(Duration::from_millis(20));

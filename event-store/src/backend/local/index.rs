@@ -28,6 +28,11 @@
 //! each batch of index updates carries the log offset it brings the index up to, in one
 //! atomic sled batch, and on start the store replays the log from that offset. Whatever
 //! sled lost in a crash is therefore re-derived from the log.
+//!
+//! sled writes its files only when the store asks ([`Index::flush`], or an absorb that
+//! fills one of its buffers): its own periodic flusher is off. An I/O error stops sled for
+//! good, so it must never write while the volume is full, and the writer, which knows when
+//! the volume is full, is the one that decides when it writes.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -227,7 +232,7 @@ impl Recent {
 
 impl Index {
     pub fn open(dir: &Path) -> Result<Index, IndexError> {
-        let db = sled::Config::new().path(dir).open()?;
+        let db = sled::Config::new().path(dir).flush_every_ms(None).open()?;
         Ok(Index { db })
     }
 
@@ -499,7 +504,8 @@ impl Index {
         Ok(())
     }
 
-    /// Writes sled's buffers out (a courtesy at shutdown: correctness never depends on it).
+    /// Writes sled's buffers out and syncs them. Correctness never depends on it: it bounds
+    /// what a restart replays from the log. Never called while the volume is full.
     pub fn flush(&self) -> Result<(), IndexError> {
         self.db.flush()?;
         Ok(())

@@ -69,6 +69,9 @@ const INDEX_BATCH_RECORDS: usize = 8192;
 /// longer, the more appends share each session's metadata write in sled; what waits costs
 /// only memory and, after a crash, replay.
 const INDEX_LAG: Duration = Duration::from_millis(100);
+/// How often, at most, an absorb also writes sled's buffers out (sled's own flusher is
+/// off, see [`crate::backend::local::index`]): this bounds what a restart replays.
+const INDEX_FLUSH_EVERY: Duration = Duration::from_millis(500);
 
 pub enum Op {
     /// The span the append was submitted in (the request's, see
@@ -165,6 +168,8 @@ pub struct Writer {
     recent_ids: HashMap<String, HashMap<String, u64>>,
     /// Why what writes is refused, while the log's volume is full.
     full: Option<String>,
+    /// When sled's buffers were last written out.
+    index_flushed: Instant,
 }
 
 /// Replies that wait for the batch's fsync.
@@ -258,6 +263,7 @@ impl Writer {
             unindexed_since: None,
             recent_ids: HashMap::new(),
             full: None,
+            index_flushed: Instant::now(),
         }
     }
 
@@ -324,6 +330,10 @@ impl Writer {
         self.shared.recent.clear();
         self.recent_ids.clear();
         self.shared.absorbed_to(self.log.end());
+        if self.index_flushed.elapsed() >= INDEX_FLUSH_EVERY {
+            self.index.flush()?;
+            self.index_flushed = Instant::now();
+        }
         Ok(())
     }
 
