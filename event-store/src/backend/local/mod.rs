@@ -7,7 +7,7 @@
 //! - [`index`]: sled, rebuilt from the log past the offset it had absorbed, and kept up to
 //!   date behind the acknowledgements.
 //! - [`subscriptions`]: history then live, with disk catch-up for slow readers, history
-//!   handed out in its wire form ([`framed`]).
+//!   handed out in its wire form ([`framed`]); [`live`]: the live fan-out.
 //! - [`snapshots`]: the snapshot files.
 //! - [`reclaim`]: deleted sessions' space given back, by rewriting the segments that hold
 //!   their records; [`background`]: the store's own threads (retention, reclamation).
@@ -17,6 +17,7 @@
 mod background;
 pub mod framed;
 pub mod index;
+pub mod live;
 pub mod log;
 pub mod published;
 pub mod reclaim;
@@ -47,11 +48,12 @@ use crate::retention::Retention;
 use crate::rules;
 use crate::scope::{self, Scope};
 use index::{Index, IndexError, Recent};
+use live::Hub;
 use log::storage::{FsStorage, Storage};
 use log::LogError;
 use published::Shared;
 use reclaim::{ReclaimConfig, Reclaimer};
-use subscriptions::{Hub, Source};
+use subscriptions::Source;
 use writer::{DeleteOp, LeaseOp, LeaseOutcome, Op, Writer};
 
 /// Pending operations the writer may have queued; beyond this, callers wait (backpressure).

@@ -13,8 +13,8 @@ use tokio::sync::watch;
 
 use crate::backend::local::background::Signal;
 use crate::backend::local::index::Recent;
+use crate::backend::local::live::Hub;
 use crate::backend::local::log::Record;
-use crate::backend::local::subscriptions::Hub;
 use crate::rules;
 use crate::session::SessionMeta;
 

@@ -2,8 +2,8 @@
 //! gap and no duplicate across the switch.
 //!
 //! The subscription registers for live events *before* it reads the history, and drops
-//! live events that the history already delivered. Live events come through a bounded
-//! per-session broadcast buffer; a subscriber that falls behind it (slow reader, stalled
+//! live events that the history already delivered. Live events come through the session's
+//! ring ([`super::live`]); a subscriber that falls behind it (slow reader, stalled
 //! client) is not waited for: it is told it lagged and catches up from disk, so appends and
 //! other subscribers never slow down. Everything here is already durable: the writer
 //! publishes only after the fsync.
@@ -19,14 +19,13 @@
 //! every follower), and a read that fails because the reclamation already took the records
 //! is reported the same way.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-use agentlog_proto::v1::Event;
-use tokio::sync::{broadcast, mpsc};
+use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::backend::local::index::Index;
+use crate::backend::local::live::{Live, RecvError};
 use crate::backend::local::log::{LogReader, Position};
 use crate::backend::local::published::Shared;
 use crate::backend::EventRun;
@@ -34,64 +33,8 @@ use crate::backend::FramedEvents;
 use crate::error::StoreError;
 use crate::rules;
 
-/// Live batches buffered per session before a subscriber counts as lagging.
-const LIVE_BUFFER_BATCHES: usize = 1024;
 /// Events read from disk per blocking read while catching up.
 const HISTORY_CHUNK: usize = 512;
-
-/// What a session's followers are told.
-#[derive(Clone)]
-pub enum Live {
-    /// Durable events, ascending.
-    Events(Arc<[Event]>),
-    /// The session was deleted: the last word.
-    Deleted,
-}
-
-/// The live fan-out: one broadcast channel per session that has followers.
-#[derive(Default)]
-pub struct Hub {
-    channels: Mutex<HashMap<String, broadcast::Sender<Live>>>,
-}
-
-impl Hub {
-    fn subscribe(&self, session_id: &str) -> broadcast::Receiver<Live> {
-        let mut channels = self.channels.lock().unwrap_or_else(|p| p.into_inner());
-        channels
-            .entry(session_id.to_string())
-            .or_insert_with(|| broadcast::channel(LIVE_BUFFER_BATCHES).0)
-            .subscribe()
-    }
-
-    /// Whether anyone follows the session live.
-    pub fn follows(&self, session_id: &str) -> bool {
-        let channels = self.channels.lock().unwrap_or_else(|p| p.into_inner());
-        channels.contains_key(session_id)
-    }
-
-    /// Hands durable events of one session (at least one, ascending) to its followers;
-    /// never blocks.
-    pub fn publish(&self, events: Vec<Event>) {
-        let Some(first) = events.first() else { return };
-        let mut channels = self.channels.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(tx) = channels.get(first.session_id.as_str()) {
-            let session_id = first.session_id.clone();
-            if tx.send(Live::Events(events.into())).is_err() {
-                // Nobody follows this session any more.
-                channels.remove(&session_id);
-            }
-        }
-    }
-
-    /// The session was deleted (durably): its followers are told, and its channel goes (one
-    /// that lagged past the message finds the channel closed, then the tombstone).
-    pub fn end(&self, session_id: &str) {
-        let mut channels = self.channels.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(tx) = channels.remove(session_id) {
-            let _ = tx.send(Live::Deleted);
-        }
-    }
-}
 
 /// What a subscription needs to read: the published state (the hub, the positions the
 /// index has not absorbed, the tombstones), the index and the log.
@@ -156,7 +99,7 @@ pub async fn run(
                     }
                     send(&tx, EventRun::Decoded(run)).await?;
                 }
-                Err(broadcast::error::RecvError::Lagged(skipped)) => {
+                Err(RecvError::Lagged(skipped)) => {
                     tracing::debug!(
                         session_id,
                         skipped,
@@ -165,7 +108,7 @@ pub async fn run(
                     );
                     next = catch_up(&source, &session_id, next, &tx).await?;
                 }
-                Err(broadcast::error::RecvError::Closed) => {
+                Err(RecvError::Closed) => {
                     if source.shared.is_deleted(&session_id) {
                         return Err(Stop::Failed(rules::session_deleted(&session_id)));
                     }
