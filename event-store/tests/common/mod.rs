@@ -78,6 +78,7 @@ fn try_open_store_reclaiming(
             log_config,
             retention: None,
             reclaim,
+            session_cache_bytes: 64 << 20,
         });
         match result {
             Err(e)
