@@ -193,3 +193,61 @@ async fn pages_walk_the_index_and_the_unabsorbed_changes_alike_and_survive_a_res
     let store = open_store_caching(&disk, &index_dir, CACHE_BYTES);
     check_listing(&store, &idle);
 }
+
+/// A query reads each session it walks past, so one call walks at most `QUERY_SCAN` of
+/// them: its page ends there, short, with a token that goes on from there, and paging on
+/// finds every match once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_query_walks_a_bounded_stretch_per_call_and_pages_through_the_rest() {
+    let disk = SimStorage::new();
+    let dir = tempfile::tempdir().unwrap();
+    let store = open_store_caching(&disk, &dir.path().join("index"), CACHE_BYTES);
+    let count = event_store::queries::QUERY_SCAN + 500;
+    let appends = (0..count).map(|i| {
+        let text = if i == 3 || i == count - 3 {
+            format!("the needle {i}")
+        } else {
+            format!("hay {i}")
+        };
+        store.append(op(&format!("q-{i:05}"), vec![user(&text)], None))
+    });
+    for result in futures::future::join_all(appends).await {
+        result.expect("append");
+    }
+    // All in the index (an op past the index's lag is followed by an absorb): what the
+    // walk reads from there is what the budget bounds.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    store
+        .append(op("q-00000", vec![user("more hay")], None))
+        .await
+        .expect("append");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let first = store
+        .list_sessions(
+            &ListSessionsRequest {
+                page_size: 50,
+                query: "needle".into(),
+                ..Default::default()
+            },
+            &Scope::everything(),
+        )
+        .expect("a page");
+    assert!(
+        !first.next_page_token.is_empty(),
+        "the first call stops at its budget with a token: {first:?}"
+    );
+    let all = all_pages(
+        &store,
+        ListSessionsRequest {
+            page_size: 50,
+            query: "needle".into(),
+            ..Default::default()
+        },
+    );
+    let mut ids: Vec<String> = all.into_iter().map(|(id, ..)| id).collect();
+    ids.sort();
+    assert_eq!(
+        ids,
+        vec![format!("q-{:05}", 3), format!("q-{:05}", count - 3)]
+    );
+}

@@ -66,7 +66,7 @@ use tokio_util::sync::CancellationToken;
 use crate::backend::{AppendAnswer, Backend, EventRun, Snapshot, SnapshotRead};
 use crate::backend::{AppendOp, ForkOp};
 use crate::clock::now_unix_ms;
-use crate::queries::{long_poll_claim, ClaimAttempt, ListQuery};
+use crate::queries::{self, long_poll_claim, ClaimAttempt, ListQuery};
 use crate::retention::{Retention, BATCH};
 use crate::rules::{self, Deletion};
 use crate::scope::Scope;
@@ -381,6 +381,76 @@ impl PgBackend {
 
     fn timed_error(&self, e: Timed) -> StoreError {
         self.health.timed_error(e)
+    }
+
+    /// `ListSessions` with a `query`: walks at most [`queries::QUERY_SCAN`] sessions of the
+    /// listing from the page token on (the text is matched on each), and a page that ends
+    /// where the walk stopped carries a token to go on from there.
+    async fn list_by_text(
+        &self,
+        client: &deadpool_postgres::Object,
+        query: &ListQuery,
+        (all, prefixes): (bool, &[String]),
+        (after_t, after_id, after_second): (Option<i64>, &str, i64),
+    ) -> Result<ListSessionsResponse, StoreError> {
+        let walk = queries::QUERY_SCAN as i64;
+        let rows = timed("list_sessions", async {
+            let stmt = client
+                .prepare_cached(
+                    "WITH walked AS MATERIALIZED (\
+                     SELECT session_id, meta, updated_second, updated_unix_ms, \
+                     (strpos(lower(session_id), $4) > 0 \
+                     OR strpos(lower(first_user_text), $4) > 0) AS hit \
+                     FROM agentlog_sessions WHERE last_seq > 0 \
+                     AND ($1 OR EXISTS (SELECT 1 FROM unnest($2::text[]) p \
+                     WHERE starts_with(session_id, p))) \
+                     AND ($3 = 0 OR status = $3) \
+                     AND updated_second <= $8 \
+                     AND ($5::bigint IS NULL OR updated_unix_ms < $5 \
+                     OR (updated_unix_ms = $5 AND session_id > $6)) \
+                     ORDER BY updated_second DESC, updated_unix_ms DESC, session_id \
+                     LIMIT $7) \
+                     SELECT session_id, CASE WHEN hit THEN meta END, hit, updated_unix_ms \
+                     FROM walked \
+                     ORDER BY updated_second DESC, updated_unix_ms DESC, session_id",
+                )
+                .await?;
+            client
+                .query(
+                    &stmt,
+                    &[
+                        &all,
+                        &prefixes,
+                        &(query.status as i32),
+                        &query.text,
+                        &after_t,
+                        &after_id,
+                        &walk,
+                        &after_second,
+                    ],
+                )
+                .await
+        })
+        .await
+        .map_err(|e| self.timed_error(e))?;
+        let now = now_unix_ms();
+        let mut sessions = Vec::new();
+        for row in &rows {
+            if !row.get::<_, bool>(2) {
+                continue;
+            }
+            let id: String = row.get(0);
+            let meta = decode_meta(row.get(1))?;
+            sessions.push((meta.updated_unix_ms, id.clone(), meta.info(&id, now)));
+            if sessions.len() > query.page_size {
+                break;
+            }
+        }
+        let looked_to = (rows.len() as i64 >= walk).then(|| {
+            let last = rows.last().expect("walked");
+            (last.get::<_, i64>(3), last.get::<_, String>(0))
+        });
+        Ok(query.page_through(sessions, looked_to))
     }
 
     fn cached(&self, session_id: &str) -> Option<Cached> {
@@ -1086,8 +1156,18 @@ impl Backend for PgBackend {
         // The bound on the indexed `updated_second` (the same division PostgreSQL computes
         // it with), so that a later page starts its index walk where the previous ended.
         let after_second = after_t.map_or(i64::MAX, |t| t / 1000);
-        let limit = query.page_size as i64 + 1;
         let client = self.client().await?;
+        if !query.text.is_empty() {
+            return self
+                .list_by_text(
+                    &client,
+                    &query,
+                    (all, &prefixes),
+                    (after_t, &after_id, after_second),
+                )
+                .await;
+        }
+        let limit = query.page_size as i64 + 1;
         let rows = timed("list_sessions", async {
             let stmt = client
                 .prepare_cached(
@@ -1095,13 +1175,11 @@ impl Backend for PgBackend {
                      AND ($1 OR EXISTS (SELECT 1 FROM unnest($2::text[]) p \
                      WHERE starts_with(session_id, p))) \
                      AND ($3 = 0 OR status = $3) \
-                     AND ($4 = '' OR strpos(lower(session_id), $4) > 0 \
-                     OR strpos(lower(first_user_text), $4) > 0) \
-                     AND updated_second <= $8 \
-                     AND ($5::bigint IS NULL OR updated_unix_ms < $5 \
-                     OR (updated_unix_ms = $5 AND session_id > $6)) \
+                     AND updated_second <= $7 \
+                     AND ($4::bigint IS NULL OR updated_unix_ms < $4 \
+                     OR (updated_unix_ms = $4 AND session_id > $5)) \
                      ORDER BY updated_second DESC, updated_unix_ms DESC, session_id \
-                     LIMIT $7",
+                     LIMIT $6",
                 )
                 .await?;
             client
@@ -1111,7 +1189,6 @@ impl Backend for PgBackend {
                         &all,
                         &prefixes,
                         &(query.status as i32),
-                        &query.text,
                         &after_t,
                         &after_id,
                         &limit,
