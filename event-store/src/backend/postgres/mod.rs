@@ -1168,20 +1168,29 @@ impl Backend for PgBackend {
                 .await;
         }
         let limit = query.page_size as i64 + 1;
+        // A statement per status filter, the status written into it, so that the planner
+        // (which plans once for every call, `force_generic_plan`) knows how rare it is: a
+        // rare status walks the (status, update time) index, a common one the update
+        // time's; either way in order, so a page costs the page.
+        let status = query.status as i32;
+        let status_filter = if status == 0 {
+            "$3 = 0".to_string()
+        } else {
+            format!("$3 = {status} AND status = {status}")
+        };
+        let sql = format!(
+            "SELECT session_id, meta FROM agentlog_sessions WHERE last_seq > 0 \
+             AND ($1 OR EXISTS (SELECT 1 FROM unnest($2::text[]) p \
+             WHERE starts_with(session_id, p))) \
+             AND {status_filter} \
+             AND updated_second <= $7 \
+             AND ($4::bigint IS NULL OR updated_unix_ms < $4 \
+             OR (updated_unix_ms = $4 AND session_id > $5)) \
+             ORDER BY updated_second DESC, updated_unix_ms DESC, session_id \
+             LIMIT $6"
+        );
         let rows = timed("list_sessions", async {
-            let stmt = client
-                .prepare_cached(
-                    "SELECT session_id, meta FROM agentlog_sessions WHERE last_seq > 0 \
-                     AND ($1 OR EXISTS (SELECT 1 FROM unnest($2::text[]) p \
-                     WHERE starts_with(session_id, p))) \
-                     AND ($3 = 0 OR status = $3) \
-                     AND updated_second <= $7 \
-                     AND ($4::bigint IS NULL OR updated_unix_ms < $4 \
-                     OR (updated_unix_ms = $4 AND session_id > $5)) \
-                     ORDER BY updated_second DESC, updated_unix_ms DESC, session_id \
-                     LIMIT $6",
-                )
-                .await?;
+            let stmt = client.prepare_cached(&sql).await?;
             client
                 .query(
                     &stmt,
