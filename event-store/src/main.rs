@@ -110,9 +110,9 @@ struct Args {
         hide = true
     )]
     reclaim_share: f64,
-    /// The local backend: memory for the states of the sessions in use (`64MiB`, `1GiB`,
-    /// or bytes); every other session's state is read from the index when needed, so an
-    /// idle session costs no memory.
+    /// Memory for the states of the sessions in use (`64MiB`, `1GiB`, or bytes); every
+    /// other session's state is read from the local index, or from PostgreSQL, when
+    /// needed, so an idle session costs no memory.
     #[arg(
         long,
         env = "AGENTLOG_SESSION_CACHE",
@@ -237,6 +237,7 @@ async fn open_backend(args: &Args) -> anyhow::Result<Opened> {
             notify: args.notify,
             poll_interval: Duration::from_millis(poll_ms.max(10)),
             retention,
+            cache_bytes: args.session_cache,
         })
         .await
         .context("opening the PostgreSQL backend")?;

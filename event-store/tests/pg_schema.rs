@@ -26,6 +26,7 @@ fn config(url: &str) -> PgConfig {
         pool_size: 4,
         notify: NotifyMode::Listen,
         poll_interval: Duration::from_millis(500),
+        cache_bytes: 64 << 20,
         retention: None,
     }
 }

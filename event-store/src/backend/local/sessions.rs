@@ -24,21 +24,8 @@ pub struct Sessions {
     budget: usize,
 }
 
-/// About what a cached state takes in memory: the map's entry, the id and what the state
-/// holds on the heap.
 fn cost(session_id: &str, meta: &SessionMeta) -> usize {
-    let heap = meta.first_user_text.capacity()
-        + meta.lease.as_ref().map_or(0, |l| l.owner.capacity() + 48)
-        + meta
-            .pending_approvals
-            .iter()
-            .map(|a| a.capacity() + 24)
-            .sum::<usize>()
-        + meta
-            .forked_from
-            .as_ref()
-            .map_or(0, |f| f.session_id.capacity() + 40);
-    session_id.len() + std::mem::size_of::<(String, SessionMeta)>() + 16 + heap
+    meta.cached_bytes(session_id)
 }
 
 impl Sessions {

@@ -2,8 +2,9 @@
 //! database, and any number of store replicas serve it at once.
 //!
 //! How it keeps the contract of [`crate::backend`]:
-//! - **One round trip per append.** Each replica caches the sessions it has seen (their
-//!   [`SessionMeta`] and row `version`). An append runs the same rules as the local log
+//! - **One round trip per append.** Each replica caches the sessions it has seen lately
+//!   (their [`SessionMeta`] and row `version`, within `--session-cache` bytes, so that no
+//!   replica holds every session; [`StateCache`]). An append runs the same rules as the local log
 //!   ([`crate::rules`]) against that state, then sends one statement that lands only if
 //!   the session row is still at that version and none of the event ids exists: it bumps
 //!   the version, stores the new state and
@@ -105,8 +106,6 @@ const RUNNABLE: i32 = SessionStatus::Runnable as i32;
 const RETENTION_BUSY_SHARE: f64 = 1.0 / 3.0;
 /// Retention's advisory lock: the replica that holds it runs the pass, the others skip it.
 pub const RETENTION_LOCK: i64 = 0x6167_656e_745f_7265; // "agent_re"
-/// Sessions a replica keeps in its cache; beyond this it starts over.
-const MAX_CACHED: usize = 100_000;
 /// Rows one transaction of an erasure deletes at most, so that it never holds many locks
 /// or writes much WAL at once.
 const ERASE_BATCH: i64 = 5_000;
@@ -145,6 +144,9 @@ pub struct PgConfig {
     pub poll_interval: Duration,
     /// `--retain-idle`, if set (run by one replica at a time).
     pub retention: Option<Retention>,
+    /// `--session-cache`: bytes of sessions' states the replica keeps at hand (the
+    /// database holds them all; a state not at hand is read with the next append's row).
+    pub cache_bytes: usize,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -166,6 +168,35 @@ pub struct Connector {
     pool: Pool,
     pg_config: tokio_postgres::Config,
     tls: MakeRustlsConnect,
+}
+
+/// The states a replica keeps at hand, bounded in bytes: past its budget it gives back
+/// states (the map's order decides which) down to three quarters of it. Any state may go:
+/// the database holds every one, and an append whose state is not at hand reads it with
+/// its row.
+struct StateCache {
+    states: HashMap<String, Cached>,
+    /// What `states` takes ([`SessionMeta::cached_bytes`]).
+    bytes: usize,
+    budget: usize,
+}
+
+impl StateCache {
+    fn shrink(&mut self) {
+        if self.bytes <= self.budget {
+            return;
+        }
+        let target = self.budget / 4 * 3;
+        let mut bytes = self.bytes;
+        self.states.retain(|id, cached| {
+            if bytes <= target {
+                return true;
+            }
+            bytes -= cached.meta.cached_bytes(id).min(bytes);
+            false
+        });
+        self.bytes = bytes;
+    }
 }
 
 #[derive(Clone)]
@@ -194,7 +225,7 @@ pub struct Replica {
     board: Arc<Board>,
     /// Wake-ups for the other replicas (absent in poll mode).
     notify: Option<mpsc::UnboundedSender<(String, bool)>>,
-    cache: Mutex<HashMap<String, Cached>>,
+    cache: Mutex<StateCache>,
     /// Appends ready to write, for the batch writer ([`batch`]).
     writes: mpsc::UnboundedSender<batch::Write>,
     health: Arc<Health>,
@@ -349,7 +380,11 @@ impl PgBackend {
             connector,
             board,
             notify,
-            cache: Mutex::new(HashMap::new()),
+            cache: Mutex::new(StateCache {
+                states: HashMap::new(),
+                bytes: 0,
+                budget: config.cache_bytes,
+            }),
             writes,
             health,
             poll_interval: config.poll_interval,
@@ -455,20 +490,24 @@ impl PgBackend {
 
     fn cached(&self, session_id: &str) -> Option<Cached> {
         let cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
-        cache.get(session_id).cloned()
+        cache.states.get(session_id).cloned()
     }
 
     fn remember(&self, session_id: &str, state: &Cached) {
         let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
-        if cache.len() >= MAX_CACHED && !cache.contains_key(session_id) {
-            cache.clear();
-        }
-        match cache.get_mut(session_id) {
-            Some(cached) => *cached = state.clone(),
+        let bytes = state.meta.cached_bytes(session_id);
+        match cache.states.get_mut(session_id) {
+            Some(cached) => {
+                let before = cached.meta.cached_bytes(session_id);
+                *cached = state.clone();
+                cache.bytes = cache.bytes - before.min(cache.bytes) + bytes;
+            }
             None => {
-                cache.insert(session_id.to_string(), state.clone());
+                cache.states.insert(session_id.to_string(), state.clone());
+                cache.bytes += bytes;
             }
         }
+        cache.shrink();
     }
 
     /// Tells followers and claimants here and on the other replicas that the session
