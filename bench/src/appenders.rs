@@ -4,7 +4,8 @@
 
 use agentlog_proto::v1::event_store_client::EventStoreClient;
 use agentlog_proto::v1::{
-    append_stream_response, event, AppendRequest, AppendStreamResponse, Event, UserMessage,
+    append_stream_response, event, AppendRequest, AppendResponse, AppendStreamResponse, Event,
+    UserMessage,
 };
 use anyhow::Context;
 use tonic::transport::Channel;
@@ -66,10 +67,12 @@ impl AgentlogStreamAppender {
     }
 }
 
-impl Appender for AgentlogStreamAppender {
-    async fn append(&mut self) -> anyhow::Result<()> {
+impl AgentlogStreamAppender {
+    /// Sends `request` on the stream and waits for its answer: what `Append` would have
+    /// answered, a refusal as an error.
+    pub async fn send(&mut self, request: AppendRequest) -> anyhow::Result<AppendResponse> {
         self.requests
-            .send(self.request.clone())
+            .send(request)
             .await
             .context("the append stream closed")?;
         let response = self
@@ -78,12 +81,19 @@ impl Appender for AgentlogStreamAppender {
             .await?
             .context("the append stream ended")?;
         match response.result {
-            Some(append_stream_response::Result::Response(_)) => Ok(()),
+            Some(append_stream_response::Result::Response(r)) => Ok(r),
             Some(append_stream_response::Result::Error(e)) => {
                 anyhow::bail!("append refused: code {}: {}", e.code, e.message)
             }
             None => anyhow::bail!("an empty AppendStream response"),
         }
+    }
+}
+
+impl Appender for AgentlogStreamAppender {
+    async fn append(&mut self) -> anyhow::Result<()> {
+        self.send(self.request.clone()).await?;
+        Ok(())
     }
 }
 

@@ -88,6 +88,10 @@ struct Args {
     /// Run only the fork figures (section 7): checkpoint, restore and ForkSession.
     #[arg(long)]
     only_fork: bool,
+    /// Run only the followers-at-scale figure (section 4's idle followers), e.g. after a
+    /// change to the live fan-out.
+    #[arg(long)]
+    only_followers: bool,
     /// Files in the workspace of the checkpoint figures.
     #[arg(long, default_value_t = 10_000)]
     fork_files: usize,
@@ -399,6 +403,9 @@ async fn run_suite(
     if args.only_fork {
         return fork_section(plan, dir, report).await;
     }
+    if args.only_followers {
+        return followers_section(plan, dir, report).await;
+    }
     // 1. The limits of the disk, first.
     progress("raw write + fdatasync");
     let back_to_back = |layout, batch| disk::RawCase {
@@ -548,19 +555,7 @@ async fn run_suite(
     // The baselines are done: stop them so that they take no CPU from what follows.
     drop(systems);
 
-    // Followers at scale, on a store of their own.
-    progress("idle followers");
-    let (followers, events) = plan.idle_followers;
-    report.followers = Some(
-        followers::measure(
-            &fresh_dir(dir, "followers")?,
-            followers,
-            events,
-            plan.fan_out_interval,
-        )
-        .await
-        .with_context(|| format!("{followers} idle followers"))?,
-    );
+    followers_section(plan, dir, report).await?;
 
     // 5. Resume, on a store of its own (the load sessions above are all runnable).
     resume_section(plan, dir, report).await?;
@@ -573,6 +568,23 @@ async fn run_suite(
     let (sessions, per_session) = plan.footprint;
     report.footprint =
         Some(agentlog::footprint(&fresh_dir(dir, "footprint")?, sessions, per_session).await?);
+    Ok(())
+}
+
+/// Followers at scale, on a store of their own.
+async fn followers_section(plan: &Plan, dir: &Path, report: &mut Report) -> anyhow::Result<()> {
+    progress("idle followers");
+    let (followers, events) = plan.idle_followers;
+    report.followers = Some(
+        followers::measure(
+            &fresh_dir(dir, "followers")?,
+            followers,
+            events,
+            plan.fan_out_interval,
+        )
+        .await
+        .with_context(|| format!("{followers} idle followers"))?,
+    );
     Ok(())
 }
 

@@ -110,6 +110,16 @@ struct Args {
         hide = true
     )]
     reclaim_share: f64,
+    /// Memory for the states of the sessions in use (`64MiB`, `1GiB`, or bytes); every
+    /// other session's state is read from the local index, or from PostgreSQL, when
+    /// needed, so an idle session costs no memory.
+    #[arg(
+        long,
+        env = "AGENTLOG_SESSION_CACHE",
+        value_parser = parse_bytes,
+        default_value = "64MiB"
+    )]
+    session_cache: usize,
     /// The local backend: roll to a new segment file once the current one holds this many
     /// bytes (for tests that want many segments; the default suits production).
     #[arg(long, env = "AGENTLOG_SEGMENT_BYTES", hide = true)]
@@ -227,6 +237,7 @@ async fn open_backend(args: &Args) -> anyhow::Result<Opened> {
             notify: args.notify,
             poll_interval: Duration::from_millis(poll_ms.max(10)),
             retention,
+            cache_bytes: args.session_cache,
         })
         .await
         .context("opening the PostgreSQL backend")?;
@@ -240,6 +251,7 @@ async fn open_backend(args: &Args) -> anyhow::Result<Opened> {
         .with_context(|| format!("creating --data-dir {}", data_dir.display()))?;
     let mut config = StoreConfig {
         retention,
+        session_cache_bytes: args.session_cache,
         ..StoreConfig::in_dir(data_dir)?
     };
     if let Some(segment_bytes) = args.segment_bytes {
@@ -457,5 +469,46 @@ impl Security {
             tracing::warn!("--tokens-file holds no tokens: every call but health is refused");
         }
         Ok(Security { tls, tokens })
+    }
+}
+
+/// A size people write: bytes, or a number with KiB, MiB or GiB (K, M, G for short).
+fn parse_bytes(text: &str) -> Result<usize, String> {
+    let text = text.trim();
+    let digits = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(digits);
+    let shift = match unit.trim() {
+        "" | "B" => 0,
+        "K" | "KiB" => 10,
+        "M" | "MiB" => 20,
+        "G" | "GiB" => 30,
+        _ => {
+            return Err(format!(
+                "{text:?}: write bytes, or e.g. 512KiB, 64MiB, 1GiB"
+            ))
+        }
+    };
+    let number: usize = number
+        .parse()
+        .map_err(|_| format!("{text:?}: write bytes, or e.g. 512KiB, 64MiB, 1GiB"))?;
+    number
+        .checked_mul(1 << shift)
+        .ok_or_else(|| format!("{text:?} is too large"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_bytes;
+
+    #[test]
+    fn sizes_are_bytes_or_a_number_and_a_binary_unit() {
+        assert_eq!(parse_bytes("4096"), Ok(4096));
+        assert_eq!(parse_bytes("64MiB"), Ok(64 << 20));
+        assert_eq!(parse_bytes("512K"), Ok(512 << 10));
+        assert_eq!(parse_bytes("1 GiB"), Ok(1 << 30));
+        assert!(parse_bytes("64MB").unwrap_err().contains("64MiB"));
+        assert!(parse_bytes("lots").is_err());
     }
 }

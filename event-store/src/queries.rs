@@ -18,6 +18,9 @@ use crate::session::SessionMeta;
 const MAX_PAGE: usize = 1000;
 /// Sessions per page when the request does not say.
 const DEFAULT_PAGE: usize = 100;
+/// Sessions a `query` looks at per call (per status, on the local backend), at most: its
+/// page ends where it stopped, with a token to go on from there.
+pub const QUERY_SCAN: usize = 10_000;
 
 /// A checked `ListSessions` request (the caller's scope is applied beside it).
 #[derive(Debug, Clone, PartialEq)]
@@ -50,27 +53,47 @@ impl ListQuery {
 
     /// Whether the session belongs on this page or a later one (scope aside).
     pub fn admits(&self, session_id: &str, meta: &SessionMeta) -> bool {
+        self.admits_but_text(session_id, meta) && self.matches_text(session_id, meta)
+    }
+
+    /// [`ListQuery::admits`] but for the text, which the state may not hold yet.
+    pub fn admits_but_text(&self, session_id: &str, meta: &SessionMeta) -> bool {
         meta.last_seq > 0
+            && !meta.is_deleted()
             && (self.status == SessionStatus::Unspecified || meta.status() == self.status)
-            && (self.text.is_empty()
-                || session_id.to_lowercase().contains(&self.text)
-                || meta.first_user_text.to_lowercase().contains(&self.text))
-            && match &self.after {
-                None => true,
-                Some((t, last)) => {
-                    meta.updated_unix_ms < *t
-                        || (meta.updated_unix_ms == *t && session_id > last.as_str())
-                }
-            }
+            && self.after.as_ref().is_none_or(|(t, last)| {
+                listed_before(
+                    &(*t, last.clone()),
+                    &(meta.updated_unix_ms, session_id.to_string()),
+                )
+            })
+    }
+
+    /// Whether the query's text is in the session's id or first user message.
+    pub fn matches_text(&self, session_id: &str, meta: &SessionMeta) -> bool {
+        self.text.is_empty()
+            || session_id.to_lowercase().contains(&self.text)
+            || meta.first_user_text.to_lowercase().contains(&self.text)
     }
 
     /// The page from `sorted` (most recently updated first, then by id, as `ListSessions`
     /// orders; at least one more than a page if there is a next page).
-    pub fn page(&self, mut sorted: Vec<(i64, String, SessionInfo)>) -> ListSessionsResponse {
+    pub fn page(&self, sorted: Vec<(i64, String, SessionInfo)>) -> ListSessionsResponse {
+        self.page_through(sorted, None)
+    }
+
+    /// [`ListQuery::page`] of a query that looked only as far as `looked_to` (its budget
+    /// ran out there): a short page then ends with a token that goes on from there.
+    pub fn page_through(
+        &self,
+        mut sorted: Vec<(i64, String, SessionInfo)>,
+        looked_to: Option<(i64, String)>,
+    ) -> ListSessionsResponse {
         let more = sorted.len() > self.page_size;
         sorted.truncate(self.page_size);
-        let next_page_token = match (more, sorted.last()) {
-            (true, Some((t, id, _))) => format!("{t}/{id}"),
+        let next_page_token = match (more, sorted.last(), looked_to) {
+            (true, Some((t, id, _)), _) => format!("{t}/{id}"),
+            (false, _, Some((t, id))) => format!("{t}/{id}"),
             _ => String::new(),
         };
         ListSessionsResponse {
@@ -78,6 +101,12 @@ impl ListQuery {
             next_page_token,
         }
     }
+}
+
+/// Whether `a` comes before `b` in `ListSessions`' order: most recently updated first,
+/// then by id.
+pub fn listed_before(a: &(i64, String), b: &(i64, String)) -> bool {
+    a.0 > b.0 || (a.0 == b.0 && a.1 < b.1)
 }
 
 /// `updated_unix_ms/session_id` of the last session of the previous page.

@@ -124,6 +124,23 @@ impl SessionMeta {
         }
     }
 
+    /// About what the state takes in memory with its session id, as a cache keyed by the
+    /// id holds it: the entry itself and what it holds on the heap.
+    pub fn cached_bytes(&self, session_id: &str) -> usize {
+        let heap = self.first_user_text.capacity()
+            + self.lease.as_ref().map_or(0, |l| l.owner.capacity() + 48)
+            + self
+                .pending_approvals
+                .iter()
+                .map(|a| a.capacity() + 24)
+                .sum::<usize>()
+            + self
+                .forked_from
+                .as_ref()
+                .map_or(0, |f| f.session_id.capacity() + 40);
+        session_id.len() + std::mem::size_of::<(String, SessionMeta)>() + 16 + heap
+    }
+
     pub fn is_deleted(&self) -> bool {
         self.deleted_unix_ms > 0
     }

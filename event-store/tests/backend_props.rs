@@ -69,6 +69,7 @@ async fn postgres() -> Replicas {
             pool_size: 8,
             notify: NotifyMode::Listen,
             poll_interval: Duration::from_millis(500),
+            cache_bytes: 64 << 20,
             retention: None,
         })
     };

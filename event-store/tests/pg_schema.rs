@@ -26,6 +26,7 @@ fn config(url: &str) -> PgConfig {
         pool_size: 4,
         notify: NotifyMode::Listen,
         poll_interval: Duration::from_millis(500),
+        cache_bytes: 64 << 20,
         retention: None,
     }
 }
@@ -349,7 +350,10 @@ async fn a_schema_4_database_migrates_and_its_sessions_read_back_and_can_be_dele
     }
 
     let backend = PgBackend::open(config(&url)).await.unwrap();
-    assert_eq!(sql("SELECT max(version) FROM agentlog_schema"), "5");
+    assert_eq!(
+        sql("SELECT max(version) FROM agentlog_schema"),
+        schema::VERSION.to_string()
+    );
     for (s, events) in &written {
         assert_eq!(
             &read(&backend, s).await,

@@ -69,6 +69,28 @@ fn try_open_store_reclaiming(
     log_config: LogConfig,
     reclaim: ReclaimConfig,
 ) -> Result<Store, event_store::backend::local::OpenError> {
+    try_open_store_caching(disk, index_dir, log_config, reclaim, 64 << 20)
+}
+
+/// Like [`open_store`], with a session cache of `cache_bytes` (a tiny one makes the store
+/// read nearly every session's state back from its index).
+pub fn open_store_caching(disk: &SimStorage, index_dir: &Path, cache_bytes: usize) -> Store {
+    let log_config = LogConfig {
+        segment_bytes: 1 << 20,
+        preallocate_bytes: 0,
+    };
+    let reclaim = ReclaimConfig::for_segments(log_config.segment_bytes);
+    try_open_store_caching(disk, index_dir, log_config, reclaim, cache_bytes)
+        .expect("the store opens and recovers")
+}
+
+fn try_open_store_caching(
+    disk: &SimStorage,
+    index_dir: &Path,
+    log_config: LogConfig,
+    reclaim: ReclaimConfig,
+    session_cache_bytes: usize,
+) -> Result<Store, event_store::backend::local::OpenError> {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let result = Store::open(StoreConfig {
@@ -78,6 +100,7 @@ fn try_open_store_reclaiming(
             log_config,
             retention: None,
             reclaim,
+            session_cache_bytes,
         });
         match result {
             Err(e)

@@ -22,10 +22,12 @@ pub mod log;
 pub mod published;
 pub mod reclaim;
 mod recovery;
+mod sessions;
 pub mod snapshots;
 pub mod subscriptions;
 pub mod writer;
 
+use std::collections::{HashMap, HashSet};
 use std::path::Path;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
@@ -47,10 +49,11 @@ use crate::queries::{self, ClaimAttempt};
 use crate::retention::Retention;
 use crate::rules;
 use crate::scope::{self, Scope};
+use crate::session::SessionMeta;
 use index::{Index, IndexError, Recent};
 use live::Hub;
 use log::storage::{FsStorage, Storage};
-use log::LogError;
+use log::{LogError, Record};
 use published::Shared;
 use reclaim::{ReclaimConfig, Reclaimer};
 use subscriptions::Source;
@@ -84,6 +87,8 @@ pub struct StoreConfig {
     /// `--retain-idle`, if set.
     pub retention: Option<Retention>,
     pub reclaim: ReclaimConfig,
+    /// `--session-cache`: bytes of sessions' states the writer keeps in memory.
+    pub session_cache_bytes: usize,
 }
 
 impl StoreConfig {
@@ -99,6 +104,7 @@ impl StoreConfig {
             log_config: log::LogConfig::default(),
             retention: None,
             reclaim: ReclaimConfig::for_segments(log::DEFAULT_SEGMENT_BYTES),
+            session_cache_bytes: sessions::DEFAULT_CACHE_BYTES,
         })
     }
 }
@@ -127,9 +133,10 @@ impl Store {
             .keep_reserve(reclaim::reserve_bytes(config.log_config.segment_bytes))
             .map_err(|e| OpenError::DataDir("the log's reserve".into(), e))?;
         let index = Index::open_current(&config.index_dir)?;
-        let (log, sessions) = recovery::open(&config, &index)?;
+        let log = recovery::open(&config, &index)?;
         let shared = Arc::new(Shared {
-            sessions: RwLock::new(sessions.clone()),
+            sessions: RwLock::new(HashMap::new()),
+            index: index.clone(),
             hub: Arc::new(Hub::default()),
             recent: Arc::new(Recent::default()),
             claimable: watch::channel(0).0,
@@ -141,7 +148,7 @@ impl Store {
         });
         // Deletions whose records may still be in the log (their reclamation had not
         // finished when the store stopped).
-        shared.erase(index.erasing()?);
+        let erasing = index.erasing()?;
         let source = Source {
             shared: shared.clone(),
             index: index.clone(),
@@ -149,11 +156,12 @@ impl Store {
         };
         let snapshots = Arc::new(snapshots::SnapshotDir::new(config.snapshot_dir.clone()));
         // A deletion whose tombstone was durable when the store stopped may not have removed
-        // the session's snapshots yet.
-        let deleted = sessions.iter().filter(|(_, m)| m.is_deleted());
+        // the session's snapshots yet; its reclamation, which removes them too, had not
+        // finished either.
         snapshots
-            .remove_sessions(deleted.map(|(id, _)| id.as_str()))
+            .remove_sessions(erasing.iter().map(|(id, _)| id.as_str()))
             .map_err(|e| OpenError::DataDir(config.snapshot_dir.display().to_string(), e))?;
+        shared.erase(erasing);
         let (queue, rx) = mpsc::channel(QUEUE_DEPTH);
         let (done_tx, writer_done) = watch::channel(false);
         let reclaimer = Reclaimer::new(
@@ -163,14 +171,9 @@ impl Store {
             shared.clone(),
             queue.clone(),
             config.reclaim,
+            snapshots.clone(),
         );
-        let writer = Writer::new(
-            log,
-            index,
-            sessions,
-            shared.clone(),
-            config.retention.is_some(),
-        );
+        let writer = Writer::new(log, index, shared.clone(), config.session_cache_bytes)?;
         let writer = std::thread::Builder::new()
             .name("log-writer".into())
             .spawn(move || {
@@ -396,7 +399,7 @@ impl Store {
     /// again but what the rules read.
     pub async fn fork(&self, op: ForkOp) -> Result<ForkSessionResponse, StoreError> {
         rules::fork_target(
-            self.shared.get(&op.new_session_id).as_ref(),
+            self.shared.get(&op.new_session_id)?.as_ref(),
             &op.new_session_id,
         )?;
         let last_seq = Store::get_session(self, &op.parent)?.last_seq;
@@ -457,7 +460,7 @@ impl Store {
             // snapshots after its tombstone is published either comes after this put (and
             // removes what it wrote) or before it (and this check sees the tombstone).
             snapshots.put(&snapshot, || {
-                let meta = shared.get(&snapshot.session_id);
+                let meta = shared.get(&snapshot.session_id)?;
                 let meta = rules::existing(meta.as_ref(), &snapshot.session_id)?;
                 rules::check_snapshot(
                     meta,
@@ -501,7 +504,7 @@ impl Store {
     ) -> Result<Option<backend::SnapshotRead>, StoreError> {
         const PIECE_BYTES: usize = 1 << 20;
         const PIECES_AHEAD: usize = 2;
-        if self.shared.is_deleted(session_id) {
+        if self.shared.is_deleted(session_id)? {
             return Err(rules::session_deleted(session_id));
         }
         let snapshots = self.snapshots.clone();
@@ -530,12 +533,66 @@ impl Store {
     }
 
     pub fn get_session(&self, session_id: &str) -> Result<SessionInfo, StoreError> {
-        let meta = self.shared.get(session_id);
-        rules::existing(meta.as_ref(), session_id).map(|m| m.info(session_id, now_unix_ms()))
+        let meta = self.shared.get(session_id)?;
+        let meta = rules::existing(meta.as_ref(), session_id)?;
+        self.info(session_id, meta.clone(), now_unix_ms())
+    }
+
+    /// The session's `SessionInfo`, its title read back from the log if its state came
+    /// from the index (which keeps the seq of the first user message, not its text).
+    fn info(
+        &self,
+        session_id: &str,
+        mut meta: SessionMeta,
+        now: i64,
+    ) -> Result<SessionInfo, StoreError> {
+        self.with_text(session_id, &mut meta)?;
+        Ok(meta.info(session_id, now))
+    }
+
+    /// Puts the first user message's text back into a state read from the index.
+    fn with_text(&self, session_id: &str, meta: &mut SessionMeta) -> Result<(), StoreError> {
+        let seq = meta.first_user_seq;
+        if seq == 0 || !meta.first_user_text.is_empty() || meta.is_deleted() {
+            return Ok(());
+        }
+        let recent = self.shared.recent.positions(session_id, seq, 1);
+        let position = match recent.first() {
+            Some(&(s, position)) if s == seq => Some(position),
+            _ => self
+                .source
+                .index
+                .positions(session_id, seq, 1)?
+                .into_iter()
+                .find(|(s, _)| *s == seq)
+                .map(|(_, position)| position),
+        };
+        let Some(position) = position else {
+            return Err(StoreError::Internal(format!(
+                "no position of {session_id}/{seq}, its first user message"
+            )));
+        };
+        match self.source.log.read(position).map_err(IndexError::from)? {
+            Record::Event(event) => {
+                if let Some(agentlog_proto::v1::event::Kind::UserMessage(m)) = &event.kind {
+                    meta.set_first_user_text(seq, &m.text);
+                }
+                Ok(())
+            }
+            _ => Err(StoreError::Internal(format!(
+                "{session_id}/{seq} is not an event"
+            ))),
+        }
     }
 
     /// Sessions in `scope`, most recently updated first; `page_token` is where the
-    /// previous page ended.
+    /// previous page ended. The index lists every session by status and update time
+    /// ([`Index::listed`]); the sessions changed since its last absorb are merged in from
+    /// the published states (their place in the index may be stale, so it is passed over).
+    /// A page costs the page: a walk of each status's listing from where the previous page
+    /// ended, as far as the page needs. A `query` reads each walked session's first
+    /// message, so it walks at most [`queries::QUERY_SCAN`] sessions of each status per
+    /// call, and a page that ends there says where, for the next to go on from.
     pub fn list_sessions(
         &self,
         req: &ListSessionsRequest,
@@ -543,7 +600,7 @@ impl Store {
     ) -> Result<ListSessionsResponse, StoreError> {
         let query = queries::ListQuery::parse(req)?;
         let now = now_unix_ms();
-        let mut matches: Vec<(i64, String, SessionInfo)> = {
+        let changed: Vec<(String, SessionMeta)> = {
             let sessions = self
                 .shared
                 .sessions
@@ -551,12 +608,97 @@ impl Store {
                 .unwrap_or_else(|p| p.into_inner());
             sessions
                 .iter()
-                .filter(|(id, m)| scope.admits(id) && query.admits(id, m))
-                .map(|(id, m)| (m.updated_unix_ms, id.clone(), m.info(id, now)))
+                .map(|(id, m)| (id.clone(), m.clone()))
                 .collect()
         };
-        matches.sort_unstable_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
-        Ok(query.page(matches))
+        let passed_over: HashSet<&str> = changed.iter().map(|(id, _)| id.as_str()).collect();
+        let mut found: Vec<(i64, String, SessionMeta)> = Vec::new();
+        for (id, meta) in &changed {
+            if !scope.admits(id) || !query.admits_but_text(id, meta) {
+                continue;
+            }
+            let mut meta = meta.clone();
+            self.with_text(id, &mut meta)?;
+            if query.admits(id, &meta) {
+                found.push((meta.updated_unix_ms, id.clone(), meta));
+            }
+        }
+        let statuses: Vec<u8> = match query.status {
+            agentlog_proto::v1::SessionStatus::Unspecified => index::LISTED_STATUSES.to_vec(),
+            status => vec![status as u8],
+        };
+        // Where a walk stopped at the query's budget: nothing after the earliest such place
+        // was looked at in every status.
+        let mut stopped: Option<(i64, String)> = None;
+        for status in statuses {
+            let (mut matches, stopped_here) = self.walk(status, &query, scope, &passed_over)?;
+            found.append(&mut matches);
+            if let Some(place) = stopped_here {
+                if stopped
+                    .as_ref()
+                    .is_none_or(|s| queries::listed_before(&place, s))
+                {
+                    stopped = Some(place);
+                }
+            }
+        }
+        if let Some(end) = &stopped {
+            found.retain(|(t, id, _)| !queries::listed_before(end, &(*t, id.clone())));
+        }
+        found.sort_unstable_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
+        found.truncate(query.page_size + 1);
+        let page = found
+            .into_iter()
+            .map(|(t, id, meta)| {
+                let info = self.info(&id, meta, now)?;
+                Ok((t, id, info))
+            })
+            .collect::<Result<Vec<_>, StoreError>>()?;
+        Ok(query.page_through(page, stopped))
+    }
+
+    /// One status's listing from where the query's previous page ended: up to a page and
+    /// one of the sessions that match, and, if a query's budget ran out first, where.
+    #[allow(clippy::type_complexity)]
+    fn walk(
+        &self,
+        status: u8,
+        query: &queries::ListQuery,
+        scope: &scope::Scope,
+        passed_over: &HashSet<&str>,
+    ) -> Result<(Vec<(i64, String, SessionMeta)>, Option<(i64, String)>), StoreError> {
+        let after = query.after.as_ref().map(|(t, id)| (*t, id.as_str()));
+        let mut found = Vec::new();
+        let mut walked = 0usize;
+        for entry in self.source.index.listed(status, after) {
+            let (updated, id) = entry?;
+            if passed_over.contains(id.as_str()) || !scope.admits(&id) {
+                continue;
+            }
+            let Some(mut meta) = self.source.index.session(&id)? else {
+                continue;
+            };
+            if !query.text.is_empty() {
+                walked += 1;
+                self.with_text(&id, &mut meta)?;
+                if !query.matches_text(&id, &meta) {
+                    if walked >= queries::QUERY_SCAN {
+                        return Ok((found, Some((updated, id))));
+                    }
+                    continue;
+                }
+            }
+            found.push((updated, id, meta));
+            if found.len() > query.page_size {
+                break;
+            }
+            if walked >= queries::QUERY_SCAN {
+                let (t, id, _) = found.last().expect("pushed");
+                let place = (*t, id.clone());
+                return Ok((found, Some(place)));
+            }
+        }
+        Ok((found, None))
     }
 
     /// Streams the session from `from_seq` (history, then live with `follow`) into a

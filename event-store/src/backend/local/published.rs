@@ -1,7 +1,8 @@
-//! What the writer has made durable, as readers see it: the published session states
-//! (tombstones included), the positions the index has not absorbed yet, the live hub, and
-//! the signals (a session may have become claimable; the volume is full). The writer is its
-//! only writer, and only after the fsync that covers what it publishes.
+//! What the writer has made durable, as readers see it: the session states and positions
+//! the index has not absorbed yet (tombstones included; the rest is read from the index),
+//! the live hub, and the signals (a session may have become claimable; the volume is full).
+//! The writer is its only writer, and only after the fsync that covers what it publishes;
+//! it forgets what it published only once the index holds it.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -12,15 +13,19 @@ use agentlog_proto::v1::Event;
 use tokio::sync::watch;
 
 use crate::backend::local::background::Signal;
-use crate::backend::local::index::Recent;
+use crate::backend::local::index::{Index, Recent};
 use crate::backend::local::live::Hub;
 use crate::backend::local::log::Record;
+use crate::error::StoreError;
 use crate::rules;
 use crate::session::SessionMeta;
 
 /// What the writer has made durable, as readers see it.
 pub struct Shared {
+    /// The states of the sessions changed since the index's last absorb.
     pub(crate) sessions: RwLock<HashMap<String, SessionMeta>>,
+    /// Where every other session's state is read.
+    pub(crate) index: Index,
     pub(crate) hub: Arc<Hub>,
     /// Where the durable records the index has not absorbed yet are.
     pub(crate) recent: Arc<Recent>,
@@ -157,17 +162,29 @@ impl Shared {
         self.full.send_replace(reason);
     }
 
-    /// The session's published state (a tombstone if it was deleted), if it has one.
-    pub(crate) fn get(&self, session_id: &str) -> Option<SessionMeta> {
-        let sessions = self.sessions.read().unwrap_or_else(|p| p.into_inner());
-        sessions.get(session_id).cloned()
+    /// The index has absorbed everything published: its states are read from there now.
+    pub(crate) fn absorbed_sessions(&self) {
+        let mut sessions = self.sessions.write().unwrap_or_else(|p| p.into_inner());
+        sessions.clear();
+        // A burst of sessions leaves no large table behind.
+        sessions.shrink_to(1024);
+    }
+
+    /// The session's published state (a tombstone if it was deleted), if it has one. The
+    /// text of its first user message may be left out (see [`Index::session`]).
+    pub(crate) fn get(&self, session_id: &str) -> Result<Option<SessionMeta>, StoreError> {
+        {
+            let sessions = self.sessions.read().unwrap_or_else(|p| p.into_inner());
+            if let Some(meta) = sessions.get(session_id) {
+                return Ok(Some(meta.clone()));
+            }
+        }
+        // Absorbed (the writer writes the index before it forgets what it published).
+        Ok(self.index.session(session_id)?)
     }
 
     /// Whether the session's deletion is durable.
-    pub(crate) fn is_deleted(&self, session_id: &str) -> bool {
-        let sessions = self.sessions.read().unwrap_or_else(|p| p.into_inner());
-        sessions
-            .get(session_id)
-            .is_some_and(SessionMeta::is_deleted)
+    pub(crate) fn is_deleted(&self, session_id: &str) -> Result<bool, StoreError> {
+        Ok(self.get(session_id)?.is_some_and(|meta| meta.is_deleted()))
     }
 }

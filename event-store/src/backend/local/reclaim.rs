@@ -38,6 +38,8 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::snapshots::SnapshotDir;
+
 use tokio::sync::mpsc;
 
 use super::background::{ask, Signal};
@@ -91,6 +93,9 @@ pub(crate) struct Reclaimer {
     pub shared: Arc<Shared>,
     pub queue: mpsc::Sender<Op>,
     pub config: ReclaimConfig,
+    /// A deleted session's snapshots go before it stops awaiting erasure (its deletion
+    /// removed them already, unless the store stopped in between).
+    snapshots: Arc<SnapshotDir>,
     /// Dead bytes per segment of each session awaiting erasure, counted once.
     dead: HashMap<String, Vec<(u64, u64)>>,
     /// Tells a rewrite to stop when the store does.
@@ -105,6 +110,7 @@ impl Reclaimer {
         shared: Arc<Shared>,
         queue: mpsc::Sender<Op>,
         config: ReclaimConfig,
+        snapshots: Arc<SnapshotDir>,
     ) -> Reclaimer {
         Reclaimer {
             rewriter,
@@ -114,6 +120,7 @@ impl Reclaimer {
             shared,
             queue,
             config,
+            snapshots,
             dead: HashMap::new(),
         }
     }
@@ -305,6 +312,9 @@ impl Reclaimer {
                 .purge_entries(session_id)
                 .map_err(StoreError::from)?;
         }
+        self.snapshots
+            .remove_sessions(done.iter().copied())
+            .map_err(LogError::from)?;
         let storage = self.rewriter.storage().clone();
         storage
             .crash_point(CrashPoint::Purged)

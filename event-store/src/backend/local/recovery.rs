@@ -1,7 +1,7 @@
-//! Recovery: the index and the session states brought up to the log's end by replaying
-//! what the index had not absorbed (after any crash), dropping a torn tail; then each
-//! session's first user message read back from the log (the index keeps its seq, not its
-//! text).
+//! Recovery: the index brought up to the log's end by replaying what it had not absorbed
+//! (after any crash), dropping a torn tail. Only the sessions of the replayed records are
+//! read from the index: opening costs what the index had not absorbed, not the number of
+//! sessions the store holds.
 //!
 //! A deleted session's records may be partly gone from the log (a reclamation cut short by
 //! a crash rewrote some of its segments and not others), so its seqs may jump. Its
@@ -11,11 +11,9 @@
 
 use std::collections::HashMap;
 
-use agentlog_proto::v1::event;
-
 use super::{OpenError, StoreConfig};
 use crate::backend::local::index::{Index, IndexBatch, IndexError};
-use crate::backend::local::log::{LogError, LogReader, LogWriter, Record};
+use crate::backend::local::log::{LogError, LogWriter, Record};
 use crate::session::SessionMeta;
 
 /// Recovery writes replayed records into the index in batches of this many.
@@ -23,11 +21,8 @@ const REPLAY_BATCH: usize = 10_000;
 
 /// Recovers from the log; an index ahead of the log (a log restored from an older backup)
 /// is rebuilt from the whole log.
-pub(crate) fn open(
-    config: &StoreConfig,
-    index: &Index,
-) -> Result<(LogWriter, HashMap<String, SessionMeta>), OpenError> {
-    let (log, mut sessions) = match recover(config, index) {
+pub(crate) fn open(config: &StoreConfig, index: &Index) -> Result<LogWriter, OpenError> {
+    match recover(config, index) {
         Err(OpenError::Log(LogError::IndexAhead { absorbed, end })) => {
             tracing::warn!(
                 absorbed,
@@ -36,21 +31,18 @@ pub(crate) fn open(
                  backup?); rebuilding the index from the whole log"
             );
             index.clear()?;
-            recover(config, index)?
+            recover(config, index)
         }
-        other => other?,
-    };
-    read_first_messages(index, &log.reader(), &mut sessions)?;
-    Ok((log, sessions))
+        other => other,
+    }
 }
 
-/// Replays the log past the index's absorbed offset into the index and the session map.
-fn recover(
-    config: &StoreConfig,
-    index: &Index,
-) -> Result<(LogWriter, HashMap<String, SessionMeta>), OpenError> {
+/// Replays the log past the index's absorbed offset into the index.
+fn recover(config: &StoreConfig, index: &Index) -> Result<LogWriter, OpenError> {
     let from = index.absorbed()?;
-    let mut sessions = index.load_sessions()?;
+    // The states of the replayed records' sessions, read from the index as they come.
+    let mut sessions: HashMap<String, SessionMeta> = HashMap::new();
+    let mut read_sessions = 0u64;
     let mut batch = IndexBatch::default();
     let mut pending = 0usize;
     let mut replayed = 0u64;
@@ -70,7 +62,19 @@ fn recover(
                 batch.add_dead(session_id, *pos);
                 continue;
             }
-            let meta = sessions.entry(session_id.to_string()).or_default();
+            if !sessions.contains_key(session_id) {
+                match index.session(session_id) {
+                    Ok(meta) => {
+                        read_sessions += 1;
+                        sessions.insert(session_id.to_string(), meta.unwrap_or_default());
+                    }
+                    Err(e) => {
+                        failure = Some(e);
+                        return;
+                    }
+                }
+            }
+            let meta = sessions.get_mut(session_id).expect("inserted above");
             if let Some((session, seq, _)) = record.event_place() {
                 if seq != meta.last_seq + 1 {
                     jumped.insert(
@@ -116,6 +120,9 @@ fn recover(
             if let Err(e) = index.apply(full, &sessions, end) {
                 failure = Some(e);
             }
+            // In the index now: a rebuild of the whole log holds a batch's sessions at a
+            // time, not every session.
+            sessions.clear();
             pending = 0;
         }
     })?;
@@ -132,43 +139,9 @@ fn recover(
         from_offset = from,
         log_end = log.end(),
         replayed,
-        sessions = sessions.len(),
+        sessions = read_sessions,
         elapsed_ms = started.elapsed().as_millis() as u64,
         "recovered the index from the log"
     );
-    Ok((log, sessions))
-}
-
-/// Reads each live session's first user message back from the log (the index keeps only
-/// its seq): one read per session at open.
-fn read_first_messages(
-    index: &Index,
-    log: &LogReader,
-    sessions: &mut HashMap<String, SessionMeta>,
-) -> Result<(), OpenError> {
-    for (session_id, meta) in sessions.iter_mut() {
-        if meta.is_deleted() || meta.first_user_seq == 0 || !meta.first_user_text.is_empty() {
-            continue;
-        }
-        let seq = meta.first_user_seq;
-        let position = index
-            .positions(session_id, seq, 1)?
-            .into_iter()
-            .find(|(s, _)| *s == seq)
-            .map(|(_, pos)| pos)
-            .ok_or_else(|| IndexError::Corrupt(format!("no position of {session_id}/{seq}")))?;
-        match log.read(position).map_err(IndexError::from)? {
-            Record::Event(event) => {
-                if let Some(event::Kind::UserMessage(m)) = &event.kind {
-                    meta.set_first_user_text(seq, &m.text);
-                }
-            }
-            _ => {
-                return Err(
-                    IndexError::Corrupt(format!("{session_id}/{seq} is not an event")).into(),
-                )
-            }
-        }
-    }
-    Ok(())
+    Ok(log)
 }

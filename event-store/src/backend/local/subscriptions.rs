@@ -62,7 +62,11 @@ pub async fn run(
     let mut live = follow.then(|| source.shared.hub.subscribe(&session_id));
     let mut next = from_seq.max(1);
     let result = async {
-        if source.shared.is_deleted(&session_id) {
+        if source
+            .shared
+            .is_deleted(&session_id)
+            .map_err(Stop::Failed)?
+        {
             return Err(Stop::Failed(rules::session_deleted(&session_id)));
         }
         next = catch_up(&source, &session_id, next, &tx).await?;
@@ -109,7 +113,11 @@ pub async fn run(
                     next = catch_up(&source, &session_id, next, &tx).await?;
                 }
                 Err(RecvError::Closed) => {
-                    if source.shared.is_deleted(&session_id) {
+                    if source
+                        .shared
+                        .is_deleted(&session_id)
+                        .map_err(Stop::Failed)?
+                    {
                         return Err(Stop::Failed(rules::session_deleted(&session_id)));
                     }
                     return Ok(());
@@ -119,7 +127,7 @@ pub async fn run(
     }
     .await;
     if let Err(Stop::Failed(mut e)) = result {
-        if source.shared.is_deleted(&session_id) {
+        if source.shared.is_deleted(&session_id).unwrap_or(false) {
             e = rules::session_deleted(&session_id);
         } else {
             tracing::error!(session_id, error = %e, "subscription failed");

@@ -41,11 +41,14 @@ use tokio::sync::{mpsc, oneshot};
 
 use agentlog_proto::reason::Reason;
 
-use super::index::{self_named_seq, Index, IndexBatch, Recent, GENERATED_ID_PREFIX};
+use super::index::{
+    self_named_seq, Index, IndexBatch, IndexError, Recent, GENERATED_ID_PREFIX, LISTED_STATUSES,
+};
 use super::log::record::CopiedEvent;
 use super::log::record::Tombstone;
 use super::log::{record, LogError, LogReader, LogWriter, Record};
 use super::published::Shared;
+use super::sessions::Sessions;
 use crate::backend::AppendOp;
 use crate::clock::now_unix_ms;
 use crate::error::StoreError;
@@ -53,6 +56,7 @@ use crate::metrics;
 use crate::rules::{self, Deletion};
 use crate::scope::Scope;
 use crate::session::{lease_of, SessionMeta};
+use agentlog_proto::v1::SessionStatus;
 
 /// At most this many operations share one fsync, so one batch's latency stays bounded.
 const MAX_BATCH_OPS: usize = 4096;
@@ -152,12 +156,10 @@ pub enum LeaseOutcome {
 pub struct Writer {
     log: LogWriter,
     index: Index,
-    sessions: HashMap<String, SessionMeta>,
+    /// The states of the sessions the writer has decided ops of lately.
+    sessions: Sessions,
     /// Runnable sessions, oldest update first: the order `ClaimSession` hands them out.
     runnable: BTreeSet<(i64, String)>,
-    /// Live sessions, oldest last event first: the order retention takes them in (kept only
-    /// when retention is on).
-    idle: Option<BTreeSet<(i64, String)>>,
     shared: Arc<Shared>,
     /// Durable records the index has not absorbed yet.
     unindexed: IndexBatch,
@@ -231,40 +233,31 @@ fn next_op(queue: &mut mpsc::Receiver<Op>, linger: Duration) -> Option<Op> {
 }
 
 impl Writer {
-    /// `retention`: whether [`DeleteOp::Idle`] will come (then the writer keeps its
-    /// sessions in the order of their last event).
+    /// `cache_bytes`: the budget of the sessions' states kept in memory
+    /// ([`Sessions`]). The runnable sessions are read from the index's listing.
     pub fn new(
         log: LogWriter,
         index: Index,
-        sessions: HashMap<String, SessionMeta>,
         shared: Arc<Shared>,
-        retention: bool,
-    ) -> Writer {
-        let runnable = sessions
-            .iter()
-            .filter(|(_, m)| m.is_runnable())
-            .map(|(id, m)| (m.updated_unix_ms, id.clone()))
+        cache_bytes: usize,
+    ) -> Result<Writer, IndexError> {
+        let runnable = index
+            .with_status(SessionStatus::Runnable as u8)?
+            .into_iter()
             .collect();
-        let idle = retention.then(|| {
-            sessions
-                .iter()
-                .filter(|(_, m)| retained(m))
-                .map(|(id, m)| (m.updated_unix_ms, id.clone()))
-                .collect()
-        });
-        Writer {
+        let sessions = Sessions::new(index.clone(), cache_bytes);
+        Ok(Writer {
             log,
             index,
             sessions,
             runnable,
-            idle,
             shared,
             unindexed: IndexBatch::default(),
             unindexed_since: None,
             recent_ids: HashMap::new(),
             full: None,
             index_flushed: Instant::now(),
-        }
+        })
     }
 
     /// Runs until every sender of the queue is gone (shutdown) or the log fails.
@@ -325,9 +318,12 @@ impl Writer {
             return Ok(());
         }
         let batch = std::mem::take(&mut self.unindexed);
-        self.index.apply(batch, &self.sessions, self.log.end())?;
+        self.index
+            .apply(batch, self.sessions.states(), self.log.end())?;
         // Only now: a reader that missed them in `recent` finds them in the index.
         self.shared.recent.clear();
+        self.shared.absorbed_sessions();
+        self.sessions.shrink();
         self.recent_ids.clear();
         self.shared.absorbed_to(self.log.end());
         if self.index_flushed.elapsed() >= INDEX_FLUSH_EVERY {
@@ -521,7 +517,8 @@ impl Writer {
                 _ => None,
             })
             .collect();
-        self.shared.publish(batch.records, &self.sessions, now);
+        self.shared
+            .publish(batch.records, self.sessions.states(), now);
         if !tombstones.is_empty() {
             self.shared.erase(tombstones);
         }
@@ -537,6 +534,7 @@ impl Writer {
         now: i64,
         batch: &mut Batch,
     ) -> Result<AppendResponse, StoreError> {
+        self.sessions.load(&req.session_id)?;
         let empty = SessionMeta::default();
         let meta = self.sessions.get(&req.session_id).unwrap_or(&empty);
         let session_id = &req.session_id;
@@ -608,6 +606,7 @@ impl Writer {
                 owner,
                 ttl_ms,
             } => {
+                self.sessions.load(&session_id)?;
                 let meta = rules::existing(self.sessions.get(&session_id), &session_id)?;
                 let record = rules::acquire(meta, &session_id, owner, ttl_ms, now)?;
                 (session_id, record)
@@ -618,6 +617,7 @@ impl Writer {
                 epoch,
                 ttl_ms,
             } => {
+                self.sessions.load(&session_id)?;
                 let meta = rules::existing(self.sessions.get(&session_id), &session_id)?;
                 let record = rules::renew(meta, &session_id, &owner, epoch, ttl_ms, now)
                     .inspect_err(|e| fenced(e, "renew"))?;
@@ -628,6 +628,7 @@ impl Writer {
                 owner,
                 epoch,
             } => {
+                self.sessions.load(&session_id)?;
                 let meta = rules::existing(self.sessions.get(&session_id), &session_id)?;
                 match rules::release(meta, &session_id, &owner, epoch, now)? {
                     Some(record) => (session_id, record),
@@ -639,21 +640,24 @@ impl Writer {
                 ttl_ms,
                 scope,
             } => {
-                let claimable = self.runnable.iter().find(|(_, id)| {
-                    scope.admits(id)
-                        && self
-                            .sessions
-                            .get(id)
-                            .is_some_and(|m| rules::claimable(m, now))
-                });
-                let Some((_, session_id)) = claimable.cloned() else {
-                    let next_expiry_unix_ms = self
-                        .runnable
-                        .iter()
-                        .filter(|(_, id)| scope.admits(id))
-                        .filter_map(|(_, id)| self.sessions.get(id)?.live_lease(now))
-                        .map(|l| l.expires_unix_ms)
-                        .min();
+                let mut claimable = None;
+                let mut next_expiry_unix_ms: Option<i64> = None;
+                for (_, id) in self.runnable.iter().filter(|(_, id)| scope.admits(id)) {
+                    self.sessions.load(id)?;
+                    let Some(meta) = self.sessions.get(id) else {
+                        continue;
+                    };
+                    if rules::claimable(meta, now) {
+                        claimable = Some(id.clone());
+                        break;
+                    }
+                    if let Some(lease) = meta.live_lease(now) {
+                        let expiry = lease.expires_unix_ms;
+                        next_expiry_unix_ms =
+                            Some(next_expiry_unix_ms.map_or(expiry, |e| e.min(expiry)));
+                    }
+                }
+                let Some(session_id) = claimable else {
                     return Ok(LeaseOutcome::NothingToClaim {
                         next_expiry_unix_ms,
                     });
@@ -681,6 +685,7 @@ impl Writer {
     ) -> Result<Vec<String>, StoreError> {
         match req {
             DeleteOp::Session(session_id) => {
+                self.sessions.load(&session_id)?;
                 match rules::delete(self.sessions.get(&session_id), &session_id, now)? {
                     Deletion::Tombstone(tombstone) => {
                         self.tombstone(&session_id, tombstone, batch);
@@ -690,26 +695,36 @@ impl Writer {
                 }
             }
             DeleteOp::Idle { idle_before, max } => {
-                let Some(idle) = &self.idle else {
-                    return Ok(Vec::new());
-                };
-                // Looks at a bounded prefix, so that one step stays short even when many of
-                // the oldest sessions are leased (a later pass looks again).
-                let expired: Vec<String> = idle
-                    .iter()
-                    .take_while(|(updated, _)| *updated < idle_before)
-                    .take(max.saturating_mul(8))
-                    .filter(|(_, id)| {
-                        let meta = self.sessions.get(id);
-                        meta.is_some_and(|m| rules::expired(m, idle_before, now))
-                    })
-                    .map(|(_, id)| id.clone())
-                    .take(max)
-                    .collect();
-                for session_id in &expired {
-                    let meta = self.sessions.get(session_id);
-                    if let Deletion::Tombstone(tombstone) = rules::delete(meta, session_id, now)? {
-                        self.tombstone(session_id, tombstone, batch);
+                // The least recently updated sessions of the index's listing (a bounded
+                // prefix, so that one step stays short even when many of the oldest are
+                // leased: a later pass looks again), each then judged on its state now (a
+                // session changed since the index's last absorb is in the cache).
+                let look_at = max.saturating_mul(8);
+                let mut oldest: Vec<(i64, String)> = Vec::new();
+                for status in LISTED_STATUSES {
+                    for entry in self.index.oldest(status).take(look_at) {
+                        let (updated, id) = entry?;
+                        if updated >= idle_before {
+                            break;
+                        }
+                        oldest.push((updated, id));
+                    }
+                }
+                oldest.sort_unstable();
+                oldest.truncate(look_at);
+                let mut expired = Vec::new();
+                for (_, session_id) in oldest {
+                    if expired.len() >= max {
+                        break;
+                    }
+                    self.sessions.load(&session_id)?;
+                    let meta = self.sessions.get(&session_id);
+                    if !meta.is_some_and(|m| rules::expired(m, idle_before, now)) {
+                        continue;
+                    }
+                    if let Deletion::Tombstone(tombstone) = rules::delete(meta, &session_id, now)? {
+                        self.tombstone(&session_id, tombstone, batch);
+                        expired.push(session_id);
                     }
                 }
                 Ok(expired)
@@ -747,6 +762,7 @@ impl Writer {
             seqs: _,
         } = plan;
         let session_id = record.session_id.clone();
+        self.sessions.load(&session_id)?;
         rules::fork_target(self.sessions.get(&session_id), &session_id)?;
         let ids = self.recent_ids.entry(session_id.clone()).or_default();
         ids.reserve(copied.len() + fresh.len());
@@ -785,32 +801,23 @@ impl Writer {
         })
     }
 
-    /// Changes one session's state, keeping the runnable and idle orders in step.
+    /// Changes one session's state (loaded first), keeping the runnable order in step.
     fn update_session<T>(&mut self, session_id: &str, f: impl FnOnce(&mut SessionMeta) -> T) -> T {
-        let meta = match self.sessions.get_mut(session_id) {
-            Some(meta) => meta,
-            None => self.sessions.entry(session_id.to_string()).or_default(),
-        };
-        let before = (meta.is_runnable(), meta.updated_unix_ms, retained(meta));
-        let out = f(meta);
-        let after = (meta.is_runnable(), meta.updated_unix_ms, retained(meta));
-        if before != after {
-            if before.0 {
-                self.runnable.remove(&(before.1, session_id.to_string()));
-            }
-            if after.0 {
-                self.runnable.insert((after.1, session_id.to_string()));
-            }
-            if let Some(idle) = &mut self.idle {
-                if before.2 {
-                    idle.remove(&(before.1, session_id.to_string()));
+        let runnable = &mut self.runnable;
+        self.sessions.update(session_id, |meta| {
+            let before = (meta.is_runnable(), meta.updated_unix_ms);
+            let out = f(meta);
+            let after = (meta.is_runnable(), meta.updated_unix_ms);
+            if before != after {
+                if before.0 {
+                    runnable.remove(&(before.1, session_id.to_string()));
                 }
-                if after.2 {
-                    idle.insert((after.1, session_id.to_string()));
+                if after.0 {
+                    runnable.insert((after.1, session_id.to_string()));
                 }
             }
-        }
-        out
+            out
+        })
     }
 }
 
@@ -890,11 +897,6 @@ impl Op {
             }
         }
     }
-}
-
-/// Whether retention may ever take the session (it has events and was not deleted).
-fn retained(meta: &SessionMeta) -> bool {
-    meta.last_seq > 0 && !meta.is_deleted()
 }
 
 /// The most bytes of log one tombstone takes: frame and kind byte, the session id (at most

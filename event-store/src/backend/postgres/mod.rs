@@ -2,8 +2,9 @@
 //! database, and any number of store replicas serve it at once.
 //!
 //! How it keeps the contract of [`crate::backend`]:
-//! - **One round trip per append.** Each replica caches the sessions it has seen (their
-//!   [`SessionMeta`] and row `version`). An append runs the same rules as the local log
+//! - **One round trip per append.** Each replica caches the sessions it has seen lately
+//!   (their [`SessionMeta`] and row `version`, within `--session-cache` bytes, so that no
+//!   replica holds every session; [`StateCache`]). An append runs the same rules as the local log
 //!   ([`crate::rules`]) against that state, then sends one statement that lands only if
 //!   the session row is still at that version and none of the event ids exists: it bumps
 //!   the version, stores the new state and
@@ -66,7 +67,7 @@ use tokio_util::sync::CancellationToken;
 use crate::backend::{AppendAnswer, Backend, EventRun, Snapshot, SnapshotRead};
 use crate::backend::{AppendOp, ForkOp};
 use crate::clock::now_unix_ms;
-use crate::queries::{long_poll_claim, ClaimAttempt, ListQuery};
+use crate::queries::{self, long_poll_claim, ClaimAttempt, ListQuery};
 use crate::retention::{Retention, BATCH};
 use crate::rules::{self, Deletion};
 use crate::scope::Scope;
@@ -105,8 +106,6 @@ const RUNNABLE: i32 = SessionStatus::Runnable as i32;
 const RETENTION_BUSY_SHARE: f64 = 1.0 / 3.0;
 /// Retention's advisory lock: the replica that holds it runs the pass, the others skip it.
 pub const RETENTION_LOCK: i64 = 0x6167_656e_745f_7265; // "agent_re"
-/// Sessions a replica keeps in its cache; beyond this it starts over.
-const MAX_CACHED: usize = 100_000;
 /// Rows one transaction of an erasure deletes at most, so that it never holds many locks
 /// or writes much WAL at once.
 const ERASE_BATCH: i64 = 5_000;
@@ -145,6 +144,9 @@ pub struct PgConfig {
     pub poll_interval: Duration,
     /// `--retain-idle`, if set (run by one replica at a time).
     pub retention: Option<Retention>,
+    /// `--session-cache`: bytes of sessions' states the replica keeps at hand (the
+    /// database holds them all; a state not at hand is read with the next append's row).
+    pub cache_bytes: usize,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -166,6 +168,35 @@ pub struct Connector {
     pool: Pool,
     pg_config: tokio_postgres::Config,
     tls: MakeRustlsConnect,
+}
+
+/// The states a replica keeps at hand, bounded in bytes: past its budget it gives back
+/// states (the map's order decides which) down to three quarters of it. Any state may go:
+/// the database holds every one, and an append whose state is not at hand reads it with
+/// its row.
+struct StateCache {
+    states: HashMap<String, Cached>,
+    /// What `states` takes ([`SessionMeta::cached_bytes`]).
+    bytes: usize,
+    budget: usize,
+}
+
+impl StateCache {
+    fn shrink(&mut self) {
+        if self.bytes <= self.budget {
+            return;
+        }
+        let target = self.budget / 4 * 3;
+        let mut bytes = self.bytes;
+        self.states.retain(|id, cached| {
+            if bytes <= target {
+                return true;
+            }
+            bytes -= cached.meta.cached_bytes(id).min(bytes);
+            false
+        });
+        self.bytes = bytes;
+    }
 }
 
 #[derive(Clone)]
@@ -194,7 +225,7 @@ pub struct Replica {
     board: Arc<Board>,
     /// Wake-ups for the other replicas (absent in poll mode).
     notify: Option<mpsc::UnboundedSender<(String, bool)>>,
-    cache: Mutex<HashMap<String, Cached>>,
+    cache: Mutex<StateCache>,
     /// Appends ready to write, for the batch writer ([`batch`]).
     writes: mpsc::UnboundedSender<batch::Write>,
     health: Arc<Health>,
@@ -349,7 +380,11 @@ impl PgBackend {
             connector,
             board,
             notify,
-            cache: Mutex::new(HashMap::new()),
+            cache: Mutex::new(StateCache {
+                states: HashMap::new(),
+                bytes: 0,
+                budget: config.cache_bytes,
+            }),
             writes,
             health,
             poll_interval: config.poll_interval,
@@ -383,22 +418,96 @@ impl PgBackend {
         self.health.timed_error(e)
     }
 
+    /// `ListSessions` with a `query`: walks at most [`queries::QUERY_SCAN`] sessions of the
+    /// listing from the page token on (the text is matched on each), and a page that ends
+    /// where the walk stopped carries a token to go on from there.
+    async fn list_by_text(
+        &self,
+        client: &deadpool_postgres::Object,
+        query: &ListQuery,
+        (all, prefixes): (bool, &[String]),
+        (after_t, after_id, after_second): (Option<i64>, &str, i64),
+    ) -> Result<ListSessionsResponse, StoreError> {
+        let walk = queries::QUERY_SCAN as i64;
+        let rows = timed("list_sessions", async {
+            let stmt = client
+                .prepare_cached(
+                    "WITH walked AS MATERIALIZED (\
+                     SELECT session_id, meta, updated_second, updated_unix_ms, \
+                     (strpos(lower(session_id), $4) > 0 \
+                     OR strpos(lower(first_user_text), $4) > 0) AS hit \
+                     FROM agentlog_sessions WHERE last_seq > 0 \
+                     AND ($1 OR EXISTS (SELECT 1 FROM unnest($2::text[]) p \
+                     WHERE starts_with(session_id, p))) \
+                     AND ($3 = 0 OR status = $3) \
+                     AND updated_second <= $8 \
+                     AND ($5::bigint IS NULL OR updated_unix_ms < $5 \
+                     OR (updated_unix_ms = $5 AND session_id > $6)) \
+                     ORDER BY updated_second DESC, updated_unix_ms DESC, session_id \
+                     LIMIT $7) \
+                     SELECT session_id, CASE WHEN hit THEN meta END, hit, updated_unix_ms \
+                     FROM walked \
+                     ORDER BY updated_second DESC, updated_unix_ms DESC, session_id",
+                )
+                .await?;
+            client
+                .query(
+                    &stmt,
+                    &[
+                        &all,
+                        &prefixes,
+                        &(query.status as i32),
+                        &query.text,
+                        &after_t,
+                        &after_id,
+                        &walk,
+                        &after_second,
+                    ],
+                )
+                .await
+        })
+        .await
+        .map_err(|e| self.timed_error(e))?;
+        let now = now_unix_ms();
+        let mut sessions = Vec::new();
+        for row in &rows {
+            if !row.get::<_, bool>(2) {
+                continue;
+            }
+            let id: String = row.get(0);
+            let meta = decode_meta(row.get(1))?;
+            sessions.push((meta.updated_unix_ms, id.clone(), meta.info(&id, now)));
+            if sessions.len() > query.page_size {
+                break;
+            }
+        }
+        let looked_to = (rows.len() as i64 >= walk).then(|| {
+            let last = rows.last().expect("walked");
+            (last.get::<_, i64>(3), last.get::<_, String>(0))
+        });
+        Ok(query.page_through(sessions, looked_to))
+    }
+
     fn cached(&self, session_id: &str) -> Option<Cached> {
         let cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
-        cache.get(session_id).cloned()
+        cache.states.get(session_id).cloned()
     }
 
     fn remember(&self, session_id: &str, state: &Cached) {
         let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
-        if cache.len() >= MAX_CACHED && !cache.contains_key(session_id) {
-            cache.clear();
-        }
-        match cache.get_mut(session_id) {
-            Some(cached) => *cached = state.clone(),
+        let bytes = state.meta.cached_bytes(session_id);
+        match cache.states.get_mut(session_id) {
+            Some(cached) => {
+                let before = cached.meta.cached_bytes(session_id);
+                *cached = state.clone();
+                cache.bytes = cache.bytes - before.min(cache.bytes) + bytes;
+            }
             None => {
-                cache.insert(session_id.to_string(), state.clone());
+                cache.states.insert(session_id.to_string(), state.clone());
+                cache.bytes += bytes;
             }
         }
+        cache.shrink();
     }
 
     /// Tells followers and claimants here and on the other replicas that the session
@@ -1086,24 +1195,41 @@ impl Backend for PgBackend {
         // The bound on the indexed `updated_second` (the same division PostgreSQL computes
         // it with), so that a later page starts its index walk where the previous ended.
         let after_second = after_t.map_or(i64::MAX, |t| t / 1000);
-        let limit = query.page_size as i64 + 1;
         let client = self.client().await?;
-        let rows = timed("list_sessions", async {
-            let stmt = client
-                .prepare_cached(
-                    "SELECT session_id, meta FROM agentlog_sessions WHERE last_seq > 0 \
-                     AND ($1 OR EXISTS (SELECT 1 FROM unnest($2::text[]) p \
-                     WHERE starts_with(session_id, p))) \
-                     AND ($3 = 0 OR status = $3) \
-                     AND ($4 = '' OR strpos(lower(session_id), $4) > 0 \
-                     OR strpos(lower(first_user_text), $4) > 0) \
-                     AND updated_second <= $8 \
-                     AND ($5::bigint IS NULL OR updated_unix_ms < $5 \
-                     OR (updated_unix_ms = $5 AND session_id > $6)) \
-                     ORDER BY updated_second DESC, updated_unix_ms DESC, session_id \
-                     LIMIT $7",
+        if !query.text.is_empty() {
+            return self
+                .list_by_text(
+                    &client,
+                    &query,
+                    (all, &prefixes),
+                    (after_t, &after_id, after_second),
                 )
-                .await?;
+                .await;
+        }
+        let limit = query.page_size as i64 + 1;
+        // A statement per status filter, the status written into it, so that the planner
+        // (which plans once for every call, `force_generic_plan`) knows how rare it is: a
+        // rare status walks the (status, update time) index, a common one the update
+        // time's; either way in order, so a page costs the page.
+        let status = query.status as i32;
+        let status_filter = if status == 0 {
+            "$3 = 0".to_string()
+        } else {
+            format!("$3 = {status} AND status = {status}")
+        };
+        let sql = format!(
+            "SELECT session_id, meta FROM agentlog_sessions WHERE last_seq > 0 \
+             AND ($1 OR EXISTS (SELECT 1 FROM unnest($2::text[]) p \
+             WHERE starts_with(session_id, p))) \
+             AND {status_filter} \
+             AND updated_second <= $7 \
+             AND ($4::bigint IS NULL OR updated_unix_ms < $4 \
+             OR (updated_unix_ms = $4 AND session_id > $5)) \
+             ORDER BY updated_second DESC, updated_unix_ms DESC, session_id \
+             LIMIT $6"
+        );
+        let rows = timed("list_sessions", async {
+            let stmt = client.prepare_cached(&sql).await?;
             client
                 .query(
                     &stmt,
@@ -1111,7 +1237,6 @@ impl Backend for PgBackend {
                         &all,
                         &prefixes,
                         &(query.status as i32),
-                        &query.text,
                         &after_t,
                         &after_id,
                         &limit,

@@ -124,6 +124,10 @@ DROP INDEX agentlog_sessions_recent;
 CREATE INDEX agentlog_sessions_recent ON agentlog_sessions (updated_second DESC)
     WHERE last_seq > 0;
 "#,
+    r#"
+CREATE INDEX agentlog_sessions_by_status ON agentlog_sessions (status, updated_second DESC)
+    WHERE last_seq > 0;
+"#,
 ];
 
 /// The schema version this build writes.

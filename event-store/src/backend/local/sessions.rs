@@ -1,0 +1,124 @@
+//! The writer's sessions: a cache of the states it decides against, bounded in bytes
+//! (`event-store --session-cache`), over the index, which holds every session's state.
+//!
+//! The writer loads a session's state before it decides an op of that session
+//! ([`Sessions::load`]) and changes it in place. A state changed since the index last
+//! absorbed is the only copy of that change outside the log, so the cache gives back room
+//! only right after an absorb ([`Sessions::shrink`]), when every state it holds is also in
+//! the index; until then it may run over its budget by what one absorb window touched.
+//! An idle session therefore costs the store no memory: only its entries in the index.
+
+use std::collections::HashMap;
+
+use crate::backend::local::index::{Index, IndexError};
+use crate::session::SessionMeta;
+
+/// `--session-cache` when not given.
+pub const DEFAULT_CACHE_BYTES: usize = 64 << 20;
+
+pub struct Sessions {
+    states: HashMap<String, SessionMeta>,
+    index: Index,
+    /// What `states` takes, by [`cost`].
+    bytes: usize,
+    budget: usize,
+}
+
+fn cost(session_id: &str, meta: &SessionMeta) -> usize {
+    meta.cached_bytes(session_id)
+}
+
+impl Sessions {
+    pub fn new(index: Index, budget: usize) -> Sessions {
+        Sessions {
+            states: HashMap::new(),
+            index,
+            bytes: 0,
+            budget,
+        }
+    }
+
+    /// Makes sure the session's state is at hand, if the session exists.
+    pub fn load(&mut self, session_id: &str) -> Result<(), IndexError> {
+        if self.states.contains_key(session_id) {
+            return Ok(());
+        }
+        if let Some(meta) = self.index.session(session_id)? {
+            self.bytes += cost(session_id, &meta);
+            self.states.insert(session_id.to_string(), meta);
+        }
+        Ok(())
+    }
+
+    /// The state of a session [`Sessions::load`]ed in this batch, if it exists.
+    pub fn get(&self, session_id: &str) -> Option<&SessionMeta> {
+        self.states.get(session_id)
+    }
+
+    /// Changes a loaded session's state (a new one starts empty).
+    pub fn update<T>(&mut self, session_id: &str, f: impl FnOnce(&mut SessionMeta) -> T) -> T {
+        let (meta, before) = match self.states.get_mut(session_id) {
+            Some(meta) => {
+                let before = cost(session_id, meta);
+                (meta, before)
+            }
+            None => (self.states.entry(session_id.to_string()).or_default(), 0),
+        };
+        let out = f(meta);
+        self.bytes = self.bytes - before.min(self.bytes) + cost(session_id, meta);
+        out
+    }
+
+    /// Right after an absorb (every state here is in the index): gives back states until
+    /// the cache is within three quarters of its budget, so that it does not do so at
+    /// every absorb. Which ones go is the map's order: a hot session that goes is read
+    /// back at its next op.
+    pub fn shrink(&mut self) {
+        if self.bytes <= self.budget {
+            return;
+        }
+        let target = self.budget / 4 * 3;
+        let mut bytes = self.bytes;
+        self.states.retain(|id, meta| {
+            if bytes <= target {
+                return true;
+            }
+            bytes -= cost(id, meta).min(bytes);
+            false
+        });
+        self.bytes = bytes;
+    }
+
+    /// The states at hand, for the index's absorb (it writes those its batch touched) and
+    /// the published view.
+    pub fn states(&self) -> &HashMap<String, SessionMeta> {
+        &self.states
+    }
+
+    #[cfg(test)]
+    fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cache_stays_within_its_budget_and_reads_back_what_it_gave_up() {
+        let dir = tempfile::tempdir().unwrap();
+        let index = Index::open(dir.path()).unwrap();
+        let mut sessions = Sessions::new(index, 10_000);
+        for i in 0..1000 {
+            sessions.update(&format!("s-{i}"), |m| m.last_seq = i);
+        }
+        assert!(sessions.bytes() > 10_000);
+        sessions.shrink();
+        assert!(sessions.bytes() <= 7_500, "{}", sessions.bytes());
+        assert!(sessions.states().len() < 1000);
+        // Never absorbed here, so what went is gone; in the store, every state given up is
+        // in the index and comes back on load.
+        sessions.load("s-1").unwrap();
+    }
+}
