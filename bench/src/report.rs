@@ -606,7 +606,7 @@ impl Report {
         )?;
         let (events, interval, fan) = &self.fan_out;
         if fan.is_empty() {
-            return Ok(());
+            return self.render_followers(md);
         }
         writeln!(
             md,
