@@ -11,6 +11,8 @@
 use agentlog_proto::v1::{
     event, ContentBlock, Event, ForkedFrom, Lease, SessionInfo, SessionStatus,
 };
+use std::collections::HashMap;
+
 use prost::Message;
 
 /// A lease grant, renewal or release for one session, as the rules decide on it (and as the
@@ -309,6 +311,30 @@ fn truncate_chars_to_bytes(text: &str, max: usize) -> String {
         end -= 1;
     }
     text[..end].to_string()
+}
+
+/// Gives back states of a cache of them that takes `bytes` ([`SessionMeta::cached_bytes`])
+/// past its `budget`, in the map's order, until it takes at most three quarters of the
+/// budget (so that it does not do so at every insert); returns what it takes then.
+pub fn shrink_cache<V>(
+    states: &mut HashMap<String, V>,
+    bytes: usize,
+    budget: usize,
+    meta: impl Fn(&V) -> &SessionMeta,
+) -> usize {
+    if bytes <= budget {
+        return bytes;
+    }
+    let target = budget / 4 * 3;
+    let mut bytes = bytes;
+    states.retain(|id, state| {
+        if bytes <= target {
+            return true;
+        }
+        bytes -= meta(state).cached_bytes(id).min(bytes);
+        false
+    });
+    bytes
 }
 
 /// Events for the unit tests of the session rules here and in `rules.rs`.

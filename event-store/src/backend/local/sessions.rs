@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 
 use crate::backend::local::index::{Index, IndexError};
-use crate::session::SessionMeta;
+use crate::session::{shrink_cache, SessionMeta};
 
 /// `--session-cache` when not given.
 pub const DEFAULT_CACHE_BYTES: usize = 64 << 20;
@@ -74,19 +74,7 @@ impl Sessions {
     /// every absorb. Which ones go is the map's order: a hot session that goes is read
     /// back at its next op.
     pub fn shrink(&mut self) {
-        if self.bytes <= self.budget {
-            return;
-        }
-        let target = self.budget / 4 * 3;
-        let mut bytes = self.bytes;
-        self.states.retain(|id, meta| {
-            if bytes <= target {
-                return true;
-            }
-            bytes -= cost(id, meta).min(bytes);
-            false
-        });
-        self.bytes = bytes;
+        self.bytes = shrink_cache(&mut self.states, self.bytes, self.budget, |m| m);
     }
 
     /// The states at hand, for the index's absorb (it writes those its batch touched) and
@@ -103,22 +91,46 @@ impl Sessions {
 
 #[cfg(test)]
 mod tests {
+    use agentlog_proto::v1::Event;
+
     use super::*;
+    use crate::backend::local::index::IndexBatch;
+    use crate::backend::local::log::{Position, Record};
 
     #[test]
-    fn the_cache_stays_within_its_budget_and_reads_back_what_it_gave_up() {
+    fn the_cache_gives_back_room_after_an_absorb_and_reads_back_what_it_gave_up() {
         let dir = tempfile::tempdir().unwrap();
         let index = Index::open(dir.path()).unwrap();
-        let mut sessions = Sessions::new(index, 10_000);
-        for i in 0..1000 {
-            sessions.update(&format!("s-{i}"), |m| m.last_seq = i);
+        let mut sessions = Sessions::new(index.clone(), 10_000);
+        let mut batch = IndexBatch::default();
+        for i in 0..1000u64 {
+            let id = format!("s-{i}");
+            let event = Event {
+                session_id: id.clone(),
+                seq: 1,
+                event_id: format!("e-{i}"),
+                ts_unix_ms: i as i64,
+                ..Default::default()
+            };
+            sessions.update(&id, |m| m.apply_event(&event));
+            let position = Position {
+                offset: i * 100,
+                len: 100,
+            };
+            batch.add(position, &Record::Event(event));
         }
-        assert!(sessions.bytes() > 10_000);
+        assert!(sessions.bytes() > 10_000, "over budget until the absorb");
+        index.apply(batch, sessions.states(), 100_000).unwrap();
         sessions.shrink();
         assert!(sessions.bytes() <= 7_500, "{}", sessions.bytes());
         assert!(sessions.states().len() < 1000);
-        // Never absorbed here, so what went is gone; in the store, every state given up is
-        // in the index and comes back on load.
-        sessions.load("s-1").unwrap();
+        for i in [0u64, 500, 999] {
+            let id = format!("s-{i}");
+            sessions.load(&id).unwrap();
+            let meta = sessions.get(&id).expect("read back from the index");
+            assert_eq!((meta.last_seq, meta.updated_unix_ms), (1, i as i64));
+        }
+        sessions.load("never-was").unwrap();
+        assert!(sessions.get("never-was").is_none());
     }
 }

@@ -183,19 +183,8 @@ struct StateCache {
 
 impl StateCache {
     fn shrink(&mut self) {
-        if self.bytes <= self.budget {
-            return;
-        }
-        let target = self.budget / 4 * 3;
-        let mut bytes = self.bytes;
-        self.states.retain(|id, cached| {
-            if bytes <= target {
-                return true;
-            }
-            bytes -= cached.meta.cached_bytes(id).min(bytes);
-            false
-        });
-        self.bytes = bytes;
+        self.bytes =
+            crate::session::shrink_cache(&mut self.states, self.bytes, self.budget, |c| &c.meta);
     }
 }
 
