@@ -13,8 +13,10 @@ dir at start. Prints one JSON line: what arrived; exits 1 on any failure.
 """
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -49,6 +51,7 @@ def main():
     import grpc
 
     out_dir = tempfile.mkdtemp(prefix="agentlog-stubs-")
+    atexit.register(shutil.rmtree, out_dir, True)
     generate_stubs(args.proto_dir, out_dir)
     from agentlog.v1 import event_store_pb2, event_store_pb2_grpc, events_pb2
 
