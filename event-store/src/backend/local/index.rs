@@ -22,7 +22,7 @@
 //!
 //! No text of a session is ever written into sled: a session's entry keeps the seq of its
 //! first user message, not the message (its title and `ListSessions` text are read back
-//! from the log at open, [`Index::without_text`]). sled keeps the old versions of what it
+//! from the log when asked, [`Index::without_text`]). sled keeps the old versions of what it
 //! overwrote or removed in its files until it happens to rewrite them, so this is what
 //! makes a deleted session's text leave the disk with the log's segments. What sled may go
 //! on holding of a deleted session is its id, its event ids and its records' positions.

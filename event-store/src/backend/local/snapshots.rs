@@ -10,7 +10,8 @@
 //! - A snapshot is derived data: losing one costs a reader a longer read of the log, never
 //!   correctness, so the directory is not part of recovery and the log never refers to it.
 //! - A deleted session's snapshots go with it: its directory is removed once its tombstone
-//!   is durable (and again at open, for a deletion a crash cut short), and a put that checks
+//!   is durable (and again by the reclamation that erases the session, and at open for one
+//!   awaiting it: a deletion a crash cut short), and a put that checks
 //!   the session while removals are held off can never write one back.
 
 use std::io::Write;
