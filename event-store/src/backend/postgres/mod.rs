@@ -425,7 +425,7 @@ impl PgBackend {
                      SELECT session_id, meta, updated_second, updated_unix_ms, \
                      (strpos(lower(session_id), $4) > 0 \
                      OR strpos(lower(first_user_text), $4) > 0) AS hit \
-                     FROM agentlog_sessions WHERE last_seq > 0 \
+                     FROM agentlog_sessions WHERE deleted_unix_ms = 0 AND last_seq > 0 \
                      AND ($1 OR EXISTS (SELECT 1 FROM unnest($2::text[]) p \
                      WHERE starts_with(session_id, p))) \
                      AND ($3 = 0 OR status = $3) \
@@ -1207,7 +1207,8 @@ impl Backend for PgBackend {
             format!("$3 = {status} AND status = {status}")
         };
         let sql = format!(
-            "SELECT session_id, meta FROM agentlog_sessions WHERE last_seq > 0 \
+            "SELECT session_id, meta FROM agentlog_sessions \
+             WHERE deleted_unix_ms = 0 AND last_seq > 0 \
              AND ($1 OR EXISTS (SELECT 1 FROM unnest($2::text[]) p \
              WHERE starts_with(session_id, p))) \
              AND {status_filter} \
@@ -1547,7 +1548,8 @@ async fn retention_pass(
             let rows = client
                 .query(
                     "SELECT session_id, version, meta FROM agentlog_sessions \
-                     WHERE updated_second <= $1 AND updated_unix_ms < $2 AND last_seq > 0 \
+                     WHERE updated_second <= $1 AND updated_unix_ms < $2 \
+                     AND deleted_unix_ms = 0 AND last_seq > 0 \
                      AND lease_expires_unix_ms <= $3 ORDER BY updated_second LIMIT $4",
                     &[&(idle_before / 1000), &idle_before, &now, &(BATCH as i64)],
                 )

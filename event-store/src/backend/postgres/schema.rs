@@ -35,10 +35,17 @@
 //!   of version 4 lets the tombstone clear the text. `agentlog_erasures` lists the deleted
 //!   sessions whose rows (events, snapshots) are still being deleted; the tombstone and its
 //!   entry are written in one statement, the rows go afterwards in bounded transactions.
-//!   The index on `updated_second` holds live sessions only (`last_seq > 0`, which
-//!   `ListSessions` asks for too), so that a retention pass, which walks it from the oldest,
-//!   never walks over the tombstones it left (a pass deleting 100,000 sessions otherwise
-//!   walked over every tombstone of the batches before, step after step).
+//!   The index on `updated_second` holds live sessions only, so that a retention pass,
+//!   which walks it from the oldest, never walks over the tombstones it left (a pass
+//!   deleting 100,000 sessions otherwise walked over every tombstone of the batches
+//!   before, step after step).
+//! - Version 6: the live sessions are told by `deleted_unix_ms = 0` (version 5 said
+//!   `last_seq > 0`: a column in an index's predicate counts as indexed, so every append,
+//!   which moves `last_seq`, was a non-HOT update; measured, 1,000 updates of `last_seq`
+//!   alone: 0 HOT under version 5, 1,000 under 6), and `(status, updated_second)` serves
+//!   `ListSessions` with a status filter. The queries name both conditions, so that
+//!   replicas of version 5 during a rolling update still find rows right (their queries
+//!   then walk without the partial indexes until they are replaced).
 //!
 //! [`SessionMeta`]: crate::session::SessionMeta
 
@@ -125,8 +132,11 @@ CREATE INDEX agentlog_sessions_recent ON agentlog_sessions (updated_second DESC)
     WHERE last_seq > 0;
 "#,
     r#"
+DROP INDEX agentlog_sessions_recent;
+CREATE INDEX agentlog_sessions_recent ON agentlog_sessions (updated_second DESC)
+    WHERE deleted_unix_ms = 0;
 CREATE INDEX agentlog_sessions_by_status ON agentlog_sessions (status, updated_second DESC)
-    WHERE last_seq > 0;
+    WHERE deleted_unix_ms = 0;
 "#,
 ];
 
