@@ -15,6 +15,11 @@ use event_store::backend::AppendOp;
 use event_store::backend::EventRun;
 use tokio_util::sync::CancellationToken;
 
+/// The session cache of the stores these tests open: room for a few states, so that
+/// crashes, recoveries and reclamations meet states read back from the index, as in a
+/// store that holds many more sessions than it serves.
+const CACHE_BYTES: usize = 2048;
+
 /// Opens (and recovers) a store whose log lives on `disk` and whose index is in `index_dir`.
 /// Its segments are not preallocated, so a file's length is the log's length (which the
 /// property tests assert on).
@@ -69,7 +74,7 @@ fn try_open_store_reclaiming(
     log_config: LogConfig,
     reclaim: ReclaimConfig,
 ) -> Result<Store, event_store::backend::local::OpenError> {
-    try_open_store_caching(disk, index_dir, log_config, reclaim, 64 << 20)
+    try_open_store_caching(disk, index_dir, log_config, reclaim, CACHE_BYTES)
 }
 
 /// Like [`open_store`], with a session cache of `cache_bytes` (a tiny one makes the store
