@@ -203,12 +203,16 @@ impl Reclaimer {
         if let Some(dead) = self.dead.get(session_id) {
             return Ok(dead.clone());
         }
+        // The positions the index has not absorbed are read first: an absorb between the
+        // two reads then moves them into the index before it is read, and none is missed
+        // (read the other way round, an absorb in between hid them from both).
+        let recent = self.shared.recent.positions(session_id, 1, usize::MAX);
         let mut positions = self
             .index
             .positions(session_id, 1, usize::MAX)
             .map_err(StoreError::from)?;
         let after = positions.last().map_or(1, |(seq, _)| seq + 1);
-        positions.extend(self.shared.recent.positions(session_id, after, usize::MAX));
+        positions.extend(recent.into_iter().filter(|(seq, _)| *seq >= after));
         let unindexed = self
             .index
             .dead_positions(session_id)
