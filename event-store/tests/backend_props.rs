@@ -148,13 +148,24 @@ async fn appenders(replicas: &Replicas, seed: u64) {
             acked
         }));
     }
+    log_holds_what_was_acknowledged(replicas.a.as_ref(), &session, tasks).await;
+}
+
+/// The writers' acknowledgements (each id with its seq; a retried id may come twice, with
+/// the same seq) against the session's log read once they are all done: gapless, every
+/// acknowledged id once, where it was acknowledged, and nothing else.
+async fn log_holds_what_was_acknowledged(
+    backend: &dyn Backend,
+    session: &str,
+    tasks: Vec<tokio::task::JoinHandle<Vec<(String, u64)>>>,
+) {
     let mut acked: HashMap<String, u64> = HashMap::new();
     for task in tasks {
         for (id, seq) in task.await.unwrap() {
             assert_eq!(*acked.entry(id).or_insert(seq), seq);
         }
     }
-    let log = read_all(replicas.a.as_ref(), &session).await;
+    let log = read_all(backend, session).await;
     let seqs: Vec<u64> = log.iter().map(|e| e.seq).collect();
     assert_eq!(seqs, (1..=log.len() as u64).collect::<Vec<_>>(), "gapless");
     let by_id: HashMap<&str, u64> = log.iter().map(|e| (e.event_id.as_str(), e.seq)).collect();
@@ -483,29 +494,7 @@ async fn pipelined(replicas: &Replicas, seed: u64) {
             acked
         }));
     }
-    let mut acked: HashMap<String, u64> = HashMap::new();
-    for task in tasks {
-        for (id, seq) in task.await.unwrap() {
-            assert_eq!(*acked.entry(id).or_insert(seq), seq);
-        }
-    }
-    let log = read_all(replicas.b.as_ref(), &session).await;
-    let seqs: Vec<u64> = log.iter().map(|e| e.seq).collect();
-    assert_eq!(seqs, (1..=log.len() as u64).collect::<Vec<_>>(), "gapless");
-    let by_id: HashMap<&str, u64> = log.iter().map(|e| (e.event_id.as_str(), e.seq)).collect();
-    assert_eq!(by_id.len(), log.len(), "every id is in the log once");
-    assert_eq!(
-        by_id.len(),
-        acked.len(),
-        "every acknowledged id, nothing else"
-    );
-    for (id, seq) in &acked {
-        assert_eq!(
-            by_id.get(id.as_str()),
-            Some(seq),
-            "{id} is where it was acknowledged"
-        );
-    }
+    log_holds_what_was_acknowledged(replicas.b.as_ref(), &session, tasks).await;
 }
 
 async fn deletion_races(replicas: &Replicas, seed: u64) {

@@ -347,6 +347,31 @@ pub fn user_event(event_id: &str, text: &str) -> Event {
     }
 }
 
+/// Checks a session's log against what its writers were acknowledged (event id → seq):
+/// gapless seqs, every event id once, and every acknowledged id at its seq.
+pub fn assert_log_holds(
+    session: &str,
+    log: &[Event],
+    acked: &std::collections::BTreeMap<String, u64>,
+) {
+    let seqs: Vec<u64> = log.iter().map(|e| e.seq).collect();
+    assert_eq!(
+        seqs,
+        (1..=log.len() as u64).collect::<Vec<_>>(),
+        "{session}: gapless"
+    );
+    let in_log: std::collections::BTreeMap<&str, u64> =
+        log.iter().map(|e| (e.event_id.as_str(), e.seq)).collect();
+    assert_eq!(in_log.len(), log.len(), "{session}: every event id once");
+    for (id, seq) in acked {
+        assert_eq!(
+            in_log.get(id.as_str()),
+            Some(seq),
+            "{session}: acknowledged {id} is there, at its seq"
+        );
+    }
+}
+
 /// The whole log of a session (empty if it does not exist); panics if it cannot be read.
 pub async fn read_log(client: &mut EventStoreClient<Channel>, session_id: &str) -> Vec<Event> {
     agentlog_client::log::read_log(client, session_id)

@@ -26,7 +26,9 @@ use agentlog_proto::v1::{
 };
 use integration_tests::anthropic_standin::{AnthropicStandin, StandinReply};
 use integration_tests::pg::{pg_bin, Postgres};
-use integration_tests::{bin_path, poll_until, read_log, user_event, Backing, Store};
+use integration_tests::{
+    assert_log_holds, bin_path, poll_until, read_log, user_event, Backing, Store,
+};
 use runner_support::{
     assert_exactly_once, history, key_counts, start_runner, tool_use_ids, user_says, wait_idle,
 };
@@ -360,22 +362,7 @@ async fn a_failover_loses_no_acknowledged_event_and_answers_only_unavailable() {
     let mut reader = client(&replicas[1]).await;
     for session in &sessions {
         let log = read_log(&mut reader, session).await;
-        let seqs: Vec<u64> = log.iter().map(|e| e.seq).collect();
-        assert_eq!(
-            seqs,
-            (1..=log.len() as u64).collect::<Vec<_>>(),
-            "{session}: gapless"
-        );
-        let in_log: BTreeMap<&str, u64> =
-            log.iter().map(|e| (e.event_id.as_str(), e.seq)).collect();
-        assert_eq!(in_log.len(), log.len(), "{session}: every id once");
-        for (id, seq) in &acked.events[session] {
-            assert_eq!(
-                in_log.get(id.as_str()),
-                Some(seq),
-                "{session}: acknowledged {id} is there"
-            );
-        }
+        assert_log_holds(session, &log, &acked.events[session]);
         for (followed, seen) in followers.iter().filter(|(s, _)| s == session) {
             tokio::task::block_in_place(|| {
                 poll_until("the followers to catch up", BOUND, || {

@@ -19,7 +19,7 @@ use agentlog_proto::v1::event_store_client::EventStoreClient;
 use agentlog_proto::v1::AppendRequest;
 use integration_tests::netns::NetNs;
 use integration_tests::pg::Postgres;
-use integration_tests::{bin_path, read_log, user_event, Backing, Store};
+use integration_tests::{assert_log_holds, bin_path, read_log, user_event, Backing, Store};
 use tonic::transport::Channel;
 use tonic::Code;
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -209,21 +209,6 @@ async fn a_replica_cut_off_from_its_database_answers_unavailable_and_recovers() 
     let mut reader = store.client().await.unwrap();
     for (session, acked) in &seen.acked {
         let log = read_log(&mut reader, session).await;
-        let seqs: Vec<u64> = log.iter().map(|e| e.seq).collect();
-        assert_eq!(
-            seqs,
-            (1..=log.len() as u64).collect::<Vec<_>>(),
-            "{session}: gapless"
-        );
-        let in_log: BTreeMap<&str, u64> =
-            log.iter().map(|e| (e.event_id.as_str(), e.seq)).collect();
-        assert_eq!(in_log.len(), log.len(), "{session}: nothing written twice");
-        for (id, seq) in acked {
-            assert_eq!(
-                in_log.get(id.as_str()),
-                Some(seq),
-                "{session}: acknowledged {id} is there, at its seq"
-            );
-        }
+        assert_log_holds(session, &log, acked);
     }
 }

@@ -29,7 +29,9 @@ use std::sync::Arc;
 
 use agentlog_client::StoreClient;
 use agentlog_proto::reason::Reason;
-use agentlog_proto::v1::{GetSessionRequest, ListSessionsRequest, SessionInfo};
+use agentlog_proto::v1::{
+    GetSessionRequest, ListSessionsRequest, ListSessionsResponse, SessionInfo,
+};
 
 use super::area::{parse_hex, Hash, Kind};
 use super::tree::{EntryKind, Tree};
@@ -117,21 +119,26 @@ pub async fn collect_garbage(
     })
 }
 
+/// One page of `ListSessions` from `token` on.
+async fn page(client: &StoreClient, token: &str) -> Result<ListSessionsResponse, tonic::Status> {
+    Ok(client
+        .clone()
+        .list_sessions(ListSessionsRequest {
+            page_size: PAGE,
+            page_token: token.to_string(),
+            ..ListSessionsRequest::default()
+        })
+        .await?
+        .into_inner())
+}
+
 /// Every session that exists throughout the listing (and some that came or went).
 async fn every_session(client: &StoreClient) -> Result<Vec<SessionInfo>, tonic::Status> {
     let mut sessions = Vec::new();
     let mut token = String::new();
     let mut since: Option<i64> = None;
     loop {
-        let page = client
-            .clone()
-            .list_sessions(ListSessionsRequest {
-                page_size: PAGE,
-                page_token: token.clone(),
-                ..ListSessionsRequest::default()
-            })
-            .await?
-            .into_inner();
+        let page = page(client, &token).await?;
         if since.is_none() {
             since = Some(
                 page.sessions
@@ -149,15 +156,7 @@ async fn every_session(client: &StoreClient) -> Result<Vec<SessionInfo>, tonic::
     let since = since.unwrap_or(i64::MIN);
     let mut token = String::new();
     loop {
-        let page = client
-            .clone()
-            .list_sessions(ListSessionsRequest {
-                page_size: PAGE,
-                page_token: token.clone(),
-                ..ListSessionsRequest::default()
-            })
-            .await?
-            .into_inner();
+        let page = page(client, &token).await?;
         let recent = page.sessions.iter().all(|s| s.updated_unix_ms >= since);
         sessions.extend(
             page.sessions

@@ -323,6 +323,17 @@ mod tests {
         (file, placed)
     }
 
+    /// A plain segment rewritten whole into a new file without the records of `dead`.
+    fn rewrite_without(
+        source: &dyn SegmentFile,
+        dead: &[u8],
+    ) -> (Arc<dyn SegmentFile>, Option<Rewrite>) {
+        let out = SimStorage::new().create(1).unwrap();
+        let len = source.size().unwrap();
+        let rewritten = rewrite(source, None, len, &out, |s| s == dead, &mut go_on).unwrap();
+        (out, rewritten)
+    }
+
     #[test]
     fn a_rewrite_keeps_the_live_records_at_their_offsets_and_drops_the_dead_ones() {
         let records = vec![
@@ -343,18 +354,8 @@ mod tests {
         ];
         let (source, placed) = segment(&records);
         let len = source.size().unwrap();
-        let storage = SimStorage::new();
-        let out = storage.create(1).unwrap();
-        let rewrite = rewrite(
-            source.as_ref(),
-            None,
-            len,
-            &out,
-            |s| s == b"dead",
-            &mut go_on,
-        )
-        .unwrap()
-        .expect("something was dropped");
+        let (out, rewrite) = rewrite_without(source.as_ref(), b"dead");
+        let rewrite = rewrite.expect("something was dropped");
         assert_eq!(rewrite.dropped_records, 3);
         let map = read_map(out.as_ref())
             .unwrap()
@@ -427,19 +428,8 @@ mod tests {
             event("live", 3, "small again"),
         ];
         let (source, placed) = segment(&records);
-        let len = source.size().unwrap();
-        let storage = SimStorage::new();
-        let out = storage.create(1).unwrap();
-        let rewrite = rewrite(
-            source.as_ref(),
-            None,
-            len,
-            &out,
-            |s| s == b"dead",
-            &mut go_on,
-        )
-        .unwrap()
-        .expect("one dropped");
+        let (out, rewrite) = rewrite_without(source.as_ref(), b"dead");
+        let rewrite = rewrite.expect("one dropped");
         assert_eq!(rewrite.dropped_records, 1);
         for (offset, rec_len, bytes) in [&placed[0], &placed[2], &placed[3]] {
             let at = rewrite.map.physical(*offset, *rec_len).expect("kept");
@@ -454,12 +444,8 @@ mod tests {
         let (plain, _) = segment(&[event("a", 1, "hello")]);
         assert_eq!(read_map(plain.as_ref()).unwrap(), None);
         let (source, _) = segment(&[event("a", 1, "one"), event("b", 1, "two")]);
-        let len = source.size().unwrap();
-        let storage = SimStorage::new();
-        let out = storage.create(1).unwrap();
-        rewrite(source.as_ref(), None, len, &out, |s| s == b"a", &mut go_on)
-            .unwrap()
-            .unwrap();
+        let (out, rewritten) = rewrite_without(source.as_ref(), b"a");
+        rewritten.unwrap();
         let size = out.size().unwrap();
         for at in size - FOOTER_BYTES as u64 - RUN_BYTES as u64..size - 8 {
             let mut byte = [0u8];
@@ -470,7 +456,8 @@ mod tests {
         }
         // A damaged record in the source stops the rewrite.
         source.write_all_at(&[0xff], 12).unwrap();
-        let out2 = storage.create(2).unwrap();
+        let out2 = SimStorage::new().create(2).unwrap();
+        let len = source.size().unwrap();
         assert!(matches!(
             rewrite(source.as_ref(), None, len, &out2, |s| s == b"a", &mut go_on),
             Err(RewriteError::Bad(0, _))
