@@ -564,19 +564,7 @@ impl Writer {
             self.recent_ids.insert(session_id.clone(), HashMap::new());
         }
         let ids = self.recent_ids.get_mut(session_id).expect("inserted above");
-        for event in &mut fresh {
-            if event.event_id.is_empty() {
-                // Names its own seq, so it needs no index entry (see `index`); the random
-                // part keeps it from meeting an id a client chose.
-                event.event_id = format!(
-                    "{GENERATED_ID_PREFIX}{}-{}",
-                    event.seq,
-                    crate::ids::random_uuid().simple()
-                );
-            } else {
-                ids.insert(event.event_id.clone(), event.seq);
-            }
-        }
+        name_fresh(&mut fresh, ids);
 
         let last_seq = self.update_session(session_id, |meta| {
             for event in &fresh {
@@ -771,17 +759,7 @@ impl Writer {
                 ids.insert(event.event_id.clone(), event.seq);
             }
         }
-        for event in &mut fresh {
-            if event.event_id.is_empty() {
-                event.event_id = format!(
-                    "{GENERATED_ID_PREFIX}{}-{}",
-                    event.seq,
-                    crate::ids::random_uuid().simple()
-                );
-            } else {
-                ids.insert(event.event_id.clone(), event.seq);
-            }
-        }
+        name_fresh(&mut fresh, ids);
         let last_seq = meta.last_seq;
         self.update_session(&session_id, |current| *current = meta);
         let count = copied.len() + fresh.len();
@@ -895,6 +873,23 @@ impl Op {
             Op::Fork(_, reply) => {
                 let _ = reply.send(Err(error));
             }
+        }
+    }
+}
+
+/// Gives each new event without an id one that names its own seq (so it needs no index
+/// entry, see `index`; the random part keeps it from meeting an id a client chose), and
+/// puts every other id into `ids`, so that a repeat later in the batch finds it.
+fn name_fresh(fresh: &mut [agentlog_proto::v1::Event], ids: &mut HashMap<String, u64>) {
+    for event in fresh {
+        if event.event_id.is_empty() {
+            event.event_id = format!(
+                "{GENERATED_ID_PREFIX}{}-{}",
+                event.seq,
+                crate::ids::random_uuid().simple()
+            );
+        } else {
+            ids.insert(event.event_id.clone(), event.seq);
         }
     }
 }
