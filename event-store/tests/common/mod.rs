@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use agentlog_proto::v1::{event, Durability, Event, UserMessage};
 use event_store::backend::local::log::storage::SimStorage;
-use event_store::backend::local::log::{LogConfig, LogWriter, Record};
+use event_store::backend::local::log::{LogConfig, LogTail, LogWriter, Record};
 use event_store::backend::local::reclaim::ReclaimConfig;
 use event_store::backend::local::{Store, StoreConfig};
 use event_store::backend::AppendOp;
@@ -169,7 +169,7 @@ pub fn read_appends(disk: &SimStorage) -> Vec<Vec<Record>> {
             segment_bytes: u64::MAX,
             preallocate_bytes: 0,
         },
-        0,
+        LogTail::default(),
         |append| appends.push(append.iter().map(|(_, r)| r.clone()).collect()),
     )
     .expect("the log is readable");
