@@ -576,26 +576,25 @@ fn print_table(title: &str, points: &[Point], goals: &BTreeMap<&str, &str>) {
     };
     per_session("after the quiet spell", |p| p.rss_quiet);
     // The local store's own log lines: sled's open, then the log's replay into the index.
-    let restart_parts = |restart: fn(&Point) -> &Restart| {
-        let parts: [(&str, fn(&Restart) -> Option<f64>); 2] = [
-            ("of which opening the index (sled; its log line), ms", |r| {
-                r.index_open_ms
-            }),
-            (
-                "of which the log's replay into the index (its log line), ms",
-                |r| r.recovery_ms,
-            ),
-        ];
-        for (name, part) in parts {
-            if points.iter().any(|p| part(restart(p)).is_some()) {
-                let ms = |p: &Point| part(restart(p)).unwrap_or(f64::NAN);
-                row(
-                    name,
-                    points.iter().map(|p| fmt_num(ms(p))).collect(),
-                    ms(last) / ms(first),
-                );
-            }
+    let logged_row = |name: &str, logged: &dyn Fn(&Point) -> Option<f64>| {
+        if points.iter().any(|p| logged(p).is_some()) {
+            let ms = |p: &Point| logged(p).unwrap_or(f64::NAN);
+            row(
+                name,
+                points.iter().map(|p| fmt_num(ms(p))).collect(),
+                ms(last) / ms(first),
+            );
         }
+    };
+    let restart_parts = |restart: fn(&Point) -> &Restart| {
+        logged_row(
+            "of which opening the index (sled; its log line), ms",
+            &|p| restart(p).index_open_ms,
+        );
+        logged_row(
+            "of which the log's replay into the index (its log line), ms",
+            &|p| restart(p).recovery_ms,
+        );
     };
     row(
         "restart: kill -9 → address logged, s",
