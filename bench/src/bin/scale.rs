@@ -72,8 +72,9 @@ use stats::{fmt_num, fmt_ratio, Runs};
 
 #[derive(Parser)]
 struct Args {
-    /// Session counts of the local backend, each on a fresh store.
-    #[arg(long, value_delimiter = ',', default_value = "1000,100000,1000000")]
+    /// Session counts of the local backend, each on a fresh store (`--sessions` with none:
+    /// skip it).
+    #[arg(long, value_delimiter = ',', num_args = 0.., default_value = "1000,100000,1000000")]
     sessions: Vec<usize>,
     /// Session counts of the PostgreSQL backend (`--pg-sessions` with none: skip it).
     #[arg(long, value_delimiter = ',', num_args = 0.., default_value = "1000,100000")]

@@ -123,9 +123,15 @@ fn batches_in_flight(pool_size: usize) -> usize {
     (pool_size / 4).clamp(1, 2)
 }
 
-/// What every pooled connection runs first (see `PgBackend::open`).
-const CONNECTION_SETTINGS: [&str; 2] = [
+/// What every pooled connection runs first (see `PgBackend::open`). No bitmap scans
+/// either: a bitmap scan never marks the index entries of dead row versions as dead, so
+/// right after a burst of sessions that went runnable and then idle, every claim walked
+/// all of their entries in the runnable index again, until autovacuum came (20 ms a claim
+/// at 100,000 sessions, bench/RESULTS.md "Scale with sessions"); a plain index scan marks
+/// them on its first walk and the next one skips them.
+const CONNECTION_SETTINGS: [&str; 3] = [
     "SET enable_seqscan = off",
+    "SET enable_bitmapscan = off",
     "SET plan_cache_mode = force_generic_plan",
 ];
 
@@ -291,7 +297,7 @@ impl PgBackend {
             .post_create(Hook::async_fn(|client, _| {
                 Box::pin(async move {
                     // Every statement here finds its rows by key, so one plan per
-                    // statement and connection, made without seq scans, stays right however
+                    // statement and connection, made without seq or bitmap scans, stays right however
                     // the tables grow; planned anew per call (PostgreSQL's choice when the
                     // first calls were cheaper than its generic estimate, as one-append
                     // batches are) the batch statement spent 0.3 ms planning each call.
