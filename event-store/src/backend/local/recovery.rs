@@ -75,6 +75,25 @@ fn recover(config: &StoreConfig, index: &Index) -> Result<LogWriter, OpenError> 
                 }
             }
             let meta = sessions.get_mut(session_id).expect("inserted above");
+            if let Record::Placed(placed) = record {
+                // A seq of the fork's shared prefix, made its own; the last of them drops
+                // the base (its append is whole, or recovery would not see it).
+                if meta.base_session.is_empty() || placed.seq > meta.base_seq {
+                    failure = Some(IndexError::Corrupt(format!(
+                        "{session_id}/{} placed outside a shared prefix",
+                        placed.seq
+                    )));
+                    return;
+                }
+                if placed.seq == meta.base_seq {
+                    meta.base_session.clear();
+                    meta.base_seq = 0;
+                }
+                batch.add(*pos, record);
+                pending += 1;
+                replayed += 1;
+                continue;
+            }
             if let Some((session, seq, _)) = record.event_place() {
                 if seq != meta.last_seq + 1 {
                     jumped.insert(
@@ -94,17 +113,14 @@ fn recover(config: &StoreConfig, index: &Index) -> Result<LogWriter, OpenError> 
                 Record::Event(event) => meta.apply_event(event),
                 Record::Lease(lease) => meta.apply_lease(lease),
                 Record::Fork(fork) => meta.apply_fork(fork),
-                // What the log is read into: never a copy (it decodes as an event).
-                Record::Copied(copied) => match copied.decode() {
-                    Ok(event) => meta.apply_event(&event),
-                    Err(e) => {
-                        failure = Some(IndexError::Corrupt(format!("a copied event: {e}")));
-                        return;
-                    }
-                },
+                Record::Placed(_) => {}
                 Record::Tombstone(t) => {
                     jumped.remove(session_id);
-                    *meta = SessionMeta::tombstone(t.deleted_unix_ms);
+                    let mut tombstone = SessionMeta::tombstone(t.deleted_unix_ms);
+                    // Its forks may read through it until its records are gone.
+                    tombstone.base_session = std::mem::take(&mut meta.base_session);
+                    tombstone.base_seq = meta.base_seq;
+                    *meta = tombstone;
                 }
             }
             batch.add(*pos, record);
