@@ -192,8 +192,27 @@ impl Reclaimer {
             metrics::reclaim_dead_bytes(0);
             return Ok(());
         }
+        // A session whose forks could not be made whole yet (a full volume) waits, and the
+        // others go on.
+        let mut erasing = erasing;
+        let mut waiting = Vec::new();
         for (session_id, _) in &erasing {
-            self.materialize_forks(session_id)?;
+            match self.materialize_forks(session_id) {
+                Ok(()) => {}
+                Err(Failed::Store(e)) => {
+                    tracing::warn!(
+                        session_id,
+                        error = %e,
+                        "a deleted session's forks are not their own yet; its records stay"
+                    );
+                    waiting.push(session_id.clone());
+                }
+                Err(gone) => return Err(gone),
+            }
+        }
+        erasing.retain(|(id, _)| !waiting.contains(id));
+        if erasing.is_empty() {
+            return Ok(());
         }
         let mut by_segment: BTreeMap<u64, u64> = BTreeMap::new();
         for (session_id, _) in &erasing {

@@ -77,13 +77,21 @@ fn recover(config: &StoreConfig, index: &Index) -> Result<LogWriter, OpenError> 
             let meta = sessions.get_mut(session_id).expect("inserted above");
             if let Record::Placed(placed) = record {
                 // A seq of the fork's shared prefix, made its own; the last of them drops
-                // the base (its append is whole, or recovery would not see it).
+                // the base (its append is whole, or recovery would not see it). One that
+                // fits no shared prefix is of a deleted fork whose records were partly
+                // reclaimed: set aside like a jump (see the module head).
                 if meta.base_session.is_empty() || placed.seq > meta.base_seq {
-                    failure = Some(IndexError::Corrupt(format!(
-                        "{session_id}/{} placed outside a shared prefix",
-                        placed.seq
-                    )));
-                    return;
+                    jumped.insert(
+                        session_id.to_string(),
+                        IndexError::SeqGap {
+                            offset: pos.offset,
+                            session: session_id.to_string(),
+                            seq: placed.seq,
+                            expected: meta.last_seq + 1,
+                        },
+                    );
+                    batch.add_dead(session_id, *pos);
+                    continue;
                 }
                 if placed.seq == meta.base_seq {
                     meta.base_session.clear();

@@ -546,31 +546,23 @@ impl Writer {
         Ok(())
     }
 
-    /// The sessions whose logs hold `session_id`'s events, each with the last seq it holds
-    /// of them: the session itself (up to `last_seq`), then its base (up to the seq they
-    /// share), that one's base, and so on.
-    fn base_line(
-        &mut self,
-        session_id: &str,
-        last_seq: u64,
-    ) -> Result<Vec<(String, u64)>, StoreError> {
-        let mut line = vec![(session_id.to_string(), last_seq)];
-        let mut at = session_id.to_string();
-        let mut up_to = last_seq;
+    /// The sessions whose logs hold events of `session_id` besides its own, each with the
+    /// last seq of it they hold: its base (up to the seq they share), that one's base, and
+    /// so on (none for a session that is no fork sharing a prefix).
+    fn bases_of(&mut self, session_id: &str) -> Result<Vec<(String, u64)>, StoreError> {
+        let mut bases: Vec<(String, u64)> = Vec::new();
+        let mut up_to = u64::MAX;
         loop {
-            self.sessions.load(&at)?;
-            let Some(meta) = self.sessions.get(&at) else {
+            let at = bases.last().map_or(session_id, |(base, _)| base.as_str());
+            self.sessions.load(at)?;
+            // A base is always older than its fork: the line ends.
+            let Some(meta) = self.sessions.get(at).filter(|m| !m.base_session.is_empty()) else {
                 break;
             };
-            // A base is always older than its fork: the line ends.
-            if meta.base_session.is_empty() {
-                break;
-            }
             up_to = up_to.min(meta.base_seq);
-            at = meta.base_session.clone();
-            line.push((at.clone(), up_to));
+            bases.push((meta.base_session.clone(), up_to));
         }
-        Ok(line)
+        Ok(bases)
     }
 
     fn prepare_append(
@@ -585,8 +577,7 @@ impl Writer {
         let session_id = &req.session_id;
         rules::check_writer(meta, session_id, req.lease_epoch, &req.events, now)
             .inspect_err(|e| fenced(e, "append"))?;
-        let last_seq = meta.last_seq;
-        let line = self.base_line(session_id, last_seq)?;
+        let bases = self.bases_of(session_id)?;
         let meta = self.sessions.get(&req.session_id).unwrap_or(&empty);
 
         // Dedup: an id is looked up in the window the index has not absorbed yet (this
@@ -594,9 +585,11 @@ impl Writer {
         // fork that reads its prefix through its base, then in the base's, up to the seqs
         // it shares, and so on down its line.
         let numbered = rules::number(session_id, req.events, meta.last_seq, now, |id| {
-            for (session, up_to) in &line {
+            let own = std::iter::once((session_id.as_str(), meta.last_seq));
+            let line = own.chain(bases.iter().map(|(base, up_to)| (base.as_str(), *up_to)));
+            for (session, up_to) in line {
                 let ids = self.recent_ids.get(session);
-                let within = |seq: &u64| *seq <= *up_to;
+                let within = |seq: &u64| *seq <= up_to;
                 if let Some(seq) = ids.and_then(|ids| ids.get(id)).filter(|s| within(s)) {
                     return Ok::<_, StoreError>(Some(*seq));
                 }
@@ -605,7 +598,7 @@ impl Writer {
                 }
                 let log = self.log.reader();
                 let found = (&self.index, &*self.shared.recent, &*log);
-                if let Some(seq) = self_named(found, session, id, *up_to)? {
+                if let Some(seq) = self_named(found, session, id, up_to)? {
                     return Ok(Some(seq));
                 }
             }
