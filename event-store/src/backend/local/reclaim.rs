@@ -114,6 +114,9 @@ pub(crate) struct Reclaimer {
     snapshots: Arc<SnapshotDir>,
     /// Dead bytes per segment of each session awaiting erasure, counted once.
     dead: HashMap<String, Vec<(u64, u64)>>,
+    /// Sessions awaiting erasure whose forks are all their own now: no fork is made of a
+    /// deleted session, so none reads through them again.
+    materialized: HashSet<String>,
     /// Tells a rewrite to stop when the store does.
     signal: Signal,
 }
@@ -138,6 +141,7 @@ impl Reclaimer {
             config,
             snapshots,
             dead: HashMap::new(),
+            materialized: HashSet::new(),
         }
     }
 
@@ -189,6 +193,7 @@ impl Reclaimer {
         };
         if erasing.is_empty() {
             self.dead.clear();
+            self.materialized.clear();
             metrics::reclaim_dead_bytes(0);
             return Ok(());
         }
@@ -196,9 +201,36 @@ impl Reclaimer {
         // others go on.
         let mut erasing = erasing;
         let mut waiting = Vec::new();
-        for (session_id, _) in &erasing {
-            match self.materialize_forks(session_id) {
-                Ok(()) => {}
+        let unseen: Vec<String> = erasing
+            .iter()
+            .map(|(id, _)| id)
+            .filter(|id| !self.materialized.contains(*id))
+            .cloned()
+            .collect();
+        // Forks the index has not absorbed yet, by base, looked for once per look.
+        let mut unabsorbed: HashMap<String, Vec<String>> = HashMap::new();
+        if !unseen.is_empty() {
+            let looked_for: HashSet<&str> = unseen.iter().map(String::as_str).collect();
+            let published = self
+                .shared
+                .sessions
+                .read()
+                .unwrap_or_else(|p| p.into_inner());
+            for (id, meta) in published.iter() {
+                if looked_for.contains(meta.base_session.as_str()) {
+                    unabsorbed
+                        .entry(meta.base_session.clone())
+                        .or_default()
+                        .push(id.clone());
+                }
+            }
+        }
+        for session_id in &unseen {
+            let also = unabsorbed.remove(session_id).unwrap_or_default();
+            match self.materialize_forks(session_id, also) {
+                Ok(()) => {
+                    self.materialized.insert(session_id.clone());
+                }
                 Err(Failed::Store(e)) => {
                     tracing::warn!(
                         session_id,
@@ -237,22 +269,14 @@ impl Reclaimer {
 
     /// Makes the prefix of every live fork that reads it through the deleted `session_id`
     /// its own (see the module head); durable on return.
-    fn materialize_forks(&mut self, session_id: &str) -> Result<(), Failed> {
+    /// `unabsorbed`: forks of it that the index may not hold yet.
+    fn materialize_forks(
+        &mut self,
+        session_id: &str,
+        unabsorbed: Vec<String>,
+    ) -> Result<(), Failed> {
         let mut forks: Vec<String> = self.index.children(session_id).map_err(StoreError::from)?;
-        {
-            // Forks the index has not absorbed yet.
-            let published = self
-                .shared
-                .sessions
-                .read()
-                .unwrap_or_else(|p| p.into_inner());
-            forks.extend(
-                published
-                    .iter()
-                    .filter(|(_, m)| m.base_session == session_id)
-                    .map(|(id, _)| id.clone()),
-            );
-        }
+        forks.extend(unabsorbed);
         forks.sort_unstable();
         forks.dedup();
         for fork in forks {
@@ -454,6 +478,7 @@ impl Reclaimer {
         for session_id in &done {
             self.index.erased(session_id).map_err(StoreError::from)?;
             self.dead.remove(*session_id);
+            self.materialized.remove(*session_id);
         }
         let mut erasing = self
             .shared
