@@ -225,9 +225,13 @@ fn in_files(dir: &Path, needle: &[u8]) -> Vec<String> {
     found
 }
 
-/// Whether any event of `session` is left in the log.
+/// Whether any event of `session` is left in the log (true while a rewrite is being put
+/// in place under the read: asked again).
 fn has_events(disk: &SimStorage, session: &str) -> bool {
-    read_log(disk).iter().any(|r| {
+    let Ok(records) = common::try_read_log(disk) else {
+        return true;
+    };
+    records.iter().any(|r| {
         matches!(r, Record::Event(e) if e.session_id == session)
             || matches!(r, Record::Placed(p) if &*p.session_id == session)
     })
@@ -235,7 +239,13 @@ fn has_events(disk: &SimStorage, session: &str) -> bool {
 
 /// The placed records of `session` in the log.
 fn placed(disk: &SimStorage, session: &str) -> usize {
-    read_log(disk)
+    let records = loop {
+        if let Ok(records) = common::try_read_log(disk) {
+            break records;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    records
         .iter()
         .filter(|r| matches!(r, Record::Placed(p) if &*p.session_id == session))
         .count()

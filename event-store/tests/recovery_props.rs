@@ -14,7 +14,10 @@
 //!
 //! Plus the same with several segments: a cut in the last one recovers, and corruption in
 //! an earlier one (fsync'd before the next was created, so not a torn write) refuses to open
-//! with `LogError::Corrupt` instead of dropping data.
+//! with `LogError::Corrupt` instead of dropping data. Damage to what the index absorbed is
+//! never taken for a torn tail: an open reads only past it when the last absorbed record
+//! checks out (and the damage shows when the record is read), and reads the last segment
+//! whole, refusing to open, when it does not.
 
 mod common;
 
@@ -646,7 +649,7 @@ fn corruption_in_an_earlier_segment_refuses_to_open() {
 }
 
 #[test]
-fn a_flipped_byte_in_the_indexed_part_of_the_last_segment_refuses_to_open() {
+fn a_flipped_byte_in_the_indexed_part_of_the_last_segment_is_never_cut_off() {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -659,14 +662,68 @@ fn a_flipped_byte_in_the_indexed_part_of_the_last_segment_refuses_to_open() {
         fill_segments(&store).await;
         store.close().expect("close");
 
-        // This byte was fsync'd and indexed: damage to it is not a torn write, and dropping
-        // it (and every acknowledged event after it) silently would lose data.
+        // This byte (in the first record, of SESSIONS[0]) was fsync'd and indexed: damage
+        // to it is not a torn write. The open reads the log only past what the index
+        // absorbed (the record the index names as the last one it absorbed is whole), so
+        // it neither sees the damage nor cuts anything off; a read of the damaged record
+        // fails on its checksum, and every other record is served.
         assert!(disk.corrupt_segment(0, |bytes| bytes[40] ^= 0x08));
         let bytes = disk.total_len();
+        let store = open_store(&disk, &index, ONE_SEGMENT);
+        assert_eq!(disk.total_len(), bytes, "nothing is cut off");
+        for session in &SESSIONS[1..] {
+            assert_eq!(history(&store, session).await.len(), 20);
+        }
+        let mut rx = store.subscribe(
+            SESSIONS[0].to_string(),
+            0,
+            false,
+            tokio_util::sync::CancellationToken::new(),
+        );
+        let mut failed = None;
+        while let Some(item) = rx.recv().await {
+            if let Err(e) = item.and_then(|run| run.into_events()) {
+                failed = Some(e);
+            }
+        }
+        let failed = failed.expect("the damaged record is not served");
+        assert!(failed.to_string().contains("checksum"), "{failed}");
+        let appended = store
+            .append(append_op(SESSIONS[0], &["after".into()], Durability::Sync))
+            .await
+            .expect("appends go on");
+        assert_eq!(appended.last_seq, 21);
+        store.close().expect("close");
+    });
+}
+
+#[test]
+fn a_damaged_last_absorbed_record_has_the_last_segment_read_whole_and_refuses_to_open() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    rt.block_on(async {
+        let disk = SimStorage::new();
+        let dir = tempfile::tempdir().expect("temp dir");
+        let index = dir.path().join("index");
+        let store = open_store(&disk, &index, ONE_SEGMENT);
+        fill_segments(&store).await;
+        store.close().expect("close");
+
+        // The record the index names as the last it absorbed no longer checks out, so the
+        // log cannot vouch for what the index absorbed: the open reads the last segment
+        // whole, finds the damage below the indexed offset and refuses, rather than taking
+        // the damage for a torn tail and dropping acknowledged events.
+        let bytes = disk.total_len();
+        assert!(disk.corrupt_segment(0, |b| {
+            let last = b.len() - 3;
+            b[last] ^= 0x08
+        }));
         match try_open_store(&disk, &index, ONE_SEGMENT) {
             Err(OpenError::Log(LogError::Corrupt { base, offset, .. })) => {
                 assert_eq!(base, 0);
-                assert!(offset <= 40, "the damaged record is named: {offset}");
+                assert!(offset < bytes, "the damaged record is named: {offset}");
             }
             Err(e) => panic!("expected LogError::Corrupt, got {e}"),
             Ok(_) => panic!("damage below the indexed offset must refuse to open"),

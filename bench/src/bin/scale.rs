@@ -18,6 +18,9 @@
 //! - restart: `kill -9`, then a new store process on the same data (directory, or
 //!   database: PostgreSQL stays up), timed until it logs its address and until a
 //!   `GetSession` answers; the local store's own recovery log line is reported beside it.
+//!   Then once more, with nothing written in between: the local index (sled) reads back at
+//!   open what it wrote since its previous open, so the first restart after seeding pays for
+//!   the seeding's index writes and the second shows a restart on its own.
 //!
 //! Build in release first (`cargo build --release -p event-store -p bench`), then
 //! `target/release/agentlog-bench-scale` (`--help` for the knobs). Prints Markdown.
@@ -69,8 +72,8 @@ struct Args {
     /// Session counts of the local backend, each on a fresh store.
     #[arg(long, value_delimiter = ',', default_value = "1000,100000,1000000")]
     sessions: Vec<usize>,
-    /// Session counts of the PostgreSQL backend (none: skip it).
-    #[arg(long, value_delimiter = ',', default_value = "1000,100000")]
+    /// Session counts of the PostgreSQL backend (`--pg-sessions` with none: skip it).
+    #[arg(long, value_delimiter = ',', num_args = 0.., default_value = "1000,100000")]
     pg_sessions: Vec<usize>,
     /// Calls per figure at most (the median is reported).
     #[arg(long, default_value_t = 200)]
@@ -87,6 +90,10 @@ struct Args {
     /// Where the local stores keep their data.
     #[arg(long, default_value = "target/bench-scale")]
     dir: PathBuf,
+    /// Keep the local stores' data directories after measuring them (for a look at what
+    /// they hold, or more restarts by hand).
+    #[arg(long)]
+    keep: bool,
     /// The event-store binary (default: the one next to this program).
     #[arg(long)]
     store_binary: Option<PathBuf>,
@@ -320,6 +327,8 @@ impl Drop for Restarted {
 struct Restart {
     to_listen_secs: f64,
     to_serving_secs: f64,
+    /// The local store's `elapsed_ms` of "opened the index" (sled's open).
+    index_open_ms: Option<f64>,
     /// The local store's `elapsed_ms` of "recovered the index from the log".
     recovery_ms: Option<f64>,
     rss_bytes: u64,
@@ -374,19 +383,24 @@ async fn restart(binary: &Path, store: &Store, probe: &str) -> anyhow::Result<Re
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     let to_serving_secs = started.elapsed().as_secs_f64();
-    let recovery_ms = restarted
-        .lines
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .iter()
-        .find(|l| l.contains("recovered the index from the log"))
-        .and_then(|l| l.split("elapsed_ms=").nth(1))
-        .and_then(|v| v.split_whitespace().next()?.parse().ok());
+    let logged_ms = |message: &str| -> Option<f64> {
+        restarted
+            .lines
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .find(|l| l.contains(message))
+            .and_then(|l| l.split("elapsed_ms=").nth(1))
+            .and_then(|v| v.split_whitespace().next()?.parse().ok())
+    };
+    let index_open_ms = logged_ms("opened the index");
+    let recovery_ms = logged_ms("recovered the index from the log");
     tokio::time::sleep(Duration::from_millis(500)).await;
     let (rss_bytes, _) = rss(restarted.child.id())?;
     Ok(Restart {
         to_listen_secs,
         to_serving_secs,
+        index_open_ms,
         recovery_ms,
         rss_bytes,
     })
@@ -401,7 +415,10 @@ struct Point {
     query: QueryPage,
     rss_seeded: u64,
     rss_quiet: u64,
+    /// The first restart, right after seeding.
     restart: Restart,
+    /// A second `kill -9` and restart, with nothing written in between.
+    restart_again: Restart,
 }
 
 async fn measure(
@@ -431,7 +448,9 @@ async fn measure(
     drop(client);
     eprintln!("{label}: kill -9 and restart");
     store.kill9();
-    let restart = restart(binary, &store, &session_id(sessions / 2)).await?;
+    let restart_after_seeding = restart(binary, &store, &session_id(sessions / 2)).await?;
+    eprintln!("{label}: kill -9 and restart again");
+    let restart_again = restart(binary, &store, &session_id(sessions / 3)).await?;
     Ok(Point {
         sessions,
         seed_secs,
@@ -440,7 +459,8 @@ async fn measure(
         query,
         rss_seeded,
         rss_quiet,
-        restart,
+        restart: restart_after_seeding,
+        restart_again,
     })
 }
 
@@ -555,6 +575,27 @@ fn print_table(title: &str, points: &[Point], goals: &BTreeMap<&str, &str>) {
         );
     };
     per_session("after the quiet spell", |p| p.rss_quiet);
+    // The local store's own log lines: sled's open, then the log's replay into the index.
+    let logged_row = |name: &str, logged: &dyn Fn(&Point) -> Option<f64>| {
+        if points.iter().any(|p| logged(p).is_some()) {
+            let ms = |p: &Point| logged(p).unwrap_or(f64::NAN);
+            row(
+                name,
+                points.iter().map(|p| fmt_num(ms(p))).collect(),
+                ms(last) / ms(first),
+            );
+        }
+    };
+    let restart_parts = |restart: fn(&Point) -> &Restart| {
+        logged_row(
+            "of which opening the index (sled; its log line), ms",
+            &|p| restart(p).index_open_ms,
+        );
+        logged_row(
+            "of which the log's replay into the index (its log line), ms",
+            &|p| restart(p).recovery_ms,
+        );
+    };
     row(
         "restart: kill -9 → address logged, s",
         points
@@ -571,14 +612,16 @@ fn print_table(title: &str, points: &[Point], goals: &BTreeMap<&str, &str>) {
             .collect(),
         last.restart.to_serving_secs / first.restart.to_serving_secs,
     );
-    if points.iter().any(|p| p.restart.recovery_ms.is_some()) {
-        let recovery = |p: &Point| p.restart.recovery_ms.unwrap_or(f64::NAN);
-        row(
-            "of which the log's replay into the index (its log line), ms",
-            points.iter().map(|p| fmt_num(recovery(p))).collect(),
-            recovery(last) / recovery(first),
-        );
-    }
+    restart_parts(|p| &p.restart);
+    row(
+        "restart again, nothing written since: kill -9 → GetSession answers, s",
+        points
+            .iter()
+            .map(|p| format!("{:.3}", p.restart_again.to_serving_secs))
+            .collect(),
+        last.restart_again.to_serving_secs / first.restart_again.to_serving_secs,
+    );
+    restart_parts(|p| &p.restart_again);
     row(
         "store RSS after the restart",
         points.iter().map(|p| mib(p.restart.rss_bytes)).collect(),
@@ -608,6 +651,10 @@ async fn main() -> anyhow::Result<()> {
         ("ListSessions status idle, first page, ms", "≤ 2×"),
         ("ClaimSession wait 0, none claimable, ms", "flat"),
         ("restart: kill -9 → GetSession answers, s", "≤ 2×"),
+        (
+            "restart again, nothing written since: kill -9 → GetSession answers, s",
+            "≤ 2×",
+        ),
     ]
     .into_iter()
     .collect();
@@ -618,7 +665,9 @@ async fn main() -> anyhow::Result<()> {
         let _ = std::fs::remove_dir_all(&dir);
         let backing = Backing::Dir(dir.clone());
         local.push(measure(&args, &binary, backing, &[], n, &format!("local {n}")).await?);
-        let _ = std::fs::remove_dir_all(&dir);
+        if !args.keep {
+            let _ = std::fs::remove_dir_all(&dir);
+        }
     }
     let mut postgres = Vec::new();
     if !args.pg_sessions.is_empty() {

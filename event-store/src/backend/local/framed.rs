@@ -54,7 +54,7 @@ mod tests {
 
     use super::*;
     use crate::backend::local::log::storage::FsStorage;
-    use crate::backend::local::log::{LogConfig, LogReader, LogWriter, Position, Record};
+    use crate::backend::local::log::{LogConfig, LogReader, LogTail, LogWriter, Position, Record};
     use crate::session::LeaseRecord;
 
     fn event(session_id: &str, seq: u64, text: &str) -> Event {
@@ -90,7 +90,8 @@ mod tests {
             Record::Event(ours[2].clone()),
         ];
         let storage = Arc::new(FsStorage::open_dir(dir).unwrap());
-        let mut log = LogWriter::open(storage, LogConfig::default(), 0, |_| {}).unwrap();
+        let mut log =
+            LogWriter::open(storage, LogConfig::default(), LogTail::default(), |_| {}).unwrap();
         let positions = log
             .write(records.iter().map(|r| (r, false)))
             .unwrap()

@@ -46,12 +46,15 @@ use std::sync::Mutex;
 
 use prost::Message;
 
-use crate::backend::local::log::{LogError, Position, Record};
+use crate::backend::local::log::{LogError, LogTail, Position, Record};
 use crate::session::SessionMeta;
 
 // Key prefixes in the one sled tree (one tree, so one batch is atomic across all of them).
 // Session ids never contain 0x00, so `<session>\0<rest>` is unambiguous.
+/// `m:absorbed` → the log offset the index has absorbed up to (8 bytes), then the position
+/// of the last record before it ([`POSITION_BYTES`]).
 const ABSORBED: &[u8] = b"m:absorbed";
+const ABSORBED_LEN: usize = 8 + POSITION_BYTES;
 /// Names the layout of the entries; an index without it (or with another value) is removed
 /// and rebuilt from the log ([`Index::open_current`]). "chunks-of-64": positions in chunks;
 /// "no-text": sessions' entries hold no text (an index of the earlier layout, which held
@@ -267,12 +270,21 @@ impl Recent {
 }
 
 impl Index {
+    /// Opens sled in `dir`. sled reads at open what it wrote since its previous open (its
+    /// page table's snapshot is brought up to date then, and only then), and the page table
+    /// itself: the time is logged, as it is most of a restart's (bench/RESULTS.md, "Scale
+    /// with sessions").
     pub fn open(dir: &Path) -> Result<Index, IndexError> {
+        let started = std::time::Instant::now();
         let db = sled::Config::new()
             .path(dir)
             .flush_every_ms(None)
             .cache_capacity(SLED_CACHE_BYTES)
             .open()?;
+        tracing::info!(
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            "opened the index"
+        );
         Ok(Index { db })
     }
 
@@ -393,16 +405,20 @@ impl Index {
         Ok(())
     }
 
-    /// The log offset up to which every record is in the index.
-    pub fn absorbed(&self) -> Result<u64, IndexError> {
-        match self.db.get(ABSORBED)? {
-            None => Ok(0),
-            Some(v) => {
-                Ok(u64::from_be_bytes(v.as_ref().try_into().map_err(|_| {
-                    IndexError::Corrupt("absorbed offset".into())
-                })?))
-            }
-        }
+    /// The log offset up to which every record is in the index, and where the last of them
+    /// is (an index written before it kept that has only the offset).
+    pub fn absorbed(&self) -> Result<LogTail, IndexError> {
+        let Some(v) = self.db.get(ABSORBED)? else {
+            return Ok(LogTail::default());
+        };
+        let corrupt = || IndexError::Corrupt("absorbed offset".into());
+        let end = u64::from_be_bytes(v.get(..8).ok_or_else(corrupt)?.try_into().unwrap());
+        let last_record = match v.len() {
+            8 => None,
+            ABSORBED_LEN => Some(unpack(&v[8..])),
+            _ => return Err(corrupt()),
+        };
+        Ok(LogTail { end, last_record })
     }
 
     /// A session's state as the index holds it (without its first user message's text;
@@ -509,13 +525,13 @@ impl Index {
     }
 
     /// Applies `batch` and the current metadata of the sessions it touched, bringing the
-    /// index up to log offset `absorbed`, atomically. (The writer is sled's only writer, so
+    /// index up to `absorbed`, atomically. (The writer is sled's only writer, so
     /// the chunks read here to be extended cannot change before the batch is applied.)
     pub fn apply(
         &self,
         mut batch: IndexBatch,
         sessions: &HashMap<String, SessionMeta>,
-        absorbed: u64,
+        absorbed: LogTail,
     ) -> Result<(), IndexError> {
         for (id, new) in &batch.touched {
             if let Some(meta) = sessions.get(id) {
@@ -538,7 +554,11 @@ impl Index {
                 self.add_positions(&mut batch.batch, id, new)?;
             }
         }
-        batch.batch.insert(ABSORBED, &absorbed.to_be_bytes()[..]);
+        let mut value = absorbed.end.to_be_bytes().to_vec();
+        if let Some(last) = absorbed.last_record {
+            pack(last, &mut value);
+        }
+        batch.batch.insert(ABSORBED, value);
         self.db.apply_batch(batch.batch)?;
         Ok(())
     }
@@ -689,6 +709,11 @@ fn position_key(session_id: &str, chunk: u64) -> Vec<u8> {
     key
 }
 
+fn pack(position: Position, into: &mut Vec<u8>) {
+    into.extend_from_slice(&position.offset.to_be_bytes());
+    into.extend_from_slice(&position.len.to_be_bytes());
+}
+
 fn unpack(position: &[u8]) -> Position {
     let offset = u64::from_be_bytes(position[..8].try_into().expect("8 bytes"));
     let len = u32::from_be_bytes(position[8..].try_into().expect("4 bytes"));
@@ -744,6 +769,15 @@ mod tests {
         })
     }
 
+    /// A log ending at `end`, its last record the second half of it.
+    fn tail(end: u64) -> LogTail {
+        let last_record = (end > 0).then(|| Position {
+            offset: end / 2,
+            len: (end - end / 2) as u32,
+        });
+        LogTail { end, last_record }
+    }
+
     /// A made-up position for `seq` of session `s`, distinct for every pair.
     fn position(s: u64, seq: u64) -> Position {
         Position {
@@ -774,7 +808,7 @@ mod tests {
                 }
             }
             end += 1;
-            index.apply(batch, &HashMap::new(), end).unwrap();
+            index.apply(batch, &HashMap::new(), tail(end)).unwrap();
             for (s, id) in sessions.iter().enumerate() {
                 for from in [1, 2, 63, 64, 65, 66, 127, 128, 129, last[s], last[s] + 1] {
                     for limit in [1, 7, 64, 512] {
@@ -787,7 +821,7 @@ mod tests {
                 }
             }
         }
-        assert_eq!(index.absorbed().unwrap(), end);
+        assert_eq!(index.absorbed().unwrap(), tail(end));
         assert!(index.positions("s-none", 1, 10).unwrap().is_empty());
     }
 
@@ -811,7 +845,7 @@ mod tests {
         let sessions: HashMap<String, SessionMeta> = [("s-a".to_string(), meta)].into();
         let mut batch = IndexBatch::default();
         batch.add(position(0, 1), &Record::Event(first));
-        index.apply(batch, &sessions, 1).unwrap();
+        index.apply(batch, &sessions, tail(1)).unwrap();
         let loaded = index.session("s-a").unwrap().unwrap();
         assert_eq!(loaded.first_user_text, "", "the text is not in the index");
         assert_eq!(loaded.first_user_seq, 1, "where it is read back from");
@@ -837,7 +871,7 @@ mod tests {
             &record,
         );
         batch.add_dead("s-a", Position { offset: 30, len: 9 });
-        index.apply(batch, &sessions, 60).unwrap();
+        index.apply(batch, &sessions, tail(60)).unwrap();
         assert_eq!(index.erasing().unwrap(), vec![("s-a".to_string(), 60)]);
         assert_eq!(index.dead_positions("s-a").unwrap().len(), 1);
         index.purge_entries("s-a").unwrap();
@@ -871,7 +905,7 @@ mod tests {
                 batch.add(position(offset, 1), &record);
                 offset += 1;
             }
-            index.apply(batch, sessions, offset).unwrap();
+            index.apply(batch, sessions, tail(offset)).unwrap();
         };
         for (id, updated, status) in [("a", -5, 2), ("b", 7, 2), ("c", 7, 2), ("d", 3, 1)] {
             let meta = SessionMeta {
@@ -937,7 +971,7 @@ mod tests {
         assert!(!index.has_current_layout().unwrap(), "nothing was changed");
         index.clear().unwrap();
         assert!(index.has_current_layout().unwrap());
-        assert_eq!(index.absorbed().unwrap(), 0);
+        assert_eq!(index.absorbed().unwrap(), LogTail::default());
         assert!(index.positions("s-a", 1, 10).unwrap().is_empty());
     }
 }

@@ -13,7 +13,7 @@ use std::collections::HashMap;
 
 use super::{OpenError, StoreConfig};
 use crate::backend::local::index::{Index, IndexBatch, IndexError};
-use crate::backend::local::log::{LogError, LogWriter, Record};
+use crate::backend::local::log::{LogError, LogTail, LogWriter, Record};
 use crate::session::SessionMeta;
 
 /// Recovery writes replayed records into the index in batches of this many.
@@ -137,11 +137,10 @@ fn recover(config: &StoreConfig, index: &Index) -> Result<LogWriter, OpenError> 
         }
         // Absorbed offsets are always append boundaries.
         if pending >= REPLAY_BATCH {
-            let end = append
-                .last()
-                .map_or(0, |(pos, _)| pos.offset + pos.len as u64);
+            let last_record = append.last().map(|(pos, _)| *pos);
+            let end = last_record.map_or(0, |pos| pos.offset + pos.len as u64);
             let full = std::mem::take(&mut batch);
-            if let Err(e) = index.apply(full, &sessions, end) {
+            if let Err(e) = index.apply(full, &sessions, LogTail { end, last_record }) {
                 failure = Some(e);
             }
             // In the index now: a rebuild of the whole log holds a batch's sessions at a
@@ -156,11 +155,20 @@ fn recover(config: &StoreConfig, index: &Index) -> Result<LogWriter, OpenError> 
     if let Some(e) = jumped.into_values().next() {
         return Err(e.into());
     }
-    if !batch.is_empty() || from != log.end() {
-        index.apply(batch, &sessions, log.end())?;
+    if !batch.is_empty() || from != log.tail() {
+        index.apply(batch, &sessions, log.tail())?;
+        // So that the next open starts here even if this process is killed before the
+        // writer's first flush of the index; not on a full volume (see `Index::flush`).
+        let low_space = config
+            .log
+            .low_space()
+            .map_err(|e| OpenError::DataDir("the log's volume".into(), e))?;
+        if low_space.is_none() {
+            index.flush()?;
+        }
     }
     tracing::info!(
-        from_offset = from,
+        from_offset = from.end,
         log_end = log.end(),
         replayed,
         sessions = read_sessions,

@@ -95,7 +95,7 @@ mod tests {
 
     use super::*;
     use crate::backend::local::index::IndexBatch;
-    use crate::backend::local::log::{Position, Record};
+    use crate::backend::local::log::{LogTail, Position, Record};
 
     #[test]
     fn the_cache_gives_back_room_after_an_absorb_and_reads_back_what_it_gave_up() {
@@ -120,7 +120,16 @@ mod tests {
             batch.add(position, &Record::Event(event));
         }
         assert!(sessions.bytes() > 10_000, "over budget until the absorb");
-        index.apply(batch, sessions.states(), 100_000).unwrap();
+        index
+            .apply(
+                batch,
+                sessions.states(),
+                LogTail {
+                    end: 100_000,
+                    last_record: None,
+                },
+            )
+            .unwrap();
         sessions.shrink();
         assert!(sessions.bytes() <= 7_500, "{}", sessions.bytes());
         assert!(sessions.states().len() < 1000);

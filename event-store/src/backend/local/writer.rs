@@ -328,7 +328,7 @@ impl Writer {
         }
         let batch = std::mem::take(&mut self.unindexed);
         self.index
-            .apply(batch, self.sessions.states(), self.log.end())?;
+            .apply(batch, self.sessions.states(), self.log.tail())?;
         // Only now: a reader that missed them in `recent` finds them in the index.
         self.shared.recent.clear();
         self.shared.absorbed_sessions();

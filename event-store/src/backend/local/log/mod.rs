@@ -105,6 +105,15 @@ pub struct Position {
     pub len: u32,
 }
 
+/// Where the log ends, and the place of its last record (none in a log without records,
+/// or where it is not known): what the index records as absorbed, so that an open can
+/// check that the log still holds what the index absorbed by reading one record.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LogTail {
+    pub end: u64,
+    pub last_record: Option<Position>,
+}
+
 /// The read side of the log, shared by the writer and every subscriber.
 pub struct LogReader {
     segments: RwLock<BTreeMap<u64, Arc<Segment>>>,
@@ -397,19 +406,38 @@ pub struct LogWriter {
     allocated: u64,
     config: LogConfig,
     buf: Vec<u8>,
+    last_record: Option<Position>,
 }
 
 impl LogWriter {
-    /// Opens the log, scanning every valid record from offset `from` on (given to `absorb`
+    /// Opens the log, scanning every valid record from `tail.end` on (given to `absorb`
     /// one whole append at a time, with positions) and dropping a torn tail: a bad record,
-    /// or an append whose last record is missing. `from` must be an append boundary no
+    /// or an append whose last record is missing. `tail.end` must be an append boundary no
     /// later than the end of the valid log.
+    ///
+    /// What comes before `tail.end` is not read again when the record `tail` names is in
+    /// place and whole (its checksum holds and it ends at `tail.end`): the log still holds
+    /// what the index absorbed, and opening costs the records the index had not absorbed,
+    /// not the size of the last segment. Otherwise the last segment is read whole, so that
+    /// a log older than its index (restored from an earlier backup, or cut) is told apart
+    /// from a torn tail.
     pub fn open(
         storage: Arc<dyn Storage>,
         config: LogConfig,
-        from: u64,
+        tail: LogTail,
         mut absorb: impl FnMut(&[(Position, Record)]),
     ) -> Result<LogWriter, LogError> {
+        let from = tail.end;
+        let mut last_record = tail.last_record;
+        // Every whole append read comes here (a last segment read whole includes those
+        // the index absorbed already); only those from `from` on go on to `absorb`.
+        let mut absorb = |append: &[(Position, Record)]| {
+            last_record = append.last().map(|(pos, _)| *pos);
+            // `from` is an append boundary: an append is wholly before it or not.
+            if append[0].0.offset >= from {
+                absorb(append)
+            }
+        };
         // A rewrite a crash left unfinished: the segment it was made from is still whole.
         storage.remove_rewrite(None)?;
         let mut bases = storage.list()?;
@@ -464,11 +492,16 @@ impl LogWriter {
             let len = file.size()?;
             end = base + len;
             allocated = end;
-            // The last segment is verified whole: a bad record before `from` (which was
-            // fsync'd before the index absorbed it) is damage, not a torn write.
+            // A last segment whose absorbed part cannot be vouched for by its last record
+            // is verified whole: a bad record before `from` (which was fsync'd before the
+            // index absorbed it) is damage, not a torn write.
             if end > from || is_last {
-                let scan_from = if is_last { base } else { from.max(base) };
-                let valid = scan_segment(file.as_ref(), base, scan_from, from, &mut absorb)?;
+                let scan_from = if is_last && !holds_absorbed(file.as_ref(), base, len, tail)? {
+                    base
+                } else {
+                    from.max(base)
+                };
+                let valid = scan_segment(file.as_ref(), base, scan_from, &mut absorb)?;
                 match valid {
                     Ok(()) => {}
                     // The zero-filled room ahead of the writer: the log simply ends here.
@@ -525,7 +558,16 @@ impl LogWriter {
             allocated,
             config,
             buf: Vec::new(),
+            last_record,
         })
+    }
+
+    /// Where the log ends and its last record is: what the index records as absorbed.
+    pub fn tail(&self) -> LogTail {
+        LogTail {
+            end: self.end,
+            last_record: self.last_record,
+        }
     }
 
     pub fn reader(&self) -> Arc<LogReader> {
@@ -591,7 +633,7 @@ impl LogWriter {
         self.active
             .write_all_at(&self.buf, self.end - self.active_base)?;
         let mut offset = self.end;
-        let positions = lens
+        let positions: Vec<Position> = lens
             .into_iter()
             .map(|len| {
                 let pos = Position { offset, len };
@@ -600,6 +642,7 @@ impl LogWriter {
             })
             .collect();
         self.end = offset;
+        self.last_record = positions.last().copied();
         Ok(positions)
     }
 
@@ -817,7 +860,7 @@ fn scan_rewritten(
         let mut bytes = vec![0; (len - skip) as usize];
         file.read_exact_at(&mut bytes, physical + skip)?;
         let start = base + logical + skip;
-        if let Err((offset, reason)) = scan_bytes(&bytes, start, from, absorb) {
+        if let Err((offset, reason)) = scan_bytes(&bytes, start, absorb) {
             return Err(LogError::Corrupt {
                 base,
                 offset,
@@ -828,28 +871,26 @@ fn scan_rewritten(
     Ok(())
 }
 
-/// Scans `file` from log offset `from`, verifying every record and giving those at or past
-/// `absorb_from` to `absorb`, one whole append at a time. Returns the offset and reason of
-/// the first invalid record, or of the start of an append cut short, if any.
+/// Scans `file` from log offset `from`, verifying every record and giving them to `absorb`,
+/// one whole append at a time. Returns the offset and reason of the first invalid record,
+/// or of the start of an append cut short, if any.
 #[allow(clippy::type_complexity)]
 fn scan_segment(
     file: &dyn SegmentFile,
     base: u64,
     from: u64,
-    absorb_from: u64,
     absorb: &mut impl FnMut(&[(Position, Record)]),
 ) -> Result<Result<(), (u64, record::FrameError)>, LogError> {
     let len = file.size()?;
     let mut bytes = vec![0; (len - (from - base)) as usize];
     file.read_exact_at(&mut bytes, from - base)?;
-    Ok(scan_bytes(&bytes, from, absorb_from, absorb))
+    Ok(scan_bytes(&bytes, from, absorb))
 }
 
 /// [`scan_segment`] over `bytes`, which are the log from offset `from`.
 fn scan_bytes(
     bytes: &[u8],
     from: u64,
-    absorb_from: u64,
     absorb: &mut impl FnMut(&[(Position, Record)]),
 ) -> Result<(), (u64, record::FrameError)> {
     let mut at = 0usize;
@@ -877,10 +918,7 @@ fn scan_bytes(
         };
         append.push((pos, frame.record));
         if !frame.continued {
-            // `absorb_from` is an append boundary: an append is wholly before it or not.
-            if append[0].0.offset >= absorb_from {
-                absorb(&append);
-            }
+            absorb(&append);
             append.clear();
         }
         at += total;
@@ -889,6 +927,28 @@ fn scan_bytes(
         Some((pos, _)) => Err((pos.offset, record::FrameError::IncompleteAppend)),
         None => Ok(()),
     }
+}
+
+/// Whether the last segment (`file`, from log offset `base`, `len` bytes) holds the record
+/// `tail` names, whole and ending at `tail.end`.
+fn holds_absorbed(
+    file: &dyn SegmentFile,
+    base: u64,
+    len: u64,
+    tail: LogTail,
+) -> Result<bool, LogError> {
+    let Some(last) = tail.last_record else {
+        return Ok(false);
+    };
+    if last.offset < base || last.offset + last.len as u64 != tail.end || tail.end > base + len {
+        return Ok(false);
+    }
+    let mut frame = vec![0; last.len as usize];
+    file.read_exact_at(&mut frame, last.offset - base)?;
+    Ok(
+        record::body_len(&frame).is_ok_and(|body| record::HEADER_LEN + body == frame.len())
+            && record::decode(&frame).is_ok_and(|decoded| !decoded.continued),
+    )
 }
 
 /// Whether every byte of `file` from `offset` (relative to the file) on is zero.
