@@ -9,6 +9,11 @@
 //! positions after those it already held. An index of the earlier layout, one entry per
 //! event, is told apart by [`POSITIONS_LAYOUT`] and rebuilt from the log on open.
 //!
+//! A fork that shares its parent's prefix holds positions of its own events only: the seqs
+//! it reads through its base are empty positions (`len` 0) in its chunks, skipped by
+//! [`Index::positions`], until a materialization places its own there. `c<parent>\0<fork>`
+//! lists the forks made through a session, for the reclaimer ([`Index::children`]).
+//!
 //! An event id that names its own event's seq (`auto-<seq>-<random>`, the form the store
 //! gives an event that came without an id; see [`self_named_seq`]) is not put in
 //! `event_id → seq`: dedup reads the event at that seq and compares instead, which saves
@@ -359,7 +364,7 @@ impl Index {
         Ok(())
     }
 
-    /// The forks made through `session_id` ([`CHILD`]), whether or not they still read
+    /// The forks made through `session_id` (its `c` keys), whether or not they still read
     /// through it.
     pub fn children(&self, session_id: &str) -> Result<Vec<String>, IndexError> {
         let mut prefix = Vec::with_capacity(2 + session_id.len());

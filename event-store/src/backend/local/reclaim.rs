@@ -6,7 +6,7 @@
 //! [`ReclaimConfig::dead_bytes`], or at the latest [`ReclaimConfig::after`] a deletion.
 //! Before anything of a deleted session leaves the log, every live fork that reads its
 //! prefix through it (its state's base, see `crate::session::SessionMeta::base_session`) gets
-//! that prefix **materialized** ([`Reclaimer::materialize_forks`]): read through the
+//! that prefix **materialized** (`Reclaimer::materialize_forks`): read through the
 //! deleted session, written as the fork's own ([`super::log::Record::Placed`], one atomic
 //! append whose last record drops the fork's base), and made durable; only then does the
 //! reclamation go on. This runs at every look, not only when a pass is due, so that by the

@@ -3,6 +3,10 @@
 //! read from the index: opening costs what the index had not absorbed, not the number of
 //! sessions the store holds.
 //!
+//! A fork's start carries its state at the fork point, which recovery takes as it is (the
+//! shared prefix is its parent's, never folded again); a materialization's placed records
+//! add positions below the fork's last seq, and the last of them drops its base.
+//!
 //! A deleted session's records may be partly gone from the log (a reclamation cut short by
 //! a crash rewrote some of its segments and not others), so its seqs may jump. Its
 //! tombstone is always there, later in the log than all of them: a session whose seqs jump

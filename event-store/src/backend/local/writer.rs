@@ -18,7 +18,8 @@
 //!   that covers them;
 //! - subscribers and readers see a record only after that fsync;
 //! - dedup is permanent: an event id is looked up in the batch in hand, the window the
-//!   index has not absorbed yet, and the index;
+//!   index has not absorbed yet, and the index; for a fork that shares its parent's prefix,
+//!   in its bases' too, up to the seqs it shares;
 //! - a full volume refuses what would write (`RESOURCE_EXHAUSTED`, saying why) before
 //!   anything of the batch is written, and appends resume by themselves once there is room;
 //!   a deletion's tombstone still goes in, into the room kept free for the index, so that
