@@ -44,6 +44,7 @@ struct StoreMetrics {
     claims_waiting: Gauge,
     sessions_deleted: Family<Labels1, Counter>,
     reclaim_dead_bytes: Gauge,
+    session_cache_bytes: Gauge,
     reclaim_runs: Counter,
     reclaimed_bytes: Counter,
     reclaim_seconds: Counter<f64, std::sync::atomic::AtomicU64>,
@@ -68,6 +69,7 @@ static METRICS: LazyLock<StoreMetrics> = LazyLock::new(|| StoreMetrics {
     claims_waiting: Gauge::default(),
     sessions_deleted: Family::default(),
     reclaim_dead_bytes: Gauge::default(),
+    session_cache_bytes: Gauge::default(),
     reclaim_runs: Counter::default(),
     reclaimed_bytes: Counter::default(),
     reclaim_seconds: Counter::default(),
@@ -178,6 +180,12 @@ pub fn registry(log_dir: Option<PathBuf>) -> Registry {
         "Local backend: bytes of deleted sessions' events still in the log, awaiting \
          reclamation",
         m.reclaim_dead_bytes.clone(),
+    );
+    r.register(
+        "agentlog_store_session_cache_bytes",
+        "Bytes of sessions' states kept in memory (bounded by --session-cache; the other \
+         sessions are read from the index or the database when needed)",
+        m.session_cache_bytes.clone(),
     );
     r.register(
         "agentlog_store_reclaim_runs",
@@ -455,6 +463,13 @@ pub fn reclaim_dead_bytes(bytes: u64) {
     METRICS
         .reclaim_dead_bytes
         .set(bytes.min(i64::MAX as u64) as i64);
+}
+
+/// What the cache of sessions' states takes now (`crate::session::shrink_cache`).
+pub fn session_cache_bytes(bytes: usize) {
+    METRICS
+        .session_cache_bytes
+        .set(bytes.min(i64::MAX as usize) as i64);
 }
 
 /// One reclamation pass: the disk bytes it gave back and how long it took.

@@ -341,25 +341,26 @@ fn truncate_chars_to_bytes(text: &str, max: usize) -> String {
 
 /// Gives back states of a cache of them that takes `bytes` ([`SessionMeta::cached_bytes`])
 /// past its `budget`, in the map's order, until it takes at most three quarters of the
-/// budget (so that it does not do so at every insert); returns what it takes then.
+/// budget (so that it does not do so at every insert); returns what it takes then, which
+/// is also the store's `agentlog_store_session_cache_bytes`.
 pub fn shrink_cache<V>(
     states: &mut HashMap<String, V>,
     bytes: usize,
     budget: usize,
     meta: impl Fn(&V) -> &SessionMeta,
 ) -> usize {
-    if bytes <= budget {
-        return bytes;
-    }
-    let target = budget / 4 * 3;
     let mut bytes = bytes;
-    states.retain(|id, state| {
-        if bytes <= target {
-            return true;
-        }
-        bytes -= meta(state).cached_bytes(id).min(bytes);
-        false
-    });
+    if bytes > budget {
+        let target = budget / 4 * 3;
+        states.retain(|id, state| {
+            if bytes <= target {
+                return true;
+            }
+            bytes -= meta(state).cached_bytes(id).min(bytes);
+            false
+        });
+    }
+    crate::metrics::session_cache_bytes(bytes);
     bytes
 }
 

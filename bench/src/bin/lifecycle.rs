@@ -21,6 +21,8 @@ mod appenders;
 #[path = "../load.rs"]
 #[allow(dead_code)]
 mod load;
+#[path = "../scrape.rs"]
+mod scrape;
 #[path = "../stats.rs"]
 #[allow(dead_code)]
 mod stats;
@@ -35,10 +37,10 @@ use agentlog_proto::v1::{AppendRequest, DeleteSessionRequest};
 use clap::Parser;
 use testkit::pg::Postgres;
 use testkit::{Backing, Store};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use appenders::{user_event, AgentlogStreamAppender};
 use load::Appender;
+use scrape::{free_port, metric};
 use stats::{fmt_num, fmt_ratio, percentile_f64};
 
 #[derive(Parser)]
@@ -170,28 +172,6 @@ impl Load {
             secs,
         })
     }
-}
-
-/// A free port on 127.0.0.1 (for `--metrics-listen`).
-fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
-}
-
-/// The value of the sample `name` (all labels summed) at `/metrics` on `addr`.
-async fn metric(addr: &str, name: &str) -> anyhow::Result<f64> {
-    let mut stream = tokio::net::TcpStream::connect(addr).await?;
-    stream
-        .write_all(format!("GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
-        .await?;
-    let mut body = String::new();
-    stream.read_to_string(&mut body).await?;
-    Ok(body
-        .lines()
-        .filter(|l| l.split(['{', ' ']).next() == Some(name))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum())
 }
 
 fn segment_files(log: &Path) -> anyhow::Result<Vec<PathBuf>> {

@@ -40,6 +40,8 @@ mod load;
 #[path = "../profile.rs"]
 #[allow(dead_code)]
 mod profile;
+#[path = "../scrape.rs"]
+mod scrape;
 #[path = "../stats.rs"]
 #[allow(dead_code)]
 mod stats;
@@ -65,6 +67,7 @@ use tonic::transport::Channel;
 
 use agentlog::rss;
 use appenders::{user_event, AgentlogStreamAppender};
+use scrape::{free_port, metric};
 use stats::{fmt_num, fmt_ratio, Runs};
 
 #[derive(Parser)]
@@ -339,13 +342,18 @@ struct Restart {
 async fn restart(binary: &Path, store: &Store, probe: &str) -> anyhow::Result<Restart> {
     let mut command = Command::new(binary);
     command.args(["--listen", "127.0.0.1:0"]);
+    // Its metrics on a port of its own: the killed store's may still be taken.
+    let mut extra = store.extra.clone();
+    if let Some(i) = extra.iter().position(|a| a == "--metrics-listen") {
+        extra[i + 1] = format!("127.0.0.1:{}", free_port()?);
+    }
     match &store.backing {
         Backing::Dir(dir) => command.arg("--data-dir").arg(dir),
         Backing::Database(url, _) => command.args(["--database-url", url.as_str()]),
     };
     let started = Instant::now();
     let mut child = command
-        .args(&store.extra)
+        .args(&extra)
         .env("RUST_LOG", "info")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
@@ -415,6 +423,8 @@ struct Point {
     query: QueryPage,
     rss_seeded: u64,
     rss_quiet: u64,
+    /// `agentlog_store_session_cache_bytes` after the quiet spell.
+    session_cache: u64,
     /// The first restart, right after seeding.
     restart: Restart,
     /// A second `kill -9` and restart, with nothing written in between.
@@ -429,7 +439,13 @@ async fn measure(
     sessions: usize,
     label: &str,
 ) -> anyhow::Result<Point> {
-    let mut store = Store::start_backed(binary, backing, "127.0.0.1:0", extra)?;
+    let metrics_addr = format!("127.0.0.1:{}", free_port()?);
+    let extra: Vec<&str> = extra
+        .iter()
+        .copied()
+        .chain(["--metrics-listen", &metrics_addr])
+        .collect();
+    let mut store = Store::start_backed(binary, backing, "127.0.0.1:0", &extra)?;
     let url = store.url();
     eprintln!("{label}: seeding {sessions} idle sessions");
     let cpu_before = profile::cpu_secs(store.pid());
@@ -442,6 +458,7 @@ async fn measure(
     let (rss_seeded, _) = rss(store.pid())?;
     tokio::time::sleep(Duration::from_secs(args.quiet_secs)).await;
     let (rss_quiet, _) = rss(store.pid())?;
+    let session_cache = metric(&metrics_addr, "agentlog_store_session_cache_bytes").await? as u64;
     eprintln!("{label}: timing the calls");
     let mut client = EventStoreClient::connect(url).await?;
     let (times, query) = time_calls(&mut client, sessions, args).await?;
@@ -459,6 +476,7 @@ async fn measure(
         query,
         rss_seeded,
         rss_quiet,
+        session_cache,
         restart: restart_after_seeding,
         restart_again,
     })
@@ -575,6 +593,14 @@ fn print_table(title: &str, points: &[Point], goals: &BTreeMap<&str, &str>) {
         );
     };
     per_session("after the quiet spell", |p| p.rss_quiet);
+    row(
+        "of which the session cache (`agentlog_store_session_cache_bytes`, bounded by `--session-cache`)",
+        points.iter().map(|p| mib(p.session_cache)).collect(),
+        last.session_cache as f64 / first.session_cache.max(1) as f64,
+    );
+    per_session("after the quiet spell, outside the session cache", |p| {
+        p.rss_quiet.saturating_sub(p.session_cache)
+    });
     // The local store's own log lines: sled's open, then the log's replay into the index.
     let logged_row = |name: &str, logged: &dyn Fn(&Point) -> Option<f64>| {
         if points.iter().any(|p| logged(p).is_some()) {
