@@ -9,10 +9,13 @@
 //! that prefix **materialized** (`Reclaimer::materialize_forks`): read through the
 //! deleted session, written as the fork's own ([`super::log::Record::Placed`], one atomic
 //! append whose last record drops the fork's base), and made durable; only then does the
-//! reclamation go on. This runs at every look, not only when a pass is due, so that by the
-//! time a session's records or index entries go, no fork reads through it. A fork of a
-//! deleted fork reads through both: the deleted fork awaits erasure too, and its own forks
-//! are materialized in the same look, while everything they read is still there.
+//! reclamation go on. This runs at the first look after the deletion (again after a
+//! restart, where it finds nothing left to do, and at every look until it succeeds: a
+//! session whose forks could not be materialized, on a full volume, keeps its records
+//! meanwhile), not only when a pass is due, so that by the time a session's records or
+//! index entries go, no fork reads through it. A fork of a deleted fork reads through
+//! both: the deleted fork awaits erasure too, and its own forks are materialized in the
+//! same look, while everything they read is still there.
 //!
 //! A pass:
 //! 1. seals the active segment if it holds dead records (the writer rolls to a new one);
