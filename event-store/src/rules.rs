@@ -53,7 +53,7 @@ pub fn not_deleted(meta: &SessionMeta, session_id: &str) -> Result<(), StoreErro
 #[derive(Debug, Clone, PartialEq)]
 pub enum Deletion {
     /// Replace the session by this tombstone: its events, title, snapshots and lease go.
-    Tombstone(SessionMeta),
+    Tombstone(Box<SessionMeta>),
     /// It was deleted before: nothing changes, and the call succeeds.
     AlreadyDeleted,
 }
@@ -68,7 +68,7 @@ pub fn delete(
 ) -> Result<Deletion, StoreError> {
     match meta {
         Some(m) if m.is_deleted() => Ok(Deletion::AlreadyDeleted),
-        Some(m) if m.last_seq > 0 => Ok(Deletion::Tombstone(SessionMeta::tombstone(now))),
+        Some(m) if m.last_seq > 0 => Ok(Deletion::Tombstone(Box::new(SessionMeta::tombstone(now)))),
         _ => Err(session_not_found(session_id)),
     }
 }
@@ -469,6 +469,8 @@ pub struct ForkPlan {
     pub record: ForkRecord,
     /// The request's events that are new, numbered after the prefix.
     pub fresh: Vec<Event>,
+    /// The fork's state at the fork point (the prefix folded, before `fresh`).
+    pub at_fork: SessionMeta,
     pub meta: SessionMeta,
     /// One per event of the request: its seq (the prefix's, for an id the prefix holds).
     pub seqs: Vec<u64>,
@@ -495,6 +497,7 @@ impl ForkPrefix {
             parent: parent.to_string(),
             seq: at_seq,
             ts_unix_ms: now,
+            state: None,
         };
         let mut meta = SessionMeta::default();
         meta.apply_fork(&record);
@@ -543,12 +546,14 @@ pub fn plan_fork(prefix: ForkPrefix, extra: Vec<Event>, now: i64) -> Result<Fork
         Ok::<_, StoreError>(wanted.get(id).copied().flatten())
     })?;
     check_fresh(&meta, &new_id, None, &numbered.fresh)?;
+    let at_fork = meta.clone();
     for event in &numbered.fresh {
         meta.apply_event(event);
     }
     Ok(ForkPlan {
         record,
         fresh: numbered.fresh,
+        at_fork,
         meta,
         seqs: numbered.seqs,
     })
@@ -633,7 +638,7 @@ mod tests {
         };
         assert!(tombstone.is_deleted());
         assert_eq!(
-            tombstone,
+            *tombstone,
             SessionMeta::tombstone(NOW),
             "the tombstone keeps nothing else"
         );

@@ -33,8 +33,10 @@ pub struct LeaseRecord {
 
 /// The start of a fork's log (`ForkSession`): the parent and the last seq taken from it,
 /// and when the fork was made (its creation and last update until it gets events of its
-/// own; the copied events keep their own times). The local log stores it as the first
-/// record of the fork's atomic append.
+/// own; the prefix's events keep their own times). The local log stores it as the first
+/// record of the fork's atomic append, with the fork's state at `seq` (`state`): the fork
+/// then shares its prefix with the parent instead of holding a copy of it
+/// ([`SessionMeta::base_session`]), and recovery takes that state as it is.
 #[derive(Clone, PartialEq, Message)]
 pub struct ForkRecord {
     #[prost(string, tag = "1")]
@@ -45,6 +47,10 @@ pub struct ForkRecord {
     pub seq: u64,
     #[prost(int64, tag = "4")]
     pub ts_unix_ms: i64,
+    /// The fork's state at `seq` (without text, as the local index keeps states), its
+    /// prefix read through `parent`; absent in a fork written with its prefix copied.
+    #[prost(message, optional, tag = "5")]
+    pub state: Option<SessionMeta>,
 }
 
 /// The first user message is kept up to this many bytes, for `ListSessions` queries.
@@ -90,6 +96,14 @@ pub struct SessionMeta {
     /// from the log (so that no session's text is ever written into the index's files).
     #[prost(uint64, tag = "11")]
     pub first_user_seq: u64,
+    /// The session whose log holds this one's seqs `1..=base_seq` (a fork sharing its
+    /// parent's prefix, in the local log; empty: every seq is the session's own). Its seq
+    /// `s` is read as the base's seq `s`, with this session's id. Kept by a tombstone until
+    /// the deleted session's records are gone (its own forks may still read through it).
+    #[prost(string, tag = "12")]
+    pub base_session: String,
+    #[prost(uint64, tag = "13")]
+    pub base_seq: u64,
 }
 
 /// Who writes an event kind. Runner-written kinds need the session's current lease; the
@@ -139,8 +153,15 @@ impl SessionMeta {
             + self
                 .forked_from
                 .as_ref()
-                .map_or(0, |f| f.session_id.capacity() + 40);
+                .map_or(0, |f| f.session_id.capacity() + 40)
+            + self.base_session.capacity();
         session_id.len() + std::mem::size_of::<(String, SessionMeta)>() + 16 + heap
+    }
+
+    /// Where seq `seq` is read from when it is not the session's own: the base session, if
+    /// `seq` is in the prefix the session shares with it.
+    pub fn base_of(&self, seq: u64) -> Option<&str> {
+        (!self.base_session.is_empty() && seq <= self.base_seq).then_some(&self.base_session)
     }
 
     pub fn is_deleted(&self) -> bool {
@@ -242,8 +263,13 @@ impl SessionMeta {
         self.lease = Some(lease.clone());
     }
 
-    /// Starts a fork's state: applied before the copied events.
+    /// Starts a fork's state: its state at the fork point if the record carries it, else
+    /// the start of one whose copied prefix follows.
     pub fn apply_fork(&mut self, fork: &ForkRecord) {
+        if let Some(state) = &fork.state {
+            *self = state.clone();
+            return;
+        }
         self.forked_from = Some(ForkedFrom {
             session_id: fork.parent.clone(),
             seq: fork.seq,

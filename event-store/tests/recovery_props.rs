@@ -132,7 +132,7 @@ fn summary(record: &Record) -> Summary {
         Record::Fork(f) => Summary::Fork {
             session: f.session_id.clone(),
         },
-        Record::Copied(c) => Summary::Event {
+        Record::Placed(c) => Summary::Event {
             session: c.session_id.to_string(),
             event_id: c.event_id.clone(),
             seq: c.seq,
@@ -434,7 +434,7 @@ async fn check_index(store: &Store, log: &[Record]) {
             Record::Lease(l) => {
                 epochs.insert(&l.session_id, l.epoch);
             }
-            Record::Fork(_) | Record::Copied(_) => {}
+            Record::Fork(_) | Record::Placed(_) => {}
             Record::Tombstone(t) => panic!("these tests delete no session, yet {t:?} is logged"),
         }
     }

@@ -79,6 +79,29 @@ impl FramedEvents {
         })
     }
 
+    /// The same events as another session's (a fork's, read through its base): each
+    /// message with `session_id` as its field 1 once more after it, which a decoder takes
+    /// over the first (a protobuf decoder keeps a field's last value).
+    pub(crate) fn renamed(&self, session_id: &str) -> FramedEvents {
+        let mut tail = vec![0x0a];
+        prost::encoding::encode_varint(session_id.len() as u64, &mut tail);
+        tail.extend_from_slice(session_id.as_bytes());
+        let mut buf = BytesMut::with_capacity(self.bytes.len() + self.count * tail.len());
+        let mut rest = &self.bytes[..];
+        while rest.len() >= MESSAGE_HEADER_LEN {
+            let len = u32::from_be_bytes([rest[1], rest[2], rest[3], rest[4]]) as usize;
+            let Some(message) = rest.get(MESSAGE_HEADER_LEN..MESSAGE_HEADER_LEN + len) else {
+                break;
+            };
+            buf.put_u8(0);
+            buf.put_u32((len + tail.len()) as u32);
+            buf.put_slice(message);
+            buf.put_slice(&tail);
+            rest = &rest[MESSAGE_HEADER_LEN + len..];
+        }
+        FramedEvents::new(buf.freeze(), self.count)
+    }
+
     /// The events themselves, decoded (for callers in this process).
     pub fn decode(&self) -> Result<Vec<Event>, StoreError> {
         let undecodable =

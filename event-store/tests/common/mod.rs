@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use agentlog_proto::v1::{event, Durability, Event, UserMessage};
 use event_store::backend::local::log::storage::SimStorage;
-use event_store::backend::local::log::{LogConfig, LogTail, LogWriter, Record};
+use event_store::backend::local::log::{LogConfig, LogError, LogTail, LogWriter, Record};
 use event_store::backend::local::reclaim::ReclaimConfig;
 use event_store::backend::local::{Store, StoreConfig};
 use event_store::backend::AppendOp;
@@ -152,6 +152,22 @@ pub async fn history(store: &Store, session_id: &str) -> Vec<Event> {
         }
     }
     events
+}
+
+/// Like [`read_log`], or the error of a read that met a rewrite being put in place (the
+/// reclaimer's, running beside the caller): to be asked again.
+pub fn try_read_log(disk: &SimStorage) -> Result<Vec<Record>, LogError> {
+    let mut records = Vec::new();
+    LogWriter::open(
+        Arc::new(disk.clone()),
+        LogConfig {
+            segment_bytes: u64::MAX,
+            preallocate_bytes: 0,
+        },
+        LogTail::default(),
+        |append| records.extend(append.iter().map(|(_, r)| r.clone())),
+    )?;
+    Ok(records)
 }
 
 /// Every valid record of the log on `disk`, in log order, as recovery sees them.

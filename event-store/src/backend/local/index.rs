@@ -9,6 +9,11 @@
 //! positions after those it already held. An index of the earlier layout, one entry per
 //! event, is told apart by [`POSITIONS_LAYOUT`] and rebuilt from the log on open.
 //!
+//! A fork that shares its parent's prefix holds positions of its own events only: the seqs
+//! it reads through its base are empty positions (`len` 0) in its chunks, skipped by
+//! [`Index::positions`], until a materialization places its own there. `c<parent>\0<fork>`
+//! lists the forks made through a session, for the reclaimer ([`Index::children`]).
+//!
 //! An event id that names its own event's seq (`auto-<seq>-<random>`, the form the store
 //! gives an event that came without an id; see [`self_named_seq`]) is not put in
 //! `event_id → seq`: dedup reads the event at that seq and compares instead, which saves
@@ -58,9 +63,11 @@ const ABSORBED_LEN: usize = 8 + POSITION_BYTES;
 /// Names the layout of the entries; an index without it (or with another value) is removed
 /// and rebuilt from the log ([`Index::open_current`]). "chunks-of-64": positions in chunks;
 /// "no-text": sessions' entries hold no text (an index of the earlier layout, which held
-/// the first user messages, goes with its files); "listed": the `o` order of sessions.
+/// the first user messages, goes with its files); "listed": the `o` order of sessions;
+/// "shared-prefix": forks read their prefix through their parent (`c` keys, empty
+/// positions for the seqs a fork does not hold).
 const LAYOUT: &[u8] = b"m:positions-layout";
-pub const POSITIONS_LAYOUT: &[u8] = b"chunks-of-64,no-text,listed";
+pub const POSITIONS_LAYOUT: &[u8] = b"chunks-of-64,no-text,listed,shared-prefix";
 /// Positions per sled entry.
 pub const POSITIONS_PER_CHUNK: u64 = 64;
 /// Bytes of one position in a chunk: offset (8) and length (4), big-endian.
@@ -84,6 +91,9 @@ const ERASING: u8 = b'x';
 /// A record of a deleted session that recovery found but could not index (its seqs jump,
 /// see `recovery`): `d<session>\0<offset>` → its length, so that reclamation still finds it.
 const DEAD: u8 = b'd';
+/// A fork that read its prefix through a session when it was made: `c<session>\0<fork>`.
+/// Whether it still does is the fork's state's to say ([`SessionMeta::base_session`]).
+const CHILD: u8 = b'c';
 /// Keys one sled batch of a purge removes at most.
 const PURGE_BATCH: usize = 4096;
 
@@ -129,12 +139,14 @@ pub struct IndexBatch {
     records: usize,
 }
 
-/// A session's events of one batch: consecutive seqs from `first_seq`, their positions
-/// packed as in a chunk.
+/// A session's event positions of one batch, by seq: appended events in seq order, and
+/// events of a fork's shared prefix made its own ([`Record::Placed`]) at their seqs.
 #[derive(Default)]
 struct NewPositions {
-    first_seq: u64,
-    packed: Vec<u8>,
+    positions: Vec<(u64, Position)>,
+    /// Whether some are placed ones (perhaps out of seq order, and among positions the
+    /// chunks already hold): sorted, and merged into what the chunks hold.
+    unordered: bool,
 }
 
 impl IndexBatch {
@@ -146,17 +158,26 @@ impl IndexBatch {
             None => self.touched.entry(session_id.to_string()).or_default(),
         };
         if let Some((session_id, seq, event_id)) = record.event_place() {
-            if new.packed.is_empty() {
-                new.first_seq = seq;
+            if matches!(record, Record::Placed(_))
+                || new
+                    .positions
+                    .last()
+                    .is_some_and(|(last, _)| *last + 1 != seq)
+            {
+                new.unordered = true;
             }
-            debug_assert_eq!(
-                new.first_seq + (new.packed.len() / POSITION_BYTES) as u64,
-                seq
-            );
-            pack(pos, &mut new.packed);
+            new.positions.push((seq, pos));
             if self_named_seq(event_id) != Some(seq) {
                 self.batch
                     .insert(event_id_key(session_id, event_id), &seq.to_be_bytes()[..]);
+            }
+        }
+        if let Record::Fork(fork) = record {
+            if let Some(parent) = fork.state.as_ref().map(|s| &s.base_session) {
+                if !parent.is_empty() {
+                    self.batch
+                        .insert(child_key(parent, &fork.session_id), &[][..]);
+                }
             }
         }
         if let Record::Tombstone(t) = record {
@@ -220,6 +241,11 @@ impl Recent {
         for (pos, record) in positions.iter().zip(records) {
             if let Some((session_id, seq, _)) = record.event_place() {
                 match map.get_mut(session_id) {
+                    // A fork's prefix made its own comes after its newer events.
+                    Some(seqs) if seqs.last().is_some_and(|(last, _)| *last >= seq) => {
+                        let at = seqs.partition_point(|(s, _)| *s < seq);
+                        seqs.insert(at, (seq, *pos));
+                    }
                     Some(seqs) => seqs.push((seq, *pos)),
                     None => {
                         map.insert(session_id.to_string(), vec![(seq, *pos)]);
@@ -317,7 +343,7 @@ impl Index {
     /// log and the index has absorbed its tombstone (so that nothing of it is written
     /// again). A crash in the middle leaves it marked, and a later purge finishes.
     pub fn purge_entries(&self, session_id: &str) -> Result<(), IndexError> {
-        for prefix in [POSITION, EVENT_ID, DEAD] {
+        for prefix in [POSITION, EVENT_ID, DEAD, CHILD] {
             let mut start = Vec::with_capacity(2 + session_id.len());
             start.push(prefix);
             start.extend_from_slice(session_id.as_bytes());
@@ -336,6 +362,24 @@ impl Index {
             }
         }
         Ok(())
+    }
+
+    /// The forks made through `session_id` (its `c` keys), whether or not they still read
+    /// through it.
+    pub fn children(&self, session_id: &str) -> Result<Vec<String>, IndexError> {
+        let mut prefix = Vec::with_capacity(2 + session_id.len());
+        prefix.push(CHILD);
+        prefix.extend_from_slice(session_id.as_bytes());
+        prefix.push(0);
+        let mut children = Vec::new();
+        for key in self.db.scan_prefix(&prefix).keys() {
+            let key = key?;
+            children.push(
+                String::from_utf8(key[prefix.len()..].to_vec())
+                    .map_err(|_| IndexError::Corrupt(format!("a fork of {session_id}")))?,
+            );
+        }
+        Ok(children)
     }
 
     /// The records of a deleted session recovery could not index by seq
@@ -474,7 +518,12 @@ impl Index {
                 if out.len() >= limit {
                     break;
                 }
-                out.push((seq, unpack(position)));
+                let position = unpack(position);
+                // A seq the session reads through its base (a fork's shared prefix).
+                if position.len == 0 {
+                    continue;
+                }
+                out.push((seq, position));
             }
         }
         Ok(out)
@@ -506,7 +555,7 @@ impl Index {
                     .batch
                     .insert(session_key(id), Index::without_text(meta).encode_to_vec());
             }
-            if !new.packed.is_empty() {
+            if !new.positions.is_empty() {
                 self.add_positions(&mut batch.batch, id, new)?;
             }
         }
@@ -530,37 +579,47 @@ impl Index {
         std::borrow::Cow::Owned(kept)
     }
 
-    /// Puts a session's new positions into `batch`, chunk by chunk: the first chunk they
-    /// fall in keeps the positions it held before them.
+    /// Puts a session's new positions into `batch`, chunk by chunk: each chunk keeps the
+    /// positions it held that they do not replace. A seq before them that the chunk does
+    /// not hold (one a fork reads through its base) gets an empty position.
     fn add_positions(
         &self,
         batch: &mut sled::Batch,
         session_id: &str,
         new: &NewPositions,
     ) -> Result<(), IndexError> {
-        let mut seq = new.first_seq;
-        let mut packed = &new.packed[..];
-        while !packed.is_empty() {
-            let chunk = chunk_of(seq);
-            let before = ((seq - 1) % POSITIONS_PER_CHUNK) as usize;
-            let room = POSITIONS_PER_CHUNK as usize - before;
-            let (these, rest) = packed.split_at(packed.len().min(room * POSITION_BYTES));
+        let mut sorted;
+        let positions = if new.unordered {
+            sorted = new.positions.clone();
+            sorted.sort_by_key(|(seq, _)| *seq);
+            &sorted[..]
+        } else {
+            &new.positions[..]
+        };
+        let mut rest = positions;
+        while let Some(&(first, _)) = rest.first() {
+            let chunk = chunk_of(first);
+            let in_chunk = rest.partition_point(|(seq, _)| chunk_of(*seq) == chunk);
+            let (these, after) = rest.split_at(in_chunk);
             let key = position_key(session_id, chunk);
-            let mut value = Vec::with_capacity((before + these.len()) * POSITION_BYTES);
-            if before > 0 {
-                let held = self.db.get(&key)?.unwrap_or_default();
-                if held.len() < before * POSITION_BYTES {
-                    return Err(IndexError::Corrupt(format!(
-                        "positions of {session_id}, chunk {chunk}: {} held, seq {seq} next",
-                        held.len() / POSITION_BYTES
-                    )));
+            let start = chunk * POSITIONS_PER_CHUNK + 1;
+            // An append that starts the chunk is all it holds; anything else keeps what the
+            // chunk held.
+            let mut value = if first == start && !new.unordered {
+                Vec::with_capacity(these.len() * POSITION_BYTES)
+            } else {
+                self.db.get(&key)?.map(|v| v.to_vec()).unwrap_or_default()
+            };
+            for &(seq, position) in these {
+                let at = (seq - start) as usize * POSITION_BYTES;
+                if value.len() < at + POSITION_BYTES {
+                    value.resize(at + POSITION_BYTES, 0);
                 }
-                value.extend_from_slice(&held[..before * POSITION_BYTES]);
+                value[at..at + 8].copy_from_slice(&position.offset.to_be_bytes());
+                value[at + 8..at + POSITION_BYTES].copy_from_slice(&position.len.to_be_bytes());
             }
-            value.extend_from_slice(these);
             batch.insert(key, value);
-            seq += (these.len() / POSITION_BYTES) as u64;
-            packed = rest;
+            rest = after;
         }
         Ok(())
     }
@@ -672,6 +731,15 @@ fn dead_key(session_id: &str, offset: u64) -> Vec<u8> {
     key.extend_from_slice(session_id.as_bytes());
     key.push(0);
     key.extend_from_slice(&offset.to_be_bytes());
+    key
+}
+
+fn child_key(session_id: &str, child: &str) -> Vec<u8> {
+    let mut key = Vec::with_capacity(2 + session_id.len() + child.len());
+    key.push(CHILD);
+    key.extend_from_slice(session_id.as_bytes());
+    key.push(0);
+    key.extend_from_slice(child.as_bytes());
     key
 }
 

@@ -393,10 +393,11 @@ impl Store {
 
     /// `ForkSession`: the parent's prefix is read as it is stored and checked here, each
     /// event parsed only as far as the settled-point rule and the fork's state need; the
-    /// writer then writes the whole fork as one atomic append of the stored events (each
-    /// with the fork's session id after it, [`log::record::CopiedEvent`]), after checking
-    /// in its own state that the new session does not exist. Nothing is decoded and encoded
-    /// again but what the rules read.
+    /// writer then writes the fork as one atomic append: its start, carrying its state at
+    /// `at_seq`, and the request's new events, after checking in its own state that the new
+    /// session does not exist and the parent still does. The prefix is not written again:
+    /// the fork reads it through its parent ([`crate::session::SessionMeta::base_session`])
+    /// until the parent is deleted, when it is made the fork's own (`reclaim`).
     pub async fn fork(&self, op: ForkOp) -> Result<ForkSessionResponse, StoreError> {
         rules::fork_target(
             self.shared.get(&op.new_session_id)?.as_ref(),
@@ -404,11 +405,9 @@ impl Store {
         )?;
         let last_seq = Store::get_session(self, &op.parent)?.last_seq;
         let now = now_unix_ms();
-        let fork_id: std::sync::Arc<str> = op.new_session_id.as_str().into();
         let mut point = rules::ForkPoint::new(op.at_seq);
         let mut state =
             rules::ForkPrefix::new(&op.new_session_id, &op.parent, op.at_seq, &op.events, now);
-        let mut copied = Vec::with_capacity(op.at_seq.min(last_seq) as usize);
         let cancel = CancellationToken::new();
         let _stop = cancel.clone().drop_guard();
         let mut runs = Store::subscribe(self, op.parent.clone(), 1, false, cancel);
@@ -428,12 +427,6 @@ impl Store {
                 let done = point.apply(&event);
                 if event.seq <= op.at_seq {
                     state.apply(&event);
-                    copied.push(log::record::CopiedEvent {
-                        session_id: fork_id.clone(),
-                        seq: event.seq,
-                        event_id: event.event_id,
-                        message,
-                    });
                 }
                 if done {
                     break 'read;
@@ -442,8 +435,7 @@ impl Store {
         }
         point.verdict(&op.parent, last_seq)?;
         let plan = rules::plan_fork(state, op.events, now)?;
-        self.submit(|tx| Op::Fork(Box::new(writer::ForkWrite { plan, copied }), tx))
-            .await
+        self.submit(|tx| Op::Fork(Box::new(plan), tx)).await
     }
 
     /// Keeps a snapshot of the session if the caller holds its live lease of `lease_epoch`
@@ -556,24 +548,19 @@ impl Store {
         if seq == 0 || !meta.first_user_text.is_empty() || meta.is_deleted() {
             return Ok(());
         }
-        let recent = self.shared.recent.positions(session_id, seq, 1);
-        let position = match recent.first() {
-            Some(&(s, position)) if s == seq => Some(position),
-            _ => self
-                .source
-                .index
-                .positions(session_id, seq, 1)?
-                .into_iter()
-                .find(|(s, _)| *s == seq)
-                .map(|(_, position)| position),
-        };
+        let position = subscriptions::position_of(&self.source, session_id, seq)?;
         let Some(position) = position else {
             return Err(StoreError::Internal(format!(
                 "no position of {session_id}/{seq}, its first user message"
             )));
         };
-        match self.source.log.read(position).map_err(IndexError::from)? {
-            Record::Event(event) => {
+        let event = match self.source.log.read(position).map_err(IndexError::from)? {
+            Record::Event(event) => Some(event),
+            Record::Placed(placed) => placed.decode().ok(),
+            _ => None,
+        };
+        match event {
+            Some(event) => {
                 if let Some(agentlog_proto::v1::event::Kind::UserMessage(m)) = &event.kind {
                     meta.set_first_user_text(seq, &m.text);
                 }

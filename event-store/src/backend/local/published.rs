@@ -83,8 +83,6 @@ impl Shared {
         // tombstone ends its session's followers (after the state above says it is deleted,
         // so that a subscription that registers later sees the tombstone instead).
         let mut run: Vec<Event> = Vec::new();
-        // Whether the session of the copies at hand is followed, asked once per session.
-        let mut followed: Option<(std::sync::Arc<str>, bool)> = None;
         for record in records {
             let event = match record {
                 Record::Event(event) => event,
@@ -95,26 +93,7 @@ impl Shared {
                     self.hub.end(&t.session_id);
                     continue;
                 }
-                // A fork's copied prefix is decoded only for someone already following the
-                // fork (rare: it is a new session); the others read it from the log.
-                Record::Copied(copied)
-                    if match &followed {
-                        Some((session, yes)) if *session == copied.session_id => *yes,
-                        _ => {
-                            let yes = self.hub.follows(&copied.session_id);
-                            followed = Some((copied.session_id.clone(), yes));
-                            yes
-                        }
-                    } =>
-                {
-                    match copied.decode() {
-                        Ok(event) => event,
-                        Err(e) => {
-                            tracing::error!(error = %e, "a copied event does not decode");
-                            continue;
-                        }
-                    }
-                }
+                // A fork's shared prefix made its own: its followers had it already.
                 _ => continue,
             };
             if run.last().is_some_and(|e| e.session_id != event.session_id) {

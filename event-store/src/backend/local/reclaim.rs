@@ -4,6 +4,19 @@
 //! its own) counts the bytes they take per segment (from the index's positions of the
 //! session's events) and runs a pass when a segment's dead bytes pass
 //! [`ReclaimConfig::dead_bytes`], or at the latest [`ReclaimConfig::after`] a deletion.
+//! Before anything of a deleted session leaves the log, every live fork that reads its
+//! prefix through it (its state's base, see `crate::session::SessionMeta::base_session`) gets
+//! that prefix **materialized** (`Reclaimer::materialize_forks`): read through the
+//! deleted session, written as the fork's own ([`super::log::Record::Placed`], one atomic
+//! append whose last record drops the fork's base), and made durable; only then does the
+//! reclamation go on. This runs at the first look after the deletion (again after a
+//! restart, where it finds nothing left to do, and at every look until it succeeds: a
+//! session whose forks could not be materialized, on a full volume, keeps its records
+//! meanwhile), not only when a pass is due, so that by the time a session's records or
+//! index entries go, no fork reads through it. A fork of a deleted fork reads through
+//! both: the deleted fork awaits erasure too, and its own forks are materialized in the
+//! same look, while everything they read is still there.
+//!
 //! A pass:
 //! 1. seals the active segment if it holds dead records (the writer rolls to a new one);
 //! 2. rewrites every sealed segment that holds dead records without them, most dead first
@@ -18,6 +31,10 @@
 //! session over only after the tombstone's fsync), and tombstones are never dropped, so
 //! a deleted session stays deleted whatever survives. A crash (`kill -9`, power loss) at
 //! any point leaves:
+//! - [`CrashPoint::MaterializeWritten`]: a fork's materialization written, not synced: a
+//!   torn append, dropped at open; the fork still reads through its base, which is whole;
+//! - [`CrashPoint::Materialized`]: the materialization durable (perhaps not in the index:
+//!   recovery replays it, and the fork reads its own records); nothing of the base gone;
 //! - [`CrashPoint::RewriteWritten`], [`CrashPoint::RewriteSynced`]: a rewrite file beside
 //!   the whole old segment; it is removed at open, and the old segment is read as before;
 //! - between the rename and the directory's fsync: the old segment or the new one, each
@@ -44,10 +61,12 @@ use tokio::sync::mpsc;
 
 use super::background::{ask, Signal};
 use super::index::Index;
+use super::log::record::{event_for_state, CopiedEvent};
 use super::log::storage::CrashPoint;
 use super::log::{LogError, LogReader, SegmentRewriter};
 use super::published::{Erasing, Shared};
-use super::writer::Op;
+use super::subscriptions::{read_up_to, Source};
+use super::writer::{Materialize, Op};
 use crate::error::StoreError;
 use crate::metrics;
 
@@ -98,6 +117,9 @@ pub(crate) struct Reclaimer {
     snapshots: Arc<SnapshotDir>,
     /// Dead bytes per segment of each session awaiting erasure, counted once.
     dead: HashMap<String, Vec<(u64, u64)>>,
+    /// Sessions awaiting erasure whose forks are all their own now: no fork is made of a
+    /// deleted session, so none reads through them again.
+    materialized: HashSet<String>,
     /// Tells a rewrite to stop when the store does.
     signal: Signal,
 }
@@ -122,6 +144,7 @@ impl Reclaimer {
             config,
             snapshots,
             dead: HashMap::new(),
+            materialized: HashSet::new(),
         }
     }
 
@@ -173,7 +196,57 @@ impl Reclaimer {
         };
         if erasing.is_empty() {
             self.dead.clear();
+            self.materialized.clear();
             metrics::reclaim_dead_bytes(0);
+            return Ok(());
+        }
+        // A session whose forks could not be made whole yet (a full volume) waits, and the
+        // others go on.
+        let mut erasing = erasing;
+        let mut waiting = Vec::new();
+        let unseen: Vec<String> = erasing
+            .iter()
+            .map(|(id, _)| id)
+            .filter(|id| !self.materialized.contains(*id))
+            .cloned()
+            .collect();
+        // Forks the index has not absorbed yet, by base, looked for once per look.
+        let mut unabsorbed: HashMap<String, Vec<String>> = HashMap::new();
+        if !unseen.is_empty() {
+            let looked_for: HashSet<&str> = unseen.iter().map(String::as_str).collect();
+            let published = self
+                .shared
+                .sessions
+                .read()
+                .unwrap_or_else(|p| p.into_inner());
+            for (id, meta) in published.iter() {
+                if looked_for.contains(meta.base_session.as_str()) {
+                    unabsorbed
+                        .entry(meta.base_session.clone())
+                        .or_default()
+                        .push(id.clone());
+                }
+            }
+        }
+        for session_id in &unseen {
+            let also = unabsorbed.remove(session_id).unwrap_or_default();
+            match self.materialize_forks(session_id, also) {
+                Ok(()) => {
+                    self.materialized.insert(session_id.clone());
+                }
+                Err(Failed::Store(e)) => {
+                    tracing::warn!(
+                        session_id,
+                        error = %e,
+                        "a deleted session's forks are not their own yet; its records stay"
+                    );
+                    waiting.push(session_id.clone());
+                }
+                Err(gone) => return Err(gone),
+            }
+        }
+        erasing.retain(|(id, _)| !waiting.contains(id));
+        if erasing.is_empty() {
             return Ok(());
         }
         let mut by_segment: BTreeMap<u64, u64> = BTreeMap::new();
@@ -195,6 +268,88 @@ impl Reclaimer {
             metrics::reclaim_dead_bytes(0);
         }
         self.forget(&erasing)
+    }
+
+    /// Makes the prefix of every live fork that reads it through the deleted `session_id`
+    /// its own (see the module head); durable on return.
+    /// `unabsorbed`: forks of it that the index may not hold yet.
+    fn materialize_forks(
+        &mut self,
+        session_id: &str,
+        unabsorbed: Vec<String>,
+    ) -> Result<(), Failed> {
+        let mut forks: Vec<String> = self.index.children(session_id).map_err(StoreError::from)?;
+        forks.extend(unabsorbed);
+        forks.sort_unstable();
+        forks.dedup();
+        for fork in forks {
+            let Some(meta) = self.shared.get(&fork)? else {
+                continue;
+            };
+            if meta.is_deleted() || meta.base_session != session_id {
+                continue;
+            }
+            let placed = self.shared_prefix(&fork, meta.base_seq)?;
+            let materialize = Materialize {
+                session_id: fork.clone(),
+                base: session_id.to_string(),
+                base_seq: meta.base_seq,
+                placed,
+            };
+            let wrote = ask(&self.queue, |tx| Op::Materialize(Box::new(materialize), tx))
+                .ok_or(Failed::WriterGone)??;
+            if wrote {
+                tracing::info!(
+                    fork,
+                    base = session_id,
+                    seqs = meta.base_seq,
+                    "a fork's shared prefix is its own now: its base was deleted"
+                );
+                self.rewriter
+                    .storage()
+                    .crash_point(CrashPoint::Materialized)
+                    .map_err(LogError::from)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The fork's seqs 1 to `up_to`, read through its base as they are stored, each given
+    /// the fork's session id.
+    fn shared_prefix(&self, fork: &str, up_to: u64) -> Result<Vec<CopiedEvent>, Failed> {
+        let source = Source {
+            shared: self.shared.clone(),
+            index: self.index.clone(),
+            log: self.reader.clone(),
+        };
+        let id: Arc<str> = fork.into();
+        let mut placed = Vec::with_capacity(up_to as usize);
+        let mut next = 1;
+        while next <= up_to {
+            let (pieces, after, _) = read_up_to(&source, fork, next, up_to)?;
+            if after == next {
+                return Err(StoreError::Internal(format!(
+                    "{fork}'s shared prefix ends at seq {next}, before {up_to}"
+                ))
+                .into());
+            }
+            for piece in pieces {
+                for message in piece.messages() {
+                    let message = message?;
+                    let event = event_for_state(&message, false).map_err(|e| {
+                        StoreError::Internal(format!("a stored event of {fork}: {e}"))
+                    })?;
+                    placed.push(CopiedEvent {
+                        session_id: id.clone(),
+                        seq: event.seq,
+                        event_id: event.event_id,
+                        message,
+                    });
+                }
+            }
+            next = after;
+        }
+        Ok(placed)
     }
 
     /// Where a deleted session's events are (segment, bytes), from the index's positions,
@@ -326,6 +481,7 @@ impl Reclaimer {
         for session_id in &done {
             self.index.erased(session_id).map_err(StoreError::from)?;
             self.dead.remove(*session_id);
+            self.materialized.remove(*session_id);
         }
         let mut erasing = self
             .shared

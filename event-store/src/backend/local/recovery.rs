@@ -3,6 +3,10 @@
 //! read from the index: opening costs what the index had not absorbed, not the number of
 //! sessions the store holds.
 //!
+//! A fork's start carries its state at the fork point, which recovery takes as it is (the
+//! shared prefix is its parent's, never folded again); a materialization's placed records
+//! add positions below the fork's last seq, and the last of them drops its base.
+//!
 //! A deleted session's records may be partly gone from the log (a reclamation cut short by
 //! a crash rewrote some of its segments and not others), so its seqs may jump. Its
 //! tombstone is always there, later in the log than all of them: a session whose seqs jump
@@ -75,6 +79,33 @@ fn recover(config: &StoreConfig, index: &Index) -> Result<LogWriter, OpenError> 
                 }
             }
             let meta = sessions.get_mut(session_id).expect("inserted above");
+            if let Record::Placed(placed) = record {
+                // A seq of the fork's shared prefix, made its own; the last of them drops
+                // the base (its append is whole, or recovery would not see it). One that
+                // fits no shared prefix is of a deleted fork whose records were partly
+                // reclaimed: set aside like a jump (see the module head).
+                if meta.base_session.is_empty() || placed.seq > meta.base_seq {
+                    jumped.insert(
+                        session_id.to_string(),
+                        IndexError::SeqGap {
+                            offset: pos.offset,
+                            session: session_id.to_string(),
+                            seq: placed.seq,
+                            expected: meta.last_seq + 1,
+                        },
+                    );
+                    batch.add_dead(session_id, *pos);
+                    continue;
+                }
+                if placed.seq == meta.base_seq {
+                    meta.base_session.clear();
+                    meta.base_seq = 0;
+                }
+                batch.add(*pos, record);
+                pending += 1;
+                replayed += 1;
+                continue;
+            }
             if let Some((session, seq, _)) = record.event_place() {
                 if seq != meta.last_seq + 1 {
                     jumped.insert(
@@ -94,17 +125,14 @@ fn recover(config: &StoreConfig, index: &Index) -> Result<LogWriter, OpenError> 
                 Record::Event(event) => meta.apply_event(event),
                 Record::Lease(lease) => meta.apply_lease(lease),
                 Record::Fork(fork) => meta.apply_fork(fork),
-                // What the log is read into: never a copy (it decodes as an event).
-                Record::Copied(copied) => match copied.decode() {
-                    Ok(event) => meta.apply_event(&event),
-                    Err(e) => {
-                        failure = Some(IndexError::Corrupt(format!("a copied event: {e}")));
-                        return;
-                    }
-                },
+                Record::Placed(_) => {}
                 Record::Tombstone(t) => {
                     jumped.remove(session_id);
-                    *meta = SessionMeta::tombstone(t.deleted_unix_ms);
+                    let mut tombstone = SessionMeta::tombstone(t.deleted_unix_ms);
+                    // Its forks may read through it until its records are gone.
+                    tombstone.base_session = std::mem::take(&mut meta.base_session);
+                    tombstone.base_seq = meta.base_seq;
+                    *meta = tombstone;
                 }
             }
             batch.add(*pos, record);

@@ -14,6 +14,11 @@
 //! read, a checksum and a move within that buffer per event, not a decode, an encode and a
 //! channel hand-off.
 //!
+//! A fork that shares its parent's prefix (`SessionMeta::base_session`) has its seqs up to
+//! the fork point read from its base's log, down the line of bases, each event given the
+//! fork's session id (field 1 once more after the stored message, as a decoder takes it):
+//! the same bytes a copied prefix would give.
+//!
 //! A deleted session's subscription ends with `NOT_FOUND` (`SESSION_DELETED`): at once if the
 //! tombstone was there when it started, else when the tombstone is published (the hub tells
 //! every follower), and a read that fails because the reclamation already took the records
@@ -176,37 +181,99 @@ async fn catch_up(
 }
 
 /// Reads up to one chunk of consecutive events from `from` on, in their wire form (a piece
-/// per read); returns them and the seq after the last.
+/// per read); returns them and the seq after the last. A fork's seqs that it shares with
+/// its base are read from the base's log (down the line of bases), given the fork's id.
 fn read_chunk(
     source: &Source,
     session_id: &str,
     from: u64,
 ) -> Result<(Vec<FramedEvents>, u64), StoreError> {
-    // The recent ones first, then the index: the writer forgets a recent position only
-    // after the index holds it, so every durable event is in one or the other.
-    let recent = source
-        .shared
-        .recent
-        .positions(session_id, from, HISTORY_CHUNK);
-    let indexed = source.index.positions(session_id, from, HISTORY_CHUNK)?;
-    let mut positions: Vec<Position> = Vec::with_capacity(HISTORY_CHUNK);
-    for (expected, (seq, position)) in (from..).zip(indexed) {
-        if seq != expected {
-            return Err(StoreError::Internal(format!(
-                "index of session {session_id} jumps from seq {expected} to {seq}"
-            )));
-        }
-        positions.push(position);
+    let (pieces, next, owner) = read_up_to(source, session_id, from, u64::MAX)?;
+    if owner == session_id {
+        return Ok((pieces, next));
     }
-    let mut next = from + positions.len() as u64;
-    for (seq, position) in recent {
-        if positions.len() >= HISTORY_CHUNK || seq > next {
-            break;
+    Ok((pieces.iter().map(|p| p.renamed(session_id)).collect(), next))
+}
+
+/// [`read_chunk`] of the session's seqs up to `up_to`, as they are stored: with the id of
+/// the session whose log holds them (returned too).
+pub(crate) fn read_up_to(
+    source: &Source,
+    session_id: &str,
+    from: u64,
+    up_to: u64,
+) -> Result<(Vec<FramedEvents>, u64, String), StoreError> {
+    let mut tries = 0;
+    loop {
+        let meta = source.shared.get(session_id)?;
+        let Some((base, base_seq)) = meta
+            .as_ref()
+            .and_then(|m| Some((m.base_of(from)?.to_string(), m.base_seq)))
+        else {
+            let (pieces, next) = read_own(source, session_id, from, up_to)?;
+            return Ok((pieces, next, session_id.to_string()));
+        };
+        let read = read_up_to(source, &base, from, up_to.min(base_seq)).and_then(|read| {
+            if read.1 > from {
+                Ok(read)
+            } else {
+                Err(StoreError::Internal(format!(
+                    "{session_id}/{from} is not in the log of {base}, its base"
+                )))
+            }
+        });
+        match read {
+            Ok(read) => return Ok(read),
+            // The prefix was made the fork's own, and the base's records left the log,
+            // between the look at the fork's state and the read: read again.
+            Err(e) => {
+                tries += 1;
+                let now = source.shared.get(session_id)?;
+                if tries > 2 || now.as_ref().map(|m| &m.base_session) == Some(&base) {
+                    return Err(e);
+                }
+            }
         }
-        if seq == next {
-            positions.push(position);
-            next += 1;
-        }
+    }
+}
+
+/// The session's own events from `from` on, up to `up_to`.
+fn read_own(
+    source: &Source,
+    session_id: &str,
+    from: u64,
+    up_to: u64,
+) -> Result<(Vec<FramedEvents>, u64), StoreError> {
+    if from > up_to {
+        return Ok((Vec::new(), from));
+    }
+    let limit = usize::try_from(up_to - from + 1).map_or(HISTORY_CHUNK, |n| n.min(HISTORY_CHUNK));
+    // The recent ones first, then the index: the writer forgets a recent position only
+    // after the index holds it, so every durable event is in one or the other. (Either may
+    // hold the newer seqs: a fork's prefix made its own is recent after its newer events.)
+    let recent = source.shared.recent.positions(session_id, from, limit);
+    let indexed = source.index.positions(session_id, from, limit)?;
+    let mut positions: Vec<Position> = Vec::with_capacity(limit);
+    let (mut recent, mut indexed) = (
+        recent.into_iter().peekable(),
+        indexed.into_iter().peekable(),
+    );
+    let mut next = from;
+    while positions.len() < limit {
+        while recent.next_if(|(seq, _)| *seq < next).is_some() {}
+        while indexed.next_if(|(seq, _)| *seq < next).is_some() {}
+        let found = match (recent.peek().copied(), indexed.peek().copied()) {
+            (Some((seq, position)), _) if seq == next => position,
+            (_, Some((seq, position))) if seq == next => position,
+            (_, Some((seq, _))) => {
+                return Err(StoreError::Internal(format!(
+                    "index of session {session_id} jumps from seq {next} to {seq}"
+                )));
+            }
+            _ => break,
+        };
+        positions.push(found);
+        next += 1;
     }
     let mut pieces = Vec::new();
     let mut seq = from;
@@ -217,4 +284,33 @@ fn read_chunk(
         Ok::<_, StoreError>(())
     })?;
     Ok((pieces, next))
+}
+
+/// Where the session's event `seq` is in the log (in the log of its base, for a seq of a
+/// fork's shared prefix), if it is durable.
+pub fn position_of(
+    source: &Source,
+    session_id: &str,
+    seq: u64,
+) -> Result<Option<Position>, StoreError> {
+    let mut session = session_id.to_string();
+    while let Some(base) = source
+        .shared
+        .get(&session)?
+        .and_then(|m| m.base_of(seq).map(str::to_string))
+    {
+        session = base;
+    }
+    let recent = source.shared.recent.positions(&session, seq, 1);
+    if let Some(&(s, position)) = recent.first() {
+        if s == seq {
+            return Ok(Some(position));
+        }
+    }
+    Ok(source
+        .index
+        .positions(&session, seq, 1)?
+        .into_iter()
+        .find(|(s, _)| *s == seq)
+        .map(|(_, position)| position))
 }

@@ -18,7 +18,8 @@
 //!   that covers them;
 //! - subscribers and readers see a record only after that fsync;
 //! - dedup is permanent: an event id is looked up in the batch in hand, the window the
-//!   index has not absorbed yet, and the index;
+//!   index has not absorbed yet, and the index; for a fork that shares its parent's prefix,
+//!   in its bases' too, up to the seqs it shares;
 //! - a full volume refuses what would write (`RESOURCE_EXHAUSTED`, saying why) before
 //!   anything of the batch is written, and appends resume by themselves once there is room;
 //!   a deletion's tombstone still goes in, into the room kept free for the index, so that
@@ -46,6 +47,7 @@ use super::index::{
 };
 use super::log::record::CopiedEvent;
 use super::log::record::Tombstone;
+use super::log::storage::CrashPoint;
 use super::log::{record, LogError, LogReader, LogWriter, Record};
 use super::published::Shared;
 use super::sessions::Sessions;
@@ -86,11 +88,14 @@ pub enum Op {
         tracing::Span,
     ),
     Lease(LeaseOp, oneshot::Sender<Result<LeaseOutcome, StoreError>>),
-    /// A fork: written if its session does not exist yet.
+    /// A fork: written if its session does not exist yet and its parent still does.
     Fork(
-        Box<ForkWrite>,
+        Box<rules::ForkPlan>,
         oneshot::Sender<Result<ForkSessionResponse, StoreError>>,
     ),
+    /// Makes a fork's shared prefix its own; answered with whether it wrote it (not if the
+    /// fork no longer reads through that base, or was deleted).
+    Materialize(Box<Materialize>, oneshot::Sender<Result<bool, StoreError>>),
     /// Answered with the sessions it deleted (none: the session was deleted before).
     Delete(DeleteOp, oneshot::Sender<Result<Vec<String>, StoreError>>),
     /// Seal the active segment, if it holds any record, so that it can be rewritten;
@@ -109,11 +114,15 @@ pub enum DeleteOp {
     Idle { idle_before: i64, max: usize },
 }
 
-/// A fork as the local log writes it: the plan ([`rules::plan_fork`]) and the parent's
-/// prefix as it was stored ([`CopiedEvent`]s).
-pub struct ForkWrite {
-    pub plan: rules::ForkPlan,
-    pub copied: Vec<CopiedEvent>,
+/// A fork's prefix, read through its base, to be made its own ([`Record::Placed`]s, in one
+/// atomic append, the last of which drops the base): written only if the fork still reads
+/// its seqs `1..=base_seq` through `base`.
+pub struct Materialize {
+    pub session_id: String,
+    pub base: String,
+    pub base_seq: u64,
+    /// Seqs 1 to `base_seq`, as stored, each with the fork's session id.
+    pub placed: Vec<CopiedEvent>,
 }
 
 pub enum LeaseOp {
@@ -192,6 +201,7 @@ enum Pending {
         oneshot::Sender<Result<ForkSessionResponse, StoreError>>,
         ForkSessionResponse,
     ),
+    Materialize(oneshot::Sender<Result<bool, StoreError>>, bool),
 }
 
 /// Whether a thread that waits for another may look again for a while before it sleeps
@@ -461,10 +471,16 @@ impl Writer {
                         let _ = reply.send(Err(e));
                     }
                 },
-                Op::Fork(fork, reply) => match self.prepare_fork(*fork, &mut batch) {
+                Op::Fork(plan, reply) => match self.prepare_fork(*plan, &mut batch) {
                     Ok(answer) => pending.push(Pending::Fork(reply, answer)),
                     Err(e) => {
                         let _ = reply.send(Err(e));
+                    }
+                },
+                Op::Materialize(m, reply) => match self.prepare_materialize(*m, &mut batch) {
+                    Ok(true) => pending.push(Pending::Materialize(reply, true)),
+                    other => {
+                        let _ = reply.send(other);
                     }
                 },
                 // Answered by `seal_first`, which takes every seal out of the batch.
@@ -491,6 +507,9 @@ impl Writer {
         let positions = self
             .log
             .write(batch.records.iter().zip(batch.continued.iter().copied()))?;
+        if batch.records.iter().any(|r| matches!(r, Record::Placed(_))) {
+            self.log.crash_point(CrashPoint::MaterializeWritten)?;
+        }
         // DURABILITY_BUFFERED: acknowledged once written; the fsync follows right here.
         for (reply, resp) in buffered {
             let _ = reply.send(Ok(resp));
@@ -528,6 +547,25 @@ impl Writer {
         Ok(())
     }
 
+    /// The sessions whose logs hold events of `session_id` besides its own, each with the
+    /// last seq of it they hold: its base (up to the seq they share), that one's base, and
+    /// so on (none for a session that is no fork sharing a prefix).
+    fn bases_of(&mut self, session_id: &str) -> Result<Vec<(String, u64)>, StoreError> {
+        let mut bases: Vec<(String, u64)> = Vec::new();
+        let mut up_to = u64::MAX;
+        loop {
+            let at = bases.last().map_or(session_id, |(base, _)| base.as_str());
+            self.sessions.load(at)?;
+            // A base is always older than its fork: the line ends.
+            let Some(meta) = self.sessions.get(at).filter(|m| !m.base_session.is_empty()) else {
+                break;
+            };
+            up_to = up_to.min(meta.base_seq);
+            bases.push((meta.base_session.clone(), up_to));
+        }
+        Ok(bases)
+    }
+
     fn prepare_append(
         &mut self,
         req: AppendOp,
@@ -540,20 +578,32 @@ impl Writer {
         let session_id = &req.session_id;
         rules::check_writer(meta, session_id, req.lease_epoch, &req.events, now)
             .inspect_err(|e| fenced(e, "append"))?;
+        let bases = self.bases_of(session_id)?;
+        let meta = self.sessions.get(&req.session_id).unwrap_or(&empty);
 
         // Dedup: an id is looked up in the window the index has not absorbed yet (this
-        // batch included), then the index, then (for a generated id) the log itself.
-        let ids = self.recent_ids.get(session_id);
+        // batch included), then the index, then (for a generated id) the log itself; for a
+        // fork that reads its prefix through its base, then in the base's, up to the seqs
+        // it shares, and so on down its line.
         let numbered = rules::number(session_id, req.events, meta.last_seq, now, |id| {
-            if let Some(seq) = ids.and_then(|ids| ids.get(id)) {
-                return Ok(Some(*seq));
+            let own = std::iter::once((session_id.as_str(), meta.last_seq));
+            let line = own.chain(bases.iter().map(|(base, up_to)| (base.as_str(), *up_to)));
+            for (session, up_to) in line {
+                let ids = self.recent_ids.get(session);
+                let within = |seq: &u64| *seq <= up_to;
+                if let Some(seq) = ids.and_then(|ids| ids.get(id)).filter(|s| within(s)) {
+                    return Ok::<_, StoreError>(Some(*seq));
+                }
+                if let Some(seq) = self.index.event_seq(session, id)?.filter(within) {
+                    return Ok(Some(seq));
+                }
+                let log = self.log.reader();
+                let found = (&self.index, &*self.shared.recent, &*log);
+                if let Some(seq) = self_named(found, session, id, up_to)? {
+                    return Ok(Some(seq));
+                }
             }
-            if let Some(seq) = self.index.event_seq(session_id, id)? {
-                return Ok(Some(seq));
-            }
-            let log = self.log.reader();
-            let found = (&self.index, &*self.shared.recent, &*log);
-            self_named(found, session_id, id, meta.last_seq)
+            Ok(None)
         })?;
         rules::check_fresh(meta, session_id, req.expected_last_seq, &numbered.fresh)?;
 
@@ -676,7 +726,7 @@ impl Writer {
                 self.sessions.load(&session_id)?;
                 match rules::delete(self.sessions.get(&session_id), &session_id, now)? {
                     Deletion::Tombstone(tombstone) => {
-                        self.tombstone(&session_id, tombstone, batch);
+                        self.tombstone(&session_id, *tombstone, batch);
                         Ok(vec![session_id])
                     }
                     Deletion::AlreadyDeleted => Ok(Vec::new()),
@@ -711,7 +761,7 @@ impl Writer {
                         continue;
                     }
                     if let Deletion::Tombstone(tombstone) = rules::delete(meta, &session_id, now)? {
-                        self.tombstone(&session_id, tombstone, batch);
+                        self.tombstone(&session_id, *tombstone, batch);
                         expired.push(session_id);
                     }
                 }
@@ -722,9 +772,14 @@ impl Writer {
 
     /// Replaces the session's state by its tombstone (from now on every op refuses it) and
     /// writes the tombstone record.
-    fn tombstone(&mut self, session_id: &str, tombstone: SessionMeta, batch: &mut Batch) {
+    fn tombstone(&mut self, session_id: &str, mut tombstone: SessionMeta, batch: &mut Batch) {
         let deleted_unix_ms = tombstone.deleted_unix_ms;
-        self.update_session(session_id, |meta| *meta = tombstone);
+        self.update_session(session_id, |meta| {
+            // Its forks may read through it until its records are gone.
+            tombstone.base_session = std::mem::take(&mut meta.base_session);
+            tombstone.base_seq = meta.base_seq;
+            *meta = tombstone
+        });
         self.recent_ids.remove(session_id);
         batch.push(
             Record::Tombstone(Tombstone {
@@ -735,48 +790,95 @@ impl Writer {
         );
     }
 
-    /// A fork's records, as one atomic append: its start, the copied prefix, then the
-    /// request's new events.
+    /// A fork's records, as one atomic append: its start (carrying its state at the fork
+    /// point, its prefix read through the parent), then the request's new events. The
+    /// parent must still exist: a fork is never made through a deleted session, so its
+    /// start comes before the parent's tombstone in the log.
     fn prepare_fork(
         &mut self,
-        fork: ForkWrite,
+        plan: rules::ForkPlan,
         batch: &mut Batch,
     ) -> Result<ForkSessionResponse, StoreError> {
-        let ForkWrite { plan, copied } = fork;
         let rules::ForkPlan {
-            record,
+            mut record,
             mut fresh,
-            meta,
+            at_fork,
+            mut meta,
             seqs: _,
         } = plan;
         let session_id = record.session_id.clone();
         self.sessions.load(&session_id)?;
         rules::fork_target(self.sessions.get(&session_id), &session_id)?;
-        let ids = self.recent_ids.entry(session_id.clone()).or_default();
-        ids.reserve(copied.len() + fresh.len());
-        for event in &copied {
-            if self_named_seq(&event.event_id) != Some(event.seq) {
-                ids.insert(event.event_id.clone(), event.seq);
-            }
+        self.sessions.load(&record.parent)?;
+        let parent = rules::existing(self.sessions.get(&record.parent), &record.parent)?;
+        if parent.last_seq < record.seq {
+            return Err(StoreError::Internal(format!(
+                "session {} is shorter than the fork's prefix",
+                record.parent
+            )));
         }
+        let mut state = at_fork;
+        state.first_user_text.clear();
+        state.base_session = record.parent.clone();
+        state.base_seq = record.seq;
+        meta.base_session = record.parent.clone();
+        meta.base_seq = record.seq;
+        record.state = Some(state);
+        let ids = self.recent_ids.entry(session_id.clone()).or_default();
         name_fresh(&mut fresh, ids);
         let last_seq = meta.last_seq;
         self.update_session(&session_id, |current| *current = meta);
-        let count = copied.len() + fresh.len();
-        batch.records.reserve(count + 1);
-        batch.continued.reserve(count + 1);
+        let count = fresh.len();
         batch.push(Record::Fork(record), count > 0);
-        let records = copied
-            .into_iter()
-            .map(Record::Copied)
-            .chain(fresh.into_iter().map(Record::Event));
-        for (i, record) in records.enumerate() {
-            batch.push(record, i + 1 < count);
+        for (i, event) in fresh.into_iter().enumerate() {
+            batch.push(Record::Event(event), i + 1 < count);
         }
         Ok(ForkSessionResponse {
             session_id,
             last_seq,
         })
+    }
+
+    /// A fork's shared prefix made its own, as one atomic append of [`Record::Placed`]s,
+    /// if it still reads it through the same base (false: nothing to do).
+    fn prepare_materialize(
+        &mut self,
+        m: Materialize,
+        batch: &mut Batch,
+    ) -> Result<bool, StoreError> {
+        self.sessions.load(&m.session_id)?;
+        let Some(meta) = self.sessions.get(&m.session_id) else {
+            return Ok(false);
+        };
+        if meta.is_deleted() || meta.base_session != m.base || meta.base_seq != m.base_seq {
+            return Ok(false);
+        }
+        let expected = 1..=m.base_seq;
+        if m.placed.len() as u64 != m.base_seq
+            || m.placed.iter().zip(expected).any(|(p, seq)| p.seq != seq)
+        {
+            return Err(StoreError::Internal(format!(
+                "the prefix of {} read through {} is not seqs 1 to {}",
+                m.session_id, m.base, m.base_seq
+            )));
+        }
+        let ids = self.recent_ids.entry(m.session_id.clone()).or_default();
+        for event in &m.placed {
+            if self_named_seq(&event.event_id) != Some(event.seq) {
+                ids.insert(event.event_id.clone(), event.seq);
+            }
+        }
+        self.update_session(&m.session_id, |meta| {
+            meta.base_session.clear();
+            meta.base_seq = 0;
+        });
+        let count = m.placed.len();
+        batch.records.reserve(count);
+        batch.continued.reserve(count);
+        for (i, placed) in m.placed.into_iter().enumerate() {
+            batch.push(Record::Placed(placed), i + 1 < count);
+        }
+        Ok(true)
     }
 
     /// Changes one session's state (loaded first), keeping the runnable order in step.
@@ -829,22 +931,24 @@ impl Op {
             // Session id and owner (each at most 128 bytes, with tags and lengths), epoch,
             // expiry and the released flag.
             Op::Lease(..) => (record::HEADER_LEN + 1 + 2 * 131 + 11 + 11 + 2) as u64,
-            // The fork's start (as a lease record bounds it), then its events, which have
-            // their ids already but may still get a generated one.
-            Op::Fork(fork, _) => {
-                let id = fork.plan.record.session_id.len() + 3;
-                let copied: usize = fork
-                    .copied
-                    .iter()
-                    .map(|c| record::HEADER_LEN + 1 + c.message.len() + id)
-                    .sum();
-                let fresh: usize = fork
-                    .plan
+            // The fork's start (as a lease record bounds it, and its state), then its
+            // events, which have their ids already but may still get a generated one.
+            Op::Fork(plan, _) => {
+                let id = plan.record.session_id.len() + 3;
+                let state = plan.at_fork.encoded_len() + 2 * 131 + 2 * 11;
+                let fresh: usize = plan
                     .fresh
                     .iter()
                     .map(|e| e.encoded_len() + id + PER_EVENT)
                     .sum();
-                (record::HEADER_LEN + 1 + 2 * 131 + 11 + 11 + copied + fresh) as u64
+                (record::HEADER_LEN + 1 + 2 * 131 + 11 + 11 + state + fresh) as u64
+            }
+            Op::Materialize(m, _) => {
+                let id = m.session_id.len() + 3;
+                m.placed
+                    .iter()
+                    .map(|c| record::HEADER_LEN + 1 + c.message.len() + id)
+                    .sum::<usize>() as u64
             }
             Op::Delete(DeleteOp::Session(_), _) => TOMBSTONE_BYTES,
             Op::Delete(DeleteOp::Idle { max, .. }, _) => TOMBSTONE_BYTES * *max as u64,
@@ -871,6 +975,9 @@ impl Op {
                 let _ = reply.send(Err(error));
             }
             Op::Fork(_, reply) => {
+                let _ = reply.send(Err(error));
+            }
+            Op::Materialize(_, reply) => {
                 let _ = reply.send(Err(error));
             }
         }
@@ -913,6 +1020,9 @@ impl Pending {
             Pending::Fork(reply, answer) => {
                 let _ = reply.send(Ok(answer));
             }
+            Pending::Materialize(reply, wrote) => {
+                let _ = reply.send(Ok(wrote));
+            }
         }
     }
 }
@@ -943,6 +1053,7 @@ fn self_named(
     };
     Ok(match log.read(pos)? {
         Record::Event(event) if event.event_id == event_id => Some(seq),
+        Record::Placed(placed) if placed.event_id == event_id => Some(seq),
         _ => None,
     })
 }

@@ -1404,7 +1404,7 @@ impl Backend for PgBackend {
             let now = now_unix_ms();
             let tombstone = match rules::delete(Some(&state.meta), session_id, now)? {
                 Deletion::AlreadyDeleted => return Ok(()),
-                Deletion::Tombstone(tombstone) => tombstone,
+                Deletion::Tombstone(tombstone) => *tombstone,
             };
             let Some(version) = self
                 .write_tombstone(&client, session_id, state.version, &tombstone)

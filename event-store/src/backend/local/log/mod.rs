@@ -217,8 +217,8 @@ impl LogReader {
         Ok(records)
     }
 
-    /// Reads the records at `positions` (ascending), each run of nearby records of one
-    /// segment with a single read, and hands each run to `take` as it was read (nothing
+    /// Reads the records at `positions` (ascending, but for a fork's prefix made its own),
+    /// each run of nearby, ascending records of one segment with a single read, and hands each run to `take` as it was read (nothing
     /// verified yet: see [`record::decode`] and [`record::StoredEvent::from_frame`]).
     pub fn read_runs<E: From<LogError>>(
         &self,
@@ -249,7 +249,12 @@ impl LogReader {
             };
             placed.clear();
             let mut next = i;
-            while let Some(p) = positions.get(next).filter(|p| p.offset < limit) {
+            // A position before the segment's base (a fork's prefix made its own lies after
+            // its newer events in the log) starts over with the segment that holds it.
+            while let Some(p) = positions
+                .get(next)
+                .filter(|p| p.offset < limit && p.offset >= base)
+            {
                 let at = segment
                     .locate(p.offset - base, u64::from(p.len))
                     .ok_or(LogError::NoRecord(p.offset))?;
@@ -639,6 +644,11 @@ impl LogWriter {
         self.end = offset;
         self.last_record = positions.last().copied();
         Ok(positions)
+    }
+
+    /// A moment where a crash may cut the writer ([`Storage::crash_point`]).
+    pub fn crash_point(&self, point: CrashPoint) -> Result<(), LogError> {
+        Ok(self.storage.crash_point(point)?)
     }
 
     /// `fdatasync` of the active segment: every record written so far is durable after it.

@@ -18,6 +18,8 @@ const KIND_EVENT: u8 = 1;
 const KIND_LEASE: u8 = 2;
 const KIND_TOMBSTONE: u8 = 3;
 const KIND_FORK: u8 = 4;
+/// An event of a fork's shared prefix made the fork's own ([`Record::Placed`]).
+const KIND_PLACED: u8 = 5;
 /// Set on every record of a multi-record append but its last: recovery keeps an append
 /// only if its last record survived, so an append is all or nothing even when power is
 /// cut in the middle of its write.
@@ -25,16 +27,21 @@ const CONTINUED: u8 = 0x80;
 
 /// What the log holds: session events, lease grants (so a lease epoch is durable before
 /// it is handed out and never repeats, even across crashes), the start of a fork (the
-/// first record of its atomic append, before the copied events), and the tombstones of
-/// deleted sessions (kept for good: the segment rewrite drops a deleted session's other
-/// records, never its tombstone).
+/// first record of its atomic append, carrying its state at the fork point), the events of
+/// a fork's shared prefix once they are made its own, and the tombstones of deleted
+/// sessions (kept for good: the segment rewrite drops a deleted session's other records,
+/// never its tombstone).
 #[derive(Clone, Debug, PartialEq)]
 pub enum Record {
     Event(Event),
     Lease(LeaseRecord),
     Fork(ForkRecord),
-    /// An event of a fork's prefix, as its parent stored it; on disk an event like any other.
-    Copied(CopiedEvent),
+    /// Seq `seq` of a fork whose prefix was read through its parent, made the fork's own
+    /// (before the parent's records leave the log, see `reclaim`): the event as the parent
+    /// stored it, with the fork's session id. It places the event at its seq; it is no
+    /// append (the fork's state and last seq do not change, and the last of a
+    /// materialization's records drops the fork's base).
+    Placed(CopiedEvent),
     Tombstone(Tombstone),
 }
 
@@ -47,7 +54,7 @@ pub struct Tombstone {
     pub deleted_unix_ms: i64,
 }
 
-/// An event copied into a fork as its parent stored it: the stored `Event` message, then the
+/// An event placed into a fork as its parent stored it: the stored `Event` message, then the
 /// fork's session id as field 1 once more. A protobuf decoder keeps a field's last value,
 /// so the record decodes (and [`StoredEvent`] reads) as an event of the fork, its id, time
 /// and content the parent's, without a decode and an encode per event.
@@ -75,7 +82,7 @@ impl Record {
             Record::Event(e) => &e.session_id,
             Record::Lease(l) => &l.session_id,
             Record::Fork(f) => &f.session_id,
-            Record::Copied(c) => &c.session_id,
+            Record::Placed(c) => &c.session_id,
             Record::Tombstone(t) => &t.session_id,
         }
     }
@@ -84,7 +91,7 @@ impl Record {
     pub fn event_place(&self) -> Option<(&str, u64, &str)> {
         match self {
             Record::Event(e) => Some((&e.session_id, e.seq, &e.event_id)),
-            Record::Copied(c) => Some((&c.session_id, c.seq, &c.event_id)),
+            Record::Placed(c) => Some((&c.session_id, c.seq, &c.event_id)),
             Record::Lease(_) | Record::Fork(_) | Record::Tombstone(_) => None,
         }
     }
@@ -108,8 +115,8 @@ impl Record {
                 buf.push(KIND_FORK | flag);
                 f.encode(buf).expect("Vec grows as needed");
             }
-            Record::Copied(c) => {
-                buf.push(KIND_EVENT | flag);
+            Record::Placed(c) => {
+                buf.push(KIND_PLACED | flag);
                 buf.extend_from_slice(&c.message);
                 // Field 1 (session_id), length-delimited.
                 buf.push(0x0a);
@@ -181,6 +188,15 @@ pub fn decode(frame: &[u8]) -> Result<Frame, FrameError> {
         KIND_LEASE => Record::Lease(LeaseRecord::decode(payload).map_err(bad)?),
         KIND_FORK => Record::Fork(ForkRecord::decode(payload).map_err(bad)?),
         KIND_TOMBSTONE => Record::Tombstone(Tombstone::decode(payload).map_err(bad)?),
+        KIND_PLACED => {
+            let event = Event::decode(payload).map_err(bad)?;
+            Record::Placed(CopiedEvent {
+                session_id: event.session_id.as_str().into(),
+                seq: event.seq,
+                event_id: event.event_id,
+                message: Bytes::copy_from_slice(payload),
+            })
+        }
         other => return Err(FrameError::Body(format!("unknown record kind {other}"))),
     };
     Ok(Frame {
@@ -203,10 +219,13 @@ pub fn session_of(frame: &[u8]) -> Result<(&[u8], bool), FrameError> {
         return Err(FrameError::Checksum);
     }
     let kind = body[0] & !CONTINUED;
-    if !matches!(kind, KIND_EVENT | KIND_LEASE | KIND_FORK | KIND_TOMBSTONE) {
+    if !matches!(
+        kind,
+        KIND_EVENT | KIND_LEASE | KIND_FORK | KIND_TOMBSTONE | KIND_PLACED
+    ) {
         return Err(FrameError::Body(format!("unknown record kind {kind}")));
     }
-    let (session_id, _) = place(&body[1..], kind == KIND_EVENT)?;
+    let (session_id, _) = place(&body[1..], matches!(kind, KIND_EVENT | KIND_PLACED))?;
     Ok((session_id, kind == KIND_TOMBSTONE))
 }
 
@@ -232,7 +251,7 @@ impl StoredEvent<'_> {
         if crc32c::crc32c(body) != crc {
             return Err(FrameError::Checksum);
         }
-        if body[0] & !CONTINUED != KIND_EVENT {
+        if !matches!(body[0] & !CONTINUED, KIND_EVENT | KIND_PLACED) {
             return Err(FrameError::Body(format!(
                 "record kind {} where an event was expected",
                 body[0] & !CONTINUED
@@ -404,6 +423,12 @@ mod tests {
             parent: "s1".into(),
             seq: 7,
             ts_unix_ms: 9,
+            state: Some(crate::session::SessionMeta {
+                last_seq: 7,
+                base_session: "s1".into(),
+                base_seq: 7,
+                ..Default::default()
+            }),
         });
         let tombstone = Record::Tombstone(Tombstone {
             session_id: "s1".into(),
@@ -426,11 +451,11 @@ mod tests {
     }
 
     #[test]
-    fn a_copied_event_reads_back_as_the_forks_whole() {
+    fn a_placed_event_reads_back_as_the_forks_whole() {
         let Record::Event(original) = sample() else {
             unreachable!()
         };
-        let copied = Record::Copied(CopiedEvent {
+        let copied = Record::Placed(CopiedEvent {
             session_id: "fork-1".into(),
             seq: original.seq,
             event_id: original.event_id.clone(),
@@ -442,7 +467,15 @@ mod tests {
             session_id: "fork-1".into(),
             ..original.clone()
         };
-        assert_eq!(decode(&buf).map(|f| f.record), Ok(Record::Event(expected)));
+        let Ok(Frame {
+            record: Record::Placed(placed),
+            ..
+        }) = decode(&buf)
+        else {
+            panic!("a placed event decodes as one")
+        };
+        assert_eq!(placed.decode(), Ok(expected));
+        assert_eq!((placed.seq, placed.event_id.as_str()), (7, "e7"));
         let stored = StoredEvent::from_frame(&buf).expect("an event");
         assert_eq!((stored.session_id, stored.seq), (&b"fork-1"[..], 7));
         let message = &original.encode_to_vec();

@@ -122,6 +122,10 @@ pub trait Storage: Send + Sync {
 /// (`backend::local::reclaim` states what each leaves behind).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CrashPoint {
+    /// A fork's shared prefix is written as its own, not yet synced.
+    MaterializeWritten,
+    /// It is durable (perhaps not in the index yet); the base's records are all there.
+    Materialized,
     /// A segment's rewrite is written but not synced.
     RewriteWritten,
     /// It is synced, not yet in place of the segment.
