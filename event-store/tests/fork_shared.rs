@@ -19,13 +19,12 @@ mod common;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use agentlog_proto::v1::{event, Durability, Event, UserMessage};
-use common::{history, open_store_reclaiming, read_log};
+use agentlog_proto::v1::Event;
+use common::{held, history, op, open_store_reclaiming, read_log, reclaim_now, user};
 use event_store::backend::local::log::storage::{CrashPoint, SimStorage};
 use event_store::backend::local::log::{LogConfig, Record};
-use event_store::backend::local::reclaim::ReclaimConfig;
 use event_store::backend::local::Store;
-use event_store::backend::{AppendOp, ForkOp};
+use event_store::backend::ForkOp;
 
 /// Small segments, so the sessions' records are spread over several.
 const LOG: LogConfig = LogConfig {
@@ -37,42 +36,6 @@ const SHARED: &str = "SHARED-TEXT";
 /// In the parent's events after the fork point only: gone from the disk with the parent.
 const PARENT_ONLY: &str = "PARENT-ONLY";
 const PREFIX: u64 = 20;
-
-fn reclaim_now() -> ReclaimConfig {
-    ReclaimConfig {
-        after: Duration::from_millis(1),
-        dead_bytes: 1,
-        check_every: Duration::from_millis(20),
-        busy_share: 1.0,
-    }
-}
-
-fn held() -> ReclaimConfig {
-    ReclaimConfig {
-        after: Duration::from_secs(3600),
-        dead_bytes: u64::MAX,
-        check_every: Duration::from_secs(3600),
-        busy_share: 1.0,
-    }
-}
-
-fn user(id: &str, text: &str) -> Event {
-    Event {
-        event_id: id.into(),
-        kind: Some(event::Kind::UserMessage(UserMessage { text: text.into() })),
-        ..Event::default()
-    }
-}
-
-fn op(session_id: &str, events: Vec<Event>) -> AppendOp {
-    AppendOp {
-        session_id: session_id.into(),
-        events,
-        expected_last_seq: None,
-        lease_epoch: None,
-        durability: Durability::Sync,
-    }
-}
 
 fn fork_op(parent: &str, at_seq: u64, new: &str, events: Vec<Event>) -> ForkOp {
     ForkOp {

@@ -18,11 +18,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use agentlog_proto::reason::Reason;
-use agentlog_proto::v1::{event, Durability, Event, ToolStarted, UserMessage};
-use common::{history, open_store_reclaiming};
+use agentlog_proto::v1::{event, Event, ToolStarted};
+use common::{held, history, op, open_store_reclaiming, reclaim_now, user};
 use event_store::backend::local::log::storage::{CrashPoint, SimStorage};
 use event_store::backend::local::log::LogConfig;
-use event_store::backend::local::reclaim::ReclaimConfig;
 use event_store::backend::local::Store;
 use event_store::backend::AppendOp;
 use event_store::StoreError;
@@ -37,42 +36,6 @@ const LIVE: [&str; 2] = ["live-a", "live-b"];
 const DOOMED: [&str; 2] = ["doomed-a", "doomed-b"];
 /// In every event of a doomed session, and nowhere else.
 const MARK: &str = "FORGET-ME";
-
-fn reclaim_now() -> ReclaimConfig {
-    ReclaimConfig {
-        after: Duration::from_millis(1),
-        dead_bytes: 1,
-        check_every: Duration::from_millis(20),
-        busy_share: 1.0,
-    }
-}
-
-fn held() -> ReclaimConfig {
-    ReclaimConfig {
-        after: Duration::from_secs(3600),
-        dead_bytes: u64::MAX,
-        check_every: Duration::from_secs(3600),
-        busy_share: 1.0,
-    }
-}
-
-fn user(id: &str, text: &str) -> Event {
-    Event {
-        event_id: id.into(),
-        kind: Some(event::Kind::UserMessage(UserMessage { text: text.into() })),
-        ..Event::default()
-    }
-}
-
-fn op(session_id: &str, events: Vec<Event>) -> AppendOp {
-    AppendOp {
-        session_id: session_id.into(),
-        events,
-        expected_last_seq: None,
-        lease_epoch: None,
-        durability: Durability::Sync,
-    }
-}
 
 /// What was acknowledged: session → (event id → seq).
 type Acked = BTreeMap<String, BTreeMap<String, u64>>;

@@ -210,3 +210,43 @@ pub fn append_ends(appends: &[Vec<Record>]) -> Vec<(u64, usize)> {
         })
         .collect()
 }
+
+/// Reclamation as soon as anything is dead, looking every 20 ms.
+pub fn reclaim_now() -> ReclaimConfig {
+    ReclaimConfig {
+        after: Duration::from_millis(1),
+        dead_bytes: 1,
+        check_every: Duration::from_millis(20),
+        busy_share: 1.0,
+    }
+}
+
+/// Reclamation held off for the length of any test.
+pub fn held() -> ReclaimConfig {
+    ReclaimConfig {
+        after: Duration::from_secs(3600),
+        dead_bytes: u64::MAX,
+        check_every: Duration::from_secs(3600),
+        busy_share: 1.0,
+    }
+}
+
+/// A user message with this id and text.
+pub fn user(id: &str, text: &str) -> Event {
+    Event {
+        event_id: id.into(),
+        kind: Some(event::Kind::UserMessage(UserMessage { text: text.into() })),
+        ..Event::default()
+    }
+}
+
+/// A synced append of `events`, without conditions.
+pub fn op(session_id: &str, events: Vec<Event>) -> AppendOp {
+    AppendOp {
+        session_id: session_id.into(),
+        events,
+        expected_last_seq: None,
+        lease_epoch: None,
+        durability: Durability::Sync,
+    }
+}
