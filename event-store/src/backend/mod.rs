@@ -88,35 +88,6 @@ pub struct ForkOp {
     pub events: Vec<Event>,
 }
 
-/// The parent's events `1..=at_seq`, read through `backend`'s own subscription, once
-/// [`crate::rules::ForkPoint`] found `at_seq` a settled point (reading on to the next one
-/// only to name it in a refusal).
-pub async fn read_fork_prefix<B: Backend + ?Sized>(
-    backend: &B,
-    parent: &str,
-    at_seq: u64,
-) -> Result<Vec<Event>, StoreError> {
-    let last_seq = backend.get_session(parent).await?.last_seq;
-    let mut point = crate::rules::ForkPoint::new(at_seq);
-    let cancel = CancellationToken::new();
-    let _stop = cancel.clone().drop_guard();
-    let mut runs = backend.subscribe(parent.to_string(), 1, false, cancel);
-    let mut prefix = Vec::with_capacity(at_seq.min(last_seq) as usize);
-    'read: while let Some(run) = runs.recv().await {
-        for event in run?.into_events()? {
-            let done = point.apply(&event);
-            if event.seq <= at_seq {
-                prefix.push(event);
-            }
-            if done {
-                break 'read;
-            }
-        }
-    }
-    point.verdict(parent, last_seq)?;
-    Ok(prefix)
-}
-
 /// A run of a subscription's events, consecutive and ascending, as Subscribe sends them.
 #[derive(Clone, Debug)]
 pub enum EventRun {

@@ -36,7 +36,7 @@ macro_rules! write_batch_statement {
     ($created:literal, $written:literal) => {
         concat!(
             r#"
-WITH w AS (
+WITH RECURSIVE w AS (
     SELECT session_id COLLATE "C" AS session_id, version, meta, last_seq, updated_unix_ms,
         status, lease_expires_unix_ms, first_user_text
     FROM unnest($1::text[], $2::bigint[], $3::bytea[], $4::bigint[], $5::bigint[],
@@ -47,10 +47,23 @@ WITH w AS (
     SELECT session_id COLLATE "C" AS session_id, seq, event_id COLLATE "C" AS event_id, body
     FROM unnest($9::text[], $10::bigint[], $11::text[], $12::bytea[])
         AS ev(session_id, seq, event_id, body)
+), line(session_id, sid, hi) AS (
+    SELECT w.session_id, s.base_session, s.base_seq FROM w, LATERAL (
+        SELECT base_session, base_seq FROM agentlog_sessions s
+        WHERE s.session_id = w.session_id AND s.base_session <> '' OFFSET 0
+    ) s
+    UNION ALL
+    SELECT l.session_id, s.base_session, least(l.hi, s.base_seq) FROM line l
+    JOIN agentlog_sessions s ON s.session_id = l.sid WHERE s.base_session <> ''
 ), known AS (
-    SELECT DISTINCT ev.session_id FROM ev, LATERAL (
+    SELECT ev.session_id FROM ev, LATERAL (
         SELECT 1 FROM agentlog_events e
         WHERE e.session_id = ev.session_id AND e.event_id = ev.event_id OFFSET 0
+    ) k
+    UNION
+    SELECT ev.session_id FROM line l JOIN ev ON ev.session_id = l.session_id, LATERAL (
+        SELECT 1 FROM agentlog_events e
+        WHERE e.session_id = l.sid AND e.event_id = ev.event_id AND e.seq <= l.hi OFFSET 0
     ) k
 ), updated AS (
     UPDATE agentlog_sessions s SET version = s.version + 1, meta = w.meta,

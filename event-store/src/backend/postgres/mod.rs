@@ -64,8 +64,8 @@ use tokio_rustls::rustls::pki_types::pem::PemObject;
 use tokio_rustls::rustls::pki_types::CertificateDer;
 use tokio_util::sync::CancellationToken;
 
+use crate::backend::{local, AppendOp, ForkOp};
 use crate::backend::{AppendAnswer, Backend, EventRun, Snapshot, SnapshotRead};
-use crate::backend::{AppendOp, ForkOp};
 use crate::clock::now_unix_ms;
 use crate::queries::{self, long_poll_claim, ClaimAttempt, ListQuery};
 use crate::retention::{Retention, BATCH};
@@ -79,8 +79,22 @@ pub use wake::NotifyMode;
 
 /// Events read per query by a subscription.
 const READ_BATCH: i64 = 500;
-/// A fork's events are inserted this many to a statement, all in its one transaction.
-const FORK_INSERT_BATCH: usize = 2000;
+/// The rows a session's seqs are read from, `line(sid, hi)`: the session's own rows (`$1`),
+/// then, for a fork sharing its parent's prefix, its base's rows with seq `<= base_seq`, and
+/// so on down the line of bases (the `hi` of each is the least `base_seq` above it). A
+/// session's own rows all have seqs above its `base_seq` (a fork's prefix is either its
+/// base's or, once materialized, its own with no base), so the line's rows never overlap.
+/// Read in one statement, it is one snapshot: a materialization (see [`erase`]) is seen
+/// whole or not at all.
+macro_rules! line_cte {
+    () => {
+        "WITH RECURSIVE line(sid, hi) AS (\
+         SELECT $1::text COLLATE \"C\", 9223372036854775807::bigint \
+         UNION ALL SELECT s.base_session, least(l.hi, s.base_seq) \
+         FROM line l JOIN agentlog_sessions s ON s.session_id = l.sid \
+         WHERE s.base_session <> '') "
+    };
+}
 /// Attempts of an optimistic write before answering UNAVAILABLE (only reached when one
 /// session is written by very many callers at once).
 const MAX_ATTEMPTS: usize = 64;
@@ -516,7 +530,8 @@ impl PgBackend {
     }
 
     /// The session's row as the database has it now (version 0: no row), and the seqs of
-    /// those of `event_ids` it already holds, in one round trip.
+    /// those of `event_ids` it already holds (in its own rows or the prefix it shares with
+    /// its base), in one round trip.
     async fn refresh(
         &self,
         client: &deadpool_postgres::Object,
@@ -525,10 +540,12 @@ impl PgBackend {
     ) -> Result<(Cached, HashMap<String, u64>), StoreError> {
         let row = client
             .prepare_cached("SELECT version, meta FROM agentlog_sessions WHERE session_id = $1");
-        let known = client.prepare_cached(
-            "SELECT event_id, seq FROM agentlog_events WHERE session_id = $1 \
-             AND event_id = ANY($2::text[])",
-        );
+        let known = client.prepare_cached(concat!(
+            line_cte!(),
+            "SELECT e.event_id, e.seq FROM line l CROSS JOIN LATERAL (\
+             SELECT event_id, seq FROM agentlog_events WHERE session_id = l.sid \
+             AND event_id = ANY($2::text[]) AND seq <= l.hi) e"
+        ));
         let (row, known) = timed("read_session", async { tokio::try_join!(row, known) })
             .await
             .map_err(|e| self.timed_error(e))?;
@@ -953,13 +970,80 @@ async fn timed<T>(
 }
 
 impl PgBackend {
-    /// Writes a planned fork in one transaction: the session's row first (so a session
-    /// that exists, or is being created by an append or another fork, refuses it), then its
-    /// events. `None` if the session exists.
+    /// Folds the parent's events from seq 1 into the fork's state and the settled-point
+    /// check, reading the rows down the parent's line (`line_cte`): `1..=at_seq` in one
+    /// streamed statement, then, only if `at_seq` is not settled, on to the next settled
+    /// seq to name it in the refusal. Each event is parsed only as far as the state needs.
+    async fn fold_prefix(
+        &self,
+        parent: &str,
+        at_seq: u64,
+        point: &mut rules::ForkPoint,
+        state: &mut rules::ForkPrefix,
+    ) -> Result<(), StoreError> {
+        use futures::TryStreamExt;
+        let client = self.client().await?;
+        let stmt = timed(
+            "fork",
+            client.prepare_cached(concat!(
+                line_cte!(),
+                "SELECT e.body FROM line l CROSS JOIN LATERAL (\
+                 SELECT seq, body FROM agentlog_events WHERE session_id = l.sid \
+                 AND seq >= $2 AND seq <= least(l.hi, $3)) e ORDER BY e.seq"
+            )),
+        )
+        .await
+        .map_err(|e| self.timed_error(e))?;
+        let undecodable = |e| StoreError::Internal(format!("a stored event: {e}"));
+        let mut from = 1i64;
+        let mut to = at_seq as i64;
+        loop {
+            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] = [&parent, &from, &to];
+            let rows = timed("fork", client.query_raw(&stmt, params))
+                .await
+                .map_err(|e| self.timed_error(e))?;
+            futures::pin_mut!(rows);
+            let mut read = 0;
+            loop {
+                let row = tokio::time::timeout(STATEMENT_DEADLINE, rows.try_next())
+                    .await
+                    .map_err(|_| self.timed_error(Timed::Elapsed))?
+                    .map_err(|e| self.timed_error(Timed::Db(e)))?;
+                let Some(row) = row else { break };
+                read += 1;
+                let body: &[u8] = row.get(0);
+                let event = local::log::record::event_for_state(body, state.wants_text())
+                    .map_err(undecodable)?;
+                let done = point.apply(&event);
+                if event.seq <= at_seq {
+                    state.apply(&event);
+                }
+                if done {
+                    return Ok(());
+                }
+            }
+            if read < to - from + 1 {
+                return Ok(()); // The log ends here.
+            }
+            from = to + 1;
+            to = from + READ_BATCH - 1;
+        }
+    }
+
+    /// Writes a planned fork in one transaction: the parent's row is locked and must still
+    /// be live (a deletion of the parent waits for this transaction, or this one finds the
+    /// tombstone and refuses: so the erasure of the parent's rows always finds the fork and
+    /// materializes its prefix first, see [`erase`]); then the fork's row, naming the
+    /// parent as its base (a session that exists, or is being created by an append or
+    /// another fork, refuses it); then the request's new events. The prefix is not written:
+    /// the row's `base_session` and `base_seq` columns name it (the state in `meta` does
+    /// not: they change, when the prefix is materialized, without a new version).
+    /// `None` if the session exists.
     async fn write_fork(
         &self,
         plan: &rules::ForkPlan,
-        prefix: &[Event],
+        parent: &str,
+        at_seq: u64,
     ) -> Result<Option<i64>, StoreError> {
         let mut client = self.client().await?;
         let columns = Columns::of(&plan.meta);
@@ -967,10 +1051,27 @@ impl PgBackend {
         let tx = timed("fork", client.transaction())
             .await
             .map_err(|e| self.timed_error(e))?;
+        let live = timed(
+            "fork",
+            tx.query_opt(
+                "SELECT 1 FROM agentlog_sessions WHERE session_id = $1 \
+                 AND deleted_unix_ms = 0 FOR SHARE",
+                &[&parent],
+            ),
+        )
+        .await
+        .map_err(|e| self.timed_error(e))?;
+        if live.is_none() {
+            return Err(rules::session_deleted(parent));
+        }
         let created = timed(
             "fork",
             tx.query_opt(
-                "INSERT INTO agentlog_sessions (session_id, version, meta, last_seq,                  updated_unix_ms, status, lease_expires_unix_ms, first_user_text)                  VALUES ($1, 1, $2, $3, $4, $5, $6, $7)                  ON CONFLICT (session_id) DO NOTHING RETURNING version",
+                "INSERT INTO agentlog_sessions (session_id, version, meta, last_seq, \
+                 updated_unix_ms, status, lease_expires_unix_ms, first_user_text, \
+                 base_session, base_seq) \
+                 VALUES ($1, 1, $2, $3, $4, $5, $6, $7, $8, $9) \
+                 ON CONFLICT (session_id) DO NOTHING RETURNING version",
                 &[
                     &session_id,
                     &columns.meta,
@@ -979,6 +1080,8 @@ impl PgBackend {
                     &columns.status,
                     &columns.lease_expires,
                     &columns.first_user_text,
+                    &parent,
+                    &(at_seq as i64),
                 ],
             ),
         )
@@ -987,15 +1090,16 @@ impl PgBackend {
         let Some(created) = created else {
             return Ok(None);
         };
-        let events: Vec<&Event> = prefix.iter().chain(&plan.fresh).collect();
-        for chunk in events.chunks(FORK_INSERT_BATCH) {
-            let seqs: Vec<i64> = chunk.iter().map(|e| e.seq as i64).collect();
-            let ids: Vec<&str> = chunk.iter().map(|e| e.event_id.as_str()).collect();
-            let bodies: Vec<Vec<u8>> = chunk.iter().map(|e| e.encode_to_vec()).collect();
+        if !plan.fresh.is_empty() {
+            let seqs: Vec<i64> = plan.fresh.iter().map(|e| e.seq as i64).collect();
+            let ids: Vec<&str> = plan.fresh.iter().map(|e| e.event_id.as_str()).collect();
+            let bodies: Vec<Vec<u8>> = plan.fresh.iter().map(|e| e.encode_to_vec()).collect();
             timed(
                 "fork",
                 tx.execute(
-                    "INSERT INTO agentlog_events (session_id, seq, event_id, body)                      SELECT $1, seq, event_id, body                      FROM unnest($2::bigint[], $3::text[], $4::bytea[]) AS ev(seq, event_id, body)",
+                    "INSERT INTO agentlog_events (session_id, seq, event_id, body) \
+                     SELECT $1, seq, event_id, body \
+                     FROM unnest($2::bigint[], $3::text[], $4::bytea[]) AS ev(seq, event_id, body)",
                     &[&session_id, &seqs, &ids, &bodies],
                 ),
             )
@@ -1101,12 +1205,10 @@ impl Backend for PgBackend {
     async fn fork(&self, op: ForkOp) -> Result<ForkSessionResponse, StoreError> {
         let client = self.client().await?;
         let (existing, _) = self.refresh(&client, &op.new_session_id, &[]).await?;
-        drop(client);
         rules::fork_target(Some(&existing.meta), &op.new_session_id)?;
-        let mut prefix = crate::backend::read_fork_prefix(self, &op.parent, op.at_seq).await?;
-        for event in &mut prefix {
-            event.session_id.clone_from(&op.new_session_id);
-        }
+        let (parent, _) = self.refresh(&client, &op.parent, &[]).await?;
+        drop(client);
+        let last_seq = rules::existing(Some(&parent.meta), &op.parent)?.last_seq;
         let mut events = op.events;
         for event in &mut events {
             if event.event_id.is_empty() {
@@ -1114,13 +1216,14 @@ impl Backend for PgBackend {
             }
         }
         let now = now_unix_ms();
+        let mut point = rules::ForkPoint::new(op.at_seq);
         let mut state =
             rules::ForkPrefix::new(&op.new_session_id, &op.parent, op.at_seq, &events, now);
-        for event in &prefix {
-            state.apply(event);
-        }
+        self.fold_prefix(&op.parent, op.at_seq, &mut point, &mut state)
+            .await?;
+        point.verdict(&op.parent, last_seq)?;
         let plan = rules::plan_fork(state, events, now)?;
-        let Some(version) = self.write_fork(&plan, &prefix).await? else {
+        let Some(version) = self.write_fork(&plan, &op.parent, op.at_seq).await? else {
             return Err(rules::session_exists(&op.new_session_id));
         };
         let meta = Arc::new(plan.meta);
@@ -1449,8 +1552,10 @@ impl Backend for PgBackend {
 }
 
 /// Deletes deleted sessions' events and snapshots, in transactions of at most
-/// [`ERASE_BATCH`] rows, then their `agentlog_erasures` entries. Safe to run twice at once
-/// (two replicas, or a sweep beside the deleting replica): each deletes what is left.
+/// [`ERASE_BATCH`] rows, then their `agentlog_erasures` entries, once every live fork that
+/// reads through them has its prefix of its own ([`materialize_forks`]). Safe to run twice
+/// at once (two replicas, or a sweep beside the deleting replica): each deletes what is
+/// left.
 async fn erase(client: &tokio_postgres::Client, session_ids: &[String]) -> Result<(), String> {
     if session_ids.is_empty() {
         return Ok(());
@@ -1459,6 +1564,7 @@ async fn erase(client: &tokio_postgres::Client, session_ids: &[String]) -> Resul
         Timed::Db(e) => e.to_string(),
         Timed::Elapsed => "the database did not answer".to_string(),
     };
+    materialize_forks(client, session_ids).await?;
     loop {
         let deleted = timed("erase", async {
             client
@@ -1487,6 +1593,105 @@ async fn erase(client: &tokio_postgres::Client, session_ids: &[String]) -> Resul
         .map_err(failed)?;
     }
     Ok(())
+}
+
+/// Materializes the fork `$1` (see [`materialize_forks`]) in one statement: its row locked,
+/// if it is still live with a base; the rows of its line up to its `base_seq` inserted as
+/// its own, each body's field 1 (the head of the base's id, checked: a body that does not
+/// start with it makes the statement fail, nothing written) replaced by `$2`, the fork's;
+/// its base dropped. Returns the rows copied and the `base_seq` dropped (0, 0: nothing to
+/// do, another replica did it).
+const MATERIALIZE: &str = "WITH RECURSIVE fork AS MATERIALIZED (\
+    SELECT session_id, base_session, base_seq FROM agentlog_sessions \
+    WHERE session_id = $1 AND deleted_unix_ms = 0 \
+    AND base_session <> '' FOR UPDATE), \
+    line(sid, hi) AS (SELECT base_session, base_seq FROM fork \
+    UNION ALL SELECT s.base_session, least(l.hi, s.base_seq) \
+    FROM line l JOIN agentlog_sessions s ON s.session_id = l.sid \
+    WHERE s.base_session <> ''), \
+    copied AS (INSERT INTO agentlog_events (session_id, seq, event_id, body) \
+    SELECT $1, e.seq, e.event_id, \
+    CASE WHEN substring(e.body FROM 1 FOR octet_length(h.head)) = h.head \
+    THEN $2::bytea || substring(e.body FROM octet_length(h.head) + 1) END \
+    FROM line l CROSS JOIN LATERAL (SELECT decode('0a', 'hex') || \
+    CASE WHEN octet_length(l.sid) < 128 \
+    THEN set_byte(decode('00', 'hex'), 0, octet_length(l.sid)) \
+    ELSE set_byte(set_byte(decode('0000', 'hex'), 0, \
+    octet_length(l.sid) % 128 + 128), 1, octet_length(l.sid) / 128) END \
+    || convert_to(l.sid, 'UTF8') AS head) h \
+    CROSS JOIN LATERAL (SELECT seq, event_id, body FROM agentlog_events \
+    WHERE session_id = l.sid AND seq <= l.hi) e RETURNING seq), \
+    dropped AS (UPDATE agentlog_sessions s SET base_session = '', \
+    base_seq = 0 FROM fork WHERE s.session_id = fork.session_id \
+    RETURNING fork.base_seq) \
+    SELECT (SELECT count(*) FROM copied), \
+    coalesce((SELECT base_seq FROM dropped), 0)";
+
+/// Gives every live session that reads part of its prefix through one of the deleted
+/// `session_ids` (a fork of one, or a fork of a deleted fork of one, and so on) that
+/// prefix as rows of its own, before their rows are erased. Each fork in one statement,
+/// so one transaction: its row locked (and still live, still with a base), the rows of its
+/// line (`line_cte`) up to its `base_seq` inserted as its own, their bodies' field 1 (the
+/// session id, which prost writes first) made the fork's, and its base dropped. A replica
+/// killed in the middle leaves each fork whole or untouched, and the sweep of
+/// `agentlog_erasures` finds the rest. A fork made after the walk cannot read through
+/// these sessions: a fork's transaction locks its parent live (see `write_fork`), and a
+/// live session found here reads none of them once materialized, nor does any fork of it.
+async fn materialize_forks(
+    client: &tokio_postgres::Client,
+    session_ids: &[String],
+) -> Result<(), String> {
+    let failed = |e: Timed| match e {
+        Timed::Db(e) => e.to_string(),
+        Timed::Elapsed => "the database did not answer".to_string(),
+    };
+    let forks: Vec<String> = timed("erase", async {
+        client
+            .query(
+                "WITH RECURSIVE d(session_id, deleted) AS (\
+                 SELECT session_id, deleted_unix_ms > 0 FROM agentlog_sessions \
+                 WHERE base_session = ANY($1) AND base_session <> '' \
+                 UNION SELECT s.session_id, s.deleted_unix_ms > 0 FROM d \
+                 JOIN agentlog_sessions s ON s.base_session = d.session_id \
+                 AND s.base_session <> '' WHERE d.deleted) \
+                 SELECT session_id FROM d WHERE NOT deleted",
+                &[&session_ids],
+            )
+            .await
+    })
+    .await
+    .map_err(failed)?
+    .iter()
+    .map(|r| r.get(0))
+    .collect();
+    for fork in &forks {
+        let head = session_id_field(fork);
+        let materialized = timed("erase", async {
+            client.query_one(MATERIALIZE, &[fork, &head]).await
+        })
+        .await
+        .map_err(failed)?;
+        let (copied, expected): (i64, i64) = (materialized.get(0), materialized.get(1));
+        if copied != expected {
+            // Never reached while every seq of a line is stored. Should it be, the erasure
+            // stops here, keeping the base's rows for a person to look at.
+            tracing::error!(session_id = %fork, copied, expected, "a fork's materialized prefix is short; the erasure of its base stops");
+            return Err(format!(
+                "fork {fork}'s materialized prefix is short: {copied} of {expected} events"
+            ));
+        }
+        tracing::info!(session_id = %fork, events = copied, "a fork's prefix materialized before its base's erasure");
+    }
+    Ok(())
+}
+
+/// The start of a stored event's body that holds `session_id` (field 1, which prost
+/// writes first): the key, the length and the id.
+fn session_id_field(session_id: &str) -> Vec<u8> {
+    let mut head = vec![0x0a];
+    prost::encoding::encode_varint(session_id.len() as u64, &mut head);
+    head.extend_from_slice(session_id.as_bytes());
+    head
 }
 
 /// Retention: every `retention.interval`, the replica that gets [`RETENTION_LOCK`] runs a
@@ -1735,7 +1940,8 @@ impl Follower {
     }
 
     /// The next events, or the refusal of a deleted session: none is read once its tombstone
-    /// is committed (the erasure of its rows may still be under way).
+    /// is committed (the erasure of its rows may still be under way). A fork's shared
+    /// prefix is read down its line of bases (`line_cte`), each event given the fork's id.
     async fn read(&self) -> Result<Vec<Event>, StoreError> {
         let unavailable = |e: String| StoreError::Unavailable(format!("reading events: {e}"));
         let client = self
@@ -1750,12 +1956,15 @@ impl Follower {
         };
         let rows = timed("read_events", async {
             let stmt = client
-                .prepare_cached(
-                    "SELECT body FROM agentlog_events WHERE session_id = $1 AND seq >= $2 \
-                     AND NOT EXISTS (SELECT 1 FROM agentlog_sessions \
+                .prepare_cached(concat!(
+                    line_cte!(),
+                    "SELECT e.body FROM line l CROSS JOIN LATERAL (\
+                     SELECT seq, body FROM agentlog_events WHERE session_id = l.sid \
+                     AND seq >= $2 AND seq <= l.hi ORDER BY seq LIMIT $3) e \
+                     WHERE NOT EXISTS (SELECT 1 FROM agentlog_sessions \
                      WHERE session_id = $1 AND deleted_unix_ms > 0) \
-                     ORDER BY seq LIMIT $3",
-                )
+                     ORDER BY e.seq LIMIT $3"
+                ))
                 .await?;
             client
                 .query(&stmt, &[&self.session_id, &(self.next as i64), &READ_BATCH])
@@ -1781,8 +1990,11 @@ impl Follower {
         }
         rows.iter()
             .map(|row| {
-                Event::decode(row.get::<_, &[u8]>(0))
-                    .map_err(|e| StoreError::Internal(format!("an event does not decode: {e}")))
+                let mut event = Event::decode(row.get::<_, &[u8]>(0))
+                    .map_err(|e| StoreError::Internal(format!("an event does not decode: {e}")))?;
+                // A prefix read through the base is the fork's.
+                event.session_id.clone_from(&self.session_id);
+                Ok(event)
             })
             .collect()
     }

@@ -46,6 +46,13 @@
 //!   `ListSessions` with a status filter. The queries name both conditions, so that
 //!   replicas of version 5 during a rolling update still find rows right (their queries
 //!   then walk without the partial indexes until they are replaced).
+//! - Version 7: a fork shares its parent's prefix instead of copying it. `base_session` and
+//!   `base_seq` (copies of the state's fields of the same names) say that the session's
+//!   seqs `1..=base_seq` are the base's rows (down the line of bases), and the partial index
+//!   on `base_session` finds a session's forks when its rows are about to be erased (see
+//!   `erase` in the backend). A tombstone keeps them, so that the forks of its own forks
+//!   still read through it until they are materialized. Forks made before version 7 have
+//!   their prefix as rows of their own and no base.
 //!
 //! [`SessionMeta`]: crate::session::SessionMeta
 
@@ -137,6 +144,13 @@ CREATE INDEX agentlog_sessions_recent ON agentlog_sessions (updated_second DESC)
     WHERE deleted_unix_ms = 0;
 CREATE INDEX agentlog_sessions_by_status ON agentlog_sessions (status, updated_second DESC)
     WHERE deleted_unix_ms = 0;
+"#,
+    r#"
+ALTER TABLE agentlog_sessions
+    ADD COLUMN base_session text COLLATE "C" NOT NULL DEFAULT '',
+    ADD COLUMN base_seq bigint NOT NULL DEFAULT 0;
+CREATE INDEX agentlog_sessions_forks ON agentlog_sessions (base_session)
+    WHERE base_session <> '';
 "#,
 ];
 
