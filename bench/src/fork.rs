@@ -9,8 +9,8 @@
 //! tool result) and `git status --porcelain`, in turn. The restore is the runner's fork
 //! restore (staged, every byte synced with one `syncfs`, moved into place, marked) against
 //! `cp -a` and against `cp -a` followed by `sync -f`. The fork is of a session of `events`
-//! 300-byte user turns on a store of its own; Subscribe reads the same session from seq 1
-//! to its end.
+//! 300-byte user turns on a store of its own, once on the local log and once on PostgreSQL;
+//! Subscribe reads the same session from seq 1 to its end, on the same store.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -49,6 +49,9 @@ pub struct ForkFigures {
     pub cp_sync_ms: Runs,
     pub fork_ms: Runs,
     pub subscribe_ms: Runs,
+    /// The same on a PostgreSQL store.
+    pub pg_fork_ms: Runs,
+    pub pg_subscribe_ms: Runs,
 }
 
 fn ms(since: Instant) -> f64 {
@@ -156,9 +159,30 @@ pub fn workspace_figures(dir: &Path, plan: ForkPlan, out: &mut ForkFigures) -> a
     Ok(())
 }
 
-/// ForkSession of a session of `plan.events` events against Subscribe of it.
+/// ForkSession of a session of `plan.events` events against Subscribe of it, on a local
+/// store and on a PostgreSQL one (a private server, `testkit::pg::Postgres`).
 pub async fn log_figures(dir: &Path, plan: ForkPlan, out: &mut ForkFigures) -> anyhow::Result<()> {
-    let store = Store::start_in(&dir.join("store"))?;
+    {
+        let store = Store::start_in(&dir.join("store"))?;
+        fork_against_subscribe(&store, plan, &mut out.fork_ms, &mut out.subscribe_ms).await?;
+    }
+    let pg = std::sync::Arc::new(tokio::task::block_in_place(testkit::pg::Postgres::start)?);
+    let url = tokio::task::block_in_place(|| pg.create_database())?;
+    let store = Store::start_backed(
+        &testkit::bin_path("event-store"),
+        testkit::Backing::Database(url, Some(pg)),
+        "127.0.0.1:0",
+        &[],
+    )?;
+    fork_against_subscribe(&store, plan, &mut out.pg_fork_ms, &mut out.pg_subscribe_ms).await
+}
+
+async fn fork_against_subscribe(
+    store: &Store,
+    plan: ForkPlan,
+    fork_ms: &mut Runs,
+    subscribe_ms: &mut Runs,
+) -> anyhow::Result<()> {
     crate::agentlog::fill_session(&store.url(), "long", plan.events).await?;
     // Connected as the product's programs connect (its HTTP/2 windows and frame size).
     let connection = agentlog_client::StoreConnection {
@@ -182,7 +206,7 @@ pub async fn log_figures(dir: &Path, plan: ForkPlan, out: &mut ForkFigures) -> a
         while stream.message().await?.is_some() {
             read += 1;
         }
-        out.subscribe_ms.push(ms(started));
+        subscribe_ms.push(ms(started));
         anyhow::ensure!(read == plan.events, "read {read} of {} events", plan.events);
         let started = Instant::now();
         let made = client
@@ -194,7 +218,7 @@ pub async fn log_figures(dir: &Path, plan: ForkPlan, out: &mut ForkFigures) -> a
             })
             .await?
             .into_inner();
-        out.fork_ms.push(ms(started));
+        fork_ms.push(ms(started));
         anyhow::ensure!(made.last_seq == plan.events as u64, "the fork is short");
     }
     Ok(())

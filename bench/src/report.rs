@@ -757,7 +757,8 @@ impl Report {
              restore (staged beside the workspaces, every byte synced with one `syncfs`, \
              moved into place, marked) against `cp -a` of the tree, and `cp -a` then \
              `sync -f`. The fork is `ForkSession` of a session of {} events (300-byte user \
-             turns) at its last seq, against a `Subscribe` that reads the same events.\n",
+             turns) at its last seq, against a `Subscribe` that reads the same events from the \
+             same store: once on the local log, once on PostgreSQL (a private server).\n",
             fmt_int(plan.files),
             plan.bytes >> 20,
             plan.changed,
@@ -789,10 +790,16 @@ impl Report {
                 &f.cp_sync_ms,
             ),
             (
-                "ForkSession",
+                "ForkSession, local log",
                 &f.fork_ms,
                 "Subscribe of the same events",
                 &f.subscribe_ms,
+            ),
+            (
+                "ForkSession, PostgreSQL",
+                &f.pg_fork_ms,
+                "Subscribe of the same events",
+                &f.pg_subscribe_ms,
             ),
         ];
         for (what, ours, baseline, theirs) in rows {
