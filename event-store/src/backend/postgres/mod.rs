@@ -29,6 +29,10 @@
 //!   sweep of `agentlog_erasures` if that one stopped first. What PostgreSQL keeps after
 //!   that (dead tuples until vacuum, WAL and backups) is the cluster's own retention
 //!   (ARCHITECTURE.md).
+//! - **Forks share their parent's prefix**: the fork's row names its base (`base_session`,
+//!   `base_seq`) and only its own events get rows; reads and dedup go down the line of
+//!   bases in one statement (`line_cte`), and a deleted session's erasure first makes the
+//!   prefix of every live fork reading through it the fork's own ([`materialize_forks`]).
 //! - **AppendStream pipelines**: a stream's appends are queued per session behind the
 //!   ones before them and written together as they arrive ([`pipeline`]), so a stream's
 //!   next request is read while the previous ones commit.
