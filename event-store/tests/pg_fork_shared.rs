@@ -11,6 +11,7 @@
 //!   a fork whose middle is deleted;
 //! - an erasure left unfinished by a replica that died (its tombstone and entry committed,
 //!   no row erased) is finished by other replicas' sweeps, two at once, the forks whole;
+//!   an erasure that does not materialize first (as schema version 6 erased) is refused;
 //! - a fork racing its parent's deletion is either refused or whole after the erasure;
 //! - a fork made before schema version 7 (its prefix copied as rows of its own) is read,
 //!   appended to and kept whole by its parent's deletion after the upgrade.
@@ -363,6 +364,23 @@ async fn an_erasure_a_dead_replica_left_is_finished_by_two_others_at_once_forks_
     };
     // The dead replica deleted p and f; two replicas start, and their sweeps take them up.
     deleted_by_a_dead_replica(&client, &["p", "f"]).await;
+    // An erasure that does not materialize first (a replica of schema version 6, during a
+    // rolling update) is refused, and takes nothing.
+    for session_id in ["p", "f"] {
+        let refused = client
+            .execute(
+                "DELETE FROM agentlog_events WHERE session_id = $1",
+                &[&session_id],
+            )
+            .await;
+        let refused = refused.expect_err("rows erased under live forks");
+        let message = refused.as_db_error().map(|e| e.message().to_string());
+        assert!(
+            message.as_deref().is_some_and(|m| m.contains("live fork")),
+            "{session_id}: {refused:?}"
+        );
+    }
+    assert_eq!(rows_of(&client, "p").await, 30);
     let (a, b) = tokio::join!(PgBackend::open(config(&url)), PgBackend::open(config(&url)));
     let (a, b) = (a.unwrap(), b.unwrap());
     erased(&client, &["p", "f"]).await;

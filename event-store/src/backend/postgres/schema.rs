@@ -52,7 +52,11 @@
 //!   on `base_session` finds a session's forks when its rows are about to be erased (see
 //!   `erase` in the backend). A tombstone keeps them, so that the forks of its own forks
 //!   still read through it until they are materialized. Forks made before version 7 have
-//!   their prefix as rows of their own and no base.
+//!   their prefix as rows of their own and no base. A statement-level trigger refuses any
+//!   deletion of events that a live session still reads through its line of bases: a
+//!   replica of version 6 during a rolling update, which erases without materializing,
+//!   fails its erasure (and retries it) until a replica of version 7 has materialized the
+//!   forks first.
 //!
 //! [`SessionMeta`]: crate::session::SessionMeta
 
@@ -151,6 +155,29 @@ ALTER TABLE agentlog_sessions
     ADD COLUMN base_seq bigint NOT NULL DEFAULT 0;
 CREATE INDEX agentlog_sessions_forks ON agentlog_sessions (base_session)
     WHERE base_session <> '';
+CREATE FUNCTION agentlog_keep_shared_prefixes() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF EXISTS (
+        WITH RECURSIVE d(session_id, deleted) AS (
+            SELECT s.session_id, s.deleted_unix_ms > 0 FROM agentlog_sessions s
+            WHERE s.base_session IN (SELECT DISTINCT session_id FROM erased)
+                AND s.base_session <> ''
+            UNION
+            SELECT s.session_id, s.deleted_unix_ms > 0 FROM d
+            JOIN agentlog_sessions s ON s.base_session = d.session_id
+                AND s.base_session <> ''
+            WHERE d.deleted
+        )
+        SELECT 1 FROM d WHERE NOT d.deleted
+    ) THEN
+        RAISE EXCEPTION 'agentlog: a live fork still reads these events through its base; they are erased once its prefix is its own';
+    END IF;
+    RETURN NULL;
+END
+$$;
+CREATE TRIGGER agentlog_shared_prefixes_kept AFTER DELETE ON agentlog_events
+    REFERENCING OLD TABLE AS erased FOR EACH STATEMENT
+    EXECUTE FUNCTION agentlog_keep_shared_prefixes();
 "#,
 ];
 
