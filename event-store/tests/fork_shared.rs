@@ -440,3 +440,35 @@ async fn a_cut_while_the_parents_segments_are_rewritten_loses_nothing() {
 async fn a_cut_after_the_index_forgot_the_parent_loses_nothing() {
     cut_at(CrashPoint::Purged).await;
 }
+
+/// A retried append of a prefix event to a fork, right after its parent's deletion (before
+/// the index has absorbed the parent's newest events): answered with the seq the fork
+/// already holds it at, not written again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefix_id_retried_on_a_fork_right_after_its_parent_went_is_not_written_again() {
+    for round in 0..20 {
+        let disk = SimStorage::new();
+        let dir = tempfile::tempdir().unwrap();
+        let store = open_store_reclaiming(&disk, &dir.path().join("index"), LOG, held());
+        let ids: Vec<String> = (1..=3).map(|i| format!("r{round}-{i}")).collect();
+        for id in &ids {
+            store
+                .append(op("p", vec![user(id, "parent")]))
+                .await
+                .unwrap();
+        }
+        store.fork(fork_op("p", 3, "f", Vec::new())).await.unwrap();
+        store.delete_session("p").await.unwrap();
+        let retried = store
+            .append(op("f", vec![user(&ids[2], "parent")]))
+            .await
+            .unwrap();
+        assert_eq!(
+            retried.seqs,
+            vec![3],
+            "round {round}: answered with its seq"
+        );
+        assert_eq!(store.get_session("f").unwrap().last_seq, 3, "round {round}");
+        store.close().unwrap();
+    }
+}
