@@ -12,7 +12,9 @@
 //!   fork of a fork whose middle is deleted;
 //! - the power cut at each step of that (the materialization written, durable, the
 //!   parent's segments rewritten, the index purged) leaves every fork whole, before and
-//!   after the reclamation finishes.
+//!   after the reclamation finishes;
+//! - a prefix id retried on a fork right after its parent's deletion is not written again;
+//! - a fork an earlier release wrote, its prefix copied, reads and dedups as before.
 
 mod common;
 
