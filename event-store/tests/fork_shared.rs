@@ -12,7 +12,9 @@
 //!   fork of a fork whose middle is deleted;
 //! - the power cut at each step of that (the materialization written, durable, the
 //!   parent's segments rewritten, the index purged) leaves every fork whole, before and
-//!   after the reclamation finishes.
+//!   after the reclamation finishes;
+//! - a prefix id retried on a fork right after its parent's deletion is not written again;
+//! - a fork an earlier release wrote, its prefix copied, reads and dedups as before.
 
 mod common;
 
@@ -439,4 +441,110 @@ async fn a_cut_while_the_parents_segments_are_rewritten_loses_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cut_after_the_index_forgot_the_parent_loses_nothing() {
     cut_at(CrashPoint::Purged).await;
+}
+
+/// A retried append of a prefix event to a fork, right after its parent's deletion (before
+/// the index has absorbed the parent's newest events): answered with the seq the fork
+/// already holds it at, not written again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefix_id_retried_on_a_fork_right_after_its_parent_went_is_not_written_again() {
+    for round in 0..20 {
+        let disk = SimStorage::new();
+        let dir = tempfile::tempdir().unwrap();
+        let store = open_store_reclaiming(&disk, &dir.path().join("index"), LOG, held());
+        let ids: Vec<String> = (1..=3).map(|i| format!("r{round}-{i}")).collect();
+        for id in &ids {
+            store
+                .append(op("p", vec![user(id, "parent")]))
+                .await
+                .unwrap();
+        }
+        store.fork(fork_op("p", 3, "f", Vec::new())).await.unwrap();
+        store.delete_session("p").await.unwrap();
+        let retried = store
+            .append(op("f", vec![user(&ids[2], "parent")]))
+            .await
+            .unwrap();
+        assert_eq!(
+            retried.seqs,
+            vec![3],
+            "round {round}: answered with its seq"
+        );
+        assert_eq!(store.get_session("f").unwrap().last_seq, 3, "round {round}");
+        store.close().unwrap();
+    }
+}
+
+/// A fork an earlier release wrote, with its prefix copied into its own events and a start
+/// without a state, still reads, dedups and appends as it did.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fork_written_with_its_prefix_copied_reads_as_before() {
+    use event_store::backend::local::log::{LogTail, LogWriter};
+    use event_store::session::ForkRecord;
+
+    let disk = SimStorage::new();
+    let dir = tempfile::tempdir().unwrap();
+    let index_dir = dir.path().join("index");
+    let store = open_store_reclaiming(&disk, &index_dir, LOG, held());
+    for i in 1..=3 {
+        let id = format!("p{i}");
+        store
+            .append(op("p", vec![user(&id, SHARED)]))
+            .await
+            .unwrap();
+    }
+    let parent = history(&store, "p").await;
+    store.close().unwrap();
+
+    // As that release wrote it: the start, then the prefix as events of the fork, in one
+    // atomic append past what the index absorbed.
+    let mut log = LogWriter::open(
+        std::sync::Arc::new(disk.clone()),
+        LOG,
+        LogTail::default(),
+        |_| {},
+    )
+    .unwrap();
+    let mut records = vec![Record::Fork(ForkRecord {
+        session_id: "f".into(),
+        parent: "p".into(),
+        seq: 3,
+        ts_unix_ms: parent[2].ts_unix_ms + 1,
+        state: None,
+    })];
+    records.extend(parent.iter().map(|e| {
+        Record::Event(Event {
+            session_id: "f".into(),
+            ..e.clone()
+        })
+    }));
+    let last = records.len() - 1;
+    log.write(records.iter().enumerate().map(|(i, r)| (r, i < last)))
+        .unwrap();
+    log.sync().unwrap();
+    drop(log);
+
+    let store = open_store_reclaiming(&disk, &index_dir, LOG, held());
+    let fork = history(&store, "f").await;
+    let want: Vec<Event> = parent
+        .iter()
+        .map(|e| Event {
+            session_id: "f".into(),
+            ..e.clone()
+        })
+        .collect();
+    assert_eq!(fork, want);
+    let info = store.get_session("f").unwrap();
+    assert_eq!(info.last_seq, 3);
+    let from = info.forked_from.expect("a fork");
+    assert_eq!((from.session_id.as_str(), from.seq), ("p", 3));
+    assert!(info.title.starts_with(SHARED), "{}", info.title);
+    let again = store.append(op("f", vec![user("p2", "x")])).await.unwrap();
+    assert_eq!(again.seqs, vec![2], "an id of its copied prefix");
+    let new = store.append(op("f", vec![user("f4", "x")])).await.unwrap();
+    assert_eq!(new.seqs, vec![4]);
+    // Its parent's deletion leaves it whole: it reads nothing through it.
+    store.delete_session("p").await.unwrap();
+    assert_eq!(history(&store, "f").await[..3], want[..]);
+    store.close().unwrap();
 }

@@ -780,7 +780,8 @@ impl Writer {
             tombstone.base_seq = meta.base_seq;
             *meta = tombstone
         });
-        self.recent_ids.remove(session_id);
+        // Its recent ids stay until the next absorb writes them into the index: a fork that
+        // reads its prefix through it dedups against them.
         batch.push(
             Record::Tombstone(Tombstone {
                 session_id: session_id.to_string(),
