@@ -909,6 +909,9 @@ struct Columns {
     /// When the lease stops being live (0: released or never granted).
     lease_expires: i64,
     first_user_text: String,
+    /// Whether the session is a fork (it may share a prefix with a base: dedup looks there
+    /// too, see [`batch`]).
+    fork: bool,
 }
 
 impl Columns {
@@ -932,6 +935,7 @@ impl Columns {
                 .filter(|l| !l.released)
                 .map_or(0, |l| l.expires_unix_ms),
             first_user_text: meta.first_user_text.clone(),
+            fork: meta.forked_from.is_some(),
         }
     }
 }
