@@ -22,7 +22,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use agentlog_proto::v1::Event;
-use common::{held, history, op, open_store_reclaiming, read_log, reclaim_now, user};
+use common::{held, history, in_files, op, open_store_reclaiming, read_log, reclaim_now, user};
 use event_store::backend::local::log::storage::{CrashPoint, SimStorage};
 use event_store::backend::local::log::{LogConfig, Record};
 use event_store::backend::local::Store;
@@ -170,24 +170,6 @@ fn marks(disk: &SimStorage, what: &str) -> usize {
         .windows(what.len())
         .filter(|w| *w == what.as_bytes())
         .count()
-}
-
-fn in_files(dir: &Path, needle: &[u8]) -> Vec<String> {
-    let mut found = Vec::new();
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return found;
-    };
-    for entry in entries.flatten() {
-        let path = entry.path();
-        if path.is_dir() {
-            found.extend(in_files(&path, needle));
-        } else if let Ok(bytes) = std::fs::read(&path) {
-            if bytes.windows(needle.len()).any(|w| w == needle) {
-                found.push(path.display().to_string());
-            }
-        }
-    }
-    found
 }
 
 /// Whether any event of `session` is left in the log (true while a rewrite is being put

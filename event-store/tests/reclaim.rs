@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use agentlog_proto::reason::Reason;
 use agentlog_proto::v1::{event, Event, ToolStarted};
-use common::{held, history, op, open_store_reclaiming, reclaim_now, user};
+use common::{held, history, in_files, op, open_store_reclaiming, reclaim_now, user};
 use event_store::backend::local::log::storage::{CrashPoint, SimStorage};
 use event_store::backend::local::log::LogConfig;
 use event_store::backend::local::Store;
@@ -115,25 +115,6 @@ async fn check(store: &Store, acked: &Acked, epoch: u64) {
             "the old epoch"
         );
     }
-}
-
-/// Whether `needle` is in any file under `dir`.
-fn in_files(dir: &Path, needle: &[u8]) -> Vec<String> {
-    let mut found = Vec::new();
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return found;
-    };
-    for entry in entries.flatten() {
-        let path = entry.path();
-        if path.is_dir() {
-            found.extend(in_files(&path, needle));
-        } else if let Ok(bytes) = std::fs::read(&path) {
-            if bytes.windows(needle.len()).any(|w| w == needle) {
-                found.push(path.display().to_string());
-            }
-        }
-    }
-    found
 }
 
 /// Waits until no byte of the doomed sessions' text is in the log or the index.

@@ -518,6 +518,13 @@ proptest! {
     }
 }
 
+/// A store on `disk` given [`fill_segments`]'s appends, then closed.
+async fn filled_and_closed(disk: &SimStorage, index: &std::path::Path, segment_bytes: u64) {
+    let store = open_store(disk, index, segment_bytes);
+    fill_segments(&store).await;
+    store.close().expect("close");
+}
+
 /// Small segments: appends that roll over several segment files.
 async fn fill_segments(store: &Store) -> Vec<String> {
     let mut ids = Vec::new();
@@ -550,9 +557,7 @@ fn a_cut_in_the_last_of_several_segments_recovers_a_prefix() {
             let disk = SimStorage::new();
             let dir = tempfile::tempdir().expect("temp dir");
             let index = dir.path().join("index");
-            let store = open_store(&disk, &index, SMALL_SEGMENT);
-            fill_segments(&store).await;
-            store.close().expect("close");
+            filled_and_closed(&disk, &index, SMALL_SEGMENT).await;
             let appends = read_appends(&disk);
             let written: Vec<Record> = appends.iter().flatten().cloned().collect();
             let bases = disk.list().expect("list");
@@ -597,9 +602,7 @@ fn corruption_in_an_earlier_segment_refuses_to_open() {
         let disk = SimStorage::new();
         let dir = tempfile::tempdir().expect("temp dir");
         let index = dir.path().join("index");
-        let store = open_store(&disk, &index, SMALL_SEGMENT);
-        fill_segments(&store).await;
-        store.close().expect("close");
+        filled_and_closed(&disk, &index, SMALL_SEGMENT).await;
         let bases = disk.list().expect("list");
         assert!(bases.len() >= 3, "several segments: {bases:?}");
         let victim = bases[1];
@@ -658,9 +661,7 @@ fn a_flipped_byte_in_the_indexed_part_of_the_last_segment_is_never_cut_off() {
         let disk = SimStorage::new();
         let dir = tempfile::tempdir().expect("temp dir");
         let index = dir.path().join("index");
-        let store = open_store(&disk, &index, ONE_SEGMENT);
-        fill_segments(&store).await;
-        store.close().expect("close");
+        filled_and_closed(&disk, &index, ONE_SEGMENT).await;
 
         // This byte (in the first record, of SESSIONS[0]) was fsync'd and indexed: damage
         // to it is not a torn write. The open reads the log only past what the index
@@ -707,9 +708,7 @@ fn a_damaged_last_absorbed_record_has_the_last_segment_read_whole_and_refuses_to
         let disk = SimStorage::new();
         let dir = tempfile::tempdir().expect("temp dir");
         let index = dir.path().join("index");
-        let store = open_store(&disk, &index, ONE_SEGMENT);
-        fill_segments(&store).await;
-        store.close().expect("close");
+        filled_and_closed(&disk, &index, ONE_SEGMENT).await;
 
         // The record the index names as the last it absorbed no longer checks out, so the
         // log cannot vouch for what the index absorbed: the open reads the last segment

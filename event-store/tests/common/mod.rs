@@ -157,17 +157,7 @@ pub async fn history(store: &Store, session_id: &str) -> Vec<Event> {
 /// Like [`read_log`], or the error of a read that met a rewrite being put in place (the
 /// reclaimer's, running beside the caller): to be asked again.
 pub fn try_read_log(disk: &SimStorage) -> Result<Vec<Record>, LogError> {
-    let mut records = Vec::new();
-    LogWriter::open(
-        Arc::new(disk.clone()),
-        LogConfig {
-            segment_bytes: u64::MAX,
-            preallocate_bytes: 0,
-        },
-        LogTail::default(),
-        |append| records.extend(append.iter().map(|(_, r)| r.clone())),
-    )?;
-    Ok(records)
+    Ok(try_read_appends(disk)?.into_iter().flatten().collect())
 }
 
 /// Every valid record of the log on `disk`, in log order, as recovery sees them.
@@ -178,6 +168,10 @@ pub fn read_log(disk: &SimStorage) -> Vec<Record> {
 /// The log's records grouped by the atomic append they were written in, with the log
 /// offset each group ends at.
 pub fn read_appends(disk: &SimStorage) -> Vec<Vec<Record>> {
+    try_read_appends(disk).expect("the log is readable")
+}
+
+fn try_read_appends(disk: &SimStorage) -> Result<Vec<Vec<Record>>, LogError> {
     let mut appends = Vec::new();
     LogWriter::open(
         Arc::new(disk.clone()),
@@ -187,9 +181,8 @@ pub fn read_appends(disk: &SimStorage) -> Vec<Vec<Record>> {
         },
         LogTail::default(),
         |append| appends.push(append.iter().map(|(_, r)| r.clone()).collect()),
-    )
-    .expect("the log is readable");
-    appends
+    )?;
+    Ok(appends)
 }
 
 /// The log offset each append of [`read_appends`] ends at, with the number of records up
@@ -249,4 +242,23 @@ pub fn op(session_id: &str, events: Vec<Event>) -> AppendOp {
         lease_epoch: None,
         durability: Durability::Sync,
     }
+}
+
+/// The files under `dir` (recursively) that hold `needle`.
+pub fn in_files(dir: &Path, needle: &[u8]) -> Vec<String> {
+    let mut found = Vec::new();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return found;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            found.extend(in_files(&path, needle));
+        } else if let Ok(bytes) = std::fs::read(&path) {
+            if bytes.windows(needle.len()).any(|w| w == needle) {
+                found.push(path.display().to_string());
+            }
+        }
+    }
+    found
 }
