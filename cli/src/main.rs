@@ -125,6 +125,12 @@ enum Command {
         /// it, a loopback server needs no login.
         #[arg(long, env = "AGENTLOG_WEB_LOGIN_TOKEN_FILE")]
         login_token_file: Option<PathBuf>,
+        /// Serve as on loopback although --listen is not: plaintext and no login allowed,
+        /// and only requests naming localhost, 127.0.0.1 or [::1] answered. For a container
+        /// whose port the host publishes on its own loopback only (deploy/compose.yaml);
+        /// whoever reaches --listen directly can still send such a name.
+        #[arg(long, env = "AGENTLOG_WEB_AS_LOOPBACK")]
+        as_loopback: bool,
     },
     /// Ask a session to stop what it is doing now (its runner answers with `interrupted`).
     Cancel {
@@ -253,12 +259,14 @@ async fn main() -> ExitCode {
             tls_cert,
             tls_key,
             login_token_file,
+            as_loopback,
         } => {
             web::serve(web::WebConfig {
                 listen,
                 tls_cert,
                 tls_key,
                 login_token_file,
+                as_loopback,
                 store_addr: cli.addr.clone(),
             })
             .await

@@ -385,26 +385,11 @@ pub fn model_from_env(data_dir: &Path) -> Result<(String, String)> {
     ))
 }
 
-/// The built-in demo model: each turn records itself in the workspace with one bash call,
-/// then answers. Enough turns for a good while of `send`/`continue`/`resume`.
-fn demo_script() -> String {
-    let mut script = String::from(
-        "# agentlog's built-in demo model (scripted:FILE): two replies per user turn.\n",
-    );
-    for turn in 1..=50 {
-        let call = serde_json::json!({
-            "text": format!("Turn {turn}: I am the demo model. I will note this turn in the workspace journal."),
-            "tool_uses": [{"name": "bash", "input": {"command":
-                "echo \"$(date -u +%H:%M:%S) $IDEMPOTENCY_KEY\" >> journal.txt; wc -l < journal.txt"}}],
-            "chunk_delay_ms": 15,
-        });
-        let answer = serde_json::json!({
-            "text": format!("Done: turn {turn} is in journal.txt. Every step of this conversation is in the event log, so a crash at any point resumes right here."),
-            "chunk_delay_ms": 15,
-        });
-        script.push_str(&format!("{call}\n{answer}\n"));
-    }
-    script
+/// The built-in demo model (`deploy/demo-model.jsonl`, which deploy/compose.yaml mounts into
+/// its runner too): each turn records itself in the workspace with one bash call, then
+/// answers. Enough turns for a good while of `send`/`continue`/`resume`.
+fn demo_script() -> &'static str {
+    include_str!("../../deploy/demo-model.jsonl")
 }
 
 /// Runs `agentlog up` until Ctrl-C / SIGTERM or a child's unexpected exit.

@@ -11,6 +11,7 @@
 //! queued per turn: 529 overloaded, a stream cut mid-reply, an `error` event after the 200,
 //! and a 400 refusal.
 
+use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -19,7 +20,7 @@ use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
-use axum::routing::post;
+use axum::routing::{get, post};
 use axum::Router;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
@@ -78,11 +79,25 @@ pub type AnthropicStandin = Standin<StandinReply, Fault>;
 impl Standin<StandinReply, Fault> {
     /// Starts the server on a free port (needs a running tokio runtime).
     pub async fn start(replies: Vec<StandinReply>) -> Result<AnthropicStandin> {
-        let journal: Shared = Arc::new(Mutex::new(Journal::new(replies)));
+        Standin::start_on(replies, SocketAddr::from(([127, 0, 0, 1], 0)), None).await
+    }
+
+    /// As [`Standin::start`], on `addr`, accepting only `api_key` when given. Also serves
+    /// `GET /journal`: how many requests came, which were refused and why (for a test that
+    /// runs the stand-in in a container).
+    pub async fn start_on(
+        replies: Vec<StandinReply>,
+        addr: SocketAddr,
+        api_key: Option<String>,
+    ) -> Result<AnthropicStandin> {
+        let mut journal = Journal::new(replies);
+        journal.api_key = api_key;
+        let journal: Shared = Arc::new(Mutex::new(journal));
         let app = Router::new()
             .route("/v1/messages", post(messages))
+            .route("/journal", get(journal_summary))
             .with_state(journal.clone());
-        Standin::serve(journal, app).await
+        Standin::serve_on(journal, app, addr).await
     }
 
     /// For `ANTHROPIC_BASE_URL`.
@@ -103,8 +118,16 @@ async fn messages(State(inner): State<Shared>, headers: HeaderMap, body: Bytes) 
             )
         }
     };
-    let checked = check_headers(&headers).and_then(|()| check_request(&request));
     let mut state = lock(&inner);
+    if let Some(key) = &state.api_key {
+        let sent = headers.get("x-api-key").and_then(|v| v.to_str().ok());
+        if sent != Some(key.as_str()) {
+            let message = "invalid x-api-key".to_string();
+            state.violations.push(message.clone());
+            return error(StatusCode::UNAUTHORIZED, "authentication_error", &message);
+        }
+    }
+    let checked = check_headers(&headers).and_then(|()| check_request(&request));
     let turn = match &checked {
         Ok(turn) => *turn,
         Err(_) => count_assistant_turns(&request),
@@ -177,6 +200,25 @@ async fn messages(State(inner): State<Shared>, headers: HeaderMap, body: Bytes) 
             stream(inner.clone(), turn, reply, Ending::Complete)
         }
     }
+}
+
+/// `{"requests": N, "replies": N, "violations": [...]}`: what the stand-in saw.
+async fn journal_summary(State(inner): State<Shared>) -> Response {
+    let state = lock(&inner);
+    let replies = state
+        .requests
+        .iter()
+        .filter(|r| r.served == "reply")
+        .count();
+    let body = json!({
+        "requests": state.requests.len(),
+        "replies": replies,
+        "violations": state.violations,
+    });
+    Response::builder()
+        .header("content-type", "application/json")
+        .body(Body::from(body.to_string()))
+        .unwrap_or_default()
 }
 
 fn error(status: StatusCode, kind: &str, message: &str) -> Response {

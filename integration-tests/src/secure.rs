@@ -47,8 +47,15 @@ impl Ca {
 
     /// A server certificate for `localhost` and 127.0.0.1.
     pub fn server_cert(&self) -> CertPair {
-        let mut params =
-            CertificateParams::new(vec!["localhost".to_string()]).expect("server params");
+        self.server_cert_for(&[])
+    }
+
+    /// A server certificate for `localhost`, 127.0.0.1 and `names` (the host names other
+    /// containers reach it by).
+    pub fn server_cert_for(&self, names: &[&str]) -> CertPair {
+        let mut dns = vec!["localhost".to_string()];
+        dns.extend(names.iter().map(|n| n.to_string()));
+        let mut params = CertificateParams::new(dns).expect("server params");
         params
             .subject_alt_names
             .push(SanType::IpAddress("127.0.0.1".parse().expect("ip")));

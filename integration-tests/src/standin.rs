@@ -47,6 +47,9 @@ pub struct Journal<R, F> {
     pub hook: Option<Hook>,
     /// When a streamed reply's caller went away before its end (unix ms), in order.
     pub streams_dropped: Vec<i64>,
+    /// The API key requests must carry (any non-empty one when unset), as a provider checks
+    /// its keys: a request with another gets the API's 401.
+    pub api_key: Option<String>,
 }
 
 impl<R, F> Journal<R, F> {
@@ -58,6 +61,7 @@ impl<R, F> Journal<R, F> {
             violations: Vec::new(),
             hook: None,
             streams_dropped: Vec::new(),
+            api_key: None,
         }
     }
 
@@ -95,7 +99,17 @@ impl<R, F> Standin<R, F> {
     /// Serves `app` (whose handlers share `journal`) on a free port; needs a running tokio
     /// runtime.
     pub async fn serve(journal: Shared<R, F>, app: Router) -> Result<Standin<R, F>> {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        Standin::serve_on(journal, app, SocketAddr::from(([127, 0, 0, 1], 0))).await
+    }
+
+    /// As [`Standin::serve`], on `addr` (the `model-standin` binary serves a container's
+    /// network).
+    pub async fn serve_on(
+        journal: Shared<R, F>,
+        app: Router,
+        addr: SocketAddr,
+    ) -> Result<Standin<R, F>> {
+        let listener = tokio::net::TcpListener::bind(addr).await?;
         let addr = listener.local_addr()?;
         let (stop, stopped) = oneshot::channel::<()>();
         tokio::spawn(async move {

@@ -310,3 +310,38 @@ async fn off_loopback_it_serves_https_behind_a_login_and_keeps_every_token_to_it
     assert!(text.contains("event: user_message") && text.contains("hello through the web"));
     no_secrets("the event stream", &text);
 }
+
+/// `--as-loopback` (a container whose port the host publishes on its own loopback): off
+/// loopback it serves plaintext with no login, and answers only requests that name a
+/// loopback host, so a page of another site reaching it by DNS rebinding gets nothing.
+#[tokio::test(flavor = "multi_thread")]
+async fn as_loopback_serves_plaintext_without_login_only_to_loopback_names() {
+    let mut child = agentlog_web(&["web", "--listen", "0.0.0.0:0", "--as-loopback"])
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start agentlog web");
+    let addr = listen_addr(&mut child);
+    let _web = Web(child);
+    let port = addr.port();
+    let http = reqwest::Client::new();
+    let page = http
+        .get(format!("http://127.0.0.1:{port}/"))
+        .send()
+        .await
+        .expect("GET /");
+    assert_eq!(page.status(), 200, "no login is asked for");
+    let rebound = http
+        .get(format!("http://127.0.0.1:{port}/"))
+        .header("host", format!("evil.example:{port}"))
+        .send()
+        .await
+        .expect("GET / as another site");
+    assert_eq!(rebound.status(), 421);
+    let body: Value = rebound.json().await.expect("a JSON error");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("localhost")),
+        "{body}"
+    );
+}

@@ -6,6 +6,7 @@
 //! first (`cargo build --workspace --bins`, which `.ci/run` does).
 #![forbid(unsafe_code)]
 
+pub mod docker;
 pub mod netns;
 pub mod pg;
 

@@ -3,7 +3,8 @@
 //!
 //! Safe by default: it listens on loopback unless `--listen` says otherwise, and off
 //! loopback it refuses to start without HTTPS (`--tls-cert`, `--tls-key`) and a login token
-//! (`--login-token-file`); `guard` holds the rules every request passes. The store's own
+//! (`--login-token-file`), unless `--as-loopback` says that only the host's loopback can
+//! reach it (a container's published port); `guard` holds the rules every request passes. The store's own
 //! token stays in this process: the browser only ever talks to this server.
 
 mod api;
@@ -35,6 +36,8 @@ pub struct WebConfig {
     pub tls_cert: Option<PathBuf>,
     pub tls_key: Option<PathBuf>,
     pub login_token_file: Option<PathBuf>,
+    /// Treat --listen as loopback (`--as-loopback`).
+    pub as_loopback: bool,
     /// The store's `--addr`.
     pub store_addr: String,
 }
@@ -54,7 +57,12 @@ pub async fn serve(config: WebConfig) -> Result<()> {
         .await
         .with_context(|| format!("--listen {}: cannot listen there", config.listen))?;
     let local = tcp.local_addr()?;
-    let loopback = local.ip().is_loopback();
+    let loopback = local.ip().is_loopback() || config.as_loopback;
+    if config.as_loopback && !local.ip().is_loopback() {
+        eprintln!(
+            "agentlog web: --as-loopback: {local} is served as on loopback (no HTTPS or login needed; only requests naming localhost, 127.0.0.1 or [::1] are answered): publish it on the host's loopback only"
+        );
+    }
     let tls_config = match (&config.tls_cert, &config.tls_key) {
         (Some(cert), Some(key)) => Some(tls::server_config(cert, key)?),
         (None, None) => None,
@@ -62,7 +70,7 @@ pub async fn serve(config: WebConfig) -> Result<()> {
     };
     if !loopback && (tls_config.is_none() || config.login_token_file.is_none()) {
         bail!(
-            "--listen {local} is reachable from other machines, so it needs HTTPS (--tls-cert and --tls-key) and a login token (--login-token-file); or listen on 127.0.0.1"
+            "--listen {local} is reachable from other machines, so it needs HTTPS (--tls-cert and --tls-key) and a login token (--login-token-file); or listen on 127.0.0.1 (or, in a container whose port the host publishes on its loopback only, add --as-loopback)"
         );
     }
     let login = match &config.login_token_file {

@@ -1,0 +1,836 @@
+//! The images users deploy, as a cluster: the shape of deploy/k8s/overlays/ha in containers
+//! (testkit/containers/cluster.yaml: PostgreSQL with a synchronous standby, two store
+//! replicas over it, three runners sharing one workspace volume, the web view, a model
+//! stand-in), each agentlog container locked down as the manifests run it (TLS and tokens on
+//! the store, the runner's token and model key as files out of the tools' reach). It is
+//! driven from outside only: our client and grpcurl against the published ports, docker
+//! commands for the faults.
+//!
+//! Under continuous appends (a client writing `load:` sessions through both replicas, each
+//! append retried with its event id until acknowledged) and sessions of bash calls being
+//! worked (`work:` sessions, the only ones the runners' token may claim), in order:
+//!
+//! 1. **start**: each probe the manifests declare answers as the kubelet asks it, and each
+//!    runner's start-up table shows every protection held;
+//! 2. **rolling update**: each store replica, then each runner (while it runs a call), gets
+//!    `docker stop -t 30` and is replaced by a container of a new image tag;
+//! 3. **kills**: `docker kill` of a store replica, and of a runner in the middle of a call;
+//! 4. **a cut link**: a runner in the middle of a long call is disconnected for 20 s;
+//! 5. **failover**: the PostgreSQL primary is killed and the standby promoted.
+//!
+//! Then, across all of it: every acknowledged append is in its log at its seq (gapless);
+//! every session finished; each call's side effect (a file outside the log, written once
+//! per idempotency key) happened once, and no call ran twice except after a kill or a cut;
+//! the cut runner's call stopped before the takeover ran it; every tool's attempts to leave
+//! its workspace (secrets, the runner's /proc, signals, another workspace, the network,
+//! writes elsewhere) failed; and the model saw only well-formed requests. Each scenario
+//! prints what it did and what it counted. Nothing is left behind.
+//!
+//! Needs the images from `deploy/images` (tag `AGENTLOG_IMAGE_TAG`, default `local`).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::TcpListener;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use agentlog_proto::v1::{event::Kind, AppendRequest, Event, GetSessionRequest, SessionStatus};
+use integration_tests::secure::{tls_client, tokens_json, Ca, TlsClient, TokenSpec};
+use integration_tests::user_event;
+use serde_json::{json, Value};
+use testkit::docker::{docker, helper_images, repo_root, require_product_images, Project};
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+use tonic_health::pb::HealthCheckRequest;
+
+const ADMIN_TOKEN: &str = "cluster-test-admin-token-0123456789";
+const RUNNER_TOKEN: &str = "cluster-test-runner-token-0123456789";
+const WEB_TOKEN: &str = "cluster-test-web-token-0123456789";
+const LOGIN_TOKEN: &str = "cluster-test-login-token-0123456789";
+const MODEL_KEY: &str = "sk-ant-cluster-test-model-key-0123456789";
+const PATIENCE: Duration = Duration::from_secs(180);
+
+/// Every bash call of a work session but the first: a side effect applied once per
+/// idempotency key (the `effects` file), every run's start (`starts`), and a tick every
+/// 0.1 s while it runs (`ticks`), all in the session's workspace on the shared volume. A
+/// `work:long-` session's calls run 15 s, the others' 2 s.
+const EFFECT: &str = r#"key="$IDEMPOTENCY_KEY"; run="$HOSTNAME-$$"; echo "$key $run $(date +%s%N)" >> starts; case "$key" in work:long-*) n=150 ;; *) n=20 ;; esac; for i in $(seq "$n"); do echo "$key $run $(date +%s%N)" >> ticks; sleep 0.1; done; grep -qxF "$key" effects 2>/dev/null || echo "$key" >> effects; echo "applied $key""#;
+
+/// The first call of every work session: each way out of the workspace, tried; one line a
+/// try, `refused: …` or `ESCAPED: …`.
+const PROBES: &str = r#"try() { if eval "$2" >/dev/null 2>&1; then echo "ESCAPED: $1"; else echo "refused: $1"; fi; }
+try store-token 'cat /run/secrets/agentlog/store/token'
+try model-key 'cat /run/secrets/agentlog/model/anthropic-api-key'
+try runner-environ 'cat /proc/1/environ'
+try runner-cmdline-mem 'head -c 16 /proc/1/mem'
+try signal-runner 'kill -0 1'
+try list-workspaces 'ls /workspaces'
+try read-other-workspace 'cat /workspaces/victim/secret'
+try write-other-workspace 'echo x > /workspaces/victim/pwned'
+try write-tmp 'echo x > /tmp/escaped'
+try write-root 'echo x > /escaped'
+try tcp-model 'exec 3<>/dev/tcp/model/8080'
+try tcp-store 'exec 3<>/dev/tcp/event-store/50051'
+try tcp-dns-by-ip 'exec 3<>/dev/tcp/127.0.0.11/53'
+echo probes done"#;
+
+const PROBE_NAMES: [&str; 13] = [
+    "store-token",
+    "model-key",
+    "runner-environ",
+    "runner-cmdline-mem",
+    "signal-runner",
+    "list-workspaces",
+    "read-other-workspace",
+    "write-other-workspace",
+    "write-tmp",
+    "write-root",
+    "tcp-model",
+    "tcp-store",
+    "tcp-dns-by-ip",
+];
+
+const CALLS_PER_SESSION: usize = 4;
+
+fn script() -> String {
+    let bash = |command: &str| json!([{"name": "bash", "input": {"command": command}}]);
+    let mut lines = vec![json!({"text": "First, the ways out.", "tool_uses": bash(PROBES)})];
+    for i in 1..CALLS_PER_SESSION {
+        lines.push(json!({"text": format!("Step {i}."), "tool_uses": bash(EFFECT)}));
+    }
+    lines.push(json!({"text": "All steps done."}));
+    lines.iter().map(|l| format!("{l}\n")).collect()
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// Writes `files` (path under `dir` → contents), readable by the containers' users.
+fn write_secrets(dir: &Path, files: &[(&str, String)]) {
+    use std::os::unix::fs::PermissionsExt;
+    for (path, contents) in files {
+        let path = dir.join(path);
+        let parent = path.parent().expect("a parent");
+        std::fs::create_dir_all(parent).expect("mkdir");
+        std::fs::set_permissions(parent, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        std::fs::write(&path, contents).expect("write a secret");
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o444)).expect("chmod");
+    }
+}
+
+struct Cluster {
+    project: Project,
+    _secrets: tempfile::TempDir,
+    ca_pem: String,
+    tag: String,
+    next_tag: String,
+    store_ports: [u16; 2],
+    web_port: u16,
+    model_port: u16,
+}
+
+impl Cluster {
+    fn start() -> Cluster {
+        let tag = require_product_images().expect("the product images");
+        let helpers = helper_images().expect("the helper images");
+        let ca = Ca::new("agentlog cluster test CA");
+        let store_cert = ca.server_cert_for(&["event-store", "store-a", "store-b"]);
+        let pg_cert = ca.server_cert_for(&["pg-primary", "pg-standby"]);
+        let web_cert = ca.server_cert();
+        let tokens = tokens_json(&[
+            TokenSpec::unscoped("ops", ADMIN_TOKEN, "admin"),
+            TokenSpec::scoped("runners", RUNNER_TOKEN, "runner", &["work:"]),
+            TokenSpec::scoped("web", WEB_TOKEN, "client", &["work:"]),
+        ]);
+        let secrets = tempfile::tempdir().expect("a temp dir");
+        write_secrets(
+            secrets.path(),
+            &[
+                ("event-store-tls/tls.crt", store_cert.cert_pem.clone()),
+                ("event-store-tls/tls.key", store_cert.key_pem.clone()),
+                ("event-store-tokens/tokens.json", tokens),
+                ("agentlog-db-ca/ca.crt", ca.cert_pem.clone()),
+                ("event-store-ca/ca.crt", ca.cert_pem.clone()),
+                ("runner-store-token/token", RUNNER_TOKEN.into()),
+                ("model-api/anthropic-api-key", MODEL_KEY.into()),
+                ("web-tls/tls.crt", web_cert.cert_pem.clone()),
+                ("web-tls/tls.key", web_cert.key_pem.clone()),
+                ("web-store-token/token", WEB_TOKEN.into()),
+                ("web-login/login-token", LOGIN_TOKEN.into()),
+                ("postgres-tls/server.crt", pg_cert.cert_pem.clone()),
+                ("postgres-tls/server.key", pg_cert.key_pem.clone()),
+                ("standin/script.jsonl", script()),
+                ("standin/anthropic-api-key", MODEL_KEY.into()),
+            ],
+        );
+        let store_ports = [free_port(), free_port()];
+        let health_ports = [free_port(), free_port()];
+        let (web_port, model_port) = (free_port(), free_port());
+        let next_tag = format!("{tag}-next");
+        for image in ["event-store", "runner", "web"] {
+            docker(&[
+                "tag",
+                &format!("agentlog/{image}:{tag}"),
+                &format!("agentlog/{image}:{next_tag}"),
+            ])
+            .expect("tag the next release");
+        }
+        let env = [
+            ("AGENTLOG_TAG", tag.clone()),
+            ("PG_IMAGE", helpers.postgres.clone()),
+            ("STANDIN_IMAGE", helpers.model_standin.clone()),
+            ("SECRETS", secrets.path().display().to_string()),
+            ("PG_PASSWORD", "app-password-for-the-test".into()),
+            (
+                "PG_REPLICATION_PASSWORD",
+                "replication-password-for-the-test".into(),
+            ),
+            ("STORE_A_PORT", store_ports[0].to_string()),
+            ("STORE_A_HEALTH_PORT", health_ports[0].to_string()),
+            ("STORE_B_PORT", store_ports[1].to_string()),
+            ("STORE_B_HEALTH_PORT", health_ports[1].to_string()),
+            ("WEB_PORT", web_port.to_string()),
+            ("MODEL_PORT", model_port.to_string()),
+        ];
+        let file = repo_root().join("testkit/containers/cluster.yaml");
+        let project = Project::up("agentlogcluster", &file, &env).expect("compose up");
+        println!(
+            "cluster: compose project {} up (images :{tag})",
+            project.name
+        );
+        Cluster {
+            project,
+            _secrets: secrets,
+            ca_pem: ca.cert_pem,
+            tag,
+            next_tag,
+            store_ports,
+            web_port,
+            model_port,
+        }
+    }
+
+    async fn client(&self, replica: usize) -> TlsClient {
+        let url = format!("https://localhost:{}", self.store_ports[replica]);
+        let deadline = Instant::now() + PATIENCE;
+        loop {
+            match tls_client(&url, &self.ca_pem, None, Some(ADMIN_TOKEN)).await {
+                Ok(client) => return client,
+                Err(e) if Instant::now() < deadline => {
+                    let _ = e;
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                }
+                Err(e) => panic!("store replica {replica} never answered at {url}: {e}"),
+            }
+        }
+    }
+
+    /// Asks each probe its container's labels declare (`io.agentlog.probe.*`: `grpc PORT
+    /// [SERVICE]` or `tcp PORT`) the way the kubelet asks it, until each one passes.
+    async fn wait_probes(&self, service: &str) {
+        let id = self.project.container(service).expect("a container");
+        let labels: Value = serde_json::from_str(
+            &docker(&["inspect", "--format", "{{json .Config.Labels}}", &id]).expect("inspect"),
+        )
+        .expect("labels as JSON");
+        let deadline = Instant::now() + PATIENCE;
+        for (name, probe) in labels.as_object().expect("labels").iter() {
+            let Some(kind) = name.strip_prefix("io.agentlog.probe.") else {
+                continue;
+            };
+            let probe = probe.as_str().expect("a string label");
+            let words: Vec<&str> = probe.split_whitespace().collect();
+            let published = docker(&["port", &id, &format!("{}/tcp", words[1])])
+                .expect("the probe's port is published");
+            let host_port = published
+                .lines()
+                .next()
+                .and_then(|l| l.rsplit(':').next())
+                .expect("a host port")
+                .to_string();
+            loop {
+                let ok = match words[0] {
+                    "grpc" => grpc_probe(&host_port, words.get(2).copied().unwrap_or("")).await,
+                    "tcp" => std::net::TcpStream::connect(format!("127.0.0.1:{host_port}")).is_ok(),
+                    other => panic!("{service}: probe {probe:?} of an unknown kind {other}"),
+                };
+                if ok {
+                    println!("  {service}: {kind} probe ({probe}) passes");
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "{service}: the {kind} probe ({probe}) never passed; logs:\n{}",
+                    self.project.logs(service)
+                );
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        }
+    }
+
+    /// Waits for a runner's start-up table and checks every protection is held.
+    fn wait_runner(&self, service: &str) -> String {
+        let logs = self
+            .project
+            .wait_for_log(service, "runner started", PATIENCE)
+            .expect("the runner starts");
+        let table: Vec<&str> = logs
+            .lines()
+            .filter(|l| l.starts_with("sandbox: "))
+            .collect();
+        assert!(
+            table.first().is_some_and(
+                |l| l.contains("--sandbox require") && l.contains("every protection enforced")
+            ),
+            "{service}: its start-up table does not show every protection held:\n{logs}"
+        );
+        table.join("\n")
+    }
+
+    fn exec_runner(&self, command: &str) -> String {
+        self.project
+            .exec("runner-1", &["bash", "-c", command])
+            .expect("docker exec in a runner")
+    }
+}
+
+/// A gRPC health check, as the kubelet's `grpc` probe makes it: SERVING passes.
+async fn grpc_probe(host_port: &str, service: &str) -> bool {
+    let Ok(endpoint) =
+        tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{host_port}"))
+    else {
+        return false;
+    };
+    let Ok(Ok(channel)) = tokio::time::timeout(Duration::from_secs(2), endpoint.connect()).await
+    else {
+        return false;
+    };
+    let request = HealthCheckRequest {
+        service: service.into(),
+    };
+    match tokio::time::timeout(
+        Duration::from_secs(2),
+        HealthClient::new(channel).check(request),
+    )
+    .await
+    {
+        Ok(Ok(answer)) => answer.into_inner().status == ServingStatus::Serving as i32,
+        _ => false,
+    }
+}
+
+/// A client appending user turns to `load:` sessions through both replicas, each append
+/// retried (same event id, the other replica next) until acknowledged.
+struct Appender {
+    stop: Arc<AtomicBool>,
+    acked: Arc<Mutex<BTreeMap<String, BTreeMap<String, u64>>>>,
+    retries: Arc<Mutex<u64>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Appender {
+    fn start(clients: [TlsClient; 2]) -> Appender {
+        let stop = Arc::new(AtomicBool::new(false));
+        let acked: Arc<Mutex<BTreeMap<String, BTreeMap<String, u64>>>> = Arc::default();
+        let retries = Arc::new(Mutex::new(0));
+        let (stop2, acked2, retries2) = (stop.clone(), acked.clone(), retries.clone());
+        let task = tokio::spawn(async move {
+            let mut clients = clients;
+            let mut n: u64 = 0;
+            while !stop2.load(Ordering::Relaxed) {
+                let session = format!("load:{}", n % 4);
+                let event_id = format!("load-{n}");
+                let mut attempt = 0usize;
+                loop {
+                    let replica = (n as usize + attempt) % 2;
+                    let request = AppendRequest {
+                        session_id: session.clone(),
+                        events: vec![user_event(&event_id, &format!("append {n}"))],
+                        ..Default::default()
+                    };
+                    let answer = tokio::time::timeout(
+                        Duration::from_secs(5),
+                        clients[replica].append(request),
+                    )
+                    .await;
+                    if let Ok(Ok(response)) = answer {
+                        let seq = response.into_inner().seqs[0];
+                        acked2
+                            .lock()
+                            .expect("lock")
+                            .entry(session.clone())
+                            .or_default()
+                            .insert(event_id.clone(), seq);
+                        break;
+                    }
+                    attempt += 1;
+                    *retries2.lock().expect("lock") += 1;
+                    // An append still in doubt when the test stops is not acknowledged.
+                    if stop2.load(Ordering::Relaxed) && attempt > 100 {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                n += 1;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        });
+        Appender {
+            stop,
+            acked,
+            retries,
+            task,
+        }
+    }
+
+    fn count(&self) -> (usize, u64) {
+        let acked = self.acked.lock().expect("lock");
+        (
+            acked.values().map(BTreeMap::len).sum(),
+            *self.retries.lock().expect("lock"),
+        )
+    }
+
+    /// Waits for `more` acknowledgements beyond now.
+    async fn wait_more(&self, more: usize) {
+        let start = self.count().0;
+        let deadline = Instant::now() + PATIENCE;
+        while self.count().0 < start + more {
+            assert!(
+                Instant::now() < deadline,
+                "appends stopped being acknowledged"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    async fn finish(self) -> BTreeMap<String, BTreeMap<String, u64>> {
+        self.stop.store(true, Ordering::Relaxed);
+        self.task.await.expect("the appender");
+        Arc::try_unwrap(self.acked)
+            .map(|m| m.into_inner().expect("lock"))
+            .unwrap_or_default()
+    }
+}
+
+async fn start_session(client: &mut TlsClient, session: &str) {
+    client
+        .append(AppendRequest {
+            session_id: session.into(),
+            events: vec![user_event("ask", "Probe the sandbox, then do the steps.")],
+            ..Default::default()
+        })
+        .await
+        .expect("start a work session");
+}
+
+async fn log(client: &mut TlsClient, session: &str) -> Vec<Event> {
+    agentlog_client::log::read_log(client, session)
+        .await
+        .expect("read a log")
+}
+
+/// Waits until `runner` holds one of `sessions` with a call started and not answered, and
+/// returns that session.
+async fn wait_mid_call(client: &mut TlsClient, sessions: &[String], runner: &str) -> String {
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        for session in sessions {
+            let info = client
+                .get_session(GetSessionRequest {
+                    session_id: session.clone(),
+                })
+                .await
+                .expect("get a session")
+                .into_inner();
+            let held = info.lease.as_ref().is_some_and(|l| l.owner == runner);
+            if !held {
+                continue;
+            }
+            let events = log(client, session).await;
+            let last = events
+                .iter()
+                .rev()
+                .find(|e| !matches!(e.kind, Some(Kind::AssistantDelta(_))));
+            // The probes' call is quick; wait for an effect call.
+            let calls_done = events
+                .iter()
+                .filter(|e| matches!(e.kind, Some(Kind::ToolResult(_))))
+                .count();
+            if calls_done >= 1
+                && matches!(
+                    last.and_then(|e| e.kind.as_ref()),
+                    Some(Kind::ToolStarted(_))
+                )
+            {
+                return session.clone();
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{runner} never held one of {sessions:?} in the middle of a call"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+async fn wait_idle(client: &mut TlsClient, sessions: &[String]) {
+    let deadline = Instant::now() + PATIENCE;
+    for session in sessions {
+        loop {
+            let info = client
+                .get_session(GetSessionRequest {
+                    session_id: session.clone(),
+                })
+                .await
+                .expect("get a session")
+                .into_inner();
+            if info.status == SessionStatus::Idle as i32 {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{session} never finished: {info:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+    }
+}
+
+fn batch(name: &str, n: usize) -> Vec<String> {
+    (0..n).map(|i| format!("work:{name}-{i}")).collect()
+}
+
+async fn start_batch(client: &mut TlsClient, sessions: &[String]) {
+    for session in sessions {
+        start_session(client, session).await;
+    }
+}
+
+/// `key → runs` from a workspace file of `key run …` lines.
+fn runs_by_key(text: &str) -> BTreeMap<String, BTreeSet<String>> {
+    let mut runs: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for line in text.lines() {
+        let mut words = line.split_whitespace();
+        if let (Some(key), Some(run)) = (words.next(), words.next()) {
+            runs.entry(key.into()).or_default().insert(run.into());
+        }
+    }
+    runs
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cluster_of_the_shipped_images_loses_nothing_and_runs_no_call_twice() {
+    let cluster = Cluster::start();
+    let project = &cluster.project;
+
+    // ---- 1. start ----
+    println!("1. start: the probes the manifests declare, as the kubelet asks them");
+    for service in ["store-a", "store-b", "web"] {
+        cluster.wait_probes(service).await;
+    }
+    for runner in ["runner-1", "runner-2", "runner-3"] {
+        let table = cluster.wait_runner(runner);
+        println!("  {runner} (--sandbox require) started:\n{table}");
+    }
+    // Another workspace on the shared volume, for the probes to try.
+    cluster.exec_runner(
+        "mkdir -p /workspaces/victim && echo victim-secret > /workspaces/victim/secret",
+    );
+
+    let mut admin = cluster.client(0).await;
+    let appender = Appender::start([cluster.client(0).await, cluster.client(1).await]);
+    appender.wait_more(20).await;
+    let mut all_work: Vec<String> = Vec::new();
+    let mut graceful: Vec<String> = Vec::new();
+
+    // ---- 2. rolling update ----
+    println!("2. rolling update to :{} under load", cluster.next_tag);
+    let next = [("AGENTLOG_TAG", cluster.next_tag.clone())];
+    let first = batch("roll", 6);
+    start_batch(&mut admin, &first).await;
+    all_work.extend(first.iter().cloned());
+    graceful.extend(first.iter().cloned());
+    for store in ["store-a", "store-b"] {
+        let before = appender.count();
+        let stopped = Instant::now();
+        project.stop(store, 30).expect("docker stop -t 30");
+        println!(
+            "  {store}: stopped (SIGTERM) in {:.1} s",
+            stopped.elapsed().as_secs_f64()
+        );
+        project.replace(store, &next).expect("the replacement");
+        cluster.wait_probes(store).await;
+        appender.wait_more(20).await;
+        let after = appender.count();
+        println!(
+            "  {store}: replaced by :{}; appends acknowledged meanwhile {}, retried {}",
+            cluster.next_tag,
+            after.0 - before.0,
+            after.1 - before.1
+        );
+    }
+    admin = cluster.client(0).await;
+    for runner in ["runner-1", "runner-2", "runner-3"] {
+        let sessions = batch(&format!("drain-{runner}"), 3);
+        start_batch(&mut admin, &sessions).await;
+        all_work.extend(sessions.iter().cloned());
+        graceful.extend(sessions.iter().cloned());
+        let held = wait_mid_call(&mut admin, &sessions, runner).await;
+        let stopped = Instant::now();
+        project.stop(runner, 30).expect("docker stop -t 30");
+        println!(
+            "  {runner}: stopped (SIGTERM) in the middle of a call of {held}, exited in {:.1} s",
+            stopped.elapsed().as_secs_f64()
+        );
+        project.replace(runner, &next).expect("the replacement");
+        cluster.wait_runner(runner);
+        println!("  {runner}: replaced by :{}", cluster.next_tag);
+    }
+    wait_idle(&mut admin, &all_work).await;
+    println!("  every session finished ({})", all_work.len());
+
+    // ---- 3. kills ----
+    println!("3. kills");
+    let before = appender.count();
+    project.kill("store-b").expect("docker kill");
+    appender.wait_more(40).await;
+    let after = appender.count();
+    println!(
+        "  store-b killed: the other replica took {} appends meanwhile ({} retried)",
+        after.0 - before.0,
+        after.1 - before.1
+    );
+    project.start("store-b").expect("docker start");
+    cluster.wait_probes("store-b").await;
+    println!("  store-b started again");
+    let killed = batch("kill", 3);
+    start_batch(&mut admin, &killed).await;
+    all_work.extend(killed.iter().cloned());
+    let held = wait_mid_call(&mut admin, &killed, "runner-2").await;
+    project.kill("runner-2").expect("docker kill");
+    println!("  runner-2 killed in the middle of a call of {held}");
+    wait_idle(&mut admin, &killed).await;
+    println!("  its sessions were taken over and finished");
+    project.start("runner-2").expect("docker start");
+    cluster.wait_runner("runner-2");
+
+    // ---- 4. a cut link ----
+    println!("4. runner-3 cut off for 20 s in the middle of a long call");
+    let long = batch("long", 3);
+    start_batch(&mut admin, &long).await;
+    all_work.extend(long.iter().cloned());
+    let cut = wait_mid_call(&mut admin, &long, "runner-3").await;
+    project
+        .disconnect("runner-3")
+        .expect("docker network disconnect");
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    project
+        .reconnect("runner-3")
+        .expect("docker network connect");
+    println!("  runner-3 reconnected; {cut} was in its call when cut");
+    wait_idle(&mut admin, &long).await;
+
+    // ---- 5. failover ----
+    println!("5. the PostgreSQL primary killed, the standby promoted");
+    let before = appender.count();
+    project.kill("pg-primary").expect("docker kill");
+    project
+        .exec(
+            "pg-standby",
+            &[
+                "/usr/lib/postgresql/15/bin/pg_ctl",
+                "promote",
+                "-w",
+                "-D",
+                "/var/lib/postgresql/data",
+            ],
+        )
+        .expect("promote the standby");
+    appender.wait_more(40).await;
+    let after = appender.count();
+    println!(
+        "  appends acknowledged after the failover: {} ({} retried meanwhile)",
+        after.0 - before.0,
+        after.1 - before.1
+    );
+    let acked = appender.finish().await;
+
+    // ---- what was counted ----
+    let mut admin = cluster.client(1).await;
+    let mut total = 0;
+    for (session, ids) in &acked {
+        let events = log(&mut admin, session).await;
+        integration_tests::assert_log_holds(session, &events, ids);
+        total += ids.len();
+    }
+    println!("acknowledged appends: {total}, every one in its log at its seq (0 lost)");
+
+    wait_idle(&mut admin, &all_work).await;
+    let effects = cluster.exec_runner("cat /workspaces/work:*/effects");
+    let starts = cluster.exec_runner("cat /workspaces/work:*/starts");
+    let ticks = cluster.exec_runner("cat /workspaces/work:*/ticks");
+    let effects_by_key = effects
+        .lines()
+        .fold(BTreeMap::<&str, usize>::new(), |mut m, k| {
+            *m.entry(k.trim()).or_default() += 1;
+            m
+        });
+    let runs = runs_by_key(&starts);
+    let expected_calls = all_work.len() * (CALLS_PER_SESSION - 1);
+    assert_eq!(
+        effects_by_key.len(),
+        expected_calls,
+        "every effect call applied"
+    );
+    assert!(
+        effects_by_key.values().all(|&n| n == 1),
+        "an effect applied twice: {effects_by_key:?}"
+    );
+    let reruns: Vec<(&String, usize)> = runs
+        .iter()
+        .filter(|(_, r)| r.len() > 1)
+        .map(|(k, r)| (k, r.len()))
+        .collect();
+    for (key, _) in &reruns {
+        assert!(
+            !graceful.iter().any(|s| key.starts_with(&format!("{s}/"))),
+            "{key} ran twice although its runner was only stopped gracefully"
+        );
+    }
+    println!(
+        "calls: {expected_calls}, effects applied once each; runs: {}, re-runs (same key, after a kill or a cut): {}",
+        runs.values().map(BTreeSet::len).sum::<usize>(),
+        reruns.len()
+    );
+
+    // The cut call: each run's ticks end before the next run's begin.
+    let mut by_run: BTreeMap<(String, String), (u128, u128)> = BTreeMap::new();
+    for line in ticks.lines() {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        if words.len() != 3 || !words[0].starts_with(&format!("{cut}/")) {
+            continue;
+        }
+        let t: u128 = words[2].parse().expect("a tick time");
+        let span = by_run
+            .entry((words[0].into(), words[1].into()))
+            .or_insert((t, t));
+        span.0 = span.0.min(t);
+        span.1 = span.1.max(t);
+    }
+    let mut by_key: BTreeMap<String, Vec<(u128, u128)>> = BTreeMap::new();
+    for ((key, _), span) in by_run {
+        by_key.entry(key).or_default().push(span);
+    }
+    let mut overlaps_checked = 0;
+    for (key, mut spans) in by_key {
+        spans.sort();
+        for pair in spans.windows(2) {
+            assert!(
+                pair[0].1 < pair[1].0,
+                "{key}: two runs overlapped: one ticked until {} ns, the next from {} ns",
+                pair[0].1,
+                pair[1].0
+            );
+            println!(
+                "  {key}: the cut run's last tick {:.1} s before the takeover's first",
+                (pair[1].0 - pair[0].1) as f64 / 1e9
+            );
+            overlaps_checked += 1;
+        }
+    }
+    assert!(
+        overlaps_checked >= 1,
+        "the cut call was never run again by another runner"
+    );
+
+    // The probes: every way out refused, in every work session, and nothing reached.
+    for session in &all_work {
+        let events = log(&mut admin, session).await;
+        let probe_result = events
+            .iter()
+            .find_map(|e| match &e.kind {
+                Some(Kind::ToolResult(r)) if r.content.contains("probes done") => {
+                    Some(r.content.clone())
+                }
+                _ => None,
+            })
+            .unwrap_or_else(|| panic!("{session}: no probe result"));
+        for name in PROBE_NAMES {
+            assert!(
+                probe_result.contains(&format!("refused: {name}\n")),
+                "{session}: {name} was not refused:\n{probe_result}"
+            );
+        }
+        for secret in [RUNNER_TOKEN, MODEL_KEY, "victim-secret"] {
+            assert!(!probe_result.contains(secret), "{session}: a secret leaked");
+        }
+    }
+    assert_eq!(
+        cluster.exec_runner("ls /workspaces/victim; ls /tmp/escaped 2>&1 || true"),
+        "secret\nls: cannot access '/tmp/escaped': No such file or directory"
+    );
+    println!(
+        "sandbox: {} probes refused in each of {} sessions",
+        PROBE_NAMES.len(),
+        all_work.len()
+    );
+
+    // The model saw only requests the API would accept.
+    let journal: Value = reqwest::get(format!("http://127.0.0.1:{}/journal", cluster.model_port))
+        .await
+        .expect("the stand-in's journal")
+        .json()
+        .await
+        .expect("JSON");
+    assert_eq!(journal["violations"], json!([]), "{journal}");
+    println!("model: {} requests, none refused", journal["requests"]);
+
+    // The web view, over TLS, behind its login, with its own (scoped) store token.
+    let web = reqwest::Client::builder()
+        .add_root_certificate(
+            reqwest::Certificate::from_pem(cluster.ca_pem.as_bytes()).expect("CA"),
+        )
+        .build()
+        .expect("a client");
+    let url = format!(
+        "https://localhost:{}/v1/sessions?limit=200",
+        cluster.web_port
+    );
+    assert_eq!(web.get(&url).send().await.expect("GET").status(), 401);
+    let listed: Value = web
+        .get(&url)
+        .bearer_auth(LOGIN_TOKEN)
+        .send()
+        .await
+        .expect("GET with the login token")
+        .json()
+        .await
+        .expect("JSON");
+    let ids: BTreeSet<&str> = listed["sessions"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|s| s["sessionId"].as_str()).collect())
+        .unwrap_or_default();
+    assert!(
+        all_work.iter().all(|s| ids.contains(s.as_str())),
+        "{listed}"
+    );
+    assert!(
+        !ids.iter().any(|s| s.starts_with("load:")),
+        "the web view's token sees work: only"
+    );
+    println!(
+        "web: {} sessions listed over HTTPS behind the login, none outside its scope",
+        ids.len()
+    );
+
+    for image in ["event-store", "runner", "web"] {
+        let _ = docker(&["rmi", &format!("agentlog/{image}:{}", cluster.next_tag)]);
+    }
+    let _ = &cluster.tag;
+}

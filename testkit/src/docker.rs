@@ -1,0 +1,338 @@
+//! Containers, for the tests that run the images users deploy: a compose project (a compose
+//! file started under a name of its own, and removed with its containers, networks and
+//! volumes when dropped), the engine's commands for faults (stop with a grace period, kill,
+//! cutting a container off its network), and the images the tests need beside the product's
+//! (a PostgreSQL and the model stand-in), made on the same Debian bases with no registry.
+//!
+//! The product images are `agentlog/{event-store,runner,web}:TAG`, built by `deploy/images`
+//! (TAG from `AGENTLOG_IMAGE_TAG`, else `local`); a test that finds them missing says so.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure, Context, Result};
+
+/// The repository's root (this crate's parent directory).
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("testkit sits in the repository")
+        .to_path_buf()
+}
+
+/// The tag of the product images under test.
+pub fn image_tag() -> String {
+    std::env::var("AGENTLOG_IMAGE_TAG").unwrap_or_else(|_| "local".into())
+}
+
+/// Runs `docker ARGS`; its stdout, trimmed, or an error carrying its stderr.
+pub fn docker(args: &[&str]) -> Result<String> {
+    run(
+        Command::new("docker").args(args),
+        &format!("docker {}", args.join(" ")),
+    )
+}
+
+fn run(command: &mut Command, what: &str) -> Result<String> {
+    let out = command
+        .stdin(Stdio::null())
+        .output()
+        .with_context(|| format!("{what}: cannot run it"))?;
+    ensure!(
+        out.status.success(),
+        "{what}: {}{}",
+        String::from_utf8_lossy(&out.stderr),
+        String::from_utf8_lossy(&out.stdout)
+    );
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+/// Fails, saying what to do, unless the engine answers and the product images are built.
+pub fn require_product_images() -> Result<String> {
+    docker(&["info", "--format", "{{.ServerVersion}}"])
+        .context("no container engine answers: these tests need the Docker daemon")?;
+    let tag = image_tag();
+    for image in ["event-store", "runner", "web"] {
+        let name = format!("agentlog/{image}:{tag}");
+        if docker(&["image", "inspect", "--format", "{{.Id}}", &name]).is_err() {
+            bail!("{name} is missing: build the images first with `deploy/images --tag {tag}`");
+        }
+    }
+    Ok(tag)
+}
+
+/// `docker compose` (Compose v2) where the engine's CLI has it, else `docker-compose` (v1).
+fn compose_program() -> Vec<String> {
+    let v2 = Command::new("docker")
+        .args(["compose", "version"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if v2 {
+        vec!["docker".into(), "compose".into()]
+    } else {
+        vec!["docker-compose".into()]
+    }
+}
+
+/// A running compose project; `down -v` when dropped.
+pub struct Project {
+    pub name: String,
+    file: PathBuf,
+    env: Vec<(String, String)>,
+    program: Vec<String>,
+}
+
+impl Project {
+    /// Starts every service of `file` (`up -d`) with `env` for its `${…}`s, under a project
+    /// name made from `prefix`, the process id and a counter.
+    pub fn up(prefix: &str, file: &Path, env: &[(&str, String)]) -> Result<Project> {
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        let project = Project {
+            name: format!(
+                "{prefix}{}x{}",
+                std::process::id(),
+                NEXT.fetch_add(1, Ordering::Relaxed)
+            ),
+            file: file.to_path_buf(),
+            env: env
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.clone()))
+                .collect(),
+            program: compose_program(),
+        };
+        project.compose(&["up", "-d", "--no-build"])?;
+        Ok(project)
+    }
+
+    /// Runs a compose command of this project, with its environment and `extra_env`.
+    pub fn compose_with(&self, args: &[&str], extra_env: &[(&str, String)]) -> Result<String> {
+        let mut command = Command::new(&self.program[0]);
+        command
+            .args(&self.program[1..])
+            .arg("-p")
+            .arg(&self.name)
+            .arg("-f")
+            .arg(&self.file)
+            .args(args);
+        for (k, v) in &self.env {
+            command.env(k, v);
+        }
+        for (k, v) in extra_env {
+            command.env(k, v);
+        }
+        run(
+            &mut command,
+            &format!("{} {}", self.program.join(" "), args.join(" ")),
+        )
+    }
+
+    pub fn compose(&self, args: &[&str]) -> Result<String> {
+        self.compose_with(args, &[])
+    }
+
+    /// The id of `service`'s container (the running or last one).
+    pub fn container(&self, service: &str) -> Result<String> {
+        let id = self.compose(&["ps", "-q", service])?;
+        let id = id.lines().next().unwrap_or("").trim().to_string();
+        ensure!(!id.is_empty(), "{}: no container for {service}", self.name);
+        Ok(id)
+    }
+
+    /// The project's network, which compose names after the project.
+    pub fn network(&self) -> String {
+        format!("{}_default", self.name)
+    }
+
+    /// What `service`'s container wrote to stdout and stderr so far.
+    pub fn logs(&self, service: &str) -> String {
+        let Ok(id) = self.container(service) else {
+            return String::new();
+        };
+        Command::new("docker")
+            .args(["logs", &id])
+            .output()
+            .map(|out| {
+                format!(
+                    "{}{}",
+                    String::from_utf8_lossy(&out.stdout),
+                    String::from_utf8_lossy(&out.stderr)
+                )
+            })
+            .unwrap_or_default()
+    }
+
+    /// Waits until `service`'s logs hold `needle`; its logs so far if they never do.
+    pub fn wait_for_log(&self, service: &str, needle: &str, bound: Duration) -> Result<String> {
+        let deadline = Instant::now() + bound;
+        loop {
+            let logs = self.logs(service);
+            if logs.contains(needle) {
+                return Ok(logs);
+            }
+            if Instant::now() > deadline {
+                bail!("{service} never logged {needle:?} within {bound:?}; its logs:\n{logs}");
+            }
+            std::thread::sleep(Duration::from_millis(250));
+        }
+    }
+
+    /// `docker stop -t SECS`: SIGTERM, then SIGKILL after the grace period, as Kubernetes
+    /// stops a pod.
+    pub fn stop(&self, service: &str, grace_secs: u32) -> Result<()> {
+        let id = self.container(service)?;
+        docker(&["stop", "-t", &grace_secs.to_string(), &id]).map(drop)
+    }
+
+    /// `docker kill`: SIGKILL, nothing drains.
+    pub fn kill(&self, service: &str) -> Result<()> {
+        let id = self.container(service)?;
+        docker(&["kill", &id]).map(drop)
+    }
+
+    /// `docker start` of the service's stopped container (the same one, on its volumes).
+    pub fn start(&self, service: &str) -> Result<()> {
+        let id = self.container(service)?;
+        docker(&["start", &id]).map(drop)
+    }
+
+    /// Replaces `service`'s container by one made from the file again with `extra_env`
+    /// (a new image tag, say): `up -d --no-deps`, which recreates what changed.
+    pub fn replace(&self, service: &str, extra_env: &[(&str, String)]) -> Result<()> {
+        self.compose_with(&["up", "-d", "--no-deps", service], extra_env)
+            .map(drop)
+    }
+
+    /// Cuts `service` off the project's network: its packets go nowhere until
+    /// [`Project::reconnect`].
+    pub fn disconnect(&self, service: &str) -> Result<()> {
+        let id = self.container(service)?;
+        docker(&["network", "disconnect", &self.network(), &id]).map(drop)
+    }
+
+    /// Joins `service` to the project's network again, under its service name.
+    pub fn reconnect(&self, service: &str) -> Result<()> {
+        let id = self.container(service)?;
+        docker(&[
+            "network",
+            "connect",
+            "--alias",
+            service,
+            &self.network(),
+            &id,
+        ])
+        .map(drop)
+    }
+
+    /// Runs `command` in `service`'s running container.
+    pub fn exec(&self, service: &str, command: &[&str]) -> Result<String> {
+        let id = self.container(service)?;
+        let mut args = vec!["exec", id.as_str()];
+        args.extend_from_slice(command);
+        docker(&args)
+    }
+}
+
+impl Drop for Project {
+    fn drop(&mut self) {
+        if std::env::var_os("AGENTLOG_KEEP_CONTAINERS").is_some() {
+            eprintln!(
+                "AGENTLOG_KEEP_CONTAINERS: compose project {} left running",
+                self.name
+            );
+            return;
+        }
+        if let Err(e) = self.compose(&["down", "-v", "--remove-orphans", "--timeout", "1"]) {
+            eprintln!("compose down of {}: {e:#}", self.name);
+        }
+    }
+}
+
+/// A named volume that is removed when dropped.
+pub struct Volume(pub String);
+
+impl Volume {
+    pub fn create(prefix: &str) -> Result<Volume> {
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        let name = format!(
+            "{prefix}{}x{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        );
+        docker(&["volume", "create", &name])?;
+        Ok(Volume(name))
+    }
+}
+
+impl Drop for Volume {
+    fn drop(&mut self) {
+        let _ = docker(&["volume", "rm", "-f", &self.0]);
+    }
+}
+
+/// The images the container tests need beside the product's, built once per recipe:
+/// `agentlog-test/postgres` (Debian's PostgreSQL 15, started as a primary or a streaming
+/// standby) and `agentlog-test/model-standin` (the `model-standin` binary of this build).
+/// Returns their names.
+pub struct HelperImages {
+    pub postgres: String,
+    pub model_standin: String,
+}
+
+pub fn helper_images() -> Result<HelperImages> {
+    let root = repo_root();
+    let bases = run(
+        Command::new(root.join("deploy/docker/bases")).stderr(Stdio::inherit()),
+        "deploy/docker/bases",
+    )?;
+    let base = |key: &str| -> Result<String> {
+        bases
+            .lines()
+            .find_map(|line| line.strip_prefix(&format!("{key}=")))
+            .map(str::to_string)
+            .with_context(|| format!("deploy/docker/bases printed no {key}"))
+    };
+    let (cc, slim) = (base("CC_BASE")?, base("SLIM_BASE")?);
+    let context = tempfile::tempdir()?;
+    let recipe_dir = root.join("testkit/containers");
+    for file in ["Dockerfile", "postgres-entrypoint"] {
+        std::fs::copy(recipe_dir.join(file), context.path().join(file))
+            .with_context(|| format!("copy testkit/containers/{file}"))?;
+    }
+    std::fs::copy(
+        crate::bin_path("model-standin"),
+        context.path().join("model-standin"),
+    )
+    .context("copy the model-standin binary (cargo build --workspace --bins)")?;
+    let tag = std::process::id().to_string();
+    let images = HelperImages {
+        postgres: format!("agentlog-test/postgres:{tag}"),
+        model_standin: format!("agentlog-test/model-standin:{tag}"),
+    };
+    for (target, name) in [
+        ("postgres", &images.postgres),
+        ("model-standin", &images.model_standin),
+    ] {
+        let context_dir = context.path().to_str().context("a UTF-8 temp dir")?;
+        run(
+            Command::new("docker")
+                .env("DOCKER_BUILDKIT", "0")
+                .args(["build", "--quiet", "--target", target])
+                .args(["--build-arg", &format!("CC_BASE={cc}")])
+                .args(["--build-arg", &format!("SLIM_BASE={slim}")])
+                .args(["-t", name, context_dir]),
+            &format!("docker build --target {target} (testkit/containers/Dockerfile)"),
+        )?;
+    }
+    Ok(images)
+}
+
+impl Drop for HelperImages {
+    fn drop(&mut self) {
+        // The tags only: their layers stay cached for the next run.
+        let _ = docker(&["rmi", "--no-prune", &self.postgres, &self.model_standin]);
+    }
+}
