@@ -35,15 +35,17 @@
 //!   pool reconnects (a multi-host URL with `target_session_attrs=read-write` finds the new
 //!   primary) and the store serves again by itself.
 //!
-//! One concern a file, each call's in a file of its own, on [`replica::Replica`] (what
-//! every call of one replica shares); the files below it import only what lies below them:
-//! - the calls: [`append`] and [`pipeline`] (AppendStream), [`fork`], [`subscriptions`],
-//!   [`listing`] (GetSession, ListSessions), [`leases`], [`claims`], [`snapshots`],
-//!   [`deletion`] (and the erasure), [`retention`];
-//! - what they share: [`replica`] (the state cache and the optimistic write's steps),
-//!   [`batch`] (the batch writer), [`wake`] (wake-ups across replicas), [`health`],
-//!   [`rows`] (how a session lies in the tables), [`connection`] (the pool, the bound on a
-//!   round trip, the migration at start), [`schema`].
+//! One concern a file. Each call is in a file of its own, as methods of
+//! [`replica::Replica`]: [`append`] and [`pipeline`] (AppendStream's, on top of append's
+//! plan), [`fork`], [`subscriptions`], [`listing`] (GetSession, ListSessions), [`leases`],
+//! [`claims`], [`snapshots`], [`deletion`] (the tombstone and the erasure) and
+//! [`retention`] (which deletes as deletion does). Below them, what they share, each file
+//! importing only the ones after it: [`replica`] (one replica's state: the cache of
+//! states, the optimistic write's re-read, the wake-ups a write sends), [`batch`] (the
+//! batch writer), [`wake`], [`health`], [`rows`] (how a session lies in the tables),
+//! [`connection`] (the pool, the bound on a round trip, the migration at start) and
+//! [`schema`]. Nothing below imports a call's file. A new call or concern (a search, an
+//! export) is a file of its own beside the calls, with its line in the `Backend` impl here.
 //!
 //! [`PgBackend`] is the facade the gRPC service runs over (through [`super::Backend`]):
 //! it opens the replica, starts its background tasks, and hands each call to its file.
