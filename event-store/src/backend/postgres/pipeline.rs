@@ -3,7 +3,7 @@
 //! a stream's next request is read while the previous ones commit.
 //!
 //! Each session with appends queued has a lane: the state its queued appends lead to (the
-//! tip), planned with the same rules as [`PgBackend::append`], and a driver task that writes
+//! tip), planned with the same rules as a unary append ([`super::append`]), and a driver task that writes
 //! them. The driver sends every append planned so far as one write (one row update, all
 //! their events) through the batch writer, extending the row version the last write
 //! committed; appends queued meanwhile gather for the next. So a session has one write in
@@ -11,7 +11,7 @@
 //! the lane keeps them in the order they were queued.
 //!
 //! What cannot be planned on the tip is decided against a fresh read, in its place in the
-//! order (by [`PgBackend::append`], after everything queued before it): the first append of
+//! order (by [`Replica::append`], after everything queued before it): the first append of
 //! a session this replica has not cached, a refusal (confirmed against the database, never
 //! against the cache), an event id the lane already holds, and every append behind a write
 //! that did not land. A write that found the row moved on (another replica, or a unary
@@ -26,8 +26,9 @@ use std::sync::{Arc, Mutex};
 use agentlog_proto::v1::{AppendResponse, Event};
 use tokio::sync::oneshot;
 
-use super::{plan, Cached, PgBackend};
-use crate::backend::{AppendAnswer, AppendOp, Backend};
+use super::append::plan;
+use super::replica::{Cached, Replica};
+use crate::backend::{AppendAnswer, AppendOp};
 use crate::clock::now_unix_ms;
 use crate::session::SessionMeta;
 use crate::StoreError;
@@ -139,10 +140,14 @@ enum Job {
     Decide(AppendOp, Answer),
 }
 
-impl PgBackend {
-    /// Queues an AppendStream append behind the session's others on this replica; see the
+impl Lanes {
+    /// Queues an AppendStream append behind the session's others on `replica`; see the
     /// module head.
-    pub(super) fn enqueue_pipelined(&self, mut op: AppendOp) -> AppendAnswer {
+    pub(super) fn enqueue(
+        self: &Arc<Self>,
+        replica: &Arc<Replica>,
+        mut op: AppendOp,
+    ) -> AppendAnswer {
         for event in &mut op.events {
             if event.event_id.is_empty() {
                 event.event_id = crate::ids::random_uuid().to_string();
@@ -151,14 +156,14 @@ impl PgBackend {
         let (answer, answered) = oneshot::channel();
         let session_id = op.session_id.clone();
         let start_driver = {
-            let mut lanes = self.lanes.0.lock().unwrap_or_else(|p| p.into_inner());
+            let mut lanes = self.0.lock().unwrap_or_else(|p| p.into_inner());
             match lanes.get_mut(&session_id) {
                 Some(lane) => {
                     lane.queue(op, answer);
                     false
                 }
                 None => {
-                    let mut lane = Lane::new(self.cached(&session_id));
+                    let mut lane = Lane::new(replica.cached(&session_id));
                     lane.queue(op, answer);
                     lanes.insert(session_id.clone(), lane);
                     true
@@ -166,7 +171,7 @@ impl PgBackend {
             }
         };
         if start_driver {
-            tokio::spawn(self.clone().drive(session_id));
+            tokio::spawn(self.clone().drive(replica.clone(), session_id));
         }
         Box::pin(async move {
             answered.await.unwrap_or_else(|_| {
@@ -179,10 +184,10 @@ impl PgBackend {
 
     /// Writes the session's queued appends until none is left, then ends (and the lane
     /// with it).
-    async fn drive(self, session_id: String) {
+    async fn drive(self: Arc<Self>, replica: Arc<Replica>, session_id: String) {
         loop {
             let job = {
-                let mut lanes = self.lanes.0.lock().unwrap_or_else(|p| p.into_inner());
+                let mut lanes = self.0.lock().unwrap_or_else(|p| p.into_inner());
                 let Some(lane) = lanes.get_mut(&session_id) else {
                     return;
                 };
@@ -215,18 +220,20 @@ impl PgBackend {
                         .flat_map(|a| std::mem::take(&mut a.fresh))
                         .collect();
                     let now = now_unix_ms();
-                    let written = self.write_events(&session_id, version, &meta, events).await;
+                    let written = replica
+                        .write_events(&session_id, version, &meta, events)
+                        .await;
                     if let Ok(Some(version)) = written {
-                        self.remember(
+                        replica.remember(
                             &session_id,
                             &Cached {
                                 version,
                                 meta: meta.clone(),
                             },
                         );
-                        self.changed(&session_id, &meta, now);
+                        replica.changed(&session_id, &meta, now);
                     }
-                    let mut lanes = self.lanes.0.lock().unwrap_or_else(|p| p.into_inner());
+                    let mut lanes = self.0.lock().unwrap_or_else(|p| p.into_inner());
                     let Some(lane) = lanes.get_mut(&session_id) else {
                         return;
                     };
@@ -258,11 +265,11 @@ impl PgBackend {
                     }
                 }
                 Job::Decide(op, answer) => {
-                    let _ = answer.send(Backend::append(&self, op).await);
+                    let _ = answer.send(replica.append(op).await);
                     // The append read the session's row (or found it as cached): plan what
                     // waits on it, from there.
-                    let cached = self.cached(&session_id);
-                    let mut lanes = self.lanes.0.lock().unwrap_or_else(|p| p.into_inner());
+                    let cached = replica.cached(&session_id);
+                    let mut lanes = self.0.lock().unwrap_or_else(|p| p.into_inner());
                     let Some(lane) = lanes.get_mut(&session_id) else {
                         return;
                     };

@@ -50,7 +50,7 @@
 //!   `base_seq` (copies of the state's fields of the same names) say that the session's
 //!   seqs `1..=base_seq` are the base's rows (down the line of bases), and the partial index
 //!   on `base_session` finds a session's forks when its rows are about to be erased (see
-//!   `erase` in the backend). A tombstone keeps them, so that the forks of its own forks
+//!   `deletion::erase`). A tombstone keeps them, so that the forks of its own forks
 //!   still read through it until they are materialized. Forks made before version 7 have
 //!   their prefix as rows of their own and no base. A statement-level trigger refuses any
 //!   deletion of events that a live session still reads through its line of bases: a
@@ -60,7 +60,12 @@
 //!
 //! [`SessionMeta`]: crate::session::SessionMeta
 
+use agentlog_proto::v1::SessionStatus;
 use tokio_postgres::Client;
+
+/// `SessionStatus::Runnable`, the status the partial index over runnable sessions is over:
+/// the claim queries write it as a literal, so that they use the index.
+pub(super) const RUNNABLE: i32 = SessionStatus::Runnable as i32;
 
 /// Serialises migrations across replicas (any constant unique to agentlog).
 const MIGRATION_LOCK: i64 = 0x6167_656e_746c_6f67; // "agentlog"
@@ -235,7 +240,7 @@ mod tests {
 
     #[test]
     fn the_runnable_index_is_over_the_status_the_claim_queries_name() {
-        let predicate = format!("WHERE status = {};", super::super::RUNNABLE);
+        let predicate = format!("WHERE status = {};", RUNNABLE);
         assert!(MIGRATIONS.iter().any(|m| m.contains(&predicate)));
     }
 }

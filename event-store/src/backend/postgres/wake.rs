@@ -19,7 +19,7 @@ use tokio::sync::{mpsc, watch};
 use tokio_postgres::AsyncMessage;
 use tokio_util::sync::CancellationToken;
 
-use super::Connector;
+use super::connection::Connector;
 
 /// The channel every replica listens on.
 const CHANNEL: &str = "agentlog";
