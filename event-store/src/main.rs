@@ -279,16 +279,19 @@ async fn open_backend(args: &Args) -> anyhow::Result<Opened> {
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
-    let opened = open_backend(&args).await?;
-    let (backend, backend_name): (Arc<dyn Backend>, &str) = match &opened {
-        Opened::Local(store) => (store.clone(), "local"),
-        Opened::Postgres(pg) => (pg.clone(), "postgres"),
-    };
+    // Where it listens and how it is secured are settled before the data is touched, so
+    // a refusal (a container's default command without TLS, say) leaves the data dir as
+    // it was.
     let listener = tokio::net::TcpListener::bind(&args.listen)
         .await
         .with_context(|| format!("binding --listen {}", args.listen))?;
     let listen_addr = service::local_addr(&listener).context("reading the bound address")?;
     let security = Security::from_args(&args, listen_addr)?;
+    let opened = open_backend(&args).await?;
+    let (backend, backend_name): (Arc<dyn Backend>, &str) = match &opened {
+        Opened::Local(store) => (store.clone(), "local"),
+        Opened::Postgres(pg) => (pg.clone(), "postgres"),
+    };
     tracing::info!(
         %listen_addr,
         backend = backend_name,
