@@ -18,6 +18,7 @@
 //! A fold also travels as bytes ([`snapshot`]): restored, it folds the rest of the log the
 //! same way.
 
+pub mod config;
 pub mod snapshot;
 pub mod transcript;
 
@@ -27,6 +28,7 @@ use agentlog_proto::v1::{
     content_block::Block, event::Kind, AssistantMessage, Event, ToolResult, ToolUseBlock,
 };
 
+use config::SessionConfigState;
 use transcript::{Form, Transcript};
 
 /// What an older reply's call is answered with when the log holds no result for it. Only a
@@ -178,6 +180,8 @@ pub struct FoldState {
     last_interrupt_seq: u64,
     /// `messages` are out in a conversation handed out by [`FoldState::take_folded`].
     lent: bool,
+    /// The session's model and its replay (`session_config`).
+    config: SessionConfigState,
 }
 
 /// Folds a session's events (in seq order) into the frontier.
@@ -209,8 +213,14 @@ impl FoldState {
         }
     }
 
+    /// The session's model and, for a replay, where it stands.
+    pub fn config(&self) -> &SessionConfigState {
+        &self.config
+    }
+
     /// Applies the next event of the log.
     pub fn apply(&mut self, event: &Event) {
+        self.config.apply(event);
         match &event.kind {
             Some(Kind::UserMessage(user)) => {
                 self.user_texts.push(user.text.clone());
@@ -287,7 +297,7 @@ impl FoldState {
                 self.approvals
                     .insert(decision.tool_use_id.clone(), approval);
             }
-            Some(Kind::AssistantDelta(_)) | None => {}
+            Some(Kind::AssistantDelta(_) | Kind::SessionConfig(_)) | None => {}
         }
     }
 
@@ -398,6 +408,7 @@ impl FoldState {
                         content: MISSING_RESULT.to_string(),
                         is_error: true,
                         workspace_checkpoint: None,
+                        served_from: None,
                     },
                 })
             })
@@ -486,6 +497,7 @@ mod tests {
             content: format!("out {id}"),
             is_error: false,
             workspace_checkpoint: None,
+            served_from: None,
         }))
     }
 
@@ -661,6 +673,7 @@ mod tests {
                         tool_use_id: "a".into(),
                         content: "out a".into(),
                         workspace_checkpoint: None,
+                        served_from: None,
                         is_error: false
                     })
                 ),
