@@ -37,7 +37,7 @@ use serde_json::{Map, Value};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::fold::config::{replayed_user_id, Behind, ReplayState};
+use crate::fold::config::{Behind, ReplayState};
 use crate::fold::{CallState, PendingCall};
 use crate::session_log::{Appender, StoreError};
 use crate::tools::checkpoint::{CheckpointError, Checkpoints};
@@ -410,7 +410,7 @@ pub async fn replay_next_user(
     tracing::info!(recorded_seq = seq, "replaying the recording's next user message");
     appender
         .append(
-            replayed_user_id(*seq),
+            agentlog_proto::replay::user_event_id(*seq),
             Kind::UserMessage(UserMessage { text: text.clone() }),
             Durability::Sync,
         )

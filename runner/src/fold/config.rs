@@ -13,20 +13,11 @@
 //! - whether the workspace is behind the log: the last result was served and nothing has
 //!   run since, so before anything runs in the workspace (or records it) it must be moved to
 //!   the checkpoint that result names;
-//! - the last recorded user message replayed (by its event id, `replay:user:<seq>`).
+//! - the last recorded user message replayed (by its event id,
+//!   `agentlog_proto::replay::user_event_id`).
 
+use agentlog_proto::replay::user_seq_of;
 use agentlog_proto::v1::{event::Kind, Event, OffPath, Replay};
-
-/// The event id of a recorded user message appended to a replay: one per recorded seq, so
-/// a runner that appends it again writes nothing.
-pub fn replayed_user_id(recorded_seq: u64) -> String {
-    format!("replay:user:{recorded_seq}")
-}
-
-/// The recorded seq a replayed user message's event id names.
-fn replayed_user_seq(event_id: &str) -> Option<u64> {
-    event_id.strip_prefix("replay:user:")?.parse().ok()
-}
 
 /// The session's model and its replay, as the log has them so far.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -108,7 +99,7 @@ impl SessionConfigState {
             }
             Some(Kind::UserMessage(_)) => {
                 if let (Some(replay), Some(seq)) =
-                    (&mut self.replay, replayed_user_seq(&event.event_id))
+                    (&mut self.replay, user_seq_of(&event.event_id))
                 {
                     replay.users_through = replay.users_through.max(seq);
                 }
@@ -184,7 +175,7 @@ mod tests {
         ));
         state.apply(&ev(
             6,
-            &replayed_user_id(9),
+            &agentlog_proto::replay::user_event_id(9),
             Kind::UserMessage(UserMessage::default()),
         ));
         assert_eq!(state.replay.as_ref().map(|r| r.users_through), Some(9));
