@@ -15,7 +15,9 @@ use std::io::Write;
 use agentlog_client::json::struct_to_object;
 use agentlog_client::log::read_log;
 use agentlog_client::refusal::is_session_not_found;
-use agentlog_proto::v1::{content_block::Block, event::Kind, Event, GetSessionRequest, SessionInfo};
+use agentlog_proto::v1::{
+    content_block::Block, event::Kind, Event, GetSessionRequest, SessionInfo,
+};
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
 use serde_json::Value;
@@ -147,7 +149,11 @@ pub struct Comparison {
 
 /// The last seq the sessions share: where one was forked from the other, or both from one.
 pub fn fork_point(a: &SessionInfo, b: &SessionInfo) -> u64 {
-    let from = |s: &SessionInfo| s.forked_from.as_ref().map(|f| (f.session_id.clone(), f.seq));
+    let from = |s: &SessionInfo| {
+        s.forked_from
+            .as_ref()
+            .map(|f| (f.session_id.clone(), f.seq))
+    };
     match (from(a), from(b)) {
         (_, Some((parent, seq))) if parent == a.session_id => seq,
         (Some((parent, seq)), _) if parent == b.session_id => seq,
@@ -170,7 +176,12 @@ fn turns(events: &[Event], from_seq: u64) -> Vec<(Option<String>, Turn)> {
             continue;
         }
         if let Kind::UserMessage(user) = kind {
-            turns.push((Some(user.text.clone()), Turn::default(), event.ts_unix_ms, event.ts_unix_ms));
+            turns.push((
+                Some(user.text.clone()),
+                Turn::default(),
+                event.ts_unix_ms,
+                event.ts_unix_ms,
+            ));
             calls.clear();
             continue;
         }
@@ -258,7 +269,10 @@ fn totals(turns: &[(Option<String>, Turn)]) -> Totals {
         totals.tokens_out += turn.tokens_out;
         totals.time_ms += turn.time_ms;
     }
-    totals.answer = turns.last().map(|(_, t)| t.answer.clone()).unwrap_or_default();
+    totals.answer = turns
+        .last()
+        .map(|(_, t)| t.answer.clone())
+        .unwrap_or_default();
     totals
 }
 
@@ -289,7 +303,13 @@ pub fn compare(a: &SessionInfo, a_log: &[Event], b: &SessionInfo, b_log: &[Event
                 diverged = Some(Divergence {
                     turn: number + 1,
                     call: i + 1,
-                    why: format!("{} called {}; {} called {}", a.session_id, said(&x), b.session_id, said(&y)),
+                    why: format!(
+                        "{} called {}; {} called {}",
+                        a.session_id,
+                        said(&x),
+                        b.session_id,
+                        said(&y)
+                    ),
                 });
             }
             calls.push(CallPair { a: x, b: y, same });
@@ -360,7 +380,11 @@ pub fn write_text(c: &Comparison, out: &mut impl Write) -> std::io::Result<()> {
                     writeln!(
                         out,
                         "  {name} {} · tokens {} in, {} out · {}",
-                        if t.models.is_empty() { "-".to_string() } else { t.models.join(", ") },
+                        if t.models.is_empty() {
+                            "-".to_string()
+                        } else {
+                            t.models.join(", ")
+                        },
                         t.tokens_in,
                         t.tokens_out,
                         seconds(t.time_ms)
@@ -377,7 +401,11 @@ pub fn write_text(c: &Comparison, out: &mut impl Write) -> std::io::Result<()> {
     }
     writeln!(out)?;
     match &c.diverged {
-        Some(d) => writeln!(out, "diverged at turn {}, call {}: {}", d.turn, d.call, d.why)?,
+        Some(d) => writeln!(
+            out,
+            "diverged at turn {}, call {}: {}",
+            d.turn, d.call, d.why
+        )?,
         None => writeln!(out, "the same calls on both sides")?,
     }
     for (name, t) in [("A", &c.totals_a), ("B", &c.totals_b)] {
@@ -460,7 +488,12 @@ pub fn batch_totals(rows: &[BatchRow]) -> BatchTotals {
 
 /// The batch as a table, for a terminal.
 pub fn write_batch_text(rows: &[BatchRow], out: &mut impl Write) -> std::io::Result<()> {
-    let width = rows.iter().map(|r| r.replay.len()).max().unwrap_or(6).max(6);
+    let width = rows
+        .iter()
+        .map(|r| r.replay.len())
+        .max()
+        .unwrap_or(6)
+        .max(6);
     writeln!(
         out,
         "{:<width$}  {:<24}  {:>6}  {:>7}  {:>11}  {:>13}  {:>15}  DIVERGED",
@@ -478,9 +511,10 @@ pub fn write_batch_text(rows: &[BatchRow], out: &mut impl Write) -> std::io::Res
             format!("{}/{}", a.calls, b.calls),
             format!("{}/{}", a.tokens_in, a.tokens_out),
             format!("{}/{}", b.tokens_in, b.tokens_out),
-            row.diverged
-                .as_ref()
-                .map_or("-".to_string(), |d| format!("turn {} call {}", d.turn, d.call)),
+            row.diverged.as_ref().map_or("-".to_string(), |d| format!(
+                "turn {} call {}",
+                d.turn, d.call
+            )),
         )?;
     }
     let t = batch_totals(rows);
@@ -568,7 +602,15 @@ pub async fn run_batch(out: &Output, source: &str) -> Result<()> {
         let (recording, recording_log) = load(out, &mut client, &parent.session_id)
             .await
             .with_context(|| format!("{source}:{}: the recording of {id}", number + 1))?;
-        rows.push(BatchRow::of(&compare(&recording, &recording_log, &replay, &replay_log)));
+        rows.push(BatchRow::of(&compare(
+            &recording,
+            &recording_log,
+            &replay,
+            &replay_log,
+        )));
+    }
+    if rows.is_empty() {
+        bail!("{source} names no replay: give replay ids, one a line");
     }
     let stdout = std::io::stdout();
     let mut stdout = stdout.lock();
@@ -591,8 +633,8 @@ pub async fn run_batch(out: &Output, source: &str) -> Result<()> {
 mod tests {
     use agentlog_client::json::object_to_struct;
     use agentlog_proto::v1::{
-        AssistantMessage, ContentBlock, ForkedFrom, ServedFrom, TextBlock, ToolResult,
-        ToolStarted, ToolUseBlock, Usage, UserMessage,
+        AssistantMessage, ContentBlock, ForkedFrom, ServedFrom, TextBlock, ToolResult, ToolStarted,
+        ToolUseBlock, Usage, UserMessage,
     };
     use serde_json::json;
 
@@ -658,7 +700,13 @@ mod tests {
             ev(3, Kind::ToolStarted(ToolStarted::default())),
             ev(4, result("t1", None)),
             ev(5, reply("m1", "", Some(("t2", "cat x")))),
-            ev(6, Kind::ToolStarted(ToolStarted { tool_use_id: "t2".into(), ..ToolStarted::default() })),
+            ev(
+                6,
+                Kind::ToolStarted(ToolStarted {
+                    tool_use_id: "t2".into(),
+                    ..ToolStarted::default()
+                }),
+            ),
             ev(7, result("t2", None)),
             ev(8, reply("m1", "done A", None)),
         ];
@@ -667,7 +715,13 @@ mod tests {
             ev(2, reply("m2", "", Some(("u1", "ls")))),
             ev(3, result("u1", Some(4))),
             ev(4, reply("m2", "", Some(("u2", "pwd")))),
-            ev(5, Kind::ToolStarted(ToolStarted { tool_use_id: "u2".into(), ..ToolStarted::default() })),
+            ev(
+                5,
+                Kind::ToolStarted(ToolStarted {
+                    tool_use_id: "u2".into(),
+                    ..ToolStarted::default()
+                }),
+            ),
             ev(6, result("u2", None)),
             ev(7, reply("m2", "done B", None)),
         ];

@@ -277,9 +277,7 @@ async fn main() -> ExitCode {
             query,
             status,
             limit,
-        } => {
-            commands::ls(&out, query, status.map(StatusArg::status), limit).await
-        }
+        } => commands::ls(&out, query, status.map(StatusArg::status), limit).await,
         Command::Show { session } => commands::show(&out, &session).await,
         Command::Fork { session, at, text } => {
             commands::fork(&out, &session, at, text.as_deref()).await
@@ -321,8 +319,7 @@ async fn main() -> ExitCode {
             replay::replay_all(&out, query.as_deref(), status, &model, off_path).await
         }
         Command::Compare {
-            batch: Some(batch),
-            ..
+            batch: Some(batch), ..
         } => compare::run_batch(&out, &batch).await,
         Command::Compare { a, b, .. } => match (a, b) {
             (Some(a), Some(b)) => compare::run(&out, &a, &b).await,

@@ -134,7 +134,11 @@ impl Transcript {
                         r.session_id,
                         r.after_seq,
                         c.model,
-                        if r.off_path() == OffPath::Stop { "stop" } else { "run" }
+                        if r.off_path() == OffPath::Stop {
+                            "stop"
+                        } else {
+                            "run"
+                        }
                     )?,
                     None => writeln!(out, "(the session runs on {} from here on)", c.model)?,
                 }
@@ -278,9 +282,9 @@ pub fn event_json(event: &Event) -> Value {
                 ),
                 (
                     "servedFrom",
-                    r.served_from.as_ref().map(|f| {
-                        json!({"sessionId": f.session_id, "seq": f.seq.to_string()})
-                    }),
+                    r.served_from
+                        .as_ref()
+                        .map(|f| json!({"sessionId": f.session_id, "seq": f.seq.to_string()})),
                 ),
             ]),
         ),
@@ -323,7 +327,10 @@ pub fn event_json(event: &Event) -> Value {
                     c.replay.as_ref().map(|r| {
                         fields([
                             ("sessionId", str_(&r.session_id)),
-                            ("afterSeq", (r.after_seq != 0).then(|| json!(r.after_seq.to_string()))),
+                            (
+                                "afterSeq",
+                                (r.after_seq != 0).then(|| json!(r.after_seq.to_string())),
+                            ),
                             (
                                 "throughSeq",
                                 (r.through_seq != 0).then(|| json!(r.through_seq.to_string())),

@@ -40,7 +40,9 @@ pub enum ReplayError {
     NothingAfter { session: String, at: u64 },
     #[error("--at {at}: session {session}'s log ends at seq {last}")]
     OutsideLog { session: String, at: u64, last: u64 },
-    #[error("--model {0:?} is not PROVIDER:MODEL (anthropic:MODEL, openai:MODEL or scripted:FILE)")]
+    #[error(
+        "--model {0:?} is not PROVIDER:MODEL (anthropic:MODEL, openai:MODEL or scripted:FILE)"
+    )]
     BadModel(String),
 }
 
@@ -52,7 +54,10 @@ pub fn request(
     at: Option<u64>,
     off_path: OffPathArg,
 ) -> Result<ForkSessionRequest, ReplayError> {
-    if !model.split_once(':').is_some_and(|(p, m)| !p.is_empty() && !m.is_empty()) {
+    if !model
+        .split_once(':')
+        .is_some_and(|(p, m)| !p.is_empty() && !m.is_empty())
+    {
         return Err(ReplayError::BadModel(model.to_string()));
     }
     let Some(last) = events.last().map(|e| e.seq) else {
@@ -96,14 +101,17 @@ pub fn request(
         ..Event::default()
     }];
     // A fork point that ends a turn leaves the fork idle: its next turn starts it.
-    let ends_turn = events.iter().find(|e| e.seq == at).is_some_and(|e| match &e.kind {
-        Some(Kind::AssistantMessage(m)) => !m
-            .content
-            .iter()
-            .any(|b| matches!(b.block, Some(Block::ToolUse(_)))),
-        Some(Kind::Interrupted(_) | Kind::RunError(_)) => true,
-        _ => false,
-    });
+    let ends_turn = events
+        .iter()
+        .find(|e| e.seq == at)
+        .is_some_and(|e| match &e.kind {
+            Some(Kind::AssistantMessage(m)) => !m
+                .content
+                .iter()
+                .any(|b| matches!(b.block, Some(Block::ToolUse(_)))),
+            Some(Kind::Interrupted(_) | Kind::RunError(_)) => true,
+            _ => false,
+        });
     if ends_turn {
         let (seq, text) = events
             .iter()

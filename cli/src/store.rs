@@ -123,9 +123,20 @@ mod tests {
 
     #[test]
     fn a_refusal_reads_the_same_whatever_its_code() {
-        for code in [Code::InvalidArgument, Code::FailedPrecondition, Code::AlreadyExists] {
-            let said = explain("a:1", "ForkSession", tonic::Status::new(code, "seq 4 is not settled"));
-            assert_eq!(said.to_string(), "ForkSession: the store refused it: seq 4 is not settled");
+        for code in [
+            Code::InvalidArgument,
+            Code::FailedPrecondition,
+            Code::AlreadyExists,
+        ] {
+            let said = explain(
+                "a:1",
+                "ForkSession",
+                tonic::Status::new(code, "seq 4 is not settled"),
+            );
+            assert_eq!(
+                said.to_string(),
+                "ForkSession: the store refused it: seq 4 is not settled"
+            );
         }
         let failed = explain("a:1", "ForkSession", tonic::Status::internal("disk"));
         assert_eq!(failed.to_string(), "ForkSession failed (Internal): disk");

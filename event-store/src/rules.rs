@@ -945,7 +945,9 @@ mod tests {
         assert_eq!(refused.reason(), Some(Reason::ForkPointUnsettled));
         assert!(refused.to_string().contains("are 1 and 6"), "{refused}");
         assert!(
-            refused.to_string().contains("made after a user message, a final assistant"),
+            refused
+                .to_string()
+                .contains("made after a user message, a final assistant"),
             "one space between words: {refused}"
         );
         let refused = fork_at(&log, 9).expect_err("an interrupt waits for its answer");

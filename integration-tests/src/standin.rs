@@ -47,6 +47,9 @@ pub struct Journal<R, F> {
     pub hook: Option<Hook>,
     /// When a streamed reply's caller went away before its end (unix ms), in order.
     pub streams_dropped: Vec<i64>,
+    /// How many leading assistant turns of a request another model wrote (a replay's
+    /// recorded prefix): held to the API's rules, not to this stand-in's script.
+    pub foreign_turns: usize,
 }
 
 impl<R, F> Journal<R, F> {
@@ -58,6 +61,7 @@ impl<R, F> Journal<R, F> {
             violations: Vec::new(),
             hook: None,
             streams_dropped: Vec::new(),
+            foreign_turns: 0,
         }
     }
 
@@ -119,6 +123,14 @@ impl<R, F> Standin<R, F> {
             .entry(turn)
             .or_default()
             .push_back(fault);
+    }
+
+    /// Takes the first `turns` assistant turns of every request as another model's (a
+    /// replay's recorded prefix): they must follow the API's rules, but need not be this
+    /// stand-in's replies. Its script still counts them (reply `turns` answers the first
+    /// turn after them).
+    pub fn foreign_turns(&self, turns: usize) {
+        lock(&self.journal).foreign_turns = turns;
     }
 
     /// Runs `hook` on every well-formed request before it is answered.

@@ -30,8 +30,8 @@ use agentlog_client::json::struct_to_object;
 use agentlog_client::refusal::is_session_deleted;
 use agentlog_client::StoreClient;
 use agentlog_proto::v1::{
-    content_block::Block, event::Kind, Durability, Event, Replay, RunError, ServedFrom,
-    ToolResult, UserMessage,
+    content_block::Block, event::Kind, Durability, Event, Replay, RunError, ServedFrom, ToolResult,
+    UserMessage,
 };
 use serde_json::{Map, Value};
 use tokio::sync::watch;
@@ -104,10 +104,11 @@ impl Recording {
         if served_through == 0 {
             return self.calls.first();
         }
-        let at = self
-            .calls
-            .iter()
-            .position(|call| call.result.as_ref().is_some_and(|(seq, _)| *seq == served_through))?;
+        let at = self.calls.iter().position(|call| {
+            call.result
+                .as_ref()
+                .is_some_and(|(seq, _)| *seq == served_through)
+        })?;
         self.calls.get(at + 1)
     }
 
@@ -138,8 +139,11 @@ impl RecordingFeed {
         let (publish, loaded) = watch::channel(None);
         let parent_gone = Arc::new(AtomicBool::new(false));
         let gone = parent_gone.clone();
-        let (session_id, after, through) =
-            (replay.session_id.clone(), replay.after_seq, replay.through_seq);
+        let (session_id, after, through) = (
+            replay.session_id.clone(),
+            replay.after_seq,
+            replay.through_seq,
+        );
         let follower = tokio::spawn(async move {
             let mut events: Vec<Event> = Vec::new();
             let publish = &publish;
@@ -270,7 +274,10 @@ pub async fn serve_calls(
                     Some((seq, _)) => Err(format!(
                         "the model asked for {} where the recording (session {}) called {} \
                          (answered at seq {seq})",
-                        shown(&call.tool_use.name, &struct_to_object(call.tool_use.input.as_ref())),
+                        shown(
+                            &call.tool_use.name,
+                            &struct_to_object(call.tool_use.input.as_ref())
+                        ),
                         state.recording.session_id,
                         shown(&next.name, &next.input)
                     )),
@@ -290,8 +297,12 @@ pub async fn serve_calls(
         if let Some(id) = &result.workspace_checkpoint {
             match keep_served(checkpoints, appender.session_id(), id).await {
                 Ok(true) => {}
-                Ok(false) => tracing::warn!(checkpoint = %id, "the served result's checkpoint is not in this runner's area: leaving the path would find no files"),
-                Err(e) => tracing::warn!(error = %e, checkpoint = %id, "could not keep the served result's checkpoint"),
+                Ok(false) => {
+                    tracing::warn!(checkpoint = %id, "the served result's checkpoint is not in this runner's area: leaving the path would find no files")
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, checkpoint = %id, "could not keep the served result's checkpoint")
+                }
             }
         }
         let id = &call.tool_use.id;
@@ -407,7 +418,10 @@ pub async fn replay_next_user(
     let Some((seq, text)) = recording.and_then(|r| r.next_user(after)) else {
         return Ok(false);
     };
-    tracing::info!(recorded_seq = seq, "replaying the recording's next user message");
+    tracing::info!(
+        recorded_seq = seq,
+        "replaying the recording's next user message"
+    );
     appender
         .append(
             agentlog_proto::replay::user_event_id(*seq),
@@ -470,7 +484,12 @@ mod tests {
             ),
             ev(3, Kind::ToolStarted(Default::default())),
             ev(4, result("a", "x\n")),
-            ev(5, Kind::UserMessage(UserMessage { text: "also".into() })),
+            ev(
+                5,
+                Kind::UserMessage(UserMessage {
+                    text: "also".into(),
+                }),
+            ),
             ev(6, result("b", "hello")),
             ev(
                 7,
@@ -487,15 +506,23 @@ mod tests {
             .map(|c| c.result.as_ref().map(|(seq, _)| *seq))
             .collect();
         assert_eq!(results, vec![Some(4), Some(6), None]);
-        assert_eq!(recording.next_call(0).map(|c| c.name.as_str()), Some("bash"));
+        assert_eq!(
+            recording.next_call(0).map(|c| c.name.as_str()),
+            Some("bash")
+        );
         assert_eq!(
             recording.next_call(4).map(|c| c.name.as_str()),
             Some("read_file")
         );
-        assert_eq!(recording.next_call(6).map(|c| &c.input), Some(&{
-            let Value::Object(o) = json!({"command": "pwd"}) else { unreachable!() };
-            o
-        }));
+        assert_eq!(
+            recording.next_call(6).map(|c| &c.input),
+            Some(&{
+                let Value::Object(o) = json!({"command": "pwd"}) else {
+                    unreachable!()
+                };
+                o
+            })
+        );
         assert_eq!(recording.next_call(99), None);
         assert_eq!(recording.next_user(1), Some(&(5, "also".to_string())));
         assert_eq!(recording.next_user(5), None);

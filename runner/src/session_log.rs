@@ -497,7 +497,11 @@ impl SessionLog {
     /// its `session_config` was seen) is folded again from seq 1, reading the log through
     /// what was applied.
     pub async fn ensure_form(&mut self, form: &'static dyn Form) -> Result<(), StoreError> {
-        if self.fold.form().is_some_and(|kept| kept.name() == form.name()) || self.fold.is_lent()
+        if self
+            .fold
+            .form()
+            .is_some_and(|kept| kept.name() == form.name())
+            || self.fold.is_lent()
         {
             return Ok(());
         }
@@ -515,7 +519,11 @@ impl SessionLog {
         for event in events.iter().take_while(|e| e.seq <= through) {
             fold.apply(event);
         }
-        tracing::info!(form = form.name(), through, "folded the log again in its model's form");
+        tracing::info!(
+            form = form.name(),
+            through,
+            "folded the log again in its model's form"
+        );
         self.fold = fold;
         Ok(())
     }

@@ -184,7 +184,8 @@ pub async fn drive_session(
                 answer_interrupt(&context.toolbox, appender, &pending, &open).await?
             }
             Frontier::CallModel(conversation) => {
-                let stopped = replay.is_some_and(|r| r.stopped()) && answers_calls_only(&conversation);
+                let stopped =
+                    replay.is_some_and(|r| r.stopped()) && answers_calls_only(&conversation);
                 let step = match (&model, stopped) {
                     (_, true) => {
                         log.give_back(conversation);
@@ -248,8 +249,7 @@ pub async fn drive_session(
                         }
                     };
                     if let Some(off) = left {
-                        replay::stop_off_path(appender, replay, &calls, folded.turn, &off)
-                            .await?;
+                        replay::stop_off_path(appender, replay, &calls, folded.turn, &off).await?;
                         continue;
                     }
                     if let Some(behind) = &replay.behind {

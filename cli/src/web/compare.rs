@@ -38,8 +38,7 @@ pub async fn compare(
     State(app): State<App>,
     Query(q): Query<CompareQuery>,
 ) -> Result<Json<Value>, ApiError> {
-    let (Some(a), Some(b)) = (q.a.filter(|a| !a.is_empty()), q.b.filter(|b| !b.is_empty()))
-    else {
+    let (Some(a), Some(b)) = (q.a.filter(|a| !a.is_empty()), q.b.filter(|b| !b.is_empty())) else {
         return Err(ApiError::new(
             StatusCode::BAD_REQUEST,
             "a and b: name the two sessions to compare (?a=RECORDING&b=REPLAY)",

@@ -105,7 +105,11 @@ pub fn authorize(caller: &Caller, rpc: Rpc, target: &Target) -> Result<(), Denia
         return Err(outside_prefixes(caller, &target.new_session_id));
     }
     if rpc == Rpc::Append {
-        check_kinds(caller, target.leased, target.kinds.iter().map(Option::as_ref))?;
+        check_kinds(
+            caller,
+            target.leased,
+            target.kinds.iter().map(Option::as_ref),
+        )?;
     }
     Ok(())
 }

@@ -98,8 +98,7 @@ impl SessionConfigState {
                 }
             }
             Some(Kind::UserMessage(_)) => {
-                if let (Some(replay), Some(seq)) =
-                    (&mut self.replay, user_seq_of(&event.event_id))
+                if let (Some(replay), Some(seq)) = (&mut self.replay, user_seq_of(&event.event_id))
                 {
                     replay.users_through = replay.users_through.max(seq);
                 }
@@ -168,11 +167,7 @@ mod tests {
                 checkpoint: Some("c2".into())
             })
         );
-        state.apply(&ev(
-            5,
-            "user:x",
-            Kind::UserMessage(UserMessage::default()),
-        ));
+        state.apply(&ev(5, "user:x", Kind::UserMessage(UserMessage::default())));
         state.apply(&ev(
             6,
             &agentlog_proto::replay::user_event_id(9),
@@ -187,7 +182,11 @@ mod tests {
         ));
         let replay = state.replay.clone().expect("a replay");
         assert!(replay.left_path && replay.behind.is_some() && !replay.stopped());
-        state.apply(&ev(8, "started:c:1", Kind::ToolStarted(ToolStarted::default())));
+        state.apply(&ev(
+            8,
+            "started:c:1",
+            Kind::ToolStarted(ToolStarted::default()),
+        ));
         assert_eq!(state.replay.as_ref().and_then(|r| r.behind.clone()), None);
     }
 

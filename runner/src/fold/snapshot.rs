@@ -23,8 +23,8 @@ use agentlog_proto::v1::{AssistantMessage, Replay, ToolResult, ToolUseBlock};
 
 use bytes::{Bytes, BytesMut};
 
-use super::transcript::{Form, Transcript};
 use super::config::{Behind, ReplayState, SessionConfigState};
+use super::transcript::{Form, Transcript};
 use super::{Approval, FoldState, Message, PendingInterrupt, UserBlock};
 
 /// The snapshot format the runner writes and reads in the store.
@@ -284,7 +284,10 @@ impl FoldState {
                 record.transcript_bytes
             )));
         }
-        let form = forms.iter().copied().find(|form| form.name() == record.form);
+        let form = forms
+            .iter()
+            .copied()
+            .find(|form| form.name() == record.form);
         if form.is_none() && !(forms.is_empty() && record.form.is_empty()) {
             return Err(SnapshotError::Form {
                 found: record.form,
