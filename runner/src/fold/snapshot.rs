@@ -361,7 +361,7 @@ impl FoldState {
                     recording: r.recording.unwrap_or_default(),
                     served_through: r.served_through,
                     left_path: r.left_path,
-                    behind: (r.behind_seq > 0).then(|| Behind {
+                    behind: (r.behind_seq > 0).then_some(Behind {
                         seq: r.behind_seq,
                         checkpoint: r.behind_checkpoint,
                     }),
