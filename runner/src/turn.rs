@@ -21,6 +21,12 @@
 //! | streamed text | `delta:<n>.<epoch>.<attempt>:<i>` (the turn id is `<n>.<epoch>.<attempt>`) |
 //! | `interrupted` answering the `interrupt` at seq `s` | `interrupted:<s>` |
 //! | calls' events | see `tools/guard.rs` |
+//! | a replay's recorded user turn, served results | see `replay.rs` |
+//!
+//! A session runs on the model its latest `session_config` names (the first `--model` if
+//! none); one this runner lacks ends the turn with a `run_error` naming it and the runner's
+//! models. A replay's calls are served from its recording while the model stays on the
+//! recorded path (`replay.rs`), before the guard sees them.
 
 use std::time::Duration;
 

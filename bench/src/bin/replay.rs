@@ -65,8 +65,7 @@ fn cpu_ms(pid: u32) -> anyhow::Result<f64> {
     let rest = stat.rsplit_once(')').context("a stat line")?.1;
     let fields: Vec<&str> = rest.split_whitespace().collect();
     let ticks: f64 = fields[11].parse::<f64>()? + fields[12].parse::<f64>()?;
-    let hz = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)?
-        .context("clock ticks")? as f64;
+    let hz = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)?.context("clock ticks")? as f64;
     Ok(ticks * 1000.0 / hz)
 }
 
@@ -157,7 +156,11 @@ fn median(mut values: Vec<f64>) -> f64 {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let (calls, runs) = if args.quick { (5, 1) } else { (args.calls, args.runs) };
+    let (calls, runs) = if args.quick {
+        (5, 1)
+    } else {
+        (args.calls, args.runs)
+    };
     let dir = Path::new(&args.dir).join(format!("run-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let recorded = script(&dir.join("recorded.jsonl"), calls, "recorded")?;
@@ -206,7 +209,14 @@ async fn main() -> anyhow::Result<()> {
         recordings.push(meters.measure(record).await?);
         let replay = async {
             let out = Command::new(bin_path("agentlog"))
-                .args(["--addr", &store.url(), "replay", &session, "--model", &replayed])
+                .args([
+                    "--addr",
+                    &store.url(),
+                    "replay",
+                    &session,
+                    "--model",
+                    &replayed,
+                ])
                 .stdin(Stdio::null())
                 .output()?;
             if !out.status.success() {

@@ -19,6 +19,11 @@
 //! - A fork's workspace is restored once (`restored` marks it, durably), before any tool
 //!   runs in it; what could not be restored is said in the runner's log and, prefixed to
 //!   the fork's next tool result, to the model.
+//! - A replay's workspace follows its served results lazily: once the replay leaves the
+//!   recorded path, it is moved to the checkpoint the last served result names
+//!   ([`Checkpoints::move_to_served_blocking`], once per served result: `moved` marks it,
+//!   durably), before anything runs in it; a served result's checkpoint is first added to
+//!   the replay's `refs` ([`Checkpoints::keep_served`]), so it outlives the recording.
 //! - Checkpoints go when the session whose log names them is deleted, and not before every
 //!   session naming them is: see `gc.rs`.
 //! - A deleted session's workspace is removed ([`Checkpoints::remove_workspace_blocking`])
@@ -38,6 +43,8 @@
 //!   new one is exact either way (`runner/tests/tool_guard.rs`, `integration-tests/tests/runner_fork_crash.rs`).
 //! - a restore killed before `restored` is durable: no tool has run in the fork's
 //!   workspace, so the next claim moves what is there aside and restores again.
+//! - a replay's move killed before `moved` is durable: nothing ran in the workspace since (a
+//!   tool runs only after the move), so the next claim moves it again.
 //! - the GC killed mid-sweep: it only removes what nothing names; the next run finishes.
 
 mod area;
