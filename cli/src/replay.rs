@@ -215,3 +215,87 @@ pub async fn replay_all(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use agentlog_proto::v1::{AssistantMessage, TextBlock};
+
+    use super::*;
+
+    fn log() -> Vec<Event> {
+        let kinds = [
+            Kind::UserMessage(UserMessage { text: "one".into() }),
+            Kind::AssistantMessage(AssistantMessage {
+                content: vec![agentlog_proto::v1::ContentBlock {
+                    block: Some(Block::Text(TextBlock { text: "ok".into() })),
+                }],
+                ..AssistantMessage::default()
+            }),
+            Kind::UserMessage(UserMessage { text: "two".into() }),
+            Kind::AssistantMessage(AssistantMessage::default()),
+        ];
+        kinds
+            .into_iter()
+            .enumerate()
+            .map(|(i, kind)| Event {
+                seq: i as u64 + 1,
+                kind: Some(kind),
+                ..Event::default()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_replay_forks_at_the_first_user_message_and_names_its_recording() {
+        let made = request("s", &log(), "openai:m", None, OffPathArg::Stop).expect("request");
+        assert_eq!(made.at_seq, 1);
+        assert_eq!(made.events.len(), 1);
+        let Some(Kind::SessionConfig(config)) = &made.events[0].kind else {
+            panic!("a session_config first");
+        };
+        assert_eq!(config.model, "openai:m");
+        let replay = config.replay.clone().expect("a replay");
+        assert_eq!(
+            (
+                replay.session_id.as_str(),
+                replay.after_seq,
+                replay.through_seq
+            ),
+            ("s", 1, 4)
+        );
+        assert_eq!(replay.off_path(), OffPath::Stop);
+    }
+
+    #[test]
+    fn a_fork_point_that_ends_a_turn_starts_the_next_recorded_one() {
+        let made = request("s", &log(), "openai:m", Some(2), OffPathArg::Run).expect("request");
+        assert_eq!(made.events.len(), 2);
+        assert_eq!(made.events[1].event_id, "replay:user:3");
+        assert!(matches!(
+            request("s", &log(), "openai:m", Some(4), OffPathArg::Run),
+            Err(ReplayError::NothingAfter { at: 4, .. })
+        ));
+        assert!(matches!(
+            request("s", &log(), "gpt", None, OffPathArg::Run),
+            Err(ReplayError::BadModel(_))
+        ));
+        assert!(matches!(
+            request("s", &log(), "openai:m", Some(9), OffPathArg::Run),
+            Err(ReplayError::OutsideLog { last: 4, .. })
+        ));
+        let mut replayed = log();
+        replayed.push(Event {
+            seq: 5,
+            kind: request("s", &log(), "openai:m", None, OffPathArg::Run)
+                .expect("request")
+                .events[0]
+                .kind
+                .clone(),
+            ..Event::default()
+        });
+        assert!(matches!(
+            request("r", &replayed, "openai:m", None, OffPathArg::Run),
+            Err(ReplayError::IsReplay(_))
+        ));
+    }
+}
