@@ -165,6 +165,7 @@ def main(pw):
         assert f"a=recorded-1&b={replay}" in page.url, page.url
         assert page.locator("#head-a").text_content() == "A recorded-1"
         assert page.locator("#head-b").text_content() == f"B {replay}"
+        assert page.locator("tr.turn-head .user").first.text_content() == " you> write a note, then read it"
         rows = page.locator("tr.call-row")
         assert rows.count() == 2, rows.count()
         first_b = rows.nth(0).locator("td.call").nth(1)

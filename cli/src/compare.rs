@@ -280,6 +280,14 @@ fn totals(turns: &[(Option<String>, Turn)]) -> Totals {
 pub fn compare(a: &SessionInfo, a_log: &[Event], b: &SessionInfo, b_log: &[Event]) -> Comparison {
     let from_seq = fork_point(a, b);
     let (ta, tb) = (turns(a_log, from_seq), turns(b_log, from_seq));
+    // A fork at a user message (a replay's default) shares it: its turn is the first here.
+    let shared_user = a_log
+        .iter()
+        .find(|e| e.seq == from_seq)
+        .and_then(|e| match &e.kind {
+            Some(Kind::UserMessage(m)) => Some(m.text.clone()),
+            _ => None,
+        });
     let mut pairs = Vec::new();
     let mut diverged = None;
     for number in 0..ta.len().max(tb.len()) {
@@ -314,9 +322,14 @@ pub fn compare(a: &SessionInfo, a_log: &[Event], b: &SessionInfo, b_log: &[Event
             }
             calls.push(CallPair { a: x, b: y, same });
         }
+        let shared = if number == 0 {
+            shared_user.clone()
+        } else {
+            None
+        };
         pairs.push(TurnPair {
             number: number + 1,
-            user: ua.or(ub),
+            user: ua.or(ub).or(shared),
             a: sa,
             b: sb,
             calls,
@@ -740,6 +753,11 @@ mod tests {
         let c = compare(&a, &a_log, &b, &b_log);
         assert_eq!(c.from_seq, 1);
         assert_eq!(c.turns.len(), 1);
+        assert_eq!(
+            c.turns[0].user.as_deref(),
+            Some("go"),
+            "the shared first message"
+        );
         let calls = &c.turns[0].calls;
         assert_eq!(calls.len(), 2);
         assert!(calls[0].same);
