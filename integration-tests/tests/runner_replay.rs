@@ -565,3 +565,75 @@ async fn a_runner_killed_mid_replay_is_followed_by_one_that_serves_or_runs_each_
     assert_eq!(started(&events).len(), 1, "only the call off the path ran");
     assert_eq!(bench.file(&replay, "keys.txt"), "1\n2\n4\n");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_all_makes_one_replay_per_session_and_compare_batch_reads_them_from_stdin() {
+    let anthropic = vec![
+        AReply::default().tool("bash", bash("echo a > a.txt")),
+        AReply::text("done"),
+    ];
+    let openai = vec![
+        OReply::default().tool("bash", bash("echo a > a.txt")),
+        OReply::text("done, replayed"),
+    ];
+    let mut bench = Bench::start(anthropic, openai).await;
+    let _runner = bench.runner("r1", ANTHROPIC, &[]);
+    record(&mut bench, "batch-1", &["one"]).await;
+    record(&mut bench, "batch-2", &["two"]).await;
+    record(&mut bench, "other-3", &["three"]).await;
+    let out = bench.cli(&[
+        "replay", "--all", "--query", "batch", "--status", "idle", "--model", OPENAI,
+    ]);
+    assert!(out.success, "{}", out.stderr);
+    let replays: Vec<String> = out.stdout.lines().map(str::to_string).collect();
+    assert_eq!(replays.len(), 2, "{}", out.stdout);
+    for replay in &replays {
+        let events = wait_done(&mut bench.client, replay, 1).await;
+        assert_eq!(results(&events).iter().filter(|r| r.2.is_some()).count(), 1);
+    }
+    // A second --all leaves the replays out: only the recordings are replayed again.
+    let again = bench.cli(&["--json", "replay", "--all", "--model", OPENAI]);
+    assert!(again.success, "{}", again.stderr);
+    let made: Vec<Value> = again
+        .stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("JSON lines"))
+        .collect();
+    let mut of: Vec<&str> = made.iter().filter_map(|m| m["replayOf"].as_str()).collect();
+    of.sort();
+    assert_eq!(of, vec!["batch-1", "batch-2", "other-3"]);
+    for m in &made {
+        let id = m["sessionId"].as_str().expect("an id");
+        wait_done(&mut bench.client, id, 1).await;
+    }
+
+    let mut batch = std::process::Command::new(integration_tests::bin_path("agentlog"))
+        .args(["--addr", &bench.store.url(), "compare", "--batch", "-"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("agentlog compare --batch -");
+    {
+        use std::io::Write;
+        let mut stdin = batch.stdin.take().expect("stdin");
+        stdin
+            .write_all(format!("{}\n", replays.join("\n")).as_bytes())
+            .expect("write the ids");
+    }
+    let out = batch.wait_with_output().expect("its output");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.starts_with("REPLAY"), "{stdout}");
+    for replay in &replays {
+        assert!(stdout.contains(replay.as_str()), "{stdout}");
+    }
+    assert!(
+        stdout.contains("2 pairs, 0 diverged; replays: 2 calls served, 0 ran"),
+        "{stdout}"
+    );
+}
