@@ -6,8 +6,10 @@
 //! answered, exactly once, by `tool_result` blocks at the very start of the next user
 //! message, in the order of the calls, with any user text that arrived in between placed
 //! after the results. Consecutive user content is merged; deltas, `run_error`s, interrupts,
-//! approvals and kinds this runner does not know never reach the provider; assistant turns
-//! are passed through verbatim. A conversation is only handed out when every call of the
+//! approvals, `session_config`s and kinds this runner does not know never reach the
+//! provider; assistant turns are passed through verbatim, whichever provider wrote them,
+//! in the form of the model the conversation goes to. The session's model and, for a
+//! replay, where it stands are folded beside the conversation ([`config`]). A conversation is only handed out when every call of the
 //! last reply has its result, so an unpaired `tool_use` can never reach a provider: that
 //! state is [`Frontier::RunTools`] (or [`Frontier::AnswerInterrupt`]) instead.
 //!
