@@ -340,8 +340,10 @@ async function refreshForkedFrom(info) {
   from.hidden = false;
   from.replaceChildren("forked from ",
     el("a", { href: `/sessions/${encodeURIComponent(info.forkedFrom.sessionId)}` }, info.forkedFrom.sessionId),
-    ` at ${info.forkedFrom.seq} · `,
-    el("a", { id: "compare-link", href: `/compare?a=${encodeURIComponent(info.forkedFrom.sessionId)}&b=${encodeURIComponent(sessionId)}` }, "compare with it"));
+    ` at ${info.forkedFrom.seq}`);
+  const compare = document.getElementById("compare-link");
+  compare.href = `/compare?a=${encodeURIComponent(info.forkedFrom.sessionId)}&b=${encodeURIComponent(sessionId)}`;
+  compare.hidden = false;
 }
 
 function showError(message) {
