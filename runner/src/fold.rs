@@ -899,6 +899,14 @@ mod tests {
             })
         );
         assert!(FoldState::from_snapshot(vec![data.clone().into()], None).is_err());
+        // A runner of several models takes it in whichever of their forms it is kept in.
+        let either: [&'static dyn Form; 2] = [&openai::FORM, &anthropic::FORM];
+        let restored = FoldState::from_snapshot_in(vec![data.clone().into()], &either)
+            .expect("one of the runner's forms");
+        assert_eq!(
+            restored.form().map(|f| f.name()),
+            Some("anthropic-messages")
+        );
         let cut = data[..data.len() - 1].to_vec();
         assert!(matches!(
             FoldState::from_snapshot(vec![cut.into()], Some(&anthropic::FORM)),

@@ -191,6 +191,29 @@ mod tests {
     }
 
     #[test]
+    fn a_snapshot_keeps_the_model_and_where_the_replay_stands() {
+        let mut fold = crate::fold::FoldState::default();
+        for event in [
+            ev(1, "cfg", config(OffPath::Stop)),
+            ev(2, "result:a", served(5, "c1")),
+            ev(
+                3,
+                &agentlog_proto::replay::user_event_id(7),
+                Kind::UserMessage(UserMessage::default()),
+            ),
+        ] {
+            fold.apply(&event);
+        }
+        let data = fold.to_snapshot().expect("not lent");
+        let restored =
+            crate::fold::FoldState::from_snapshot(vec![data.into()], None).expect("decodes");
+        assert_eq!(restored.config(), fold.config());
+        let replay = restored.config().replay.clone().expect("a replay");
+        assert_eq!((replay.served_through, replay.users_through), (5, 7));
+        assert_eq!(replay.behind.map(|b| b.seq), Some(2));
+    }
+
+    #[test]
     fn a_result_not_served_ends_the_serving_and_stop_ends_the_replay() {
         let mut state = SessionConfigState::default();
         state.apply(&ev(1, "cfg", config(OffPath::Stop)));
