@@ -170,9 +170,8 @@ pub async fn drive_session(
                 let Some(replay) = replay.filter(|r| !r.stopped()) else {
                     return Ok(Outcome::Idle);
                 };
-                let recording = match &feed {
-                    Some((_, feed)) => feed.recording().await,
-                    None => None,
+                let Some(recording) = wait_recording(&feed, lease).await else {
+                    return Ok(Outcome::Stopped);
                 };
                 if !replay::replay_next_user(appender, recording.as_deref(), replay).await? {
                     return Ok(Outcome::Idle);
@@ -233,10 +232,10 @@ pub async fn drive_session(
                             why: "this replay stopped where it left the recorded path".into(),
                         })
                     } else {
-                        let (recording, gone) = match &feed {
-                            Some((_, feed)) => (feed.recording().await, feed.parent_gone()),
-                            None => (None, true),
+                        let Some(recording) = wait_recording(&feed, lease).await else {
+                            return Ok(Outcome::Stopped);
                         };
+                        let gone = feed.as_ref().is_none_or(|(_, feed)| feed.parent_gone());
                         match replay::serve_calls(
                             checkpoints,
                             appender,
@@ -284,6 +283,22 @@ pub async fn drive_session(
             Step::AwaitingApproval => return Ok(Outcome::AwaitingApproval),
             Step::Stopped => return Ok(Outcome::Stopped),
         }
+    }
+}
+
+/// The replay's recording once read (`Some(None)`: it could not be), unless the work must
+/// stop first (`None`): a store that cannot be reached must not hold a lease past its end.
+async fn wait_recording(
+    feed: &Option<(agentlog_proto::v1::Replay, RecordingFeed)>,
+    lease: &LeaseGuard,
+) -> Option<Option<std::sync::Arc<replay::Recording>>> {
+    let Some((_, feed)) = feed else {
+        return Some(None);
+    };
+    tokio::select! {
+        _ = lease.cancelled().cancelled() => None,
+        _ = lease.drain_begun() => None,
+        recording = feed.recording() => Some(recording),
     }
 }
 
