@@ -4,6 +4,7 @@
 
 pub mod codec;
 pub mod reason;
+pub mod replay;
 pub mod settled;
 
 pub mod v1 {
