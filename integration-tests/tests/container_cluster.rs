@@ -435,12 +435,28 @@ async fn log(client: &mut TlsClient, session: &str) -> Vec<Event> {
         .expect("read a log")
 }
 
-/// Waits until `runner` holds one of `sessions` with a call started and not answered, and
-/// returns that session.
-async fn wait_mid_call(client: &mut TlsClient, sessions: &[String], runner: &str) -> String {
+/// Starts work sessions named `work:NAME-<n>` (pushed to `started`) until `runner` holds
+/// one of them with a call started and not answered, and returns that session: the other
+/// runners may claim a round first, so another round starts while it holds none.
+async fn work_until_held(
+    client: &mut TlsClient,
+    name: &str,
+    runner: &str,
+    started: &mut Vec<String>,
+) -> String {
     let deadline = Instant::now() + PATIENCE;
+    let mut next_round = Instant::now();
     loop {
-        for session in sessions {
+        if Instant::now() >= next_round {
+            let first = started.len();
+            for i in first..first + 3 {
+                let session = format!("work:{name}-{i}");
+                start_session(client, &session).await;
+                started.push(session);
+            }
+            next_round = Instant::now() + Duration::from_secs(8);
+        }
+        for session in started.iter() {
             let info = client
                 .get_session(GetSessionRequest {
                     session_id: session.clone(),
@@ -473,7 +489,7 @@ async fn wait_mid_call(client: &mut TlsClient, sessions: &[String], runner: &str
         }
         assert!(
             Instant::now() < deadline,
-            "{runner} never held one of {sessions:?} in the middle of a call"
+            "{runner} never held one of {started:?} in the middle of a call"
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
@@ -577,11 +593,16 @@ async fn a_cluster_of_the_shipped_images_loses_nothing_and_runs_no_call_twice() 
     }
     admin = cluster.client(0).await;
     for runner in ["runner-1", "runner-2", "runner-3"] {
-        let sessions = batch(&format!("drain-{runner}"), 3);
-        start_batch(&mut admin, &sessions).await;
+        let mut sessions = Vec::new();
+        let held = work_until_held(
+            &mut admin,
+            &format!("drain-{runner}"),
+            runner,
+            &mut sessions,
+        )
+        .await;
         all_work.extend(sessions.iter().cloned());
         graceful.extend(sessions.iter().cloned());
-        let held = wait_mid_call(&mut admin, &sessions, runner).await;
         let stopped = Instant::now();
         project.stop(runner, 30).expect("docker stop -t 30");
         println!(
@@ -609,10 +630,9 @@ async fn a_cluster_of_the_shipped_images_loses_nothing_and_runs_no_call_twice() 
     project.start("store-b").expect("docker start");
     cluster.wait_probes("store-b").await;
     println!("  store-b started again");
-    let killed = batch("kill", 3);
-    start_batch(&mut admin, &killed).await;
+    let mut killed = Vec::new();
+    let held = work_until_held(&mut admin, "kill", "runner-2", &mut killed).await;
     all_work.extend(killed.iter().cloned());
-    let held = wait_mid_call(&mut admin, &killed, "runner-2").await;
     project.kill("runner-2").expect("docker kill");
     println!("  runner-2 killed in the middle of a call of {held}");
     wait_idle(&mut admin, &killed).await;
@@ -622,10 +642,9 @@ async fn a_cluster_of_the_shipped_images_loses_nothing_and_runs_no_call_twice() 
 
     // ---- 4. a cut link ----
     println!("4. runner-3 cut off for 20 s in the middle of a long call");
-    let long = batch("long", 3);
-    start_batch(&mut admin, &long).await;
+    let mut long = Vec::new();
+    let cut = work_until_held(&mut admin, "long", "runner-3", &mut long).await;
     all_work.extend(long.iter().cloned());
-    let cut = wait_mid_call(&mut admin, &long, "runner-3").await;
     project
         .disconnect("runner-3")
         .expect("docker network disconnect");
