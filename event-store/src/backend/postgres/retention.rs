@@ -104,7 +104,7 @@ async fn retention_pass(
                 .query(
                     "SELECT session_id, version, meta FROM agentlog_sessions \
                      WHERE updated_second <= $1 AND updated_unix_ms < $2 \
-                     AND deleted_unix_ms = 0 AND last_seq > 0 \
+                     AND deleted_unix_ms = 0 AND last_seq > 0 AND NOT pinned \
                      AND lease_expires_unix_ms <= $3 ORDER BY updated_second LIMIT $4",
                     &[&(idle_before / 1000), &idle_before, &now, &(BATCH as i64)],
                 )
