@@ -13,7 +13,9 @@
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
 
-use agentlog_proto::v1::{ExportRequest, ImportChunk, ImportOutcome, ImportResult, PinSessionRequest};
+use agentlog_proto::v1::{
+    ExportRequest, ImportChunk, ImportOutcome, ImportResult, PinSessionRequest,
+};
 use anyhow::{bail, Context, Result};
 use serde_json::json;
 use tokio::sync::mpsc;
@@ -112,8 +114,9 @@ impl Sink {
                     .map_err(|e| anyhow::anyhow!("writing {}: {}", partial.display(), e.error()))?;
                 file.sync_all()
                     .with_context(|| format!("syncing {}", partial.display()))?;
-                std::fs::rename(&partial, &target)
-                    .with_context(|| format!("renaming {} to {}", partial.display(), target.display()))?;
+                std::fs::rename(&partial, &target).with_context(|| {
+                    format!("renaming {} to {}", partial.display(), target.display())
+                })?;
                 if let Some(dir) = target.parent().filter(|d| !d.as_os_str().is_empty()) {
                     std::fs::File::open(dir).and_then(|d| d.sync_all()).ok();
                 }
@@ -128,8 +131,8 @@ pub async fn import(out: &Output, file: &Path) -> Result<()> {
     let reader: Box<dyn BufRead + Send> = if file.as_os_str() == "-" {
         Box::new(std::io::BufReader::new(std::io::stdin()))
     } else {
-        let opened = std::fs::File::open(file)
-            .with_context(|| format!("opening {}", file.display()))?;
+        let opened =
+            std::fs::File::open(file).with_context(|| format!("opening {}", file.display()))?;
         Box::new(std::io::BufReader::with_capacity(1 << 20, opened))
     };
     let (tx, rx) = mpsc::channel::<ImportChunk>(4);

@@ -781,21 +781,32 @@ mod tests {
     #[test]
     fn a_pin_changes_only_a_live_session_and_only_when_it_differs() {
         let live = session(None);
-        let pinned = pin(Some(&live), "s1", true).expect("live").expect("changed");
+        let pinned = pin(Some(&live), "s1", true)
+            .expect("live")
+            .expect("changed");
         assert!(pinned.pinned && pinned.last_seq == live.last_seq);
         assert_eq!(pin(Some(&pinned), "s1", true).expect("live"), None);
-        assert!(pin(Some(&pinned), "s1", false).expect("live").is_some_and(|m| !m.pinned));
+        assert!(pin(Some(&pinned), "s1", false)
+            .expect("live")
+            .is_some_and(|m| !m.pinned));
         let tombstone = SessionMeta::tombstone(NOW);
         assert_eq!(
-            pin(Some(&tombstone), "s1", true).expect_err("deleted").reason(),
+            pin(Some(&tombstone), "s1", true)
+                .expect_err("deleted")
+                .reason(),
             Some(Reason::SessionDeleted)
         );
         assert_eq!(
             pin(None, "s1", true).expect_err("none").reason(),
             Some(Reason::SessionNotFound)
         );
-        assert!(matches!(delete_imported(None, 5), Deletion::Tombstone(t) if t.deleted_unix_ms == 5));
-        assert!(matches!(delete_imported(Some(&tombstone), 5), Deletion::AlreadyDeleted));
+        assert!(
+            matches!(delete_imported(None, 5), Deletion::Tombstone(t) if t.deleted_unix_ms == 5)
+        );
+        assert!(matches!(
+            delete_imported(Some(&tombstone), 5),
+            Deletion::AlreadyDeleted
+        ));
     }
 
     #[test]

@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 
 use agentlog_proto::reason::Reason;
 use agentlog_proto::v1::event_store_client::EventStoreClient;
-use agentlog_proto::v1::{AcquireLeaseRequest, AppendRequest, GetSessionRequest, PinSessionRequest};
+use agentlog_proto::v1::{
+    AcquireLeaseRequest, AppendRequest, GetSessionRequest, PinSessionRequest,
+};
 use anyhow::{bail, Result};
 use integration_tests::{user_event, Store};
 use tonic::transport::Channel;

@@ -18,10 +18,9 @@ use agentlog_proto::reason::Reason;
 use agentlog_proto::v1::event_store_client::EventStoreClient;
 use agentlog_proto::v1::{
     content_block::Block, event, AcquireLeaseRequest, AppendRequest, ApprovalRequested,
-    AssistantMessage, ContentBlock, DeleteSessionRequest, Event, ExportRequest,
-    ForkSessionRequest, GetSessionRequest, ImportChunk, ImportOutcome, ImportResult,
-    ListSessionsRequest, PinSessionRequest, SessionInfo, TextBlock, ToolResult, ToolStarted,
-    ToolUseBlock, Usage,
+    AssistantMessage, ContentBlock, DeleteSessionRequest, Event, ExportRequest, ForkSessionRequest,
+    GetSessionRequest, ImportChunk, ImportOutcome, ImportResult, ListSessionsRequest,
+    PinSessionRequest, SessionInfo, TextBlock, ToolResult, ToolStarted, ToolUseBlock, Usage,
 };
 use anyhow::{bail, Context, Result};
 use integration_tests::{read_log, user_event, Store};
@@ -117,7 +116,10 @@ async fn fill(client: &mut Client) -> Result<()> {
     client
         .append(AppendRequest {
             session_id: "tr-chat".into(),
-            events: vec![user_event("u1", "fix the \"build\"\n\ttabs, \u{1F600} and \\ slashes")],
+            events: vec![user_event(
+                "u1",
+                "fix the \"build\"\n\ttabs, \u{1F600} and \\ slashes",
+            )],
             ..Default::default()
         })
         .await?;
@@ -131,9 +133,8 @@ async fn fill(client: &mut Client) -> Result<()> {
         .into_inner();
     let input = serde_json::json!({"command": "make -j4", "timeout_ms": 5000, "ratio": 0.1,
         "nested": {"list": [1, 2.5, null, true, "x"]}});
-    let input = agentlog_client::json::object_to_struct(
-        input.as_object().cloned().context("an object")?,
-    );
+    let input =
+        agentlog_client::json::object_to_struct(input.as_object().cloned().context("an object")?);
     let call = event::Kind::AssistantMessage(AssistantMessage {
         content: vec![
             ContentBlock {
@@ -276,7 +277,10 @@ async fn an_export_imported_elsewhere_is_the_same_sessions_and_they_go_on() -> R
     for line in &lines {
         serde_json::from_str::<serde_json::Value>(line).context("every line is JSON")?;
     }
-    assert!(text.contains("{\"deleted\":{\"sessionId\":\"tr-gone\""), "{text}");
+    assert!(
+        text.contains("{\"deleted\":{\"sessionId\":\"tr-gone\""),
+        "{text}"
+    );
 
     let target = Store::start()?;
     let mut b = target.client().await?;
@@ -297,11 +301,18 @@ async fn an_export_imported_elsewhere_is_the_same_sessions_and_they_go_on() -> R
         let here = without_lease(info(&mut b, id).await?);
         let there = without_lease(info(&mut a, id).await?);
         assert_eq!(here, there, "{id}'s SessionInfo");
-        assert_eq!(read_log(&mut b, id).await, read_log(&mut a, id).await, "{id}'s events");
+        assert_eq!(
+            read_log(&mut b, id).await,
+            read_log(&mut a, id).await,
+            "{id}'s events"
+        );
     }
     assert!(info(&mut b, "tr-pinned").await?.pinned);
     assert_eq!(
-        info(&mut b, "tr-fork").await?.forked_from.map(|f| (f.session_id, f.seq)),
+        info(&mut b, "tr-fork")
+            .await?
+            .forked_from
+            .map(|f| (f.session_id, f.seq)),
         Some(("tr-chat".to_string(), 5))
     );
     let gone = info(&mut b, "tr-gone").await.expect_err("deleted");
@@ -357,7 +368,9 @@ async fn an_export_imported_elsewhere_is_the_same_sessions_and_they_go_on() -> R
     // Again: nothing changes, tr-chat's going on included.
     let again = import(&mut b, &text, 1 << 20).await?;
     assert!(
-        again.iter().all(|r| r.outcome() == ImportOutcome::Unchanged),
+        again
+            .iter()
+            .all(|r| r.outcome() == ImportOutcome::Unchanged),
         "{again:?}"
     );
     assert_eq!(info(&mut b, "tr-chat").await?.last_seq, 6);
@@ -388,7 +401,11 @@ async fn an_export_imported_elsewhere_is_the_same_sessions_and_they_go_on() -> R
     assert_eq!(chat.outcome(), ImportOutcome::Refused, "{chat:?}");
     assert_eq!(Code::from_i32(chat.code), Code::AlreadyExists, "{chat:?}");
     assert!(chat.message.contains("tr-chat"), "{chat:?}");
-    assert_eq!(read_log(&mut c, "tr-chat").await.len(), 1, "nothing of it changed");
+    assert_eq!(
+        read_log(&mut c, "tr-chat").await.len(),
+        1,
+        "nothing of it changed"
+    );
     assert_eq!(
         results
             .iter()
@@ -472,7 +489,10 @@ async fn a_bad_line_refuses_its_session_naming_the_line_and_the_others_go_on() -
     let unparsed = by_id("bad-2");
     assert_eq!(unparsed.outcome(), ImportOutcome::Refused);
     assert_eq!(unparsed.line, s2 as u64 + 2, "{unparsed:?}");
-    assert!(unparsed.message.contains(&format!("line {}", s2 + 2)), "{unparsed:?}");
+    assert!(
+        unparsed.message.contains(&format!("line {}", s2 + 2)),
+        "{unparsed:?}"
+    );
     let gap = by_id("bad-3");
     assert_eq!(gap.outcome(), ImportOutcome::Refused);
     assert_eq!(gap.line, s3 as u64 + 2, "{gap:?}");

@@ -24,9 +24,8 @@ use serde_json::{Map, Value};
 
 use crate::v1::{
     content_block::Block, event::Kind, ApprovalDecision, ApprovalRequested, AssistantDelta,
-    AssistantMessage, ContentBlock, Event, Interrupt, Interrupted, RedactedThinkingBlock,
-    RunError, TextBlock, ThinkingBlock, ToolResult, ToolStarted, ToolUseBlock, Usage,
-    UserMessage,
+    AssistantMessage, ContentBlock, Event, Interrupt, Interrupted, RedactedThinkingBlock, RunError,
+    TextBlock, ThinkingBlock, ToolResult, ToolStarted, ToolUseBlock, Usage, UserMessage,
 };
 
 /// Why a JSON value is not an event.
@@ -47,7 +46,7 @@ pub fn write_event(out: &mut Vec<u8>, event: &Event) {
     o.i64("tsUnixMs", event.ts_unix_ms);
     o.u32("schemaVersion", event.schema_version);
     if let Some(kind) = &event.kind {
-        let (name, write): (&str, &dyn Fn(&mut Vec<u8>)) = match kind {
+        let (name, write): (&str, WriteBody) = match kind {
             Kind::UserMessage(m) => ("userMessage", &|out| {
                 let mut o = Obj::open(out);
                 o.str("text", &m.text);
@@ -118,6 +117,9 @@ pub fn write_event(out: &mut Vec<u8>, event: &Event) {
     }
     o.close();
 }
+
+/// Writes a kind's body.
+type WriteBody<'a> = &'a dyn Fn(&mut Vec<u8>);
 
 /// `event` as one JSON object, as text.
 pub fn event_to_string(event: &Event) -> String {
@@ -275,9 +277,7 @@ fn write_struct(out: &mut Vec<u8>, s: &Struct) {
 fn write_value(out: &mut Vec<u8>, value: &PbValue) {
     match &value.kind {
         None | Some(ValueKind::NullValue(_)) => out.extend_from_slice(b"null"),
-        Some(ValueKind::BoolValue(b)) => {
-            out.extend_from_slice(if *b { b"true" } else { b"false" })
-        }
+        Some(ValueKind::BoolValue(b)) => out.extend_from_slice(if *b { b"true" } else { b"false" }),
         Some(ValueKind::NumberValue(n)) => write_number(out, *n),
         Some(ValueKind::StringValue(s)) => write_str(out, s),
         Some(ValueKind::ListValue(list)) => {
@@ -814,7 +814,10 @@ mod tests {
         let call = &every_kind()[1];
         let text = event_to_string(call);
         assert!(text.contains(r#""timeout_ms":5000"#), "{text}");
-        assert!(text.contains(r#""inputTokens":"18446744073709551615""#), "{text}");
+        assert!(
+            text.contains(r#""inputTokens":"18446744073709551615""#),
+            "{text}"
+        );
     }
 
     #[test]
@@ -825,12 +828,24 @@ mod tests {
         assert_eq!((event.session_id.as_str(), event.seq), ("s", 3));
         assert!(matches!(event.kind, Some(Kind::ToolResult(ref r)) if r.is_error));
         for (bad, says) in [
-            (serde_json::json!({"seq": "1", "sessionConfig": {"model": "m"}}), "sessionConfig"),
+            (
+                serde_json::json!({"seq": "1", "sessionConfig": {"model": "m"}}),
+                "sessionConfig",
+            ),
             (serde_json::json!({"seq": "x"}), "`seq` must be an integer"),
             (serde_json::json!({"seq": "-1"}), "out of its type's range"),
-            (serde_json::json!({"userMessage": {"text": 5}}), "`text` must be a string"),
-            (serde_json::json!({"userMessage": {}, "interrupt": {}}), "two kinds"),
-            (serde_json::json!({"toolStarted": {"attempt": 4294967296u64}}), "range"),
+            (
+                serde_json::json!({"userMessage": {"text": 5}}),
+                "`text` must be a string",
+            ),
+            (
+                serde_json::json!({"userMessage": {}, "interrupt": {}}),
+                "two kinds",
+            ),
+            (
+                serde_json::json!({"toolStarted": {"attempt": 4294967296u64}}),
+                "range",
+            ),
             (serde_json::json!([1]), "must be a JSON object"),
         ] {
             let e = event_from_json(&bad).expect_err("refused");
@@ -855,9 +870,20 @@ mod tests {
             (
                 "Event",
                 &[
-                    "sessionId", "seq", "eventId", "tsUnixMs", "schemaVersion", "userMessage",
-                    "assistantMessage", "toolStarted", "toolResult", "assistantDelta",
-                    "runError", "interrupt", "interrupted", "approvalRequested",
+                    "sessionId",
+                    "seq",
+                    "eventId",
+                    "tsUnixMs",
+                    "schemaVersion",
+                    "userMessage",
+                    "assistantMessage",
+                    "toolStarted",
+                    "toolResult",
+                    "assistantDelta",
+                    "runError",
+                    "interrupt",
+                    "interrupted",
+                    "approvalRequested",
                     "approvalDecision",
                 ][..],
             ),
@@ -883,7 +909,10 @@ mod tests {
                     "cacheReadInputTokens",
                 ][..],
             ),
-            ("ToolStarted", &["toolUseId", "idempotencyKey", "attempt"][..]),
+            (
+                "ToolStarted",
+                &["toolUseId", "idempotencyKey", "attempt"][..],
+            ),
             (
                 "ToolResult",
                 &["toolUseId", "content", "isError", "workspaceCheckpoint"][..],

@@ -122,7 +122,7 @@ pub(crate) fn import_stream(
             let _ = end_tx.send(status);
         }
     });
-    let end = futures::stream::once(async move { end_rx.await.ok().map(Err) })
-        .filter_map(|end| end);
+    let end =
+        futures::stream::once(async move { end_rx.await.ok().map(Err) }).filter_map(|end| end);
     Box::pin(ReceiverStream::new(rx).map(Ok).chain(end))
 }

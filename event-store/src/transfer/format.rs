@@ -22,11 +22,16 @@ pub const VERSION: u64 = 1;
 /// One line of an export, read.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Line {
-    Header { version: u64 },
+    Header {
+        version: u64,
+    },
     Session(SessionInfo),
     Event(Box<Event>),
     End(End),
-    Deleted { session_id: String, deleted_unix_ms: i64 },
+    Deleted {
+        session_id: String,
+        deleted_unix_ms: i64,
+    },
 }
 
 /// A session's closing line.
@@ -272,9 +277,9 @@ impl Fields {
     fn integer(&mut self, name: &str) -> Result<i128, String> {
         match self.take(name) {
             None | Some(Value::Null) => Ok(0),
-            Some(Value::String(s)) => s.parse().map_err(|_| {
-                format!("{}: `{name}` must be an integer, not {s:?}", self.what)
-            }),
+            Some(Value::String(s)) => s
+                .parse()
+                .map_err(|_| format!("{}: `{name}` must be an integer, not {s:?}", self.what)),
             Some(Value::Number(n)) => n
                 .as_i64()
                 .map(i128::from)
@@ -321,7 +326,10 @@ mod tests {
         let mut line = Vec::new();
         session_line(&info, &mut line);
         let text = String::from_utf8(line).expect("UTF-8");
-        assert!(text.ends_with("}}\n") && text.matches('\n').count() == 1, "{text}");
+        assert!(
+            text.ends_with("}}\n") && text.matches('\n').count() == 1,
+            "{text}"
+        );
         assert_eq!(parse_line(text.trim_end()), Ok(Line::Session(info.clone())));
         let bare = SessionInfo {
             session_id: "s".into(),
@@ -329,7 +337,10 @@ mod tests {
         };
         let mut line = Vec::new();
         session_line(&bare, &mut line);
-        assert_eq!(String::from_utf8_lossy(&line), "{\"session\":{\"sessionId\":\"s\"}}\n");
+        assert_eq!(
+            String::from_utf8_lossy(&line),
+            "{\"session\":{\"sessionId\":\"s\"}}\n"
+        );
         assert_eq!(
             parse_line(String::from_utf8_lossy(&line).trim_end()),
             Ok(Line::Session(bare))
@@ -357,11 +368,17 @@ mod tests {
     #[test]
     fn a_bad_line_says_what_is_wrong_with_it() {
         for (line, says) in [
-            ("{\"format\":\"agentlog-export\",\"version\":2}", "version 2"),
+            (
+                "{\"format\":\"agentlog-export\",\"version\":2}",
+                "version 2",
+            ),
             ("{\"format\":\"tar\",\"version\":1}", "not an export header"),
             ("not json", "not JSON"),
             ("[]", "not a JSON object"),
-            ("{\"session\":{\"status\":\"BUSY\"}}", "not a session status"),
+            (
+                "{\"session\":{\"status\":\"BUSY\"}}",
+                "not a session status",
+            ),
             ("{\"end\":{\"lastSeq\":\"x\"}}", "must be an integer"),
             ("{\"session\":{\"colour\":\"red\"}}", "`colour`"),
             ("{\"seq\":\"1\",\"sessionConfig\":{}}", "sessionConfig"),

@@ -224,14 +224,22 @@ impl Importer {
             outcome: ImportOutcome::Refused as i32,
             events,
             code: refusal.code as i32,
-            reason: refusal.reason.map(|r| r.name().to_string()).unwrap_or_default(),
+            reason: refusal
+                .reason
+                .map(|r| r.name().to_string())
+                .unwrap_or_default(),
             message: refusal.message,
             line: refusal.line,
         })
         .await
     }
 
-    async fn done(&self, session_id: &str, outcome: ImportOutcome, events: u64) -> Result<(), Stop> {
+    async fn done(
+        &self,
+        session_id: &str,
+        outcome: ImportOutcome,
+        events: u64,
+    ) -> Result<(), Stop> {
         let what = match outcome {
             ImportOutcome::Imported => "imported",
             ImportOutcome::Unchanged => "unchanged",
@@ -461,10 +469,16 @@ impl Importer {
         } else if event.seq != open.next_seq {
             Some((
                 tonic::Code::InvalidArgument,
-                format!("seq {} where {} was next (a seq gap)", event.seq, open.next_seq),
+                format!(
+                    "seq {} where {} was next (a seq gap)",
+                    event.seq, open.next_seq
+                ),
             ))
         } else if event.event_id.is_empty() {
-            Some((tonic::Code::InvalidArgument, "the event has no eventId".into()))
+            Some((
+                tonic::Code::InvalidArgument,
+                "the event has no eventId".into(),
+            ))
         } else if event.encoded_len() > MAX_EVENT_BYTES {
             Some((
                 tonic::Code::ResourceExhausted,
@@ -576,9 +590,12 @@ impl Importer {
             (Some(problem), Mode::Compare { .. }) => {
                 self.refused(&session_id, events, refusal(problem)).await
             }
-            (None, Mode::Stage {
-                mut staging, batch, ..
-            }) => {
+            (
+                None,
+                Mode::Stage {
+                    mut staging, batch, ..
+                },
+            ) => {
                 if !batch.is_empty() {
                     if let Some(refusal) = staged(staging.stage(batch).await, session_line) {
                         staging.abandon().await;
@@ -586,19 +603,26 @@ impl Importer {
                     }
                 }
                 match staging.commit(info).await {
-                    Ok(()) => self.done(&session_id, ImportOutcome::Imported, events).await,
+                    Ok(()) => {
+                        self.done(&session_id, ImportOutcome::Imported, events)
+                            .await
+                    }
                     Err(e) => {
                         let line = if e.code() == tonic::Code::InvalidArgument {
                             session_line
                         } else {
                             0
                         };
-                        self.refused(&session_id, events, Refusal::of(e, line)).await
+                        self.refused(&session_id, events, Refusal::of(e, line))
+                            .await
                     }
                 }
             }
             (None, Mode::Compare { differs, .. }) => match differs {
-                None => self.done(&session_id, ImportOutcome::Unchanged, events).await,
+                None => {
+                    self.done(&session_id, ImportOutcome::Unchanged, events)
+                        .await
+                }
                 Some(detail) => {
                     let e = crate::rules::imported_differs(&session_id, &detail);
                     self.refused(&session_id, events, Refusal::of(e, 0)).await

@@ -177,8 +177,8 @@ impl Store {
             queue.clone(),
             config.reclaim,
             snapshots.clone(),
-            staging_names.clone(),
-        );
+        )
+        .with_staging_names(staging_names.clone());
         let writer = Writer::new(log, index, shared.clone(), config.session_cache_bytes)?;
         let writer = std::thread::Builder::new()
             .name("log-writer".into())

@@ -60,13 +60,13 @@ use super::snapshots::SnapshotDir;
 use tokio::sync::mpsc;
 
 use super::background::{ask, Signal};
+use super::import::StagingNames;
 use super::index::Index;
 use super::log::record::{event_for_state, CopiedEvent};
 use super::log::storage::CrashPoint;
 use super::log::{LogError, LogReader, SegmentRewriter};
 use super::published::{Erasing, Shared};
 use super::subscriptions::{read_up_to, Source};
-use super::import::StagingNames;
 use super::writer::{DeleteOp, Materialize, Op};
 use crate::error::StoreError;
 use crate::metrics;
@@ -137,7 +137,6 @@ impl Reclaimer {
         queue: mpsc::Sender<Op>,
         config: ReclaimConfig,
         snapshots: Arc<SnapshotDir>,
-        staging_names: Arc<StagingNames>,
     ) -> Reclaimer {
         Reclaimer {
             rewriter,
@@ -150,8 +149,14 @@ impl Reclaimer {
             snapshots,
             dead: HashMap::new(),
             materialized: HashSet::new(),
-            staging_names,
+            staging_names: Arc::new(StagingNames::new()),
         }
+    }
+
+    /// The names of this run's imports (the others' unfinished ones are removed at start).
+    pub fn with_staging_names(mut self, names: Arc<StagingNames>) -> Reclaimer {
+        self.staging_names = names;
+        self
     }
 
     /// Looks for work every `check_every` (and when a deletion wakes it) until the store

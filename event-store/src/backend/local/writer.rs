@@ -46,8 +46,8 @@ use super::index::{
     is_staging, self_named_seq, Index, IndexBatch, IndexError, Recent, GENERATED_ID_PREFIX,
     LISTED_STATUSES,
 };
-use super::log::record::{CopiedEvent, PinRecord};
 use super::log::record::Tombstone;
+use super::log::record::{CopiedEvent, PinRecord};
 use super::log::storage::CrashPoint;
 use super::log::{record, LogError, LogReader, LogWriter, Record};
 use super::published::Shared;
@@ -103,12 +103,19 @@ pub enum Op {
     /// gives them (see `import`).
     /// Answered with the first event whose id repeats one of the session's, if any
     /// (its seq, the earlier seq, the id): then nothing was written.
-    Stage(Box<Stage>, oneshot::Sender<Result<Option<Repeated>, StoreError>>),
+    Stage(
+        Box<Stage>,
+        oneshot::Sender<Result<Option<Repeated>, StoreError>>,
+    ),
     /// An import made visible: the session, reading its events through its staging
     /// session, in one record (see `import`).
     Adopt(Box<Adopt>, oneshot::Sender<Result<(), StoreError>>),
     /// PinSession: answered with the session's state after it.
-    Pin(String, bool, oneshot::Sender<Result<SessionMeta, StoreError>>),
+    Pin(
+        String,
+        bool,
+        oneshot::Sender<Result<SessionMeta, StoreError>>,
+    ),
     /// Seal the active segment, if it holds any record, so that it can be rewritten;
     /// answered with the base of the active segment after it.
     Seal(oneshot::Sender<Result<u64, StoreError>>),
@@ -237,7 +244,10 @@ enum Pending {
     Materialize(oneshot::Sender<Result<bool, StoreError>>, bool),
     Done(oneshot::Sender<Result<(), StoreError>>),
     Staged(oneshot::Sender<Result<Option<Repeated>, StoreError>>),
-    Pinned(oneshot::Sender<Result<SessionMeta, StoreError>>, SessionMeta),
+    Pinned(
+        oneshot::Sender<Result<SessionMeta, StoreError>>,
+        SessionMeta,
+    ),
 }
 
 /// Whether a thread that waits for another may look again for a while before it sleeps
@@ -1024,7 +1034,11 @@ impl Writer {
         event_id: &str,
         last_seq: u64,
     ) -> Result<Option<u64>, StoreError> {
-        if let Some(seq) = self.recent_ids.get(staging).and_then(|ids| ids.get(event_id)) {
+        if let Some(seq) = self
+            .recent_ids
+            .get(staging)
+            .and_then(|ids| ids.get(event_id))
+        {
             return Ok(Some(*seq));
         }
         if let Some(seq) = self.index.event_seq(staging, event_id)? {
@@ -1205,9 +1219,7 @@ impl Op {
             }
             Op::Pin(..) => (record::HEADER_LEN + 1 + 131 + 2) as u64,
             // A deletion may take the staging session of an imported one with it.
-            Op::Delete(DeleteOp::Session(_) | DeleteOp::Imported { .. }, _) => {
-                2 * TOMBSTONE_BYTES
-            }
+            Op::Delete(DeleteOp::Session(_) | DeleteOp::Imported { .. }, _) => 2 * TOMBSTONE_BYTES,
             Op::Delete(DeleteOp::Idle { max, .. }, _) => 2 * TOMBSTONE_BYTES * *max as u64,
             Op::Seal(_) | Op::Room(_) => 0,
         }

@@ -317,6 +317,8 @@ impl Backend for PgBackend {
         session_id: &str,
         deleted_unix_ms: i64,
     ) -> Result<bool, StoreError> {
-        self.replica.import_deletion(session_id, deleted_unix_ms).await
+        self.replica
+            .import_deletion(session_id, deleted_unix_ms)
+            .await
     }
 }

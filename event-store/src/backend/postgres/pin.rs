@@ -10,7 +10,11 @@ use crate::rules;
 use crate::StoreError;
 
 impl Replica {
-    pub(super) async fn pin(&self, session_id: &str, pinned: bool) -> Result<SessionInfo, StoreError> {
+    pub(super) async fn pin(
+        &self,
+        session_id: &str,
+        pinned: bool,
+    ) -> Result<SessionInfo, StoreError> {
         self.change_session(session_id, |meta, _now| {
             let changed = rules::pin(Some(meta), session_id, pinned)?;
             let after = changed.clone().unwrap_or_else(|| meta.clone());
