@@ -31,6 +31,7 @@ use event_store::retention::{self, Retention};
 use event_store::service;
 use event_store::service::ServeOptions;
 use event_store::tls::{self, Reload, ReloadingTls, TlsFiles};
+use event_store::transfer::archive::Archive;
 use tokio::signal::unix::{signal, SignalKind};
 use tokio_util::sync::CancellationToken;
 
@@ -92,6 +93,11 @@ struct Args {
         requires = "retain_idle"
     )]
     retention_interval: Duration,
+    /// With --retain-idle: before retention deletes a session, export it to a file of its
+    /// own in DIR (`<session>.agentlog.jsonl`, `agentlog import` reads it back) and fsync
+    /// it; a session written to since is not deleted.
+    #[arg(long, env = "AGENTLOG_ARCHIVE_DIR", requires = "retain_idle")]
+    archive_dir: Option<PathBuf>,
     /// The local backend: a deleted session's records are rewritten out of the log at the
     /// latest this long after its deletion (sooner once a quarter of a segment is dead).
     #[arg(
@@ -221,10 +227,14 @@ enum Opened {
 }
 
 async fn open_backend(args: &Args) -> anyhow::Result<Opened> {
-    let retention = args.retain_idle.map(|idle| Retention {
-        idle,
-        interval: args.retention_interval,
-    });
+    // With --archive-dir, retention is the archive's (see `run`), not the backend's own.
+    let retention = args
+        .retain_idle
+        .filter(|_| args.archive_dir.is_none())
+        .map(|idle| Retention {
+            idle,
+            interval: args.retention_interval,
+        });
     if let Some(url) = &args.database_url {
         let poll_ms = args.poll_interval_ms.unwrap_or(match args.notify {
             NotifyMode::Listen => 1000,
@@ -284,6 +294,20 @@ async fn run(args: Args) -> anyhow::Result<()> {
         Opened::Local(store) => (store.clone(), "local"),
         Opened::Postgres(pg) => (pg.clone(), "postgres"),
     };
+    let archiving = CancellationToken::new();
+    if let (Some(dir), Some(idle)) = (&args.archive_dir, args.retain_idle) {
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("creating --archive-dir {}", dir.display()))?;
+        let archive = Archive {
+            dir: dir.clone(),
+            retention: Retention {
+                idle,
+                interval: args.retention_interval,
+            },
+        };
+        tokio::spawn(archive.run(backend.clone(), archiving.clone()));
+    }
+    let _stop_archiving = archiving.drop_guard();
     let listener = tokio::net::TcpListener::bind(&args.listen)
         .await
         .with_context(|| format!("binding --listen {}", args.listen))?;

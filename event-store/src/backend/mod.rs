@@ -285,6 +285,28 @@ pub trait Backend: Send + Sync + 'static {
         session_id: &str,
         deleted_unix_ms: i64,
     ) -> Result<bool, StoreError>;
+
+    /// Up to `max` sessions retention would delete now (idle since before `idle_before`,
+    /// [`crate::rules::expired`]), least recently updated first, each with the state it
+    /// was read at: what the archive of `--archive-dir` exports before it deletes them.
+    async fn expiring(&self, idle_before: i64, max: usize) -> Result<Vec<Expiring>, StoreError>;
+
+    /// Deletes the session as retention does, but only if it is still as
+    /// [`Backend::expiring`] read it (nothing written since, still expired): what was
+    /// archived is then all it held. Whether it did.
+    async fn delete_expiring(
+        &self,
+        expiring: &Expiring,
+        idle_before: i64,
+    ) -> Result<bool, StoreError>;
+}
+
+/// A session retention would delete, as it was read ([`Backend::expiring`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Expiring {
+    pub session_id: String,
+    /// The state it was read at: its last seq (local log) or row version (PostgreSQL).
+    pub read_at: i64,
 }
 
 /// A session id as [`Backend::session_ids`] walks them.

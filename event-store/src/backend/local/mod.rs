@@ -782,6 +782,54 @@ impl Store {
         self.info(session_id, meta, now_unix_ms())
     }
 
+    pub async fn expiring(
+        &self,
+        idle_before: i64,
+        max: usize,
+    ) -> Result<Vec<backend::Expiring>, StoreError> {
+        let (tx, rx) = oneshot::channel();
+        let op = Op::Expiring {
+            idle_before,
+            max,
+            reply: tx,
+        };
+        self.queue.send(op).await.map_err(|_| gone())?;
+        let found = rx.await.map_err(|_| gone())??;
+        Ok(found
+            .into_iter()
+            .map(|(session_id, last_seq)| backend::Expiring {
+                session_id,
+                read_at: last_seq as i64,
+            })
+            .collect())
+    }
+
+    pub async fn delete_expiring(
+        &self,
+        expiring: &backend::Expiring,
+        idle_before: i64,
+    ) -> Result<bool, StoreError> {
+        let op = DeleteOp::IfExpired {
+            session_id: expiring.session_id.clone(),
+            idle_before,
+            last_seq: expiring.read_at as u64,
+        };
+        let deleted = self.submit(|tx| Op::Delete(op, tx)).await?;
+        if deleted.is_empty() {
+            return Ok(false);
+        }
+        crate::metrics::sessions_deleted("retention", 1);
+        let snapshots = self.snapshots.clone();
+        let id = expiring.session_id.clone();
+        let removed = tokio::task::spawn_blocking(move || snapshots.remove_sessions([id.as_str()]))
+            .await
+            .map_err(|e| StoreError::Internal(format!("the snapshot removal stopped: {e}")))?;
+        if let Err(e) = removed {
+            tracing::warn!(error = %e, "removing a deleted session's snapshots failed; the next open does it");
+        }
+        Ok(true)
+    }
+
     pub async fn import_deletion(
         &self,
         session_id: &str,
@@ -929,6 +977,22 @@ impl Backend for Store {
         deleted_unix_ms: i64,
     ) -> Result<bool, StoreError> {
         Store::import_deletion(self, session_id, deleted_unix_ms).await
+    }
+
+    async fn expiring(
+        &self,
+        idle_before: i64,
+        max: usize,
+    ) -> Result<Vec<backend::Expiring>, StoreError> {
+        Store::expiring(self, idle_before, max).await
+    }
+
+    async fn delete_expiring(
+        &self,
+        expiring: &backend::Expiring,
+        idle_before: i64,
+    ) -> Result<bool, StoreError> {
+        Store::delete_expiring(self, expiring, idle_before).await
     }
 }
 

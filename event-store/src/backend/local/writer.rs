@@ -110,6 +110,13 @@ pub enum Op {
     /// An import made visible: the session, reading its events through its staging
     /// session, in one record (see `import`).
     Adopt(Box<Adopt>, oneshot::Sender<Result<(), StoreError>>),
+    /// The sessions retention would take (`Backend::expiring`), each with its last seq;
+    /// nothing is written.
+    Expiring {
+        idle_before: i64,
+        max: usize,
+        reply: oneshot::Sender<Result<Vec<(String, u64)>, StoreError>>,
+    },
     /// PinSession: answered with the session's state after it.
     Pin(
         String,
@@ -135,6 +142,13 @@ pub enum DeleteOp {
     /// A step of retention: up to `max` sessions whose last event is before `idle_before`
     /// and that hold no live lease ([`rules::expired`]).
     Idle { idle_before: i64, max: usize },
+    /// The archive's deletion: the session, if it is still expired at `last_seq` (nothing
+    /// written since it was archived).
+    IfExpired {
+        session_id: String,
+        idle_before: i64,
+        last_seq: u64,
+    },
 }
 
 /// A fork's prefix, read through its base, to be made its own ([`Record::Placed`]s, in one
@@ -549,6 +563,21 @@ impl Writer {
                         }
                     }
                 }
+                Op::Expiring {
+                    idle_before,
+                    max,
+                    reply,
+                } => {
+                    let found = self.expired(idle_before, max, now).map(|ids| {
+                        ids.into_iter()
+                            .map(|id| {
+                                let last_seq = self.sessions.get(&id).map_or(0, |m| m.last_seq);
+                                (id, last_seq)
+                            })
+                            .collect()
+                    });
+                    let _ = reply.send(found);
+                }
                 // Answered by `seal_first`, which takes every seal out of the batch.
                 Op::Seal(reply) => {
                     let _ = reply.send(Ok(self.log.reader().active_base()));
@@ -812,33 +841,9 @@ impl Writer {
                 }
             }
             DeleteOp::Idle { idle_before, max } => {
-                // The least recently updated sessions of the index's listing (a bounded
-                // prefix, so that one step stays short even when many of the oldest are
-                // leased: a later pass looks again), each then judged on its state now (a
-                // session changed since the index's last absorb is in the cache).
-                let look_at = max.saturating_mul(8);
-                let mut oldest: Vec<(i64, String)> = Vec::new();
-                for status in LISTED_STATUSES {
-                    for entry in self.index.oldest(status).take(look_at) {
-                        let (updated, id) = entry?;
-                        if updated >= idle_before {
-                            break;
-                        }
-                        oldest.push((updated, id));
-                    }
-                }
-                oldest.sort_unstable();
-                oldest.truncate(look_at);
                 let mut expired = Vec::new();
-                for (_, session_id) in oldest {
-                    if expired.len() >= max {
-                        break;
-                    }
-                    self.sessions.load(&session_id)?;
+                for session_id in self.expired(idle_before, max, now)? {
                     let meta = self.sessions.get(&session_id);
-                    if !meta.is_some_and(|m| rules::expired(m, idle_before, now)) {
-                        continue;
-                    }
                     if let Deletion::Tombstone(tombstone) = rules::delete(meta, &session_id, now)? {
                         self.tombstone(&session_id, *tombstone, batch);
                         expired.push(session_id);
@@ -846,7 +851,76 @@ impl Writer {
                 }
                 Ok(expired)
             }
+            DeleteOp::IfExpired {
+                session_id,
+                idle_before,
+                last_seq,
+            } => {
+                self.sessions.load(&session_id)?;
+                let meta = self.sessions.get(&session_id);
+                let unchanged = meta
+                    .is_some_and(|m| m.last_seq == last_seq && rules::expired(m, idle_before, now));
+                if !unchanged {
+                    return Ok(Vec::new());
+                }
+                match rules::delete(meta, &session_id, now)? {
+                    Deletion::Tombstone(tombstone) => {
+                        self.tombstone(&session_id, *tombstone, batch);
+                        Ok(vec![session_id])
+                    }
+                    Deletion::AlreadyDeleted => Ok(Vec::new()),
+                }
+            }
         }
+    }
+
+    /// Up to `max` sessions retention takes at `now` ([`rules::expired`]), least recently
+    /// updated first (their states loaded). The least recently updated sessions of the
+    /// index's listing are looked at (a bounded prefix, so that one step stays short even
+    /// when many of the oldest are leased: a later pass looks again; pinned ones are passed
+    /// over without counting, up to [`PINNED_PASSED`]), each judged on its state now (a
+    /// session changed since the index's last absorb is in the cache).
+    fn expired(
+        &mut self,
+        idle_before: i64,
+        max: usize,
+        now: i64,
+    ) -> Result<Vec<String>, StoreError> {
+        let look_at = max.saturating_mul(8);
+        let mut oldest: Vec<(i64, String)> = Vec::new();
+        for status in LISTED_STATUSES {
+            let (mut taken, mut pinned) = (0, 0);
+            for entry in self.index.oldest(status) {
+                let (updated, id) = entry?;
+                if updated >= idle_before || taken >= look_at || pinned >= PINNED_PASSED {
+                    break;
+                }
+                self.sessions.load(&id)?;
+                if self.sessions.get(&id).is_some_and(|m| m.pinned) {
+                    pinned += 1;
+                    continue;
+                }
+                taken += 1;
+                oldest.push((updated, id));
+            }
+        }
+        oldest.sort_unstable();
+        oldest.truncate(look_at);
+        let mut expired = Vec::new();
+        for (_, session_id) in oldest {
+            if expired.len() >= max {
+                break;
+            }
+            self.sessions.load(&session_id)?;
+            if self
+                .sessions
+                .get(&session_id)
+                .is_some_and(|m| rules::expired(m, idle_before, now))
+            {
+                expired.push(session_id);
+            }
+        }
+        Ok(expired)
     }
 
     /// Replaces the session's state by its tombstone (from now on every op refuses it) and
@@ -1221,6 +1295,8 @@ impl Op {
             // A deletion may take the staging session of an imported one with it.
             Op::Delete(DeleteOp::Session(_) | DeleteOp::Imported { .. }, _) => 2 * TOMBSTONE_BYTES,
             Op::Delete(DeleteOp::Idle { max, .. }, _) => 2 * TOMBSTONE_BYTES * *max as u64,
+            Op::Delete(DeleteOp::IfExpired { .. }, _) => 2 * TOMBSTONE_BYTES,
+            Op::Expiring { .. } => 0,
             Op::Seal(_) | Op::Room(_) => 0,
         }
     }
@@ -1258,6 +1334,9 @@ impl Op {
             Op::Pin(_, _, reply) => {
                 let _ = reply.send(Err(error));
             }
+            Op::Expiring { reply, .. } => {
+                let _ = reply.send(Err(error));
+            }
         }
     }
 }
@@ -1278,6 +1357,11 @@ fn name_fresh(fresh: &mut [agentlog_proto::v1::Event], ids: &mut HashMap<String,
         }
     }
 }
+
+/// Pinned sessions one retention step passes over, at most, in each status's listing (a
+/// store with more pinned sessions idle past the span than this finds the ones after them
+/// only as the pinned ones move on).
+const PINNED_PASSED: usize = 100_000;
 
 /// The most bytes of log one tombstone takes: frame and kind byte, the session id (at most
 /// 128 bytes, with tag and length) and the time.

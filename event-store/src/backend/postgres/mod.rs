@@ -84,7 +84,8 @@ use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
 use crate::backend::{
-    AppendAnswer, AppendOp, Backend, EventRun, ForkOp, ListedId, Snapshot, SnapshotRead, Staging,
+    AppendAnswer, AppendOp, Backend, EventRun, Expiring, ForkOp, ListedId, Snapshot, SnapshotRead,
+    Staging,
 };
 use crate::retention::Retention;
 use crate::scope::Scope;
@@ -320,5 +321,17 @@ impl Backend for PgBackend {
         self.replica
             .import_deletion(session_id, deleted_unix_ms)
             .await
+    }
+
+    async fn expiring(&self, idle_before: i64, max: usize) -> Result<Vec<Expiring>, StoreError> {
+        self.replica.expiring(idle_before, max).await
+    }
+
+    async fn delete_expiring(
+        &self,
+        expiring: &Expiring,
+        _idle_before: i64,
+    ) -> Result<bool, StoreError> {
+        self.replica.delete_expiring(expiring).await
     }
 }
