@@ -127,7 +127,8 @@ struct Args {
     )]
     session_cache: usize,
     /// The local backend: roll to a new segment file once the current one holds this many
-    /// bytes (for tests that want many segments; the default suits production).
+    /// bytes (for tests that want many segments). Default: a sixteenth of the data volume,
+    /// between 1 MiB and 64 MiB, so that a full volume comes back whatever its size.
     #[arg(long, env = "AGENTLOG_SEGMENT_BYTES", hide = true)]
     segment_bytes: Option<u64>,
     /// Close each client connection gracefully after this many seconds (0: never), so that
@@ -271,7 +272,7 @@ async fn open_backend(args: &Args) -> anyhow::Result<Opened> {
         );
         config.log_config.segment_bytes = segment_bytes;
         config.log_config.preallocate_bytes =
-            config.log_config.preallocate_bytes.min(segment_bytes / 4);
+            event_store::backend::local::log::DEFAULT_PREALLOCATE_BYTES.min(segment_bytes / 4);
     }
     anyhow::ensure!(
         args.reclaim_share > 0.0 && args.reclaim_share <= 1.0,

@@ -94,18 +94,20 @@ pub struct StoreConfig {
 }
 
 impl StoreConfig {
-    /// `<data-dir>/log/` and `<data-dir>/index/` on the real filesystem.
+    /// `<data-dir>/log/` and `<data-dir>/index/` on the real filesystem, with segments
+    /// sized to the volume ([`log::LogConfig::for_volume`]).
     pub fn in_dir(data_dir: &Path) -> Result<StoreConfig, OpenError> {
         let log_dir = data_dir.join("log");
-        let storage = FsStorage::open_dir(&log_dir)
-            .map_err(|e| OpenError::DataDir(log_dir.display().to_string(), e))?;
+        let dir_error = |e| OpenError::DataDir(log_dir.display().to_string(), e);
+        let storage = FsStorage::open_dir(&log_dir).map_err(dir_error)?;
+        let log_config = log::LogConfig::for_volume(storage.volume_bytes().map_err(dir_error)?);
         Ok(StoreConfig {
             log: Arc::new(storage),
             index_dir: data_dir.join("index"),
             snapshot_dir: data_dir.join("snapshots"),
-            log_config: log::LogConfig::default(),
+            log_config,
             retention: None,
-            reclaim: ReclaimConfig::for_segments(log::DEFAULT_SEGMENT_BYTES),
+            reclaim: ReclaimConfig::for_segments(log_config.segment_bytes),
             session_cache_bytes: sessions::DEFAULT_CACHE_BYTES,
         })
     }
