@@ -9,8 +9,9 @@
 //!   64 clients (`AppendStream`, one session each, one event a request) on another fresh
 //!   store just before;
 //! - the peak RSS of the CLI (GNU time's maximum resident set) and of the store (its
-//!   `VmHWM`, the store started afresh before each figure) for each, from the smallest size
-//!   to the largest;
+//!   `VmHWM`) for each, from the smallest size to the largest, each store's beside its
+//!   baseline: the exporting store (started afresh) after the catch-up alone, and for the
+//!   importing store the store the same events were appended to;
 //! - with `--pg`: the migration of the largest store to PostgreSQL (a private server on
 //!   this machine): export, import into a PostgreSQL-backed store, and the check that ends
 //!   the README's procedure (sessions, events and a digest over every event, both sides),
@@ -184,7 +185,8 @@ async fn append_stream(url: &str, clients: usize, per_client: usize) -> Result<f
     Ok((clients * per_client) as f64 / started.elapsed().as_secs_f64())
 }
 
-/// Runs the `agentlog` CLI under GNU time: its wall time and peak RSS (MiB).
+/// Runs the `agentlog` CLI under GNU time (its standard output thrown away): its wall time
+/// and peak RSS (MiB).
 fn cli(url: &str, args: &[&str]) -> Result<(Duration, f64)> {
     let started = Instant::now();
     let out = Command::new("/usr/bin/time")
@@ -192,8 +194,11 @@ fn cli(url: &str, args: &[&str]) -> Result<(Duration, f64)> {
         .arg(testkit::bin_path("agentlog"))
         .args(["--addr", url])
         .args(args)
-        .output()
-        .context("run /usr/bin/time agentlog")?;
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .context("run /usr/bin/time agentlog")?
+        .wait_with_output()?;
     let elapsed = started.elapsed();
     let stderr = String::from_utf8_lossy(&out.stderr);
     if !out.status.success() {
@@ -243,7 +248,7 @@ async fn main() -> Result<()> {
     std::fs::create_dir_all(&args.dir)?;
     let dir = args.dir.canonicalize()?;
     println!(
-        "| events | Subscribe catch-up ev/s | export ev/s | export ÷ catch-up | AppendStream ×{} ev/s | import ev/s | import ÷ AppendStream | CLI peak RSS export / import | store peak RSS export / import |",
+        "| events | Subscribe catch-up ev/s | export ev/s (stdout; -o FILE) | export ÷ catch-up (stdout; FILE) | AppendStream ×{} ev/s | import ev/s | import ÷ AppendStream | CLI peak RSS export / import | store peak RSS: export (after the catch-up alone) / import (a store the same events were appended to) |",
         args.clients
     );
     println!("|---|---|---|---|---|---|---|---|---|");
@@ -254,11 +259,17 @@ async fn main() -> Result<()> {
         let source_dir = run.join("source");
         let mut source = start(&source_dir)?;
         let sessions = fill(&source.url(), size, args.per_session).await?;
+        // The same events appended: what holding them costs a store (the import's baseline).
+        let filled_store = peak_mib(&source)?;
         // A store started afresh: its peak is what reading costs.
         source.terminate()?;
         let source = start(&source_dir)?;
         let (read, sub_eps) = catch_up(&source.url(), sessions).await?;
+        let caught_up_store = peak_mib(&source)?;
         anyhow::ensure!(read == size, "caught up {read} of {size}");
+        // To standard output (thrown away), then to a file (written aside, fsync'd, renamed).
+        let (piped_time, _) = cli(&source.url(), &["export", "--all"])?;
+        let piped_eps = size as f64 / piped_time.as_secs_f64();
         let file = run.join("export.jsonl");
         let (export_time, export_cli) = cli(
             &source.url(),
@@ -278,10 +289,12 @@ async fn main() -> Result<()> {
         let import_store = peak_mib(&target)?;
         drop(target);
         println!(
-            "| {} | {} | {} | {} | {} | {} | {} | {:.1} / {:.1} MiB | {:.1} / {:.1} MiB |",
+            "| {} | {} | {}; {} | {}; {} | {} | {} | {} | {:.1} / {:.1} MiB | {:.1} (catch-up {:.1}) / {:.1} (appended {:.1}) MiB |",
             fmt_num(size as f64),
             fmt_num(sub_eps),
+            fmt_num(piped_eps),
             fmt_num(export_eps),
+            fmt_ratio(piped_eps / sub_eps),
             fmt_ratio(export_eps / sub_eps),
             fmt_num(as_eps),
             fmt_num(import_eps),
@@ -289,7 +302,9 @@ async fn main() -> Result<()> {
             export_cli,
             import_cli,
             export_store,
+            caught_up_store,
             import_store,
+            filled_store,
         );
         largest = Some((source_dir, file, size));
     }

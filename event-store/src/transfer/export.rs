@@ -26,8 +26,12 @@ use crate::backend::{Backend, EventRun};
 use crate::error::StoreError;
 use crate::scope::Scope;
 
-/// The export is handed out in pieces of about this many bytes (whole lines).
-pub const PIECE_BYTES: usize = 256 << 10;
+/// The export is handed out in pieces of about this many bytes (whole lines). Small enough
+/// that the allocator recycles a piece's buffer instead of asking the kernel for fresh
+/// (zeroed) pages for each (measured: a fifth of the store's time with 256 KiB pieces).
+pub const PIECE_BYTES: usize = 64 << 10;
+/// A piece's buffer: the piece and the line that ends it, for most lines.
+const PIECE_CAPACITY: usize = PIECE_BYTES + (16 << 10);
 /// Ids read per step of the walk of `--all`.
 const WALK: usize = 256;
 
@@ -94,7 +98,7 @@ impl<'a> Writer<'a> {
     fn new(out: &'a mut dyn Out) -> Writer<'a> {
         Writer {
             out,
-            buf: Vec::with_capacity(PIECE_BYTES + (64 << 10)),
+            buf: Vec::with_capacity(PIECE_CAPACITY),
         }
     }
 
@@ -114,7 +118,7 @@ impl<'a> Writer<'a> {
         if self.buf.is_empty() {
             return Ok(());
         }
-        let bytes = std::mem::replace(&mut self.buf, Vec::with_capacity(PIECE_BYTES + (64 << 10)));
+        let bytes = std::mem::replace(&mut self.buf, Vec::with_capacity(PIECE_CAPACITY));
         let piece = String::from_utf8(bytes)
             .map_err(|_| StoreError::Internal("an export piece is not UTF-8".into()))?;
         self.out.write(piece).await
