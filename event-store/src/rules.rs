@@ -140,6 +140,18 @@ pub fn adopt_imported(staged: &SessionMeta, line: &SessionInfo) -> Result<Sessio
     Ok(adopted)
 }
 
+/// The refusal for an import whose session was made here (or deleted here) while it was
+/// staged: nothing of the import is kept.
+pub fn imported_taken(session_id: &str, deleted: bool) -> StoreError {
+    if deleted {
+        return session_deleted(session_id);
+    }
+    imported_differs(
+        session_id,
+        "it was made here while the import was under way; import it again to compare",
+    )
+}
+
 /// The refusal for an imported session that is here already with another log.
 pub fn imported_differs(session_id: &str, detail: &str) -> StoreError {
     StoreError::Refused(

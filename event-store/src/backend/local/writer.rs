@@ -1134,7 +1134,11 @@ impl Writer {
             line,
         } = adopt;
         self.sessions.load(&session_id)?;
-        rules::fork_target(self.sessions.get(&session_id), &session_id)?;
+        if let Some(taken) = self.sessions.get(&session_id) {
+            if taken.is_deleted() || taken.last_seq > 0 {
+                return Err(rules::imported_taken(&session_id, taken.is_deleted()));
+            }
+        }
         self.sessions.load(&staging)?;
         let mut staged = rules::existing(self.sessions.get(&staging), &staging)?.clone();
         if staged.first_user_seq > 0 && staged.first_user_text.is_empty() {

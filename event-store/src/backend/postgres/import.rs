@@ -79,8 +79,7 @@ impl Replica {
             Err(e) => return e,
         };
         match self.refresh(&client, session_id, &[]).await {
-            Ok((state, _)) if state.meta.is_deleted() => rules::session_deleted(session_id),
-            Ok(_) => rules::session_exists(session_id),
+            Ok((state, _)) => rules::imported_taken(session_id, state.meta.is_deleted()),
             Err(e) => e,
         }
     }
