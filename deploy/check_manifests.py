@@ -32,11 +32,15 @@ import yaml
 # AGENTLOG_TOKEN is read outside clap on purpose: a secret must have no command-line flag.
 OTHER_ENV = {"ANTHROPIC_API_KEY", "ANTHROPIC_BASE_URL", "OPENAI_API_KEY", "OPENAI_BASE_URL",
              "RUST_LOG", "HOME", "AGENTLOG_TOKEN"}
-BINARIES = {"agentlog/event-store": "event-store", "agentlog/runner": "runner"}
+# Each image's program, as its entry point runs it.
+BINARIES = {"agentlog/event-store": ["event-store"], "agentlog/runner": ["runner"],
+            "agentlog/web": ["agentlog", "web"]}
 # After the drain's budget the runner exits within this (runner/src/drain.rs EXIT_MARGIN).
 RUNNER_EXIT_MARGIN_S = 3
 # The store cuts connections still open this long after SIGTERM (event-store/src/incoming.rs).
 STORE_SHUTDOWN_GRACE_S = 50
+# The web view gives responses in flight this long after SIGTERM (cli/src/web/mod.rs).
+WEB_SHUTDOWN_GRACE_S = 5
 # What a pod needs beyond that: the process's last steps, the kubelet's own delays.
 GRACE_ROOM_S = 5
 
@@ -89,6 +93,8 @@ def check_grace(where, pod, binary, args, env, help_text):
                 return
             drain = m.group(1)
         need = seconds(drain) + RUNNER_EXIT_MARGIN_S + GRACE_ROOM_S
+    elif binary == "web":
+        need = WEB_SHUTDOWN_GRACE_S + GRACE_ROOM_S
     else:
         need = STORE_SHUTDOWN_GRACE_S + GRACE_ROOM_S
     if grace < need:
@@ -152,18 +158,19 @@ def main(rendered, bin_dir):
         pod = doc["spec"]["template"]
         for c in pod["spec"]["containers"]:
             image = c["image"].split("@")[0].rsplit(":", 1)[0]
-            binary = BINARIES.get(image)
-            if binary is None:
+            program = BINARIES.get(image)
+            if program is None:
                 fail(f"{doc['metadata']['name']}: unknown image {c['image']}")
                 continue
-            help_text = subprocess.run([f"{bin_dir}/{binary}", "--help"], check=True,
-                                       capture_output=True, text=True).stdout
+            binary = program[-1]
+            help_text = subprocess.run([f"{bin_dir}/{program[0]}", *program[1:], "--help"],
+                                       check=True, capture_output=True, text=True).stdout
             where = f"{doc['kind']}/{doc['metadata']['name']}"
             check_hardening(where, pod["spec"], c)
             args = c.get("args", [])
             for a in args:
                 if a.startswith("--") and not re.search(rf"(^|\s){re.escape(a)}(\s|$|=)", help_text, re.M):
-                    fail(f"{where}: flag {a} is not in `{binary} --help`")
+                    fail(f"{where}: flag {a} is not in `{' '.join(program)} --help`")
             env = {e["name"]: e.get("value") for e in c.get("env", [])}
             if "--database-url" in args or "AGENTLOG_DATABASE_URL" in env:
                 if "--data-dir" in args or doc["kind"] != "Deployment":

@@ -297,6 +297,7 @@ fn cycle_events(c: usize) -> Vec<Event> {
             content: crate::event_text(),
             is_error: false,
             workspace_checkpoint: None,
+            served_from: None,
         })),
         kind(event::Kind::AssistantMessage(AssistantMessage {
             content: vec![ContentBlock {

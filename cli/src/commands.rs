@@ -9,8 +9,8 @@ use agentlog_client::log::read_log;
 use agentlog_client::refusal::is_session_not_found;
 use agentlog_client::retry::retry_transient;
 use agentlog_proto::v1::{
-    event::Kind, AppendRequest, Event, GetSessionRequest, ListSessionsRequest, SessionInfo,
-    SessionStatus, UserMessage,
+    event::Kind, AppendRequest, Event, GetSessionRequest, ListSessionsRequest, SessionConfig,
+    SessionInfo, SessionStatus, UserMessage,
 };
 use anyhow::{anyhow, bail, Result};
 
@@ -32,12 +32,39 @@ pub struct Output {
 
 /// `send`/`continue`/`resume`: appends a user turn and streams the session until it is idle.
 pub async fn send(out: &Output, session: Option<String>, text: &str) -> Result<()> {
+    send_on(out, session, None, text).await
+}
+
+/// [`send`], with the session on `model` from this turn on (a `session_config` before the
+/// user message, in the same append).
+pub async fn send_on(
+    out: &Output,
+    session: Option<String>,
+    model: Option<&str>,
+    text: &str,
+) -> Result<()> {
     let session = session.unwrap_or_else(new_session_id);
     let mut client = store::connect(&out.addr).await?;
     let user = Kind::UserMessage(UserMessage {
         text: text.to_string(),
     });
-    let seq = append_and_answer(out, &mut client, &session, "user", user).await?;
+    let mut kinds = Vec::new();
+    if let Some(model) = model {
+        kinds.push(Kind::SessionConfig(SessionConfig {
+            model: model.to_string(),
+            replay: None,
+        }));
+    }
+    kinds.push(user);
+    let seq = append_client_events(&mut client, &session, "user", kinds)
+        .await
+        .map_err(|status| store::explain(&out.addr, "Append", status))?;
+    if out.json {
+        println!(
+            "{}",
+            serde_json::json!({"sessionId": session, "seq": seq.to_string()})
+        );
+    }
     if !out.json {
         eprintln!("session {session} (follow it with `agentlog tail {session}`)");
     }
@@ -106,13 +133,26 @@ pub async fn append_client_event(
     id_prefix: &str,
     kind: Kind,
 ) -> Result<u64, tonic::Status> {
+    append_client_events(client, session, id_prefix, vec![kind]).await
+}
+
+/// [`append_client_event`] of several events, in one atomic append; returns the last seq.
+pub async fn append_client_events(
+    client: &mut store::Client,
+    session: &str,
+    id_prefix: &str,
+    kinds: Vec<Kind>,
+) -> Result<u64, tonic::Status> {
     let request = AppendRequest {
         session_id: session.to_string(),
-        events: vec![Event {
-            event_id: format!("{id_prefix}:{}", uuid::Uuid::new_v4().simple()),
-            kind: Some(kind),
-            ..Event::default()
-        }],
+        events: kinds
+            .into_iter()
+            .map(|kind| Event {
+                event_id: format!("{id_prefix}:{}", uuid::Uuid::new_v4().simple()),
+                kind: Some(kind),
+                ..Event::default()
+            })
+            .collect(),
         ..AppendRequest::default()
     };
     retry_transient("Append", APPEND_PATIENCE, || {

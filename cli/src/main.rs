@@ -2,12 +2,14 @@
 #![forbid(unsafe_code)]
 
 mod commands;
+mod compare;
 mod control;
 mod demo;
 mod follow;
 mod fork;
 mod lifecycle;
 mod render;
+mod replay;
 mod stack;
 mod store;
 mod transfer;
@@ -73,6 +75,10 @@ enum Command {
     Send {
         #[arg(long)]
         session: Option<String>,
+        /// Run the session on this model (PROVIDER:MODEL, one the runners were given) from
+        /// this message on.
+        #[arg(long)]
+        model: Option<String>,
         text: String,
     },
     /// Follow a session live; reconnects by itself, never shows an event twice.
@@ -165,6 +171,46 @@ enum Command {
         #[arg(long, requires = "idle_for")]
         yes: bool,
     },
+    /// Replay a recorded session against another model: a fork whose calls get the
+    /// recording's results while the model asks for what was recorded, and run for real once
+    /// it asks for something else. Prints the replay's id.
+    Replay {
+        /// The recorded session (or --all).
+        #[arg(required_unless_present = "all", conflicts_with = "all")]
+        session: Option<String>,
+        /// PROVIDER:MODEL to replay with (one the runners were given).
+        #[arg(long)]
+        model: String,
+        /// Where the replay starts: the last seq it takes (default: the first user message).
+        #[arg(long, conflicts_with = "all")]
+        at: Option<u64>,
+        /// What the first call off the recorded path does: `run` (it and every later call
+        /// run for real, in the replay's own workspace) or `stop` (not run; the replay ends).
+        #[arg(long, value_enum, default_value = "run")]
+        off_path: replay::OffPathArg,
+        /// Replay every session that matches --query and --status (replays left out).
+        #[arg(long)]
+        all: bool,
+        /// With --all: a case-insensitive substring of the session id or its first message.
+        #[arg(long, requires = "all")]
+        query: Option<String>,
+        /// With --all: only sessions of this status.
+        #[arg(long, requires = "all")]
+        status: Option<StatusArg>,
+    },
+    /// Two sessions side by side from their fork point (a replay and its recording): per
+    /// turn the models, the calls (served, ran, only on one side), where they diverged,
+    /// tokens and time, the final answers.
+    Compare {
+        #[arg(required_unless_present = "batch", conflicts_with = "batch")]
+        a: Option<String>,
+        #[arg(requires = "a")]
+        b: Option<String>,
+        /// A file of replay ids, one a line (`-`: standard input), each compared with its
+        /// recording: one row per pair, and the totals.
+        #[arg(long)]
+        batch: Option<String>,
+    },
     /// SIGKILL a runner mid-tool and watch a new one finish, each side effect applied once.
     Demo {
         /// Keep the demo's data in this (new) directory instead of a temp dir.
@@ -197,6 +243,16 @@ enum StatusArg {
     Runnable,
     Idle,
     Waiting,
+}
+
+impl StatusArg {
+    fn status(self) -> SessionStatus {
+        match self {
+            StatusArg::Runnable => SessionStatus::Runnable,
+            StatusArg::Idle => SessionStatus::Idle,
+            StatusArg::Waiting => SessionStatus::Waiting,
+        }
+    }
 }
 
 #[tokio::main]
@@ -237,20 +293,17 @@ async fn main() -> ExitCode {
             })
             .await
         }
-        Command::Send { session, text } => commands::send(&out, session, &text).await,
+        Command::Send {
+            session,
+            model,
+            text,
+        } => commands::send_on(&out, session, model.as_deref(), &text).await,
         Command::Tail { session, from } => commands::tail(&out, &session, from).await,
         Command::Ls {
             query,
             status,
             limit,
-        } => {
-            let status = status.map(|s| match s {
-                StatusArg::Runnable => SessionStatus::Runnable,
-                StatusArg::Idle => SessionStatus::Idle,
-                StatusArg::Waiting => SessionStatus::Waiting,
-            });
-            commands::ls(&out, query, status, limit).await
-        }
+        } => commands::ls(&out, query, status.map(StatusArg::status), limit).await,
         Command::Show { session } => commands::show(&out, &session).await,
         Command::Fork { session, at, text } => {
             commands::fork(&out, &session, at, text.as_deref()).await
@@ -274,6 +327,32 @@ async fn main() -> ExitCode {
         } => lifecycle::rm_idle(&out, idle_for, yes).await,
         Command::Rm { sessions, .. } => lifecycle::rm(&out, &sessions).await,
         Command::Demo { keep } => demo::demo(keep).await,
+        Command::Replay {
+            session: Some(session),
+            model,
+            at,
+            off_path,
+            ..
+        } => replay::replay(&out, &session, &model, at, off_path).await,
+        Command::Replay {
+            model,
+            off_path,
+            query,
+            status,
+            ..
+        } => {
+            let status = status.map(StatusArg::status);
+            replay::replay_all(&out, query.as_deref(), status, &model, off_path).await
+        }
+        Command::Compare {
+            batch: Some(batch), ..
+        } => compare::run_batch(&out, &batch).await,
+        Command::Compare { a, b, .. } => match (a, b) {
+            (Some(a), Some(b)) => compare::run(&out, &a, &b).await,
+            _ => Err(anyhow::anyhow!(
+                "compare needs two sessions (A B), or --batch FILE"
+            )),
+        },
         Command::Export {
             sessions,
             all,

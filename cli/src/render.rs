@@ -6,7 +6,9 @@ use std::collections::HashMap;
 use std::io::Write;
 
 use agentlog_client::json::struct_to_object;
-use agentlog_proto::v1::{content_block::Block, event::Kind, AssistantMessage, Event, SessionInfo};
+use agentlog_proto::v1::{
+    content_block::Block, event::Kind, AssistantMessage, Event, OffPath, SessionInfo,
+};
 use serde_json::{json, Map, Value};
 
 /// Tool output lines shown in a transcript; the log keeps all of it.
@@ -65,7 +67,14 @@ impl Transcript {
                     .map(String::as_str)
                     .unwrap_or("tool");
                 let label = if r.is_error { "error" } else { "result" };
-                writeln!(out, "  <- {name} {label}:")?;
+                match &r.served_from {
+                    Some(from) => writeln!(
+                        out,
+                        "  <- {name} {label} (served from {} seq {}; not run):",
+                        from.session_id, from.seq
+                    )?,
+                    None => writeln!(out, "  <- {name} {label}:")?,
+                }
                 let lines: Vec<&str> = r.content.lines().collect();
                 for line in lines.iter().take(RESULT_LINES) {
                     writeln!(out, "     {line}")?;
@@ -116,6 +125,24 @@ impl Transcript {
                 };
                 writeln!(out, "  {verdict} [{}]{note}", d.tool_use_id)?;
             }
+            Some(Kind::SessionConfig(c)) => {
+                self.end_stream(out)?;
+                match &c.replay {
+                    Some(r) => writeln!(
+                        out,
+                        "(a replay of {} after seq {} on {}; off the recorded path: {})",
+                        r.session_id,
+                        r.after_seq,
+                        c.model,
+                        if r.off_path() == OffPath::Stop {
+                            "stop"
+                        } else {
+                            "run"
+                        }
+                    )?,
+                    None => writeln!(out, "(the session runs on {} from here on)", c.model)?,
+                }
+            }
             None => {} // a kind newer than this CLI: skipped, as the spec asks of readers
         }
         out.flush()
@@ -162,6 +189,9 @@ impl Transcript {
                 writeln!(out, "  -> {} [{}]: {shown}", call.name, call.id)?;
             }
         }
+        if !m.model.is_empty() {
+            writeln!(out, "  (reply by {})", m.model)?;
+        }
         Ok(())
     }
 }
@@ -192,6 +222,7 @@ pub fn kind_name(event: &Event) -> Option<&'static str> {
         Kind::Interrupted(_) => "interrupted",
         Kind::ApprovalRequested(_) => "approval_requested",
         Kind::ApprovalDecision(_) => "approval_decision",
+        Kind::SessionConfig(_) => "session_config",
     })
 }
 
@@ -250,6 +281,12 @@ pub fn event_json(event: &Event) -> Value {
                     "workspaceCheckpoint",
                     r.workspace_checkpoint.as_deref().map(|id| json!(id)),
                 ),
+                (
+                    "servedFrom",
+                    r.served_from
+                        .as_ref()
+                        .map(|f| json!({"sessionId": f.session_id, "seq": f.seq.to_string()})),
+                ),
             ]),
         ),
         Some(Kind::AssistantDelta(d)) => (
@@ -280,6 +317,32 @@ pub fn event_json(event: &Event) -> Value {
                 ("toolUseId", str_(&d.tool_use_id)),
                 ("approved", d.approved.then_some(json!(true))),
                 ("note", str_(&d.note)),
+            ]),
+        ),
+        Some(Kind::SessionConfig(c)) => (
+            "sessionConfig",
+            fields([
+                ("model", str_(&c.model)),
+                (
+                    "replay",
+                    c.replay.as_ref().map(|r| {
+                        fields([
+                            ("sessionId", str_(&r.session_id)),
+                            (
+                                "afterSeq",
+                                (r.after_seq != 0).then(|| json!(r.after_seq.to_string())),
+                            ),
+                            (
+                                "throughSeq",
+                                (r.through_seq != 0).then(|| json!(r.through_seq.to_string())),
+                            ),
+                            (
+                                "offPath",
+                                (r.off_path != 0).then(|| json!(r.off_path().as_str_name())),
+                            ),
+                        ])
+                    }),
+                ),
             ]),
         ),
         None => return Value::Object(o),

@@ -103,7 +103,42 @@ pub fn explain(addr: &str, what: &str, status: tonic::Status) -> anyhow::Error {
     }
     match status.code() {
         Code::Unavailable => not_reachable(addr),
-        Code::InvalidArgument => anyhow!("{what}: the store refused it: {}", status.message()),
+        // The store looked at the request and said no: its message says why and what to fix.
+        Code::InvalidArgument
+        | Code::FailedPrecondition
+        | Code::AlreadyExists
+        | Code::NotFound
+        | Code::OutOfRange
+        | Code::Aborted
+        | Code::ResourceExhausted
+        | Code::PermissionDenied
+        | Code::Unauthenticated => anyhow!("{what}: the store refused it: {}", status.message()),
         _ => anyhow!("{what} failed ({:?}): {}", status.code(), status.message()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_refusal_reads_the_same_whatever_its_code() {
+        for code in [
+            Code::InvalidArgument,
+            Code::FailedPrecondition,
+            Code::AlreadyExists,
+        ] {
+            let said = explain(
+                "a:1",
+                "ForkSession",
+                tonic::Status::new(code, "seq 4 is not settled"),
+            );
+            assert_eq!(
+                said.to_string(),
+                "ForkSession: the store refused it: seq 4 is not settled"
+            );
+        }
+        let failed = explain("a:1", "ForkSession", tonic::Status::internal("disk"));
+        assert_eq!(failed.to_string(), "ForkSession failed (Internal): disk");
     }
 }

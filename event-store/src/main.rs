@@ -290,6 +290,14 @@ async fn open_backend(args: &Args) -> anyhow::Result<Opened> {
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
+    // Where it listens and how it is secured are settled before the data is touched, so
+    // a refusal (a container's default command without TLS, say) leaves the data dir as
+    // it was.
+    let listener = tokio::net::TcpListener::bind(&args.listen)
+        .await
+        .with_context(|| format!("binding --listen {}", args.listen))?;
+    let listen_addr = service::local_addr(&listener).context("reading the bound address")?;
+    let security = Security::from_args(&args, listen_addr)?;
     let opened = open_backend(&args).await?;
     let (backend, backend_name): (Arc<dyn Backend>, &str) = match &opened {
         Opened::Local(store) => (store.clone(), "local"),
@@ -309,11 +317,6 @@ async fn run(args: Args) -> anyhow::Result<()> {
         tokio::spawn(archive.run(backend.clone(), archiving.clone()));
     }
     let _stop_archiving = archiving.drop_guard();
-    let listener = tokio::net::TcpListener::bind(&args.listen)
-        .await
-        .with_context(|| format!("binding --listen {}", args.listen))?;
-    let listen_addr = service::local_addr(&listener).context("reading the bound address")?;
-    let security = Security::from_args(&args, listen_addr)?;
     tracing::info!(
         %listen_addr,
         backend = backend_name,

@@ -32,6 +32,7 @@ type Labels2 = [(&'static str, &'static str); 2];
 struct StoreMetrics {
     appends: Family<Labels2, Counter>,
     append_requests: Family<Labels1, Counter>,
+    read_requests: Family<Labels1, Counter>,
     append_seconds: Family<Labels1, Histogram>,
     fsync_seconds: Histogram,
     fsync_events: Histogram,
@@ -57,6 +58,7 @@ struct StoreMetrics {
 static METRICS: LazyLock<StoreMetrics> = LazyLock::new(|| StoreMetrics {
     appends: Family::default(),
     append_requests: Family::default(),
+    read_requests: Family::default(),
     append_seconds: Family::new_with_constructor(|| {
         Histogram::new(exponential_buckets(0.000_1, 2.0, 16))
     }),
@@ -98,6 +100,9 @@ pub fn registry(log_dir: Option<PathBuf>) -> Registry {
     for call in [AppendCall::Unary, AppendCall::Stream] {
         let _ = m.append_requests.get_or_create(&[("rpc", call.label())]);
     }
+    for rpc in READS {
+        let _ = m.read_requests.get_or_create(&[("rpc", rpc)]);
+    }
     for state in ["live", "catching_up"] {
         let _ = m.subscribers.get_or_create(&[("state", state)]);
     }
@@ -125,6 +130,11 @@ pub fn registry(log_dir: Option<PathBuf>) -> Registry {
         "Append requests by the call that carried them: append (unary Append) or append_stream \
          (one request of an AppendStream)",
         m.append_requests.clone(),
+    );
+    r.register(
+        "agentlog_store_read_requests",
+        "Read requests by call (subscribe, get_session, list_sessions, get_snapshot)",
+        m.read_requests.clone(),
     );
     r.register(
         "agentlog_store_append_duration_seconds",
@@ -599,4 +609,12 @@ impl Collector for LogOnDisk {
         )?)?;
         Ok(())
     }
+}
+
+/// The read calls counted by `agentlog_store_read_requests`.
+pub const READS: [&str; 4] = ["subscribe", "get_session", "list_sessions", "get_snapshot"];
+
+/// A read request reached its handler (`rpc`: one of [`READS`]).
+pub fn read_request(rpc: &'static str) {
+    METRICS.read_requests.get_or_create(&[("rpc", rpc)]).inc();
 }

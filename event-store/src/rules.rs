@@ -521,7 +521,8 @@ impl ForkPoint {
         let at = self.at_seq;
         if at == 0 || at > last_seq {
             return Err(StoreError::InvalidArgument(format!(
-                "at_seq: {at} is outside session {parent}'s log (seqs 1 to {last_seq}); name                  the last seq the fork takes"
+                "at_seq: {at} is outside session {parent}'s log (seqs 1 to {last_seq}); name \
+                 the last seq the fork takes"
             )));
         }
         if self.settled {
@@ -536,7 +537,10 @@ impl ForkPoint {
         Err(StoreError::Refused(
             Reason::ForkPointUnsettled,
             format!(
-                "seq {at} of session {parent} is not a settled point: a fork is made after a                  user message, a final assistant message, an interrupted, or the tool result                  that answers the last open call, so that no call is left without its                  result; {nearest}"
+                "seq {at} of session {parent} is not a settled point: a fork is made after a \
+                 user message, a final assistant message, an interrupted, or the tool result \
+                 that answers the last open call, so that no call is left without its \
+                 result; {nearest}"
             ),
         ))
     }
@@ -1055,15 +1059,20 @@ mod tests {
         let refused = fork_at(&log, 4).expect_err("a call is still open at 4");
         assert_eq!(refused.reason(), Some(Reason::ForkPointUnsettled));
         assert!(refused.to_string().contains("are 1 and 6"), "{refused}");
+        assert!(
+            refused
+                .to_string()
+                .contains("made after a user message, a final assistant"),
+            "one space between words: {refused}"
+        );
         let refused = fork_at(&log, 9).expect_err("an interrupt waits for its answer");
         assert!(refused.to_string().contains("are 8 and 10"), "{refused}");
         let refused = fork_at(&log[..9], 9).expect_err("nothing settled after it yet");
         assert!(refused.to_string().contains("seq is 8"), "{refused}");
         for outside in [0, 11] {
-            assert!(matches!(
-                fork_at(&log, outside),
-                Err(StoreError::InvalidArgument(_))
-            ));
+            let refused = fork_at(&log, outside).expect_err("outside the log");
+            assert!(matches!(refused, StoreError::InvalidArgument(_)));
+            assert!(!refused.to_string().contains("  "), "{refused}");
         }
     }
 

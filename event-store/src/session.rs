@@ -121,11 +121,14 @@ pub fn is_valid_id(id: &str) -> bool {
 }
 
 /// Who writes an event kind. Runner-written kinds need the session's current lease; the
-/// others are a person's (a turn, an interrupt, an approval decision).
+/// others are a person's (a turn, an interrupt, an approval decision, the session's model).
 pub fn is_runner_kind(kind: &event::Kind) -> bool {
     !matches!(
         kind,
-        event::Kind::UserMessage(_) | event::Kind::Interrupt(_) | event::Kind::ApprovalDecision(_)
+        event::Kind::UserMessage(_)
+            | event::Kind::Interrupt(_)
+            | event::Kind::ApprovalDecision(_)
+            | event::Kind::SessionConfig(_)
     )
 }
 
@@ -142,6 +145,7 @@ pub fn kind_name(kind: &event::Kind) -> &'static str {
         event::Kind::Interrupted(_) => "interrupted",
         event::Kind::ApprovalRequested(_) => "approval_requested",
         event::Kind::ApprovalDecision(_) => "approval_decision",
+        event::Kind::SessionConfig(_) => "session_config",
     }
 }
 
@@ -250,8 +254,8 @@ impl SessionMeta {
                 self.pending_approvals.retain(|id| *id != d.tool_use_id);
                 self.status = self.runnable_unless_waiting();
             }
-            // Streamed text says nothing about who has work.
-            event::Kind::AssistantDelta(_) => {}
+            // Streamed text says nothing about who has work, nor does the session's model.
+            event::Kind::AssistantDelta(_) | event::Kind::SessionConfig(_) => {}
         }
     }
 

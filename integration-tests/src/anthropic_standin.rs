@@ -142,9 +142,9 @@ async fn messages(State(inner): State<Shared>, headers: HeaderMap, body: Bytes) 
             body: request.clone(),
         })
     };
-    if let Err(message) =
-        checked.and_then(|turn| check_verbatim(&state.replies, &request).map(|()| turn))
-    {
+    if let Err(message) = checked.and_then(|turn| {
+        check_verbatim(&state.replies, state.foreign_turns, &request).map(|()| turn)
+    }) {
         state.violations.push(message.clone());
         record(&mut state, "rejected");
         return error(StatusCode::BAD_REQUEST, "invalid_request_error", &message);
@@ -391,13 +391,13 @@ fn check_request(request: &Value) -> Result<usize, String> {
 }
 
 /// Assistant turns must be sent back exactly as streamed (thinking signatures included).
-fn check_verbatim(replies: &[StandinReply], request: &Value) -> Result<(), String> {
+fn check_verbatim(replies: &[StandinReply], foreign: usize, request: &Value) -> Result<(), String> {
     let assistants = request["messages"]
         .as_array()
         .into_iter()
         .flatten()
         .filter(|m| m["role"] == "assistant");
-    for (turn, message) in assistants.enumerate() {
+    for (turn, message) in assistants.enumerate().skip(foreign) {
         let Some(reply) = replies.get(turn) else {
             return Err(format!(
                 "assistant turn {turn} was never produced by the stand-in"

@@ -166,7 +166,7 @@ async fn chat_completions(
     };
     let checked = check_content_type(&headers)
         .and_then(|()| check_request(&request))
-        .and_then(|()| check_verbatim(&state.replies, dialect, &request));
+        .and_then(|()| check_verbatim(&state.replies, state.foreign_turns, dialect, &request));
     if let Err(message) = checked {
         state.violations.push(message.clone());
         record(&mut state, "rejected");
@@ -602,13 +602,14 @@ fn check_tool_calls(calls: &Value, at: &str) -> Result<Vec<String>, String> {
 /// when the stand-in gave unique ones).
 fn check_verbatim(
     replies: &[StandinReply],
+    foreign: usize,
     dialect: Dialect,
     request: &Value,
 ) -> Result<(), String> {
     let assistants = messages(request)
         .iter()
         .filter(|m| m["role"] == "assistant");
-    for (turn, message) in assistants.enumerate() {
+    for (turn, message) in assistants.enumerate().skip(foreign) {
         let Some(reply) = replies.get(turn) else {
             return Err(format!(
                 "assistant turn {turn} was never produced by the stand-in"

@@ -50,6 +50,9 @@ pub struct Journal<R, F> {
     /// The API key requests must carry (any non-empty one when unset), as a provider checks
     /// its keys: a request with another gets the API's 401.
     pub api_key: Option<String>,
+    /// How many leading assistant turns of a request another model wrote (a replay's
+    /// recorded prefix): held to the API's rules, not to this stand-in's script.
+    pub foreign_turns: usize,
 }
 
 impl<R, F> Journal<R, F> {
@@ -62,6 +65,7 @@ impl<R, F> Journal<R, F> {
             hook: None,
             streams_dropped: Vec::new(),
             api_key: None,
+            foreign_turns: 0,
         }
     }
 
@@ -133,6 +137,14 @@ impl<R, F> Standin<R, F> {
             .entry(turn)
             .or_default()
             .push_back(fault);
+    }
+
+    /// Takes the first `turns` assistant turns of every request as another model's (a
+    /// replay's recorded prefix): they must follow the API's rules, but need not be this
+    /// stand-in's replies. Its script still counts them (reply `turns` answers the first
+    /// turn after them).
+    pub fn foreign_turns(&self, turns: usize) {
+        lock(&self.journal).foreign_turns = turns;
     }
 
     /// Runs `hook` on every well-formed request before it is answered.

@@ -381,6 +381,7 @@ async fn a_half_written_answer_is_finished_by_the_next_runner_without_running_an
                         .into(),
                     is_error: true,
                     workspace_checkpoint: None,
+                    served_from: None,
                 }),
             )],
             Some(lease.epoch),

@@ -316,6 +316,30 @@ async fn other_malformed_requests_name_their_field() {
             "InvalidArgument",
             "page_token",
         ),
+        (
+            "Append",
+            json!({ "session_id": "s", "events": [{ "session_config": { "model": "gpt-4" } }] }),
+            "InvalidArgument",
+            "events[0].session_config.model",
+        ),
+        (
+            "Append",
+            json!({ "session_id": "s", "events": [{ "session_config": {
+                "model": "openai:m",
+                "replay": { "session_id": "s", "after_seq": 2, "through_seq": 1 },
+            } }] }),
+            "InvalidArgument",
+            "events[0].session_config.replay",
+        ),
+        (
+            "Append",
+            json!({ "session_id": "s", "events": [{ "session_config": {
+                "model": "openai:m",
+                "replay": { "session_id": "no/such" },
+            } }] }),
+            "InvalidArgument",
+            "events[0].session_config.replay.session_id",
+        ),
     ];
     for (method, request, code, field) in cases {
         let out = grpcurl(

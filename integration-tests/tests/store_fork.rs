@@ -100,6 +100,7 @@ async fn parent(client: &mut Client, session: &str) {
             content: format!("ran {id}"),
             is_error: false,
             workspace_checkpoint: Some(format!("{id:0>64}")),
+            served_from: None,
         })
     };
     for (id, kind) in [

@@ -182,6 +182,7 @@ async fn fill(client: &mut Client) -> Result<()> {
                 content: "ok\n".into(),
                 is_error: false,
                 workspace_checkpoint: Some("abc123".into()),
+                served_from: None,
             }),
         ),
         runner(

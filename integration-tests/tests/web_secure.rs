@@ -110,8 +110,10 @@ fn listen_addr(child: &mut Child) -> SocketAddr {
                 .nth(1)
                 .and_then(|rest| rest.split_whitespace().next())
                 .and_then(|a| a.parse::<SocketAddr>().ok());
-            if let (Some(addr), Some(tx)) = (addr, tx.take()) {
-                let _ = tx.send(addr);
+            if let Some(addr) = addr {
+                if let Some(tx) = tx.take() {
+                    let _ = tx.send(addr);
+                }
             }
         }
     });

@@ -24,8 +24,9 @@ use serde_json::{Map, Value};
 
 use crate::v1::{
     content_block::Block, event::Kind, ApprovalDecision, ApprovalRequested, AssistantDelta,
-    AssistantMessage, ContentBlock, Event, Interrupt, Interrupted, RedactedThinkingBlock, RunError,
-    TextBlock, ThinkingBlock, ToolResult, ToolStarted, ToolUseBlock, Usage, UserMessage,
+    AssistantMessage, ContentBlock, Event, Interrupt, Interrupted, OffPath, RedactedThinkingBlock,
+    Replay, RunError, ServedFrom, SessionConfig, TextBlock, ThinkingBlock, ToolResult, ToolStarted,
+    ToolUseBlock, Usage, UserMessage,
 };
 
 /// Why a JSON value is not an event.
@@ -69,6 +70,13 @@ pub fn write_event(out: &mut Vec<u8>, event: &Event) {
                     o.key("workspaceCheckpoint");
                     write_str(o.out, checkpoint);
                 }
+                if let Some(from) = &r.served_from {
+                    o.key("servedFrom");
+                    let mut f = Obj::open(o.out);
+                    f.str("sessionId", &from.session_id);
+                    f.u64("seq", from.seq);
+                    f.close();
+                }
                 o.close();
             }),
             Kind::AssistantDelta(d) => ("assistantDelta", &|out| {
@@ -109,6 +117,28 @@ pub fn write_event(out: &mut Vec<u8>, event: &Event) {
                 o.str("toolUseId", &d.tool_use_id);
                 o.bool("approved", d.approved);
                 o.str("note", &d.note);
+                o.close();
+            }),
+            Kind::SessionConfig(c) => ("sessionConfig", &|out| {
+                let mut o = Obj::open(out);
+                o.str("model", &c.model);
+                if let Some(r) = &c.replay {
+                    o.key("replay");
+                    let mut r_ = Obj::open(o.out);
+                    r_.str("sessionId", &r.session_id);
+                    r_.u64("afterSeq", r.after_seq);
+                    r_.u64("throughSeq", r.through_seq);
+                    if r.off_path != 0 {
+                        r_.key("offPath");
+                        match OffPath::try_from(r.off_path) {
+                            Ok(known) => write_str(r_.out, known.as_str_name()),
+                            // A value this build does not name: its number, as proto3 JSON
+                            // writes an unknown enum value.
+                            Err(_) => r_.out.extend_from_slice(r.off_path.to_string().as_bytes()),
+                        }
+                    }
+                    r_.close();
+                }
                 o.close();
             }),
         };
@@ -321,7 +351,7 @@ pub fn event_from_json(value: &Value) -> Result<Event, JsonError> {
         schema_version: fields.u32("schemaVersion")?,
         kind: None,
     };
-    let kinds: [(&str, KindReader); 10] = [
+    let kinds: [(&str, KindReader); 11] = [
         ("userMessage", |f| {
             Ok(Kind::UserMessage(UserMessage {
                 text: f.string("text")?,
@@ -341,6 +371,18 @@ pub fn event_from_json(value: &Value) -> Result<Event, JsonError> {
                 content: f.string("content")?,
                 is_error: f.bool("isError")?,
                 workspace_checkpoint: f.optional_string("workspaceCheckpoint")?,
+                served_from: match f.take("servedFrom") {
+                    None | Some(Value::Null) => None,
+                    Some(value) => {
+                        let mut g = Fields::of(&value, "servedFrom")?;
+                        let from = ServedFrom {
+                            session_id: g.string("sessionId")?,
+                            seq: g.u64("seq")?,
+                        };
+                        g.done()?;
+                        Some(from)
+                    }
+                },
             }))
         }),
         ("assistantDelta", |f| {
@@ -378,6 +420,43 @@ pub fn event_from_json(value: &Value) -> Result<Event, JsonError> {
                 tool_use_id: f.string("toolUseId")?,
                 approved: f.bool("approved")?,
                 note: f.string("note")?,
+            }))
+        }),
+        ("sessionConfig", |f| {
+            let replay = match f.take("replay") {
+                None | Some(Value::Null) => None,
+                Some(value) => {
+                    let mut r = Fields::of(&value, "replay")?;
+                    let off_path = match r.take("offPath") {
+                        None | Some(Value::Null) => 0,
+                        Some(Value::String(name)) => {
+                            OffPath::from_str_name(&name).ok_or_else(|| {
+                                err(format!("replay: `offPath` {name:?} is not an OffPath"))
+                            })? as i32
+                        }
+                        Some(Value::Number(n)) => n
+                            .as_i64()
+                            .and_then(|n| i32::try_from(n).ok())
+                            .ok_or_else(|| err(format!("replay: `offPath` {n} is out of range")))?,
+                        Some(other) => {
+                            return Err(err(format!(
+                                "replay: `offPath` must be a name, not {other}"
+                            )))
+                        }
+                    };
+                    let replay = Replay {
+                        session_id: r.string("sessionId")?,
+                        after_seq: r.u64("afterSeq")?,
+                        through_seq: r.u64("throughSeq")?,
+                        off_path,
+                    };
+                    r.done()?;
+                    Some(replay)
+                }
+            };
+            Ok(Kind::SessionConfig(SessionConfig {
+                model: f.string("model")?,
+                replay,
             }))
         }),
     ];
@@ -739,6 +818,7 @@ mod tests {
                 content: "ok\n".into(),
                 is_error: true,
                 workspace_checkpoint: Some(String::new()),
+                served_from: None,
             }),
             Kind::ToolResult(ToolResult {
                 workspace_checkpoint: Some("abc".into()),
@@ -766,6 +846,28 @@ mod tests {
                 tool_use_id: "toolu_2".into(),
                 approved: true,
                 note: "fine".into(),
+            }),
+            Kind::ToolResult(ToolResult {
+                tool_use_id: "toolu_3".into(),
+                content: "served".into(),
+                served_from: Some(ServedFrom {
+                    session_id: "acme:s-0".into(),
+                    seq: 9,
+                }),
+                ..ToolResult::default()
+            }),
+            Kind::SessionConfig(SessionConfig {
+                model: "openai:gpt".into(),
+                replay: Some(Replay {
+                    session_id: "acme:s-0".into(),
+                    after_seq: 1,
+                    through_seq: 20,
+                    off_path: OffPath::Stop as i32,
+                }),
+            }),
+            Kind::SessionConfig(SessionConfig {
+                model: "anthropic:claude".into(),
+                replay: Some(Replay::default()),
             }),
         ];
         let mut events: Vec<Event> = kinds
@@ -829,8 +931,8 @@ mod tests {
         assert!(matches!(event.kind, Some(Kind::ToolResult(ref r)) if r.is_error));
         for (bad, says) in [
             (
-                serde_json::json!({"seq": "1", "sessionConfig": {"model": "m"}}),
-                "sessionConfig",
+                serde_json::json!({"seq": "1", "sessionSettings": {"model": "m"}}),
+                "sessionSettings",
             ),
             (serde_json::json!({"seq": "x"}), "`seq` must be an integer"),
             (serde_json::json!({"seq": "-1"}), "out of its type's range"),
@@ -885,6 +987,7 @@ mod tests {
                     "interrupted",
                     "approvalRequested",
                     "approvalDecision",
+                    "sessionConfig",
                 ][..],
             ),
             ("UserMessage", &["text"][..]),
@@ -915,7 +1018,19 @@ mod tests {
             ),
             (
                 "ToolResult",
-                &["toolUseId", "content", "isError", "workspaceCheckpoint"][..],
+                &[
+                    "toolUseId",
+                    "content",
+                    "isError",
+                    "workspaceCheckpoint",
+                    "servedFrom",
+                ][..],
+            ),
+            ("ServedFrom", &["sessionId", "seq"][..]),
+            ("SessionConfig", &["model", "replay"][..]),
+            (
+                "Replay",
+                &["sessionId", "afterSeq", "throughSeq", "offPath"][..],
             ),
             ("AssistantDelta", &["turnId", "text"][..]),
             ("RunError", &["message", "retryable"][..]),

@@ -5,6 +5,7 @@
 pub mod codec;
 pub mod json;
 pub mod reason;
+pub mod replay;
 pub mod settled;
 
 pub mod v1 {

@@ -6,8 +6,10 @@
 //! answered, exactly once, by `tool_result` blocks at the very start of the next user
 //! message, in the order of the calls, with any user text that arrived in between placed
 //! after the results. Consecutive user content is merged; deltas, `run_error`s, interrupts,
-//! approvals and kinds this runner does not know never reach the provider; assistant turns
-//! are passed through verbatim. A conversation is only handed out when every call of the
+//! approvals, `session_config`s and kinds this runner does not know never reach the
+//! provider; assistant turns are passed through verbatim, whichever provider wrote them,
+//! in the form of the model the conversation goes to. The session's model and, for a
+//! replay, where it stands are folded beside the conversation ([`config`]). A conversation is only handed out when every call of the
 //! last reply has its result, so an unpaired `tool_use` can never reach a provider: that
 //! state is [`Frontier::RunTools`] (or [`Frontier::AnswerInterrupt`]) instead.
 //!
@@ -18,6 +20,7 @@
 //! A fold also travels as bytes ([`snapshot`]): restored, it folds the rest of the log the
 //! same way.
 
+pub mod config;
 pub mod snapshot;
 pub mod transcript;
 
@@ -27,6 +30,7 @@ use agentlog_proto::v1::{
     content_block::Block, event::Kind, AssistantMessage, Event, ToolResult, ToolUseBlock,
 };
 
+use config::SessionConfigState;
 use transcript::{Form, Transcript};
 
 /// What an older reply's call is answered with when the log holds no result for it. Only a
@@ -178,6 +182,8 @@ pub struct FoldState {
     last_interrupt_seq: u64,
     /// `messages` are out in a conversation handed out by [`FoldState::take_folded`].
     lent: bool,
+    /// The session's model and its replay (`session_config`).
+    config: SessionConfigState,
 }
 
 /// Folds a session's events (in seq order) into the frontier.
@@ -209,8 +215,14 @@ impl FoldState {
         }
     }
 
+    /// The session's model and, for a replay, where it stands.
+    pub fn config(&self) -> &SessionConfigState {
+        &self.config
+    }
+
     /// Applies the next event of the log.
     pub fn apply(&mut self, event: &Event) {
+        self.config.apply(event);
         match &event.kind {
             Some(Kind::UserMessage(user)) => {
                 self.user_texts.push(user.text.clone());
@@ -287,7 +299,7 @@ impl FoldState {
                 self.approvals
                     .insert(decision.tool_use_id.clone(), approval);
             }
-            Some(Kind::AssistantDelta(_)) | None => {}
+            Some(Kind::AssistantDelta(_) | Kind::SessionConfig(_)) | None => {}
         }
     }
 
@@ -398,6 +410,7 @@ impl FoldState {
                         content: MISSING_RESULT.to_string(),
                         is_error: true,
                         workspace_checkpoint: None,
+                        served_from: None,
                     },
                 })
             })
@@ -486,6 +499,7 @@ mod tests {
             content: format!("out {id}"),
             is_error: false,
             workspace_checkpoint: None,
+            served_from: None,
         }))
     }
 
@@ -661,6 +675,7 @@ mod tests {
                         tool_use_id: "a".into(),
                         content: "out a".into(),
                         workspace_checkpoint: None,
+                        served_from: None,
                         is_error: false
                     })
                 ),
@@ -884,6 +899,14 @@ mod tests {
             })
         );
         assert!(FoldState::from_snapshot(vec![data.clone().into()], None).is_err());
+        // A runner of several models takes it in whichever of their forms it is kept in.
+        let either: [&'static dyn Form; 2] = [&openai::FORM, &anthropic::FORM];
+        let restored = FoldState::from_snapshot_in(vec![data.clone().into()], &either)
+            .expect("one of the runner's forms");
+        assert_eq!(
+            restored.form().map(|f| f.name()),
+            Some("anthropic-messages")
+        );
         let cut = data[..data.len() - 1].to_vec();
         assert!(matches!(
             FoldState::from_snapshot(vec![cut.into()], Some(&anthropic::FORM)),

@@ -9,6 +9,7 @@ pub mod fold;
 pub mod lease;
 pub mod metrics;
 pub mod model;
+pub mod replay;
 pub mod secrets;
 pub mod session_log;
 pub mod sweep;

@@ -10,7 +10,7 @@ use agentlog_client::StoreConnection;
 use anyhow::{Context, Result};
 use clap::Parser;
 use runner::drain::{Drain, EXIT_MARGIN};
-use runner::model::Model;
+use runner::model::Models;
 use runner::secrets::{SecretFiles, Secrets};
 use runner::sweep::Sweeper;
 use runner::tools::sandbox::{self, Ids, Sandbox, SandboxMode, ToolNetwork, HELPER_ARG, SELF_EXE};
@@ -64,9 +64,11 @@ struct Args {
     /// Sessions' workspaces are created under this directory: DIR/<session_id>/.
     #[arg(long, env = "AGENTLOG_WORKSPACE_ROOT")]
     workspace_root: PathBuf,
-    /// anthropic:MODEL, openai:MODEL or scripted:FILE.
-    #[arg(long, env = "AGENTLOG_MODEL")]
-    model: String,
+    /// anthropic:MODEL, openai:MODEL or scripted:FILE. Repeatable (the environment
+    /// variable takes a comma-separated list): the first is the default, and a session runs on
+    /// the one its latest session_config names.
+    #[arg(long, env = "AGENTLOG_MODEL", value_delimiter = ',', required = true)]
+    model: Vec<String>,
     /// Sessions worked at once.
     #[arg(long, env = "AGENTLOG_MAX_SESSIONS", default_value_t = 8)]
     max_sessions: usize,
@@ -192,7 +194,7 @@ async fn run(args: Args, secrets: Secrets, non_dumpable: bool) -> Result<()> {
         args.lease_ttl_ms
     );
     anyhow::ensure!(args.max_sessions >= 1, "--max-sessions must be at least 1");
-    let model = Model::from_spec(&args.model, &secrets.api_keys)?;
+    let models = Models::from_specs(&args.model, &secrets.api_keys)?;
     let policy = ToolPolicy::new(&args.approve, &args.on_unknown_outcome)?;
     std::fs::create_dir_all(&args.workspace_root).with_context(|| {
         format!(
@@ -269,7 +271,7 @@ async fn run(args: Args, secrets: Secrets, non_dumpable: bool) -> Result<()> {
             .with_context(|| format!("binding --metrics-listen {addr}"))?;
         let metrics_addr = listener.local_addr().context("reading the bound address")?;
         tracing::info!(%metrics_addr, "serving Prometheus metrics at /metrics");
-        let registry = runner::metrics::registry(&model);
+        let registry = runner::metrics::registry(&models);
         let stop = shutdown.clone();
         tokio::spawn(async move {
             if let Err(e) = telemetry::serve_metrics(listener, registry, stop).await {
@@ -298,7 +300,7 @@ async fn run(args: Args, secrets: Secrets, non_dumpable: bool) -> Result<()> {
     tracing::info!(
         runner_id = %args.runner_id,
         event_store = %args.event_store,
-        model = %args.model,
+        models = %args.model.join(","),
         max_sessions = args.max_sessions,
         lease_ttl_ms = args.lease_ttl_ms,
         sandbox = %sandbox.mode_name(),
@@ -324,7 +326,7 @@ async fn run(args: Args, secrets: Secrets, non_dumpable: bool) -> Result<()> {
         }
     });
     let context = Arc::new(TurnContext {
-        model,
+        models,
         toolbox,
         tools: Toolbox::specs(),
         policy,

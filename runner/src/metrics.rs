@@ -17,7 +17,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
-use crate::model::{Model, ModelError};
+use crate::model::{Model, ModelError, Models};
 use crate::tools::{Stopped, ToolOutput, Toolbox};
 
 type Labels1 = [(&'static str, &'static str); 1];
@@ -33,6 +33,7 @@ struct RunnerMetrics {
     tool_runs: Family<Labels2, Counter>,
     tool_seconds: Family<Labels1, Histogram>,
     interrupted_calls: Family<Labels1, Counter>,
+    served_calls: Family<Labels1, Counter>,
     approval_requests: Counter,
     leases_lost: Counter,
     sessions_deleted: Counter,
@@ -55,6 +56,7 @@ static METRICS: LazyLock<RunnerMetrics> = LazyLock::new(|| RunnerMetrics {
     tool_runs: Family::default(),
     tool_seconds: Family::new_with_constructor(seconds_histogram),
     interrupted_calls: Family::default(),
+    served_calls: Family::default(),
     approval_requests: Counter::default(),
     leases_lost: Counter::default(),
     sessions_deleted: Counter::default(),
@@ -62,29 +64,32 @@ static METRICS: LazyLock<RunnerMetrics> = LazyLock::new(|| RunnerMetrics {
     sweeps: Family::default(),
 });
 
-/// Every runner metric; the usual series of `model`'s provider and of every tool exist from
-/// the start (at 0), so rates and the dashboard see them.
-pub fn registry(model: &Model) -> Registry {
+/// Every runner metric; the usual series of each model's provider and of every tool exist
+/// from the start (at 0), so rates and the dashboard see them.
+pub fn registry(models: &Models) -> Registry {
     let m = &*METRICS;
-    let provider = model.provider();
-    let _ = m
-        .model_calls
-        .get_or_create(&[("provider", provider), ("outcome", "ok")]);
-    let _ = m.model_seconds.get_or_create(&[("provider", provider)]);
-    let _ = m
-        .first_token_seconds
-        .get_or_create(&[("provider", provider)]);
-    let _ = m.model_retries.get_or_create(&[("provider", provider)]);
-    for direction in ["input", "output"] {
+    for model in models.iter() {
+        let provider = model.provider();
         let _ = m
-            .tokens
-            .get_or_create(&[("provider", provider), ("direction", direction)]);
+            .model_calls
+            .get_or_create(&[("provider", provider), ("outcome", "ok")]);
+        let _ = m.model_seconds.get_or_create(&[("provider", provider)]);
+        let _ = m
+            .first_token_seconds
+            .get_or_create(&[("provider", provider)]);
+        let _ = m.model_retries.get_or_create(&[("provider", provider)]);
+        for direction in ["input", "output"] {
+            let _ = m
+                .tokens
+                .get_or_create(&[("provider", provider), ("direction", direction)]);
+        }
     }
     for tool in Toolbox::specs() {
         let _ = m
             .tool_runs
             .get_or_create(&[("tool", tool.name), ("outcome", "ok")]);
         let _ = m.tool_seconds.get_or_create(&[("tool", tool.name)]);
+        let _ = m.served_calls.get_or_create(&[("tool", tool.name)]);
     }
     for action in ["rerun", "reported", "asked"] {
         let _ = m.interrupted_calls.get_or_create(&[("action", action)]);
@@ -137,6 +142,11 @@ pub fn registry(model: &Model) -> Registry {
         "agentlog_runner_interrupted_calls",
         "Tool calls found started without a result, by what was done (rerun, reported, asked)",
         m.interrupted_calls.clone(),
+    );
+    r.register(
+        "agentlog_runner_served_calls",
+        "Tool calls of replays answered with their recorded result instead of running, by tool",
+        m.served_calls.clone(),
     );
     r.register(
         "agentlog_runner_approval_requests",
@@ -209,6 +219,12 @@ pub fn interrupted_call(action: &'static str) {
         .interrupted_calls
         .get_or_create(&[("action", action)])
         .inc();
+}
+
+/// A replay's call got its recorded result; the tool did not run.
+pub fn call_served(tool: &str) {
+    let tool = Toolbox::spec(tool).map_or("unknown", |spec| spec.name);
+    METRICS.served_calls.get_or_create(&[("tool", tool)]).inc();
 }
 
 /// An `approval_requested` was appended: the call waits for a person.

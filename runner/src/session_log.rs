@@ -235,8 +235,9 @@ struct Start {
 pub struct FoldCache {
     capacity: usize,
     snapshot_every: u64,
-    /// The form a new fold keeps its settled messages in (the model's request form).
-    form: Option<&'static dyn Form>,
+    /// The forms of the runner's models, the default's first: a new fold keeps its settled
+    /// messages in the first, and a snapshot in any of them is taken.
+    forms: Vec<&'static dyn Form>,
     kept: Mutex<(u64, HashMap<String, KeptFold>)>,
 }
 
@@ -244,12 +245,12 @@ impl FoldCache {
     /// Keeps at most `capacity` sessions' folds (0 keeps none), and reads and writes
     /// snapshots of sessions whose log has at least `snapshot_every` events, writing one
     /// each time that many seqs have passed since the last (0: no snapshots). New folds keep
-    /// their settled messages in `form`.
-    pub fn new(capacity: usize, snapshot_every: u64, form: Option<&'static dyn Form>) -> FoldCache {
+    /// their settled messages in the first of `forms` (none: as messages).
+    pub fn new(capacity: usize, snapshot_every: u64, forms: Vec<&'static dyn Form>) -> FoldCache {
         FoldCache {
             capacity,
             snapshot_every,
-            form,
+            forms,
             kept: Mutex::new((0, HashMap::new())),
         }
     }
@@ -354,7 +355,11 @@ impl SessionLog {
             Err(status) => return Err(StoreError::Failed(status)),
         };
         let fresh = || Start {
-            fold: cache.form.map(FoldState::rendering).unwrap_or_default(),
+            fold: cache
+                .forms
+                .first()
+                .map(|form| FoldState::rendering(*form))
+                .unwrap_or_default(),
             ..Start::default()
         };
         let kept = cache
@@ -367,7 +372,7 @@ impl SessionLog {
         } = match kept {
             Some(start) => start,
             None if cache.snapshot_every > 0 && claimed_tail >= cache.snapshot_every => {
-                restore_snapshot(&appender, claimed_tail, cache.form)
+                restore_snapshot(&appender, claimed_tail, &cache.forms)
                     .await
                     .unwrap_or_else(fresh)
             }
@@ -477,6 +482,52 @@ impl SessionLog {
         }
     }
 
+    /// The session's model and its replay, as folded so far.
+    pub fn config(&self) -> &crate::fold::config::SessionConfigState {
+        self.fold.config()
+    }
+
+    /// [`FoldState::take_folded`] of the fold as caught up.
+    pub fn take_folded(&mut self) -> crate::fold::Folded {
+        self.fold.take_folded()
+    }
+
+    /// Makes the fold keep its conversation in `form`, the form of the model the session
+    /// runs on: a fold kept in another (a session whose model changed, or a fold made before
+    /// its `session_config` was seen) is folded again from seq 1, reading the log through
+    /// what was applied.
+    pub async fn ensure_form(&mut self, form: &'static dyn Form) -> Result<(), StoreError> {
+        if self
+            .fold
+            .form()
+            .is_some_and(|kept| kept.name() == form.name())
+            || self.fold.is_lent()
+        {
+            return Ok(());
+        }
+        let through = self.applied_through;
+        let session_id = self.appender.session_id.clone();
+        let client = self.appender.client.clone();
+        let events = retry_transient("Subscribe", STORE_PATIENCE, || {
+            let mut client = client.clone();
+            let session_id = session_id.clone();
+            async move { agentlog_client::log::read_log(&mut client, &session_id).await }
+        })
+        .await
+        .map_err(StoreError::from)?;
+        let mut fold = FoldState::rendering(form);
+        for event in events.iter().take_while(|e| e.seq <= through) {
+            fold.apply(event);
+        }
+        tracing::info!(
+            form = form.name(),
+            through,
+            "folded the log again in its model's form"
+        );
+        self.fold = fold;
+        Ok(())
+    }
+
     /// Returns the messages of a conversation taken with [`FoldState::take_folded`].
     pub fn give_back(&mut self, conversation: crate::fold::Conversation) {
         self.fold.give_back(conversation);
@@ -528,7 +579,7 @@ impl SessionLog {
 async fn restore_snapshot(
     appender: &Appender,
     claimed_tail: u64,
-    form: Option<&'static dyn Form>,
+    forms: &[&'static dyn Form],
 ) -> Option<Start> {
     let request = GetSnapshotRequest {
         session_id: appender.session_id.clone(),
@@ -568,7 +619,7 @@ async fn restore_snapshot(
         return None;
     }
     let bytes: usize = data.iter().map(Bytes::len).sum();
-    match FoldState::from_snapshot(data, form) {
+    match FoldState::from_snapshot_in(data, forms) {
         Ok(fold) => {
             tracing::info!(seq, bytes, "resuming from the fold's snapshot");
             Some(Start {

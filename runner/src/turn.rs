@@ -21,16 +21,23 @@
 //! | streamed text | `delta:<n>.<epoch>.<attempt>:<i>` (the turn id is `<n>.<epoch>.<attempt>`) |
 //! | `interrupted` answering the `interrupt` at seq `s` | `interrupted:<s>` |
 //! | calls' events | see `tools/guard.rs` |
+//! | a replay's recorded user turn, served results | see `replay.rs` |
+//!
+//! A session runs on the model its latest `session_config` names (the first `--model` if
+//! none); one this runner lacks ends the turn with a `run_error` naming it and the runner's
+//! models. A replay's calls are served from its recording while the model stays on the
+//! recorded path (`replay.rs`), before the guard sees them.
 
 use std::time::Duration;
 
-use agentlog_proto::v1::{event::Kind, AssistantDelta, Durability, Interrupted, RunError};
+use agentlog_proto::v1::{event::Kind, AssistantDelta, Durability, Interrupted, OffPath, RunError};
 use tokio::sync::mpsc;
 use tracing::Instrument;
 
-use crate::fold::{Conversation, Frontier, PendingCall, PendingInterrupt};
+use crate::fold::{Conversation, Frontier, Message, PendingCall, PendingInterrupt, UserBlock};
 use crate::lease::LeaseGuard;
-use crate::model::{Model, ModelError, ModelRequest, TextSink};
+use crate::model::{Model, ModelError, ModelRequest, Models, TextSink};
+use crate::replay::{self, RecordingFeed, Serving};
 use crate::session_log::{Appender, InterruptSignal, SessionLog, StoreError};
 use crate::tools::checkpoint::{self, ForkError};
 use crate::tools::guard::{self, CallsOutcome, GuardError};
@@ -46,10 +53,11 @@ pub const SYSTEM_PROMPT: &str = "You are an agent working in a private workspace
 Use the tools to inspect and change files and to run commands there; paths are relative to \
 the workspace. Finish with a short summary of what you did.";
 
-/// What the loop needs besides the session: the model, the tools, and their settings.
+/// What the loop needs besides the session: the models, the tools, and their settings.
 #[derive(Debug)]
 pub struct TurnContext {
-    pub model: Model,
+    /// The runner's models; a session runs on the one its `session_config` names.
+    pub models: Models,
     pub toolbox: Toolbox,
     pub tools: Vec<ToolSpec>,
     /// Which calls wait for a person, and what an unknown outcome does, per tool.
@@ -88,6 +96,8 @@ pub enum TurnError {
     LeaseAtRisk,
     #[error("could not restore the fork's workspace: {0}")]
     Fork(#[from] ForkError),
+    #[error("could not move the replay's workspace to the recording's: {0}")]
+    Move(#[from] checkpoint::CheckpointError),
 }
 
 impl TurnError {
@@ -125,39 +135,133 @@ pub async fn drive_session(
             prepared = checkpoint::prepare_fork(checkpoints, log.client(), log.appender().session_id(), &fork) => prepared?,
         }
     }
+    // A replay's recording, read once per claim (and again if a new config names another).
+    let mut feed: Option<(agentlog_proto::v1::Replay, RecordingFeed)> = None;
     loop {
         // No new step once the runner drains.
         if cancel.is_cancelled() || lease.draining() {
             return Ok(Outcome::Stopped);
         }
-        let folded = tokio::select! {
+        tokio::select! {
             _ = cancel.cancelled() => return Ok(Outcome::Stopped),
             _ = lease.drain_begun() => return Ok(Outcome::Stopped),
-            fold = log.catch_up().instrument(tracing::info_span!("fold")) => fold?.take_folded(),
+            fold = log.catch_up().instrument(tracing::info_span!("fold")) => { fold?; }
         };
+        let config = log.config().clone();
+        let model = context.models.get(config.model.as_deref());
+        if let Ok(model) = &model {
+            // The one fold renders the conversation in the form of the model it is sent to.
+            log.ensure_form(model.form()).await?;
+        }
+        let folded = log.take_folded();
+        let replay = config.replay.as_ref();
+        if let Some(replay) = replay {
+            if feed.as_ref().map(|(recording, _)| recording) != Some(&replay.recording) {
+                let started = RecordingFeed::start(log.client().clone(), &replay.recording);
+                feed = Some((replay.recording.clone(), started));
+            }
+        }
         let interrupt = log.interrupt_signal();
         let appender = log.appender().clone();
         let appender = &appender;
+        let checkpoints = context.toolbox.checkpoints();
         let step = match folded.frontier {
-            Frontier::Idle => return Ok(Outcome::Idle),
+            Frontier::Idle => {
+                let Some(replay) = replay.filter(|r| !r.stopped()) else {
+                    return Ok(Outcome::Idle);
+                };
+                let Some(recording) = wait_recording(&feed, lease).await else {
+                    return Ok(Outcome::Stopped);
+                };
+                if !replay::replay_next_user(appender, recording.as_deref(), replay).await? {
+                    return Ok(Outcome::Idle);
+                }
+                Step::Done
+            }
             Frontier::AnswerInterrupt {
                 interrupt: pending,
                 open,
-            } => answer_interrupt(&context.toolbox, appender, &pending, &open).await?,
+            } => {
+                if let Some(behind) = replay.and_then(|r| r.behind.as_ref()) {
+                    let session_id = appender.session_id();
+                    replay::catch_up_workspace(checkpoints, session_id, behind).await?;
+                }
+                answer_interrupt(&context.toolbox, appender, &pending, &open).await?
+            }
             Frontier::CallModel(conversation) => {
-                let step = call_model(
-                    context,
-                    appender,
-                    lease,
-                    &interrupt,
-                    folded.turn,
-                    &conversation,
-                )
-                .await;
-                log.give_back(conversation);
+                let stopped =
+                    replay.is_some_and(|r| r.stopped()) && answers_calls_only(&conversation);
+                let step = match (&model, stopped) {
+                    (_, true) => {
+                        log.give_back(conversation);
+                        end_turn(
+                            appender,
+                            folded.turn,
+                            "the replay left the recorded path and stopped (--off-path stop); \
+                             the results above say where"
+                                .to_string(),
+                        )
+                        .await
+                    }
+                    (Err(missing), false) => {
+                        log.give_back(conversation);
+                        end_turn(appender, folded.turn, missing.to_string()).await
+                    }
+                    (Ok(model), false) => {
+                        let step = call_model(
+                            context,
+                            model,
+                            appender,
+                            lease,
+                            &interrupt,
+                            folded.turn,
+                            &conversation,
+                        )
+                        .await;
+                        log.give_back(conversation);
+                        step
+                    }
+                };
                 step?
             }
             Frontier::RunTools(calls) => {
+                if let Some(replay) = replay {
+                    let stop = replay.recording.off_path() == OffPath::Stop;
+                    let left = if replay.left_path {
+                        replay.stopped().then(|| replay::OffPath {
+                            why: "this replay stopped where it left the recorded path".into(),
+                        })
+                    } else {
+                        let Some(recording) = wait_recording(&feed, lease).await else {
+                            return Ok(Outcome::Stopped);
+                        };
+                        let gone = feed.as_ref().is_none_or(|(_, feed)| feed.parent_gone());
+                        match replay::serve_calls(
+                            checkpoints,
+                            appender,
+                            recording.as_deref(),
+                            gone,
+                            replay,
+                            &calls,
+                        )
+                        .await?
+                        {
+                            Serving::Served => continue,
+                            Serving::Left(off) => {
+                                tracing::info!(why = %off.why, "the replay left the recorded path");
+                                stop.then_some(off)
+                            }
+                        }
+                    };
+                    if let Some(off) = left {
+                        replay::stop_off_path(appender, replay, &calls, folded.turn, &off).await?;
+                        continue;
+                    }
+                    if let Some(behind) = &replay.behind {
+                        let session_id = appender.session_id();
+                        replay::catch_up_workspace(checkpoints, session_id, behind).await?;
+                    }
+                }
                 match guard::run_calls(
                     &context.toolbox,
                     &context.policy,
@@ -180,6 +284,48 @@ pub async fn drive_session(
             Step::Stopped => return Ok(Outcome::Stopped),
         }
     }
+}
+
+/// The replay's recording once read (`Some(None)`: it could not be), unless the work must
+/// stop first (`None`): a store that cannot be reached must not hold a lease past its end.
+async fn wait_recording(
+    feed: &Option<(agentlog_proto::v1::Replay, RecordingFeed)>,
+    lease: &LeaseGuard,
+) -> Option<Option<std::sync::Arc<replay::Recording>>> {
+    let Some((_, feed)) = feed else {
+        return Some(None);
+    };
+    tokio::select! {
+        _ = lease.cancelled().cancelled() => None,
+        _ = lease.drain_begun() => None,
+        recording = feed.recording() => Some(recording),
+    }
+}
+
+/// Whether the conversation ends in tool results alone: nobody spoke since the calls.
+fn answers_calls_only(conversation: &Conversation) -> bool {
+    match conversation.messages.last() {
+        Some(Message::User(blocks)) => blocks
+            .iter()
+            .all(|block| matches!(block, UserBlock::ToolResult(_))),
+        _ => false,
+    }
+}
+
+/// Ends turn `turn` with a `run_error` saying `message`, without asking the model.
+async fn end_turn(appender: &Appender, turn: u64, message: String) -> Result<Step, TurnError> {
+    tracing::warn!(turn, %message, "ending the turn with run_error");
+    appender
+        .append(
+            format!("error:{turn}"),
+            Kind::RunError(RunError {
+                message,
+                retryable: false,
+            }),
+            Durability::Sync,
+        )
+        .await?;
+    Ok(Step::Done)
 }
 
 /// Ends the interrupted turn: every open call gets an error result, then `interrupted`.
@@ -208,6 +354,7 @@ async fn answer_interrupt(
 /// `run_error` once the provider refuses or the attempts run out.
 async fn call_model(
     context: &TurnContext,
+    model: &Model,
     appender: &Appender,
     lease: &LeaseGuard,
     interrupt: &InterruptSignal,
@@ -238,7 +385,7 @@ async fn call_model(
                 tracing::info!(turn, "interrupt: the model stream was dropped");
                 return Ok(Step::Done);
             }
-            reply = context.model.stream_reply(request, &sink) => reply,
+            reply = model.stream_reply(request, &sink) => reply,
         };
         // Closing the sink lets the delta writer flush and finish.
         drop(sink);
@@ -283,7 +430,7 @@ async fn call_model(
                     _ = interrupt.arrived() => return Ok(Step::Done),
                     _ = tokio::time::sleep(wait) => {}
                 }
-                crate::metrics::model_retried(&context.model);
+                crate::metrics::model_retried(model);
                 attempt += 1;
             }
         }

@@ -58,7 +58,7 @@ pub async fn claim_loop(
     let folds = Arc::new(FoldCache::new(
         config.max_sessions.max(1) * KEPT_FOLDS_PER_SLOT,
         config.snapshot_every,
-        Some(context.model.form()),
+        context.models.forms(),
     ));
     let mut sessions = JoinSet::new();
     loop {

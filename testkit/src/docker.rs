@@ -273,10 +273,11 @@ impl Drop for Volume {
     }
 }
 
-/// The images the container tests need beside the product's, built once per recipe:
-/// `agentlog-test/postgres` (Debian's PostgreSQL 15, started as a primary or a streaming
-/// standby) and `agentlog-test/model-standin` (the `model-standin` binary of this build).
-/// Returns their names.
+/// The images the container tests need beside the product's, on the same bases:
+/// `agentlog-test/postgres:test` (Debian's PostgreSQL 15, started as a primary or a
+/// streaming standby) and `agentlog-test/model-standin:test` (the `model-standin` binary of
+/// this build). They stay cached like the bases; a rebuild replaces them (the layers that
+/// did not change are reused) and removes the image it replaced.
 pub struct HelperImages {
     pub postgres: String,
     pub model_standin: String,
@@ -307,16 +308,16 @@ pub fn helper_images() -> Result<HelperImages> {
         context.path().join("model-standin"),
     )
     .context("copy the model-standin binary (cargo build --workspace --bins)")?;
-    let tag = std::process::id().to_string();
     let images = HelperImages {
-        postgres: format!("agentlog-test/postgres:{tag}"),
-        model_standin: format!("agentlog-test/model-standin:{tag}"),
+        postgres: "agentlog-test/postgres:test".into(),
+        model_standin: "agentlog-test/model-standin:test".into(),
     };
+    let context_dir = context.path().to_str().context("a UTF-8 temp dir")?;
     for (target, name) in [
         ("postgres", &images.postgres),
         ("model-standin", &images.model_standin),
     ] {
-        let context_dir = context.path().to_str().context("a UTF-8 temp dir")?;
+        let replaced = docker(&["image", "inspect", "--format", "{{.Id}}", name]).ok();
         run(
             Command::new("docker")
                 .env("DOCKER_BUILDKIT", "0")
@@ -326,13 +327,11 @@ pub fn helper_images() -> Result<HelperImages> {
                 .args(["-t", name, context_dir]),
             &format!("docker build --target {target} (testkit/containers/Dockerfile)"),
         )?;
+        let built = docker(&["image", "inspect", "--format", "{{.Id}}", name])?;
+        if let Some(old) = replaced.filter(|old| *old != built) {
+            // In use by a container of another run, it stays.
+            let _ = docker(&["rmi", &old]);
+        }
     }
     Ok(images)
-}
-
-impl Drop for HelperImages {
-    fn drop(&mut self) {
-        // The tags only: their layers stay cached for the next run.
-        let _ = docker(&["rmi", "--no-prune", &self.postgres, &self.model_standin]);
-    }
 }

@@ -8,6 +8,7 @@
 //! token stays in this process: the browser only ever talks to this server.
 
 mod api;
+mod compare;
 mod events;
 mod guard;
 mod pages;
@@ -130,6 +131,8 @@ fn routes(app: App, guard: Arc<Guard>) -> Router {
     Router::new()
         .route("/", get(pages::list))
         .route("/sessions/{id}", get(pages::session))
+        .route("/compare", get(pages::compare))
+        .route("/v1/compare", get(compare::compare))
         .route("/login", get(pages::login).post(pages::post_login))
         .route("/logout", post(pages::post_logout))
         .route("/assets/{file}", get(pages::asset))

@@ -22,6 +22,11 @@ pub async fn session(Path(_id): Path<String>) -> Html<&'static str> {
     Html(include_str!("assets/session.html"))
 }
 
+/// Two sessions side by side: the script reads `a` and `b` from the address.
+pub async fn compare() -> Html<&'static str> {
+    Html(include_str!("assets/compare.html"))
+}
+
 pub async fn login() -> Html<&'static str> {
     Html(include_str!("assets/login.html"))
 }
@@ -75,6 +80,10 @@ pub async fn asset(Path(file): Path<String>) -> Response {
         "session.js" => (
             "text/javascript; charset=utf-8",
             include_str!("assets/session.js"),
+        ),
+        "compare.js" => (
+            "text/javascript; charset=utf-8",
+            include_str!("assets/compare.js"),
         ),
         "login.js" => (
             "text/javascript; charset=utf-8",

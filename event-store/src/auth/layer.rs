@@ -198,6 +198,7 @@ fn decode_target(rpc: Rpc, message: &Bytes) -> Result<Target, Status> {
         let req = AppendRequest::decode(message.clone()).map_err(undecodable)?;
         Ok(Target {
             session_id: req.session_id,
+            leased: req.lease_epoch.is_some(),
             kinds: req.events.into_iter().map(|e| e.kind).collect(),
             ..Target::default()
         })
@@ -206,7 +207,7 @@ fn decode_target(rpc: Rpc, message: &Bytes) -> Result<Target, Status> {
         Ok(Target {
             session_id: req.session_id,
             new_session_id: req.new_session_id,
-            kinds: Vec::new(),
+            ..Target::default()
         })
     } else {
         let req = NamesSession::decode(message.clone()).map_err(undecodable)?;

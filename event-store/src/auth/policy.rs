@@ -50,6 +50,8 @@ pub struct Target {
     pub new_session_id: String,
     /// For an append: each event's kind (`None`: no kind; validation refuses it).
     pub kinds: Vec<Option<agentlog_proto::v1::event::Kind>>,
+    /// For an append: whether it names a lease epoch (a runner writing under its lease).
+    pub leased: bool,
 }
 
 /// Whether `caller` may make the call `rpc` on `target`. This is the whole rule; the store
@@ -119,7 +121,11 @@ pub fn authorize(caller: &Caller, rpc: Rpc, target: &Target) -> Result<(), Denia
         return Err(outside_prefixes(caller, &target.new_session_id));
     }
     if rpc == Rpc::Append {
-        check_kinds(caller, target.kinds.iter().map(Option::as_ref))?;
+        check_kinds(
+            caller,
+            target.leased,
+            target.kinds.iter().map(Option::as_ref),
+        )?;
     }
     Ok(())
 }
@@ -133,7 +139,11 @@ pub fn authorize_append(caller: &Caller, request: &AppendRequest) -> Result<(), 
     if !caller.scope.admits(&request.session_id) {
         return Err(outside_prefixes(caller, &request.session_id));
     }
-    check_kinds(caller, request.events.iter().map(|e| e.kind.as_ref()))
+    check_kinds(
+        caller,
+        request.lease_epoch.is_some(),
+        request.events.iter().map(|e| e.kind.as_ref()),
+    )
 }
 
 /// Whether `caller` (admitted to [`Rpc::PutSnapshot`] by role in [`authorize`]) may keep
@@ -145,9 +155,12 @@ pub fn authorize_snapshot_put(caller: &Caller, session_id: &str) -> Result<(), D
     Err(outside_prefixes(caller, session_id))
 }
 
-/// Clients append a person's kinds only, runners the runner-written kinds only.
+/// Clients append a person's kinds only, runners the runner-written kinds only, and under
+/// their lease a `user_message` too (a replay's recorded turn, which the runner appends once
+/// the replay's previous turn ended).
 fn check_kinds<'a>(
     caller: &Caller,
+    leased: bool,
     kinds: impl Iterator<Item = Option<&'a agentlog_proto::v1::event::Kind>>,
 ) -> Result<(), Denial> {
     if caller.role == Role::Admin {
@@ -157,17 +170,20 @@ fn check_kinds<'a>(
     let client = caller.role == Role::Client;
     for (i, kind) in kinds.enumerate() {
         let Some(kind) = kind else { continue };
-        if is_runner_kind(kind) == client {
+        let replayed_turn =
+            !client && leased && matches!(kind, agentlog_proto::v1::event::Kind::UserMessage(_));
+        if is_runner_kind(kind) == client && !replayed_turn {
             return Err(Denial::Forbidden(format!(
                 "events[{i}]: token {who:?} (role {}) may not append {}; {}",
                 if client { "client" } else { "runner" },
                 kind_name(kind),
                 if client {
-                    "clients append user_message, interrupt and approval_decision only"
+                    "clients append user_message, interrupt, approval_decision and session_config \
+                     only"
                 } else {
                     "runners append the runner-written kinds only (assistant_message, \
                      tool_started, tool_result, assistant_delta, run_error, interrupted, \
-                     approval_requested)"
+                     approval_requested, and user_message under their lease)"
                 }
             )));
         }

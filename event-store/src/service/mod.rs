@@ -71,6 +71,7 @@ impl EventStoreService {
         &self,
         req: SubscribeRequest,
     ) -> Result<mpsc::Receiver<Result<EventRun, StoreError>>, Status> {
+        crate::metrics::read_request("subscribe");
         validate_session_id(&req.session_id)?;
         Ok(self.store.subscribe(
             req.session_id,
@@ -155,6 +156,7 @@ impl EventStore for EventStoreService {
         &self,
         request: Request<GetSessionRequest>,
     ) -> Result<Response<SessionInfo>, Status> {
+        crate::metrics::read_request("get_session");
         let req = request.into_inner();
         validate_session_id(&req.session_id)?;
         Ok(Response::new(
@@ -166,6 +168,7 @@ impl EventStore for EventStoreService {
         &self,
         request: Request<ListSessionsRequest>,
     ) -> Result<Response<ListSessionsResponse>, Status> {
+        crate::metrics::read_request("list_sessions");
         let caller = caller_of(&request)?;
         Ok(Response::new(
             self.store
@@ -296,6 +299,7 @@ impl EventStore for EventStoreService {
         &self,
         request: Request<GetSnapshotRequest>,
     ) -> Result<Response<SnapshotStream>, Status> {
+        crate::metrics::read_request("get_snapshot");
         let req = request.into_inner();
         validate_session_id(&req.session_id)?;
         validate_format(&req.format)?;

@@ -1,7 +1,7 @@
 //! What a request must be before any backend sees it: ids, owners, formats, ttls, and an
 //! append's counts, sizes and kinds. Each refusal names the field and what to fix.
 
-use agentlog_proto::v1::{AppendRequest, Durability, ForkSessionRequest};
+use agentlog_proto::v1::{event, AppendRequest, Durability, ForkSessionRequest, SessionConfig};
 use prost::Message;
 
 use crate::backend::{AppendOp, ForkOp};
@@ -117,6 +117,9 @@ pub fn validate_append(req: AppendRequest) -> Result<AppendOp, StoreError> {
                  assistant_message, tool_started, tool_result, assistant_delta, run_error)"
             )));
         }
+        if let Some(event::Kind::SessionConfig(config)) = &event.kind {
+            validate_session_config(i, config)?;
+        }
         if !event.session_id.is_empty() && event.session_id != req.session_id {
             return Err(invalid(format!(
                 "events[{i}].session_id: {} differs from the request's session_id {}; leave it \
@@ -140,6 +143,36 @@ pub fn validate_append(req: AppendRequest) -> Result<AppendOp, StoreError> {
         lease_epoch: req.lease_epoch,
         durability,
     })
+}
+
+/// A `session_config`: a model as `PROVIDER:MODEL`, and a replay that names a session and a
+/// range of its seqs.
+fn validate_session_config(i: usize, config: &SessionConfig) -> Result<(), StoreError> {
+    let named = config
+        .model
+        .split_once(':')
+        .is_some_and(|(provider, model)| !provider.is_empty() && !model.is_empty());
+    if !named || config.model.chars().any(char::is_control) {
+        return Err(invalid(format!(
+            "events[{i}].session_config.model: {} is not PROVIDER:MODEL (anthropic:MODEL, \
+             openai:MODEL or scripted:FILE)",
+            shown(&config.model)
+        )));
+    }
+    if let Some(replay) = &config.replay {
+        validate_id_field(
+            &format!("events[{i}].session_config.replay.session_id"),
+            &replay.session_id,
+        )?;
+        if replay.through_seq < replay.after_seq {
+            return Err(invalid(format!(
+                "events[{i}].session_config.replay: through_seq {} is before after_seq {}; the \
+                 recording is the seqs after after_seq up to through_seq",
+                replay.through_seq, replay.after_seq
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Checks a fork request and names the fork if the caller did not: `fork-<uuid>` after the

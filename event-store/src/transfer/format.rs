@@ -381,7 +381,7 @@ mod tests {
             ),
             ("{\"end\":{\"lastSeq\":\"x\"}}", "must be an integer"),
             ("{\"session\":{\"colour\":\"red\"}}", "`colour`"),
-            ("{\"seq\":\"1\",\"sessionConfig\":{}}", "sessionConfig"),
+            ("{\"seq\":\"1\",\"sessionSettings\":{}}", "sessionSettings"),
         ] {
             let e = parse_line(line).expect_err(line);
             assert!(e.contains(says), "{line}: {e}");

@@ -364,8 +364,12 @@ pub fn kinds(events: &[Event]) -> Vec<String> {
             Some(Kind::UserMessage(_)) => "user".to_string(),
             Some(Kind::AssistantMessage(m)) => format!("reply({})", m.stop_reason),
             Some(Kind::ToolStarted(s)) => format!("started({}#{})", s.tool_use_id, s.attempt),
-            Some(Kind::ToolResult(r)) => format!("result({})", r.tool_use_id),
+            Some(Kind::ToolResult(r)) => match &r.served_from {
+                Some(from) => format!("result({}, served from {})", r.tool_use_id, from.seq),
+                None => format!("result({})", r.tool_use_id),
+            },
             Some(Kind::AssistantDelta(_)) => "delta".to_string(),
+            Some(Kind::SessionConfig(c)) => format!("session_config({})", c.model),
             Some(Kind::RunError(r)) => format!("run_error({})", r.message),
             Some(Kind::Interrupt(_)) => "interrupt".to_string(),
             Some(Kind::Interrupted(_)) => "interrupted".to_string(),

@@ -19,17 +19,18 @@
 
 use std::collections::HashMap;
 
-use agentlog_proto::v1::{AssistantMessage, ToolResult, ToolUseBlock};
+use agentlog_proto::v1::{AssistantMessage, Replay, ToolResult, ToolUseBlock};
 
 use bytes::{Bytes, BytesMut};
 
+use super::config::{Behind, ReplayState, SessionConfigState};
 use super::transcript::{Form, Transcript};
 use super::{Approval, FoldState, Message, PendingInterrupt, UserBlock};
 
 /// The snapshot format the runner writes and reads in the store.
 pub const FORMAT: &str = "runner-fold";
 /// The shape of [`FoldState`] this build encodes.
-pub const VERSION: u32 = 3;
+pub const VERSION: u32 = 4;
 
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum SnapshotError {
@@ -84,6 +85,27 @@ struct FoldRecord {
     /// How many bytes follow the record: a snapshot cut short is refused.
     #[prost(uint64, tag = "17")]
     transcript_bytes: u64,
+    #[prost(string, optional, tag = "18")]
+    model: Option<String>,
+    #[prost(message, optional, tag = "19")]
+    replay: Option<ReplayRecord>,
+}
+
+/// [`ReplayState`]; `behind_seq` 0 means not behind.
+#[derive(Clone, PartialEq, prost::Message)]
+struct ReplayRecord {
+    #[prost(message, optional, tag = "1")]
+    recording: Option<Replay>,
+    #[prost(uint64, tag = "2")]
+    served_through: u64,
+    #[prost(bool, tag = "3")]
+    left_path: bool,
+    #[prost(uint64, tag = "4")]
+    behind_seq: u64,
+    #[prost(string, optional, tag = "5")]
+    behind_checkpoint: Option<String>,
+    #[prost(uint64, tag = "6")]
+    users_through: u64,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -204,6 +226,15 @@ impl FoldState {
             transcript_replies: self.transcript.replies(),
             transcript_call_ids: self.transcript.call_ids().iter().cloned().collect(),
             transcript_bytes: self.transcript.len() as u64,
+            model: self.config.model.clone(),
+            replay: self.config.replay.as_ref().map(|r| ReplayRecord {
+                recording: Some(r.recording.clone()),
+                served_through: r.served_through,
+                left_path: r.left_path,
+                behind_seq: r.behind.as_ref().map_or(0, |b| b.seq),
+                behind_checkpoint: r.behind.as_ref().and_then(|b| b.checkpoint.clone()),
+                users_through: r.users_through,
+            }),
         };
         let mut data = prost::Message::encode_length_delimited_to_vec(&record);
         data.reserve(self.transcript.len());
@@ -217,6 +248,15 @@ impl FoldState {
     pub fn from_snapshot(
         pieces: Vec<Bytes>,
         form: Option<&'static dyn Form>,
+    ) -> Result<FoldState, SnapshotError> {
+        FoldState::from_snapshot_in(pieces, form.as_slice())
+    }
+
+    /// [`FoldState::from_snapshot`] for a fold kept in any of `forms` (none: as messages):
+    /// a runner of several models takes a session's snapshot in whichever its model uses.
+    pub fn from_snapshot_in(
+        pieces: Vec<Bytes>,
+        forms: &[&'static dyn Form],
     ) -> Result<FoldState, SnapshotError> {
         let undecodable = |e: prost::DecodeError| SnapshotError::Undecodable(e.to_string());
         // A varint takes at most 10 bytes.
@@ -244,11 +284,14 @@ impl FoldState {
                 record.transcript_bytes
             )));
         }
-        let expected = form.map_or("", |form| form.name());
-        if record.form != expected {
+        let form = forms
+            .iter()
+            .copied()
+            .find(|form| form.name() == record.form);
+        if form.is_none() && !(forms.is_empty() && record.form.is_empty()) {
             return Err(SnapshotError::Form {
                 found: record.form,
-                expected,
+                expected: forms.first().map_or("", |form| form.name()),
             });
         }
         let transcript = match form {
@@ -312,6 +355,19 @@ impl FoldState {
             user_since_interrupt: record.user_since_interrupt,
             last_interrupt_seq: record.last_interrupt_seq,
             lent: false,
+            config: SessionConfigState {
+                model: record.model,
+                replay: record.replay.map(|r| ReplayState {
+                    recording: r.recording.unwrap_or_default(),
+                    served_through: r.served_through,
+                    left_path: r.left_path,
+                    behind: (r.behind_seq > 0).then_some(Behind {
+                        seq: r.behind_seq,
+                        checkpoint: r.behind_checkpoint,
+                    }),
+                    users_through: r.users_through,
+                }),
+            },
         })
     }
 }

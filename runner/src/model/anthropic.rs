@@ -54,6 +54,10 @@ impl Anthropic {
         })
     }
 
+    pub fn name(&self) -> &str {
+        &self.model
+    }
+
     pub(super) async fn stream_reply(
         &self,
         request: ModelRequest<'_>,
@@ -437,6 +441,7 @@ mod tests {
                 content: "hi\n".into(),
                 is_error: true,
                 workspace_checkpoint: None,
+                served_from: None,
             })]),
         ]);
         let tools = Toolbox::specs();

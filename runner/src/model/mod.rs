@@ -68,6 +68,93 @@ pub enum ModelSpecError {
     OpenAi(#[from] openai::ConfigError),
     #[error("{0}")]
     Scripted(#[from] scripted::ScriptError),
+    #[error("--model {0:?} is given twice")]
+    Repeated(String),
+    #[error("no --model given; use anthropic:MODEL, openai:MODEL or scripted:FILE")]
+    None,
+}
+
+/// A session names a model its runner was not given.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "this session runs on model {asked} (its session_config), which this runner does not have; \
+     it has {has} (runner --model)"
+)]
+pub struct MissingModel {
+    pub asked: String,
+    pub has: String,
+}
+
+/// The models a runner was given (`--model`, repeatable), by their `PROVIDER:MODEL`: the
+/// first is the default, and a session runs on the one its latest `session_config` names.
+#[derive(Debug)]
+pub struct Models {
+    models: Vec<(String, Model)>,
+}
+
+impl Models {
+    /// Parses every spec (see [`Model::from_spec`]); at least one, each once.
+    pub fn from_specs(specs: &[String], keys: &ApiKeys) -> Result<Models, ModelSpecError> {
+        let mut models: Vec<(String, Model)> = Vec::new();
+        for spec in specs {
+            if models.iter().any(|(known, _)| known == spec) {
+                return Err(ModelSpecError::Repeated(spec.clone()));
+            }
+            models.push((spec.clone(), Model::from_spec(spec, keys)?));
+        }
+        if models.is_empty() {
+            return Err(ModelSpecError::None);
+        }
+        Ok(Models { models })
+    }
+
+    /// One model, as the only one.
+    pub fn one(spec: &str, model: Model) -> Models {
+        Models {
+            models: vec![(spec.to_string(), model)],
+        }
+    }
+
+    /// The first `--model`.
+    pub fn default_model(&self) -> &Model {
+        &self.models[0].1
+    }
+
+    /// The model `asked` names (`None`: the default), or why there is none.
+    pub fn get(&self, asked: Option<&str>) -> Result<&Model, MissingModel> {
+        let Some(asked) = asked else {
+            return Ok(self.default_model());
+        };
+        self.models
+            .iter()
+            .find(|(spec, _)| spec == asked)
+            .map(|(_, model)| model)
+            .ok_or_else(|| MissingModel {
+                asked: asked.to_string(),
+                has: self.specs().join(", "),
+            })
+    }
+
+    /// The `PROVIDER:MODEL` of each model, the default first.
+    pub fn specs(&self) -> Vec<&str> {
+        self.models.iter().map(|(spec, _)| spec.as_str()).collect()
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &Model> {
+        self.models.iter().map(|(_, model)| model)
+    }
+
+    /// The forms the models keep conversations in, each once, the default's first.
+    pub fn forms(&self) -> Vec<&'static dyn Form> {
+        let mut forms: Vec<&'static dyn Form> = Vec::new();
+        for model in self.iter() {
+            let form = model.form();
+            if !forms.iter().any(|known| known.name() == form.name()) {
+                forms.push(form);
+            }
+        }
+        forms
+    }
 }
 
 /// Where streamed reply text goes (the delta writer), if anywhere.
@@ -163,7 +250,23 @@ impl Model {
             }
         };
         let reply = reply.instrument(call.span().clone()).await;
+        let reply = reply.map(|mut reply| {
+            // Some OpenAI-compatible servers name no model: the reply says which it asked.
+            if reply.model.is_empty() {
+                reply.model = self.name().to_string();
+            }
+            reply
+        });
         call.finish(reply, text.first_text())
+    }
+
+    /// The model's name as the provider knows it (for `scripted`, its `scripted:FILE`).
+    pub fn name(&self) -> &str {
+        match self {
+            Model::Anthropic(model) => model.name(),
+            Model::OpenAi(model) => model.name(),
+            Model::Scripted(model) => model.name(),
+        }
     }
 
     /// The form the provider's requests hold messages in: the fold keeps a conversation's

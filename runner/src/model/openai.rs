@@ -60,6 +60,10 @@ impl OpenAi {
         })
     }
 
+    pub fn name(&self) -> &str {
+        &self.model
+    }
+
     pub(super) async fn stream_reply(
         &self,
         request: ModelRequest<'_>,
@@ -450,6 +454,7 @@ mod tests {
                     content: "file\n".into(),
                     is_error: false,
                     workspace_checkpoint: None,
+                    served_from: None,
                 }),
                 UserBlock::Text("and then?".into()),
             ]),

@@ -70,6 +70,8 @@ struct ScriptedCall {
 #[derive(Debug)]
 pub struct Scripted {
     path: PathBuf,
+    /// `scripted:FILE`, as `--model` named it: what its replies give as their model.
+    name: String,
     replies: Vec<ScriptedReply>,
 }
 
@@ -95,7 +97,15 @@ impl Scripted {
                 })?,
             );
         }
-        Ok(Scripted { path, replies })
+        Ok(Scripted {
+            name: format!("scripted:{}", path.display()),
+            path,
+            replies,
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
     }
 
     pub(super) async fn stream_reply(
@@ -143,7 +153,7 @@ impl Scripted {
                 "tool_use"
             }
             .into(),
-            model: "scripted".into(),
+            model: self.name.clone(),
             usage: Some(Usage::default()),
             message_id: format!("scripted_{index}"),
         })

@@ -391,6 +391,7 @@ async fn append_result(
                 content,
                 is_error,
                 workspace_checkpoint,
+                served_from: None,
             }),
             Durability::Sync,
         )

@@ -11,7 +11,8 @@
 
 const KINDS = [
   "user_message", "assistant_message", "tool_started", "tool_result", "assistant_delta",
-  "run_error", "interrupt", "interrupted", "approval_requested", "approval_decision", "unknown",
+  "run_error", "interrupt", "interrupted", "approval_requested", "approval_decision",
+  "session_config", "unknown",
 ];
 // The kinds a settled point (where a fork may be made) can end at.
 const FORK_KINDS = new Set(["user_message", "assistant_message", "tool_result", "interrupted"]);
@@ -145,6 +146,22 @@ function render(kind, ev, seq) {
       card.state.textContent = r.isError ? "error" : "done";
       card.node.classList.add(r.isError ? "failed" : "done");
       card.node.append(el("pre", { class: `result${r.isError ? " is-error" : ""}`, "data-seq": seq }, r.content || ""));
+      if (r.servedFrom) {
+        card.node.classList.add("served");
+        card.state.textContent = "served";
+        card.node.append(el("div", { class: "served-note" }, "served from the recording ",
+          el("a", { href: `/sessions/${encodeURIComponent(r.servedFrom.sessionId)}` }, r.servedFrom.sessionId),
+          ` (seq ${r.servedFrom.seq}); the tool did not run`));
+      }
+      break;
+    }
+    case "session_config": {
+      endStream();
+      const c = ev.sessionConfig || {};
+      const text = c.replay
+        ? `a replay of ${c.replay.sessionId} after seq ${c.replay.afterSeq || 0} on ${c.model}; off the recorded path: ${c.replay.offPath === "OFF_PATH_STOP" ? "stop" : "run"}`
+        : `the session runs on ${c.model} from here on`;
+      add(el("div", { class: "note config", "data-seq": seq }, text));
       break;
     }
     case "run_error":
@@ -204,6 +221,7 @@ function reply(m, seq) {
   } else if (text) {
     add(el("div", { class: "turn agent", "data-seq": seq }, el("span", { class: "who" }, "agent"), el("div", { class: "text" }, text)));
   }
+  if (m.model) add(el("div", { class: "reply-model", "data-seq": seq }, `reply by ${m.model}`));
   for (const block of blocks) {
     if (!block.toolUse) continue;
     const call = block.toolUse;
@@ -324,6 +342,9 @@ async function refreshForkedFrom(info) {
   from.replaceChildren("forked from ",
     el("a", { href: `/sessions/${encodeURIComponent(info.forkedFrom.sessionId)}` }, info.forkedFrom.sessionId),
     ` at ${info.forkedFrom.seq}`);
+  const compare = document.getElementById("compare-link");
+  compare.href = `/compare?a=${encodeURIComponent(info.forkedFrom.sessionId)}&b=${encodeURIComponent(sessionId)}`;
+  compare.hidden = false;
 }
 
 function showError(message) {

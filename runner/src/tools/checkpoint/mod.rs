@@ -19,6 +19,11 @@
 //! - A fork's workspace is restored once (`restored` marks it, durably), before any tool
 //!   runs in it; what could not be restored is said in the runner's log and, prefixed to
 //!   the fork's next tool result, to the model.
+//! - A replay's workspace follows its served results lazily: once the replay leaves the
+//!   recorded path, it is moved to the checkpoint the last served result names
+//!   ([`Checkpoints::move_to_served_blocking`], once per served result: `moved` marks it,
+//!   durably), before anything runs in it; a served result's checkpoint is first added to
+//!   the replay's `refs` ([`Checkpoints::keep_served`]), so it outlives the recording.
 //! - Checkpoints go when the session whose log names them is deleted, and not before every
 //!   session naming them is: see `gc.rs`.
 //! - A deleted session's workspace is removed ([`Checkpoints::remove_workspace_blocking`])
@@ -38,6 +43,8 @@
 //!   new one is exact either way (`runner/tests/tool_guard.rs`, `integration-tests/tests/runner_fork_crash.rs`).
 //! - a restore killed before `restored` is durable: no tool has run in the fork's
 //!   workspace, so the next claim moves what is there aside and restores again.
+//! - a replay's move killed before `moved` is durable: nothing ran in the workspace since (a
+//!   tool runs only after the move), so the next claim moves it again.
 //! - the GC killed mid-sweep: it only removes what nothing names; the next run finishes.
 
 mod area;
@@ -364,43 +371,7 @@ impl Checkpoints {
                 }
             }
         };
-        // Staged beside the workspaces, then moved into place whole.
-        let staging = self
-            .area
-            .tmp_dir()
-            .join(format!("restore-{:016x}", fastrand::u64(..)));
-        fs::DirBuilder::new().mode(0o700).create(&staging)?;
-        let mut pending = Pending::default();
-        let restored = {
-            let target = restore::open_dir(&staging)?;
-            let restored = match &source {
-                Some(root) => {
-                    restore::restore(&self.area, root, &target, self.owner, &mut pending)?
-                }
-                None => restore::restore_empty(&self.area, &mut pending)?,
-            };
-            if let Some(ids) = self.owner {
-                std::os::unix::fs::chown(&staging, Some(ids.uid), Some(ids.gid))?;
-            }
-            // Every restored byte durable before the fork is marked restored.
-            nix::unistd::syncfs(&target)?;
-            restored
-        };
-        let workspace = self.root.join(session_id);
-        if fs::symlink_metadata(&workspace).is_ok() {
-            // Left by a restore that died before it was marked: no tool ran in it.
-            let aside = self
-                .area
-                .tmp_dir()
-                .join(format!("aside-{:016x}", fastrand::u64(..)));
-            fs::rename(&workspace, &aside)?;
-            let _ = remove::remove_tree(&aside);
-        }
-        fs::rename(&staging, &workspace)?;
-        area::sync_dir(&self.root)?;
-        self.area.sync(pending)?;
-        self.area.add_refs(session_id, &[restored.root])?;
-        self.set_last(session_id, &restored.root)?;
+        let restored = self.replace_workspace(session_id, source.as_ref())?;
         missing.extend(restored.not_restored.iter().cloned());
         let from = match &source {
             Some(root) => format!("checkpoint {}", hex(root)),
@@ -422,6 +393,172 @@ impl Checkpoints {
         }
         self.area
             .write_file_durably(&dir.join("restored"), report.as_bytes())?;
+        self.keep(session_id, restored.root, restored.trees);
+        Ok(Some(report))
+    }
+
+    /// Replaces the workspace of `session_id` with checkpoint `source` (an empty one for
+    /// `None`): staged beside the workspaces, every byte durable, then moved into place whole;
+    /// the session's `refs` and `last` name it. Call it holding the area's shared lock and the
+    /// session's `restoring` lock.
+    fn replace_workspace(
+        &self,
+        session_id: &str,
+        source: Option<&Hash>,
+    ) -> io::Result<restore::Restored> {
+        // Staged beside the workspaces, then moved into place whole.
+        let staging = self
+            .area
+            .tmp_dir()
+            .join(format!("restore-{:016x}", fastrand::u64(..)));
+        fs::DirBuilder::new().mode(0o700).create(&staging)?;
+        let mut pending = Pending::default();
+        let restored = {
+            let target = restore::open_dir(&staging)?;
+            let restored = match source {
+                Some(root) => {
+                    restore::restore(&self.area, root, &target, self.owner, &mut pending)?
+                }
+                None => restore::restore_empty(&self.area, &mut pending)?,
+            };
+            if let Some(ids) = self.owner {
+                std::os::unix::fs::chown(&staging, Some(ids.uid), Some(ids.gid))?;
+            }
+            // Every restored byte durable before the workspace is marked restored or moved.
+            nix::unistd::syncfs(&target)?;
+            restored
+        };
+        let workspace = self.root.join(session_id);
+        if fs::symlink_metadata(&workspace).is_ok() {
+            // Left by a restore that died before it was marked (no tool ran in it), or the
+            // replay's workspace from before its move (no tool runs in it meanwhile).
+            let aside = self
+                .area
+                .tmp_dir()
+                .join(format!("aside-{:016x}", fastrand::u64(..)));
+            fs::rename(&workspace, &aside)?;
+            let _ = remove::remove_tree(&aside);
+        }
+        fs::rename(&staging, &workspace)?;
+        area::sync_dir(&self.root)?;
+        self.area.sync(pending)?;
+        self.area.add_refs(session_id, &[restored.root])?;
+        self.set_last(session_id, &restored.root)?;
+        Ok(restored)
+    }
+
+    /// Keeps checkpoint `id` for `session_id` as long as the session lives: a replay's served
+    /// result names its recording's checkpoint, which must outlive the recording. Returns
+    /// whether this area holds it.
+    pub fn keep_served(&self, session_id: &str, id: &str) -> Result<bool, CheckpointError> {
+        let inner = || -> io::Result<bool> {
+            check_session_id(session_id)?;
+            self.area.ensure()?;
+            let _lock = self.area.lock_shared()?;
+            match parse_hex(id) {
+                Some(hash) if self.area.has(area::Kind::Tree, &hash) => {
+                    self.area.add_refs(session_id, &[hash])?;
+                    Ok(true)
+                }
+                _ => Ok(false),
+            }
+        };
+        inner().map_err(|e| self.io_error(e))
+    }
+
+    /// Moves the workspace of replay `session_id` to `checkpoint`, what its served result at
+    /// `served_seq` names (the recording's workspace right after that call), unless it was
+    /// moved there already (`moved` marks it, durably). Called once the replay leaves the
+    /// recorded path, before anything runs in or records the workspace. Returns what the
+    /// runner should log, once; what could not be restored goes to the model with the next
+    /// tool result, as for a fork.
+    pub fn move_to_served_blocking(
+        &self,
+        session_id: &str,
+        served_seq: u64,
+        checkpoint: Option<&str>,
+    ) -> Result<Option<String>, CheckpointError> {
+        self.move_inner(session_id, served_seq, checkpoint)
+            .map_err(|e| self.io_error(e))
+    }
+
+    /// [`Checkpoints::move_to_served_blocking`] on the blocking pool.
+    pub async fn move_to_served(
+        self: &Arc<Self>,
+        session_id: &str,
+        served_seq: u64,
+        checkpoint: Option<String>,
+    ) -> Result<Option<String>, CheckpointError> {
+        let this = self.clone();
+        let session_id = session_id.to_string();
+        tokio::task::spawn_blocking(move || {
+            this.move_to_served_blocking(&session_id, served_seq, checkpoint.as_deref())
+        })
+        .await
+        .map_err(|e| CheckpointError::Task(e.to_string()))?
+    }
+
+    fn move_inner(
+        &self,
+        session_id: &str,
+        served_seq: u64,
+        checkpoint: Option<&str>,
+    ) -> io::Result<Option<String>> {
+        check_session_id(session_id)?;
+        self.area.ensure()?;
+        let _lock = self.area.lock_shared()?;
+        let dir = self.area.ensure_session_dir(session_id)?;
+        let _restoring = area::lock_file(&dir.join("restoring"))?;
+        let marker = dir.join("moved");
+        let done = fs::read_to_string(&marker)
+            .ok()
+            .and_then(|text| text.trim().parse::<u64>().ok());
+        if done == Some(served_seq) {
+            return Ok(None);
+        }
+        let mut missing = Vec::new();
+        let source = match checkpoint {
+            None => {
+                missing.push(format!(
+                    "every file: the recorded result served at seq {served_seq} names no checkpoint"
+                ));
+                None
+            }
+            Some(id) => match parse_hex(id) {
+                Some(hash) if self.area.has(area::Kind::Tree, &hash) => Some(hash),
+                _ => {
+                    missing.push(format!(
+                        "every file: checkpoint {id} (served at seq {served_seq}) is not in this \
+                         runner's checkpoint area {}",
+                        self.area.dir().display()
+                    ));
+                    None
+                }
+            },
+        };
+        let restored = self.replace_workspace(session_id, source.as_ref())?;
+        missing.extend(restored.not_restored.iter().cloned());
+        let mut report = format!(
+            "This replay left the recorded path after the call served at seq {served_seq}; its \
+             workspace was moved to {} ({} files, {} bytes).",
+            match &source {
+                Some(root) => format!("the recorded checkpoint {}", hex(root)),
+                None => "an empty workspace".to_string(),
+            },
+            restored.files,
+            restored.bytes
+        );
+        if !missing.is_empty() {
+            report.push_str(" Not restored:");
+            for line in &missing {
+                report.push_str("\n- ");
+                report.push_str(line);
+            }
+            self.area
+                .write_file_durably(&dir.join("note"), format!("[{report}]").as_bytes())?;
+        }
+        self.area
+            .write_file_durably(&marker, served_seq.to_string().as_bytes())?;
         self.keep(session_id, restored.root, restored.trees);
         Ok(Some(report))
     }
