@@ -1,5 +1,5 @@
 //! Export and Import against the real `event-store` (either backend:
-//! `AGENTLOG_TEST_BACKEND`), as SPEC "Export and import" asks:
+//! `AGENTLOG_TEST_BACKEND`), as the README's "Sessions that move" promises:
 //! - an export of every session imported into another store recreates each exactly (the
 //!   same `SessionInfo` but the lease, the same events, a fork with its `forkedFrom`, a pin,
 //!   a deleted id that stays deleted), and each goes on there as if it had always lived

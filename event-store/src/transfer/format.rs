@@ -1,4 +1,4 @@
-//! The export format (contract, SPEC "Export and import"): UTF-8 text, one JSON object a
+//! The export format (a contract: other programs read and write it): UTF-8 text, one JSON object a
 //! line. The header `{"format":"agentlog-export","version":1,…}`; per session a line
 //! `{"session":{…}}` (its `SessionInfo` in the proto3 JSON mapping, without the lease), its
 //! events one a line as Subscribe gives them ([`agentlog_proto::json`]), then

@@ -1,7 +1,7 @@
 //! Import: text in the export format, read line by line as it arrives, each session
 //! recreated exactly or refused, each answered with an [`ImportResult`] once it is done.
 //!
-//! Promises (SPEC "Export and import"):
+//! Promises:
 //! - **Exact**: a session absent here is staged event by event as the file gives it (its
 //!   seqs, event ids, times, contents) and made visible whole, in one step, only after its
 //!   `end` line checked out ([`crate::backend::Staging`]): the count, the last seq and the
