@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use agentlog_proto::json::write_event;
 use agentlog_proto::reason::Reason;
-use agentlog_proto::v1::SessionInfo;
+use agentlog_proto::v1::{Event, SessionInfo};
 use prost::Message;
 use tokio_util::sync::CancellationToken;
 
@@ -146,6 +146,7 @@ impl<'a> Writer<'a> {
         let cancel = CancellationToken::new();
         let _stop = cancel.clone().drop_guard();
         let mut runs = backend.subscribe(session_id.to_string(), 1, false, cancel);
+        let mut scratch = Event::default();
         'read: while next <= info.last_seq {
             let run = match runs.recv().await {
                 Some(Ok(run)) => run,
@@ -155,35 +156,43 @@ impl<'a> Writer<'a> {
                 Some(Err(e)) => return Err(e),
                 None => break,
             };
-            let events = match run {
-                EventRun::Decoded(events) => events,
-                EventRun::Framed(framed) => {
-                    let mut events = Vec::with_capacity(framed.len());
-                    for message in framed.messages() {
-                        let message = message?;
-                        events.push(agentlog_proto::v1::Event::decode(message).map_err(|e| {
-                            StoreError::Internal(format!("a stored event of {session_id}: {e}"))
-                        })?);
-                    }
-                    events
-                }
-            };
-            for event in events {
+            // A stored event is decoded into the one `Event` kept for the purpose (its
+            // strings' buffers reused), rendered, and hashed as written.
+            let mut render = |writer: &mut Self, event: &Event| -> Result<bool, StoreError> {
                 if event.seq != next {
                     return Err(StoreError::Internal(format!(
                         "the log of {session_id} gave seq {} where {next} was next",
                         event.seq
                     )));
                 }
-                let start = self.buf.len();
-                write_event(&mut self.buf, &event);
-                self.buf.push(b'\n');
-                sha.update(&self.buf[start..]);
+                let start = writer.buf.len();
+                write_event(&mut writer.buf, event);
+                writer.buf.push(b'\n');
+                sha.update(&writer.buf[start..]);
                 next += 1;
-                if next > info.last_seq {
-                    break 'read;
+                Ok(next > info.last_seq)
+            };
+            match run {
+                EventRun::Decoded(events) => {
+                    for event in &events {
+                        if render(self, event)? {
+                            break 'read;
+                        }
+                        self.flush_if_full().await?;
+                    }
                 }
-                self.flush_if_full().await?;
+                EventRun::Framed(framed) => {
+                    for message in framed.messages() {
+                        scratch.clear();
+                        scratch.merge(message?).map_err(|e| {
+                            StoreError::Internal(format!("a stored event of {session_id}: {e}"))
+                        })?;
+                        if render(self, &scratch)? {
+                            break 'read;
+                        }
+                        self.flush_if_full().await?;
+                    }
+                }
             }
         }
         if next <= info.last_seq {
