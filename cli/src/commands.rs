@@ -252,6 +252,9 @@ pub async fn show(out: &Output, session: &str) -> Result<()> {
         if let Some(from) = &info.get_ref().forked_from {
             writeln!(stdout, "forked from {} at {}", from.session_id, from.seq)?;
         }
+        if info.get_ref().pinned {
+            writeln!(stdout, "pinned (retention never deletes it)")?;
+        }
     }
     if out.json {
         for event in &events {

@@ -1,6 +1,6 @@
 //! The command that ends sessions: `rm SESSION…` deletes the named sessions for good, and
-//! `rm --idle-for DURATION` the sessions whose last event is older than that and that no
-//! runner holds.
+//! `rm --idle-for DURATION` the sessions whose last event is older than that, that no
+//! runner holds and that are not pinned.
 //!
 //! Promise: a session is deleted only when it is named, or when it was listed first and
 //! the listing was confirmed with `--yes`. Deleting a session that is already deleted is
@@ -57,7 +57,7 @@ pub async fn rm_idle(out: &Output, idle_for: Duration, yes: bool) -> Result<()> 
     let all = list_sessions(out, &mut client, None, None, usize::MAX).await?;
     let idle: Vec<&SessionInfo> = all
         .iter()
-        .filter(|s| s.updated_unix_ms < cutoff && s.lease.is_none())
+        .filter(|s| s.updated_unix_ms < cutoff && s.lease.is_none() && !s.pinned)
         .collect();
     let shown = humantime::format_duration(idle_for);
     if !yes {
@@ -75,8 +75,8 @@ pub async fn rm_idle(out: &Output, idle_for: Duration, yes: bool) -> Result<()> 
         }
         if !out.json {
             eprintln!(
-                "{} of {} sessions have been idle for over {shown} and no runner holds them; \
-                 add --yes to delete them",
+                "{} of {} sessions have been idle for over {shown}, no runner holds them and \
+                 none is pinned; add --yes to delete them",
                 idle.len(),
                 all.len()
             );

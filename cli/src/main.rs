@@ -12,6 +12,7 @@ mod render;
 mod replay;
 mod stack;
 mod store;
+mod transfer;
 mod web;
 
 use std::path::PathBuf;
@@ -216,6 +217,25 @@ enum Command {
         #[arg(long)]
         keep: Option<PathBuf>,
     },
+    // Sessions that move.
+    /// Write sessions in the export format (one JSON object a line): the named ones, or
+    /// with --all every session and deleted id the token's scope covers.
+    Export {
+        sessions: Vec<String>,
+        #[arg(long, conflicts_with = "sessions")]
+        all: bool,
+        /// Write here (made whole only at the end) instead of to standard output.
+        #[arg(short = 'o', long = "output")]
+        output: Option<PathBuf>,
+    },
+    /// Recreate the sessions of an export (FILE, or - for standard input) exactly: prints
+    /// per session imported, unchanged, deleted, or refused and why; fails if any was
+    /// refused. Needs an admin token.
+    Import { file: PathBuf },
+    /// Keep a session from retention (--retain-idle, rm --idle-for).
+    Pin { session: String },
+    /// Let retention take a pinned session again.
+    Unpin { session: String },
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -333,6 +353,14 @@ async fn main() -> ExitCode {
                 "compare needs two sessions (A B), or --batch FILE"
             )),
         },
+        Command::Export {
+            sessions,
+            all,
+            output,
+        } => transfer::export(&out, sessions, all, output).await,
+        Command::Import { file } => transfer::import(&out, &file).await,
+        Command::Pin { session } => transfer::pin(&out, &session, true).await,
+        Command::Unpin { session } => transfer::pin(&out, &session, false).await,
         Command::Web {
             listen,
             tls_cert,

@@ -243,6 +243,7 @@ pub fn session_json(s: &SessionInfo) -> Value {
         "forkedFrom": s.forked_from.as_ref().map(|f| json!({
             "sessionId": f.session_id, "seq": f.seq.to_string()
         })),
+        "pinned": s.pinned,
     })
 }
 

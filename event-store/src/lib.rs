@@ -13,6 +13,7 @@
 //! - [`auth`], [`limits`], [`tls`], [`incoming`]: who may call, how much, and over what;
 //!   [`scope`]: the one rule for which sessions a caller may see; [`wire`]: which call a
 //!   request is, and the request limits.
+//! - [`transfer`]: sessions that move: the export format, export, import, the archive.
 //! - [`metrics`]: what the store reports to Prometheus; [`clock`]: the store's wall clock.
 #![forbid(unsafe_code)]
 
@@ -31,6 +32,7 @@ pub mod scope;
 pub mod service;
 pub mod session;
 pub mod tls;
+pub mod transfer;
 pub mod wire;
 
 pub use error::StoreError;

@@ -31,6 +31,7 @@ use event_store::retention::{self, Retention};
 use event_store::service;
 use event_store::service::ServeOptions;
 use event_store::tls::{self, Reload, ReloadingTls, TlsFiles};
+use event_store::transfer::archive::Archive;
 use tokio::signal::unix::{signal, SignalKind};
 use tokio_util::sync::CancellationToken;
 
@@ -92,6 +93,11 @@ struct Args {
         requires = "retain_idle"
     )]
     retention_interval: Duration,
+    /// With --retain-idle: before retention deletes a session, export it to a file of its
+    /// own in DIR (`<session>.agentlog.jsonl`, `agentlog import` reads it back) and fsync
+    /// it; a session written to since is not deleted.
+    #[arg(long, env = "AGENTLOG_ARCHIVE_DIR", requires = "retain_idle")]
+    archive_dir: Option<PathBuf>,
     /// The local backend: a deleted session's records are rewritten out of the log at the
     /// latest this long after its deletion (sooner once a quarter of a segment is dead).
     #[arg(
@@ -121,7 +127,8 @@ struct Args {
     )]
     session_cache: usize,
     /// The local backend: roll to a new segment file once the current one holds this many
-    /// bytes (for tests that want many segments; the default suits production).
+    /// bytes (for tests that want many segments). Default: a sixteenth of the data volume,
+    /// between 1 MiB and 64 MiB, so that a full volume comes back whatever its size.
     #[arg(long, env = "AGENTLOG_SEGMENT_BYTES", hide = true)]
     segment_bytes: Option<u64>,
     /// Close each client connection gracefully after this many seconds (0: never), so that
@@ -221,10 +228,14 @@ enum Opened {
 }
 
 async fn open_backend(args: &Args) -> anyhow::Result<Opened> {
-    let retention = args.retain_idle.map(|idle| Retention {
-        idle,
-        interval: args.retention_interval,
-    });
+    // With --archive-dir, retention is the archive's (see `run`), not the backend's own.
+    let retention = args
+        .retain_idle
+        .filter(|_| args.archive_dir.is_none())
+        .map(|idle| Retention {
+            idle,
+            interval: args.retention_interval,
+        });
     if let Some(url) = &args.database_url {
         let poll_ms = args.poll_interval_ms.unwrap_or(match args.notify {
             NotifyMode::Listen => 1000,
@@ -261,7 +272,7 @@ async fn open_backend(args: &Args) -> anyhow::Result<Opened> {
         );
         config.log_config.segment_bytes = segment_bytes;
         config.log_config.preallocate_bytes =
-            config.log_config.preallocate_bytes.min(segment_bytes / 4);
+            event_store::backend::local::log::DEFAULT_PREALLOCATE_BYTES.min(segment_bytes / 4);
     }
     anyhow::ensure!(
         args.reclaim_share > 0.0 && args.reclaim_share <= 1.0,
@@ -292,6 +303,20 @@ async fn run(args: Args) -> anyhow::Result<()> {
         Opened::Local(store) => (store.clone(), "local"),
         Opened::Postgres(pg) => (pg.clone(), "postgres"),
     };
+    let archiving = CancellationToken::new();
+    if let (Some(dir), Some(idle)) = (&args.archive_dir, args.retain_idle) {
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("creating --archive-dir {}", dir.display()))?;
+        let archive = Archive {
+            dir: dir.clone(),
+            retention: Retention {
+                idle,
+                interval: args.retention_interval,
+            },
+        };
+        tokio::spawn(archive.run(backend.clone(), archiving.clone()));
+    }
+    let _stop_archiving = archiving.drop_guard();
     tracing::info!(
         %listen_addr,
         backend = backend_name,

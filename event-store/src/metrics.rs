@@ -44,6 +44,8 @@ struct StoreMetrics {
     fencing_refusals: Family<Labels1, Counter>,
     claims_waiting: Gauge,
     sessions_deleted: Family<Labels1, Counter>,
+    sessions_imported: Family<Labels1, Counter>,
+    sessions_exported: Counter,
     reclaim_dead_bytes: Gauge,
     session_cache_bytes: Gauge,
     reclaim_runs: Counter,
@@ -70,6 +72,8 @@ static METRICS: LazyLock<StoreMetrics> = LazyLock::new(|| StoreMetrics {
     fencing_refusals: Family::default(),
     claims_waiting: Gauge::default(),
     sessions_deleted: Family::default(),
+    sessions_imported: Family::default(),
+    sessions_exported: Counter::default(),
     reclaim_dead_bytes: Gauge::default(),
     session_cache_bytes: Gauge::default(),
     reclaim_runs: Counter::default(),
@@ -110,6 +114,9 @@ pub fn registry(log_dir: Option<PathBuf>) -> Registry {
     }
     for how in ["request", "retention"] {
         let _ = m.sessions_deleted.get_or_create(&[("how", how)]);
+    }
+    for outcome in ["imported", "unchanged", "refused", "deleted"] {
+        let _ = m.sessions_imported.get_or_create(&[("outcome", outcome)]);
     }
     let mut r = Registry::default();
     r.register(
@@ -184,6 +191,17 @@ pub fn registry(log_dir: Option<PathBuf>) -> Registry {
         "Sessions deleted (tombstones made), by how: request (DeleteSession) or retention \
          (--retain-idle)",
         m.sessions_deleted.clone(),
+    );
+    r.register(
+        "agentlog_store_sessions_imported",
+        "Sessions (and deleted ids) read by Import, by outcome: imported, unchanged, refused \
+         or deleted",
+        m.sessions_imported.clone(),
+    );
+    r.register(
+        "agentlog_store_sessions_exported",
+        "Sessions written by Export and by the archive of --archive-dir",
+        m.sessions_exported.clone(),
     );
     r.register(
         "agentlog_store_reclaim_dead_bytes",
@@ -459,6 +477,19 @@ pub fn fencing_refused(op: &'static str) {
 
 /// `count` sessions deleted (`how`: "request" or "retention"); a repeated deletion, which
 /// changes nothing, counts 0.
+/// Sessions an import finished with `outcome` (imported, unchanged, refused, deleted).
+pub fn sessions_imported(outcome: &'static str, count: usize) {
+    METRICS
+        .sessions_imported
+        .get_or_create(&[("outcome", outcome)])
+        .inc_by(count as u64);
+}
+
+/// A session written by an export (or an archive).
+pub fn session_exported() {
+    METRICS.sessions_exported.inc();
+}
+
 pub fn sessions_deleted(how: &'static str, count: usize) {
     if count > 0 {
         METRICS

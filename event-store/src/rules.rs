@@ -13,7 +13,7 @@
 use std::collections::HashMap;
 
 use agentlog_proto::reason::Reason;
-use agentlog_proto::v1::{event, Event};
+use agentlog_proto::v1::{event, Event, SessionInfo};
 
 use crate::error::StoreError;
 use crate::session::{is_runner_kind, kind_name, SessionMeta, SCHEMA_VERSION};
@@ -74,12 +74,93 @@ pub fn delete(
 }
 
 /// Whether retention (`--retain-idle`) deletes the session at `now`: its last event is
-/// older than `idle_before` (a time, `now` minus the idle span) and it holds no live lease.
+/// older than `idle_before` (a time, `now` minus the idle span), it holds no live lease,
+/// and it is not pinned.
 pub fn expired(meta: &SessionMeta, idle_before: i64, now: i64) -> bool {
     !meta.is_deleted()
+        && !meta.pinned
         && meta.last_seq > 0
         && meta.updated_unix_ms < idle_before
         && meta.live_lease(now).is_none()
+}
+
+/// `PinSession`: the session's state with `pinned` set as asked, or `None` when it is so
+/// already (nothing to write). Only an existing, live session is pinned.
+pub fn pin(
+    meta: Option<&SessionMeta>,
+    session_id: &str,
+    pinned: bool,
+) -> Result<Option<SessionMeta>, StoreError> {
+    let meta = existing(meta, session_id)?;
+    if meta.pinned == pinned {
+        return Ok(None);
+    }
+    let mut changed = meta.clone();
+    changed.pinned = pinned;
+    Ok(Some(changed))
+}
+
+/// What an imported `deleted` line leaves: the tombstone of the id, deleted at the time the
+/// line gives (the id may never have existed here: it is dead here from now on too), or
+/// nothing when it is deleted here already.
+pub fn delete_imported(meta: Option<&SessionMeta>, deleted_unix_ms: i64) -> Deletion {
+    match meta {
+        Some(m) if m.is_deleted() => Deletion::AlreadyDeleted,
+        _ => Deletion::Tombstone(Box::new(SessionMeta::tombstone(deleted_unix_ms))),
+    }
+}
+
+/// An imported session's state, made visible once its events are all staged: the state
+/// folded from them (`staged`, by the rules every append follows, so the session goes on
+/// as if it had always lived here), with the times, `forked_from` and `pinned` of its
+/// session line (`line`), no lease. Refused (`INVALID_ARGUMENT`, for the caller to name the
+/// line) when the line says otherwise than its events: its last seq, status or title.
+pub fn adopt_imported(staged: &SessionMeta, line: &SessionInfo) -> Result<SessionMeta, StoreError> {
+    let differs = |field: &str, said: &dyn std::fmt::Debug, found: &dyn std::fmt::Debug| {
+        StoreError::InvalidArgument(format!(
+            "the session line of {} says {field} {said:?}, but its events make it {found:?}",
+            line.session_id
+        ))
+    };
+    if staged.last_seq != line.last_seq {
+        return Err(differs("lastSeq", &line.last_seq, &staged.last_seq));
+    }
+    if staged.status != line.status {
+        return Err(differs("status", &line.status(), &staged.status()));
+    }
+    if staged.title() != line.title {
+        return Err(differs("title", &line.title, &staged.title()));
+    }
+    let mut adopted = staged.clone();
+    adopted.created_unix_ms = line.created_unix_ms;
+    adopted.updated_unix_ms = line.updated_unix_ms;
+    adopted.forked_from = line.forked_from.clone();
+    adopted.pinned = line.pinned;
+    adopted.lease = None;
+    Ok(adopted)
+}
+
+/// The refusal for an import whose session was made here (or deleted here) while it was
+/// staged: nothing of the import is kept.
+pub fn imported_taken(session_id: &str, deleted: bool) -> StoreError {
+    if deleted {
+        return session_deleted(session_id);
+    }
+    imported_differs(
+        session_id,
+        "it was made here while the import was under way; import it again to compare",
+    )
+}
+
+/// The refusal for an imported session that is here already with another log.
+pub fn imported_differs(session_id: &str, detail: &str) -> StoreError {
+    StoreError::Refused(
+        Reason::SessionExists,
+        format!(
+            "session {session_id} already exists here with another log ({detail}); nothing of \
+             it was changed"
+        ),
+    )
 }
 
 /// The refusal for a session no event was ever appended to.
@@ -708,6 +789,40 @@ mod tests {
         lapsed.updated_unix_ms = NOW - 100;
         assert!(expired(&lapsed, NOW - 50, NOW), "an expired lease does not");
         assert!(!expired(&SessionMeta::default(), NOW, NOW), "no session");
+        let mut pinned = idle.clone();
+        pinned.pinned = true;
+        assert!(!expired(&pinned, NOW - 50, NOW), "a pinned session is kept");
+    }
+
+    #[test]
+    fn a_pin_changes_only_a_live_session_and_only_when_it_differs() {
+        let live = session(None);
+        let pinned = pin(Some(&live), "s1", true)
+            .expect("live")
+            .expect("changed");
+        assert!(pinned.pinned && pinned.last_seq == live.last_seq);
+        assert_eq!(pin(Some(&pinned), "s1", true).expect("live"), None);
+        assert!(pin(Some(&pinned), "s1", false)
+            .expect("live")
+            .is_some_and(|m| !m.pinned));
+        let tombstone = SessionMeta::tombstone(NOW);
+        assert_eq!(
+            pin(Some(&tombstone), "s1", true)
+                .expect_err("deleted")
+                .reason(),
+            Some(Reason::SessionDeleted)
+        );
+        assert_eq!(
+            pin(None, "s1", true).expect_err("none").reason(),
+            Some(Reason::SessionNotFound)
+        );
+        assert!(
+            matches!(delete_imported(None, 5), Deletion::Tombstone(t) if t.deleted_unix_ms == 5)
+        );
+        assert!(matches!(
+            delete_imported(Some(&tombstone), 5),
+            Deletion::AlreadyDeleted
+        ));
     }
 
     #[test]

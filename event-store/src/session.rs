@@ -104,6 +104,20 @@ pub struct SessionMeta {
     pub base_session: String,
     #[prost(uint64, tag = "13")]
     pub base_seq: u64,
+    /// Never deleted by retention (`PinSession`); `SessionInfo.pinned`.
+    #[prost(bool, tag = "14")]
+    pub pinned: bool,
+}
+
+/// Whether `id` is a valid session id (or lease owner's): 1-128 characters of
+/// `[A-Za-z0-9._:-]`, starting with a letter or digit.
+pub fn is_valid_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= crate::wire::MAX_ID_LEN
+        && id.as_bytes()[0].is_ascii_alphanumeric()
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'-'))
 }
 
 /// Who writes an event kind. Runner-written kinds need the session's current lease; the
@@ -319,6 +333,7 @@ impl SessionMeta {
             lease: self.live_lease(now_ms).map(lease_of),
             title: self.title(),
             forked_from: self.forked_from.clone(),
+            pinned: self.pinned,
         }
     }
 }

@@ -40,10 +40,17 @@ pub enum Rpc {
     /// Names two sessions: the parent (field 1, checked by the auth layer) and the fork,
     /// checked by the service.
     ForkSession,
+    // Sessions that move.
+    /// A read: the role is checked by the auth layer, the sessions it names (or, with
+    /// `all`, walks) by the service against the caller's scope.
+    Export,
+    /// Streamed; admin tokens only.
+    Import,
+    PinSession,
 }
 
 impl Rpc {
-    pub const ALL: [Rpc; 13] = [
+    pub const ALL: [Rpc; 16] = [
         Rpc::Append,
         Rpc::AppendStream,
         Rpc::Subscribe,
@@ -57,6 +64,9 @@ impl Rpc {
         Rpc::GetSnapshot,
         Rpc::DeleteSession,
         Rpc::ForkSession,
+        Rpc::Export,
+        Rpc::Import,
+        Rpc::PinSession,
     ];
 
     pub fn from_method(method: &str) -> Option<Rpc> {
@@ -74,6 +84,9 @@ impl Rpc {
             "GetSnapshot" => Rpc::GetSnapshot,
             "DeleteSession" => Rpc::DeleteSession,
             "ForkSession" => Rpc::ForkSession,
+            "Export" => Rpc::Export,
+            "Import" => Rpc::Import,
+            "PinSession" => Rpc::PinSession,
             _ => return None,
         })
     }
@@ -83,7 +96,7 @@ impl Rpc {
     pub fn is_read(self) -> bool {
         matches!(
             self,
-            Rpc::Subscribe | Rpc::GetSession | Rpc::ListSessions | Rpc::GetSnapshot
+            Rpc::Subscribe | Rpc::GetSession | Rpc::ListSessions | Rpc::GetSnapshot | Rpc::Export
         )
     }
 }

@@ -138,6 +138,7 @@ fn summary(record: &Record) -> Summary {
             seq: c.seq,
         },
         Record::Tombstone(t) => panic!("these tests delete no session, yet {t:?} is logged"),
+        Record::Pin(p) => panic!("these tests pin no session, yet {p:?} is logged"),
     }
 }
 
@@ -436,6 +437,7 @@ async fn check_index(store: &Store, log: &[Record]) {
             }
             Record::Fork(_) | Record::Placed(_) => {}
             Record::Tombstone(t) => panic!("these tests delete no session, yet {t:?} is logged"),
+            Record::Pin(p) => panic!("these tests pin no session, yet {p:?} is logged"),
         }
     }
     for session in SESSIONS.into_iter().chain(["rp-tail"]) {

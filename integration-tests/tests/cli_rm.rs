@@ -1,7 +1,7 @@
 //! `agentlog rm` as a user runs it: named sessions are deleted for good (a name that never
 //! was is reported, and the command fails, after deleting the rest); `--idle-for` lists the
-//! sessions idle for longer than that that no runner holds and deletes nothing without
-//! `--yes`, then exactly those with it.
+//! sessions idle for longer than that that no runner holds and that are not pinned, and
+//! deletes nothing without `--yes`, then exactly those with it.
 
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -90,6 +90,14 @@ async fn rm_idle_for_lists_first_and_deletes_only_with_yes() {
     let store = Store::start().expect("store");
     write(&store, "idle-old").await;
     write(&store, "idle-held").await;
+    write(&store, "idle-pinned").await;
+    let (ok, stdout, stderr) = agentlog(&store, &["pin", "idle-pinned"]);
+    assert!(
+        ok && stdout.starts_with("pinned idle-pinned"),
+        "{stdout}{stderr}"
+    );
+    let (ok, stdout, _) = agentlog(&store, &["show", "idle-pinned"]);
+    assert!(ok && stdout.starts_with("pinned"), "{stdout}");
     let mut client = store.client().await.expect("connect");
     client
         .acquire_lease(AcquireLeaseRequest {
@@ -124,6 +132,10 @@ async fn rm_idle_for_lists_first_and_deletes_only_with_yes() {
     assert_eq!(stdout.trim(), "deleted idle-old");
     assert!(deleted(&store, "idle-old").await);
     assert!(!deleted(&store, "idle-held").await, "a held session stays");
+    assert!(
+        !deleted(&store, "idle-pinned").await,
+        "a pinned session stays"
+    );
     assert!(
         !deleted(&store, "idle-fresh").await,
         "a recent session stays"

@@ -282,3 +282,94 @@ async fn a_volume_filled_by_sessions_recovers_when_they_are_deleted_without_a_re
     }
     Ok(())
 }
+
+/// As a new user meets it: a 40 MiB volume, the store's default settings (no segment size,
+/// no reclamation delay given), 40 sessions filling it. Deleting 30 of them makes room again
+/// within the default reclamation delay, whatever the segment size is next to the volume's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_small_volume_with_default_settings_recovers_when_sessions_are_deleted() -> Result<()> {
+    if !is_root() {
+        eprintln!("SKIPPED: mounting a small tmpfs needs root (CI runs as root)");
+        return Ok(());
+    }
+    let tmp = tempfile::tempdir()?;
+    let volume = tmp.path().join("volume");
+    let _tmpfs = Tmpfs::mount(&volume, "40m")?;
+    let data = volume.join("data");
+    let store = Store::start_backed(
+        &bin_path("event-store"),
+        Backing::Dir(data.clone()),
+        "127.0.0.1:0",
+        &[],
+    )?;
+    let mut client = store.client().await?;
+    let sessions: Vec<String> = (0..40).map(|i| format!("small-{i:02}")).collect();
+    let text = "s".repeat(1000);
+    let mut acknowledged: std::collections::HashMap<String, Vec<String>> = Default::default();
+    // One after another, about 0.75 MiB each, as sessions come and go (and then again from
+    // the first), until the store refuses: the log holds them in that order.
+    let mut pass = 0;
+    let refused = 'fill: loop {
+        for session in &sessions {
+            for round in 0..24 {
+                let ids: Vec<String> = (0..32)
+                    .map(|k| format!("{session}-{pass}-{round}-{k}"))
+                    .collect();
+                let request = AppendRequest {
+                    session_id: session.clone(),
+                    events: ids.iter().map(|id| user_event(id, &text)).collect(),
+                    ..Default::default()
+                };
+                match client.append(request).await {
+                    Ok(_) => acknowledged.entry(session.clone()).or_default().extend(ids),
+                    Err(status) => break 'fill status,
+                }
+            }
+        }
+        pass += 1;
+        ensure!(pass < 10, "the volume never filled");
+    };
+    assert_eq!(Reason::of(&refused), Some(Reason::DiskFull), "{refused:?}");
+    for session in &sessions[..30] {
+        client
+            .delete_session(DeleteSessionRequest {
+                session_id: session.clone(),
+            })
+            .await
+            .with_context(|| format!("deleting {session} on a full volume"))?;
+    }
+    // The default reclamation delay is 30 s: appends resume within it and a margin.
+    let kept = &sessions[30];
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let request = AppendRequest {
+            session_id: kept.clone(),
+            events: vec![user_event("after", "room again")],
+            ..Default::default()
+        };
+        match client.append(request).await {
+            Ok(_) => break,
+            Err(s) if s.code() == Code::ResourceExhausted && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(200)).await
+            }
+            Err(s) => bail!("appends did not resume after 30 of 40 sessions were deleted: {s:?}"),
+        }
+    }
+    acknowledged
+        .entry(kept.clone())
+        .or_default()
+        .push("after".into());
+    for session in &sessions[30..] {
+        let ids: Vec<String> = read_log(&mut client, session)
+            .await
+            .into_iter()
+            .map(|e| e.event_id)
+            .collect();
+        assert_eq!(
+            &ids,
+            &acknowledged.remove(session).unwrap_or_default(),
+            "{session}"
+        );
+    }
+    Ok(())
+}

@@ -2,15 +2,17 @@
 //! `AGENTLOG_TEST_BACKEND=postgres`), on a clock the test moves: the store honours the
 //! test-only `AGENTLOG_TEST_CLOCK_FILE` (its clock runs that many milliseconds ahead of the
 //! system's), so a session goes idle for hours in a moment. Retention deletes exactly the
-//! sessions whose last event is older than the span and that hold no live lease, as
-//! DeleteSession would; the others stay until they qualify.
+//! sessions whose last event is older than the span, that hold no live lease and that are
+//! not pinned, as DeleteSession would; the others stay until they qualify.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use agentlog_proto::reason::Reason;
 use agentlog_proto::v1::event_store_client::EventStoreClient;
-use agentlog_proto::v1::{AcquireLeaseRequest, AppendRequest, GetSessionRequest};
+use agentlog_proto::v1::{
+    AcquireLeaseRequest, AppendRequest, GetSessionRequest, PinSessionRequest,
+};
 use anyhow::{bail, Result};
 use integration_tests::{user_event, Store};
 use tonic::transport::Channel;
@@ -77,9 +79,16 @@ async fn retention_deletes_idle_sessions_without_a_live_lease_on_a_moved_clock()
         &[("AGENTLOG_TEST_CLOCK_FILE", &clock_env)],
     )?;
     let mut client = store.client().await?;
-    let (old, leased, fresh) = ("ret-old", "ret-leased", "ret-fresh");
+    let (old, leased, fresh, pinned) = ("ret-old", "ret-leased", "ret-fresh", "ret-pinned");
     user_message(&mut client, old).await?;
     user_message(&mut client, leased).await?;
+    user_message(&mut client, pinned).await?;
+    let pin = |pinned: bool| PinSessionRequest {
+        session_id: "ret-pinned".into(),
+        pinned,
+    };
+    let info = client.pin_session(pin(true)).await?.into_inner();
+    assert!(info.pinned, "{info:?}");
 
     // 1h59m later: nothing is idle for 2h yet. A runner takes a lease on one session
     // (10 minutes), and a new session starts.
@@ -104,6 +113,7 @@ async fn retention_deletes_idle_sessions_without_a_live_lease_on_a_moved_clock()
     tokio::time::sleep(Duration::from_millis(600)).await;
     assert!(exists(&mut client, leased).await?, "a live lease keeps it");
     assert!(exists(&mut client, fresh).await?, "idle for minutes only");
+    assert!(exists(&mut client, pinned).await?, "a pin keeps it");
     let again = client
         .append(AppendRequest {
             session_id: old.into(),
@@ -118,10 +128,14 @@ async fn retention_deletes_idle_sessions_without_a_live_lease_on_a_moved_clock()
         "{again:?}"
     );
 
-    // 3h: the lease ran out, so the leased session goes too; the new one stays.
+    // 3h: the lease ran out, so the leased session goes too; the new one stays, and so
+    // does the pinned one, until it is unpinned.
     set_clock(&clock, 3 * HOUR_MS).await?;
     deleted_by_retention(&mut client, leased).await?;
     tokio::time::sleep(Duration::from_millis(600)).await;
     assert!(exists(&mut client, fresh).await?, "idle for an hour only");
+    assert!(exists(&mut client, pinned).await?, "a pin keeps it");
+    assert!(!client.pin_session(pin(false)).await?.into_inner().pinned);
+    deleted_by_retention(&mut client, pinned).await?;
     Ok(())
 }

@@ -3,6 +3,7 @@
 #![forbid(unsafe_code)]
 
 pub mod codec;
+pub mod json;
 pub mod reason;
 pub mod replay;
 pub mod settled;

@@ -116,7 +116,12 @@ async fn admit(access: &Access, mut request: Request<Body>) -> Result<Request<Bo
     if let (Route::Store(rpc), true) = (route, caller.role != Role::Admin) {
         let needs_message = !matches!(
             rpc,
-            Rpc::ListSessions | Rpc::ClaimSession | Rpc::AppendStream | Rpc::PutSnapshot
+            Rpc::ListSessions
+                | Rpc::ClaimSession
+                | Rpc::AppendStream
+                | Rpc::PutSnapshot
+                | Rpc::Export
+                | Rpc::Import
         );
         let target = if needs_message {
             let (parts, body) = request.into_parts();

@@ -46,6 +46,22 @@
 //!   ([`crate::rules::expired`]), in bounded batches that appends pass between, and on
 //!   PostgreSQL on one replica at a time.
 //!
+//! - **A pin keeps a session from retention** ([`Backend::pin`]): `SessionInfo.pinned`, a
+//!   state change like a lease's, durable on return; [`crate::rules::expired`] skips it.
+//! - **An import is visible only when whole** ([`Backend::begin_import`]): a session's
+//!   events are staged where no call can see them, each with its seq, event id, time and
+//!   content as the export gives them, and the session appears in one atomic step
+//!   ([`Staging::commit`]) with the state folded from them by the rules every append
+//!   follows ([`crate::rules::adopt_imported`]): from then on it is a session like any
+//!   other, dedup and seqs going on. A crash (the store's `kill -9` included) at any moment
+//!   before that step leaves nothing of it visible, and nothing in the way of importing it
+//!   again; a session made here meanwhile under the same id is left as it is
+//!   (`SESSION_EXISTS`). A deleted id imported as deleted stays deleted here for good
+//!   ([`Backend::import_deletion`]).
+//! - **Every id can be walked** ([`Backend::session_ids`]): in id order, deleted ones too,
+//!   so that `Export --all` visits every session exactly once however the sessions change
+//!   meanwhile.
+//!
 //! The integration suites `store_append`, `store_leases`, `store_subscribe`,
 //! `store_bad_input`, `store_protocol` and `store_delete` run against each backend through
 //! the real binary,
@@ -241,6 +257,102 @@ pub trait Backend: Send + Sync + 'static {
     /// ones before them commit). Waits only for room in the backend's queue, never for a
     /// commit.
     async fn enqueue_append(&self, op: AppendOp) -> Result<AppendAnswer, StoreError>;
+
+    // Sessions that move: export, import, pin (see the module head).
+
+    /// The session ids in `scope` after `after`, in id order (bytewise), at most `limit`,
+    /// deleted ones too: what `Export --all` walks.
+    async fn session_ids(
+        &self,
+        after: &str,
+        limit: usize,
+        scope: &Scope,
+    ) -> Result<Vec<ListedId>, StoreError>;
+
+    /// `PinSession`: pins or unpins a live session (durable on return) and answers it as it
+    /// is now.
+    async fn pin(&self, session_id: &str, pinned: bool) -> Result<SessionInfo, StoreError>;
+
+    /// Starts the import of `session_id`, which the caller found absent here: its events go
+    /// to a [`Staging`], invisible until committed.
+    async fn begin_import(&self, session_id: &str) -> Result<Box<dyn Staging>, StoreError>;
+
+    /// An imported `deleted` line: the id is deleted here from now on (a live session of
+    /// that id as by [`Backend::delete_session`]; an id never seen here gets its tombstone
+    /// too). Whether anything changed (false: it was deleted here already).
+    async fn import_deletion(
+        &self,
+        session_id: &str,
+        deleted_unix_ms: i64,
+    ) -> Result<bool, StoreError>;
+
+    /// Up to `max` sessions retention would delete now (idle since before `idle_before`,
+    /// [`crate::rules::expired`]), least recently updated first, each with the state it
+    /// was read at: what the archive of `--archive-dir` exports before it deletes them.
+    async fn expiring(&self, idle_before: i64, max: usize) -> Result<Vec<Expiring>, StoreError>;
+
+    /// Deletes the session as retention does, but only if it is still as
+    /// [`Backend::expiring`] read it (nothing written since, still expired): what was
+    /// archived is then all it held. Whether it did.
+    async fn delete_expiring(
+        &self,
+        expiring: &Expiring,
+        idle_before: i64,
+    ) -> Result<bool, StoreError>;
+}
+
+/// A session retention would delete, as it was read ([`Backend::expiring`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Expiring {
+    pub session_id: String,
+    /// The state it was read at: its last seq (local log) or row version (PostgreSQL).
+    pub read_at: i64,
+}
+
+/// A session id as [`Backend::session_ids`] walks them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ListedId {
+    pub session_id: String,
+    /// When it was deleted (0: it is live).
+    pub deleted_unix_ms: i64,
+}
+
+/// Why events could not be staged.
+#[derive(Debug)]
+pub enum StageError {
+    /// The event of `seq` has the event id of the session's event `earlier`.
+    Repeated {
+        seq: u64,
+        earlier: u64,
+        event_id: String,
+    },
+    Store(StoreError),
+}
+
+impl From<StoreError> for StageError {
+    fn from(e: StoreError) -> StageError {
+        StageError::Store(e)
+    }
+}
+
+/// One session's import in progress ([`Backend::begin_import`]).
+#[tonic::async_trait]
+pub trait Staging: Send + Sync {
+    /// Stages the next events, as the export gives them (the caller checked that their seqs
+    /// go on from the last one staged, from 1, each with an event id); an event id that
+    /// repeats one of the session's is [`StageError::Repeated`]. Staged events are durable
+    /// on return, and invisible.
+    async fn stage(&mut self, events: Vec<Event>) -> Result<(), StageError>;
+
+    /// Makes the session visible, whole, in one atomic step: its state folded from the
+    /// staged events, with the times, `forked_from` and `pinned` of `line`
+    /// ([`crate::rules::adopt_imported`], which also refuses a line that disagrees with the
+    /// events). `SESSION_EXISTS` or `SESSION_DELETED` if the id was taken here meanwhile:
+    /// then nothing of it changed.
+    async fn commit(self: Box<Self>, line: SessionInfo) -> Result<(), StoreError>;
+
+    /// Drops what was staged (a refused or cut-off import).
+    async fn abandon(self: Box<Self>);
 }
 
 /// The answer to a queued append.

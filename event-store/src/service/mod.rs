@@ -6,6 +6,7 @@ mod append_stream;
 mod claim;
 mod serve;
 mod subscribe;
+mod transfer;
 mod validate;
 
 pub use serve::{local_addr, serve, serve_health, OversizedAsResourceExhausted, ServeOptions};
@@ -23,6 +24,7 @@ use agentlog_proto::v1::{
     ListSessionsResponse, PutSnapshotResponse, ReleaseLeaseRequest, ReleaseLeaseResponse,
     RenewLeaseRequest, SessionInfo, SnapshotChunk, SubscribeRequest,
 };
+use agentlog_proto::v1::{ExportRequest, ImportChunk, PinSessionRequest};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::{Stream, StreamExt};
@@ -340,6 +342,48 @@ impl EventStore for EventStoreService {
         let caller = caller_of(&request)?;
         let op = validate_fork(request.into_inner(), &caller.scope)?;
         Ok(Response::new(self.store.fork(op).await?))
+    }
+
+    // Sessions that move.
+
+    type ExportStream = transfer::ExportStream;
+
+    async fn export(
+        &self,
+        request: Request<ExportRequest>,
+    ) -> Result<Response<transfer::ExportStream>, Status> {
+        let caller = caller_of(&request)?;
+        let which = transfer::which(&self.store, request.into_inner(), &caller).await?;
+        Ok(Response::new(transfer::export_stream(
+            self.store.clone(),
+            which,
+            self.shutdown.clone(),
+        )))
+    }
+
+    type ImportStream = transfer::ImportStream;
+
+    async fn import(
+        &self,
+        request: Request<tonic::Streaming<ImportChunk>>,
+    ) -> Result<Response<transfer::ImportStream>, Status> {
+        caller_of(&request)?;
+        Ok(Response::new(transfer::import_stream(
+            self.store.clone(),
+            request.into_inner(),
+            self.shutdown.clone(),
+        )))
+    }
+
+    async fn pin_session(
+        &self,
+        request: Request<PinSessionRequest>,
+    ) -> Result<Response<SessionInfo>, Status> {
+        let req = request.into_inner();
+        validate_session_id(&req.session_id)?;
+        Ok(Response::new(
+            self.store.pin(&req.session_id, req.pinned).await?,
+        ))
     }
 }
 

@@ -33,13 +33,7 @@ pub fn validate_session_id(id: &str) -> Result<(), StoreError> {
 }
 
 fn validate_id_field(field: &str, id: &str) -> Result<(), StoreError> {
-    let ok = !id.is_empty()
-        && id.len() <= MAX_ID_LEN
-        && id.as_bytes()[0].is_ascii_alphanumeric()
-        && id
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'-'));
-    if ok {
+    if crate::session::is_valid_id(id) {
         Ok(())
     } else {
         Err(invalid(format!(

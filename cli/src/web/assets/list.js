@@ -43,7 +43,8 @@ function render(sessions) {
       return el(
         "tr",
         { "data-session": s.sessionId },
-        el("td", {}, el("span", { class: `badge ${name}` }, name)),
+        el("td", {}, el("span", { class: `badge ${name}` }, name),
+          ...(s.pinned ? [" ", el("span", { class: "badge pinned", title: "Retention never deletes it" }, "pinned")] : [])),
         el("td", { class: "title" }, el("a", { href }, s.title || "(no message yet)")),
         el("td", {}, el("a", { href, class: "id" }, s.sessionId)),
         el("td", { class: "num" }, s.lastSeq),

@@ -290,6 +290,7 @@ async function refreshInfo() {
     const name = statusName(info.status);
     badge.textContent = name;
     badge.className = `badge ${name}`;
+    document.getElementById("pinned").hidden = !info.pinned;
     refreshForkedFrom(info);
   } catch (e) {
     if (e.reason === "SESSION_DELETED") {

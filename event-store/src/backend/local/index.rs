@@ -94,6 +94,16 @@ const DEAD: u8 = b'd';
 /// A fork that read its prefix through a session when it was made: `c<session>\0<fork>`.
 /// Whether it still does is the fork's state's to say ([`SessionMeta::base_session`]).
 const CHILD: u8 = b'c';
+/// How the id of a staging session starts: the events of a session being imported are
+/// staged in a session of their own (see `import`), whose id no client can name (a session
+/// id starts with a letter or digit) and which is never listed or claimed.
+pub const STAGING_PREFIX: char = '~';
+
+/// Whether `session_id` is a staging session's (see [`STAGING_PREFIX`]).
+pub fn is_staging(session_id: &str) -> bool {
+    session_id.starts_with(STAGING_PREFIX)
+}
+
 /// Keys one sled batch of a purge removes at most.
 const PURGE_BATCH: usize = 4096;
 
@@ -472,6 +482,53 @@ impl Index {
         self.listed(status, None).collect()
     }
 
+    /// The sessions in the index after `after` in id order (staging sessions left out),
+    /// with their states (without text), at most `limit`.
+    pub fn sessions_after(
+        &self,
+        after: &str,
+        limit: usize,
+    ) -> Result<Vec<(String, SessionMeta)>, IndexError> {
+        let mut start = session_key(after);
+        start.push(0); // just after it: ids never hold 0x00
+        let mut out = Vec::new();
+        for entry in self.db.range(start..vec![SESSION + 1]) {
+            if out.len() >= limit {
+                break;
+            }
+            let (key, value) = entry?;
+            let id = String::from_utf8(key[1..].to_vec())
+                .map_err(|_| IndexError::Corrupt("session key".into()))?;
+            if is_staging(&id) {
+                continue;
+            }
+            let meta = SessionMeta::decode(value.as_ref())
+                .map_err(|_| IndexError::Corrupt(format!("session {id}")))?;
+            out.push((id, meta));
+        }
+        Ok(out)
+    }
+
+    /// The staging sessions the index holds that are neither deleted nor the base of the
+    /// session they were staged for (see `import`): imports that never finished.
+    pub fn unfinished_stagings(&self) -> Result<Vec<String>, IndexError> {
+        let mut prefix = vec![SESSION];
+        let mut tilde = [0u8; 4];
+        prefix.extend_from_slice(STAGING_PREFIX.encode_utf8(&mut tilde).as_bytes());
+        let mut unfinished = Vec::new();
+        for entry in self.db.scan_prefix(&prefix) {
+            let (key, value) = entry?;
+            let id = String::from_utf8(key[1..].to_vec())
+                .map_err(|_| IndexError::Corrupt("session key".into()))?;
+            let meta = SessionMeta::decode(value.as_ref())
+                .map_err(|_| IndexError::Corrupt(format!("session {id}")))?;
+            if !meta.is_deleted() && self.children(&id)?.is_empty() {
+                unfinished.push(id);
+            }
+        }
+        Ok(unfinished)
+    }
+
     /// The seq of an event id already in the session.
     pub fn event_seq(&self, session_id: &str, event_id: &str) -> Result<Option<u64>, IndexError> {
         match self.db.get(event_id_key(session_id, event_id))? {
@@ -684,7 +741,7 @@ fn listed_prefix(status: u8, updated_unix_ms: i64) -> Vec<u8> {
 
 /// The session's `o` key, if it is listed (it has events and was not deleted).
 fn listed_key(session_id: &str, meta: &SessionMeta) -> Option<Vec<u8>> {
-    if meta.last_seq == 0 || meta.is_deleted() {
+    if meta.last_seq == 0 || meta.is_deleted() || is_staging(session_id) {
         return None;
     }
     let status = u8::try_from(meta.status).ok()?;

@@ -11,11 +11,13 @@
 //! - [`snapshots`]: the snapshot files.
 //! - [`reclaim`]: deleted sessions' space given back, by rewriting the segments that hold
 //!   their records; [`background`]: the store's own threads (retention, reclamation).
+//! - `import`: an imported session staged out of sight and made visible in one record.
 //!
 //! [`Store`] is the facade the gRPC service runs over (through [`super::Backend`]).
 
 mod background;
 pub mod framed;
+mod import;
 pub mod index;
 pub mod live;
 pub mod log;
@@ -41,7 +43,7 @@ use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use crate::backend::{
-    self, AppendAnswer, AppendOp, Backend, EventRun, ForkOp, Snapshot, SnapshotRead,
+    self, AppendAnswer, AppendOp, Backend, EventRun, ForkOp, Snapshot, SnapshotRead, Staging,
 };
 use crate::clock::now_unix_ms;
 use crate::error::StoreError;
@@ -92,18 +94,20 @@ pub struct StoreConfig {
 }
 
 impl StoreConfig {
-    /// `<data-dir>/log/` and `<data-dir>/index/` on the real filesystem.
+    /// `<data-dir>/log/` and `<data-dir>/index/` on the real filesystem, with segments
+    /// sized to the volume ([`log::LogConfig::for_volume`]).
     pub fn in_dir(data_dir: &Path) -> Result<StoreConfig, OpenError> {
         let log_dir = data_dir.join("log");
-        let storage = FsStorage::open_dir(&log_dir)
-            .map_err(|e| OpenError::DataDir(log_dir.display().to_string(), e))?;
+        let dir_error = |e| OpenError::DataDir(log_dir.display().to_string(), e);
+        let storage = FsStorage::open_dir(&log_dir).map_err(dir_error)?;
+        let log_config = log::LogConfig::for_volume(storage.volume_bytes().map_err(dir_error)?);
         Ok(StoreConfig {
             log: Arc::new(storage),
             index_dir: data_dir.join("index"),
             snapshot_dir: data_dir.join("snapshots"),
-            log_config: log::LogConfig::default(),
+            log_config,
             retention: None,
-            reclaim: ReclaimConfig::for_segments(log::DEFAULT_SEGMENT_BYTES),
+            reclaim: ReclaimConfig::for_segments(log_config.segment_bytes),
             session_cache_bytes: sessions::DEFAULT_CACHE_BYTES,
         })
     }
@@ -122,6 +126,8 @@ pub struct Store {
     /// `queue`.
     background: Vec<background::Signal>,
     background_threads: Vec<std::thread::JoinHandle<()>>,
+    /// Names this run's imports' staging sessions.
+    staging_names: Arc<import::StagingNames>,
 }
 
 impl Store {
@@ -164,6 +170,7 @@ impl Store {
         shared.erase(erasing);
         let (queue, rx) = mpsc::channel(QUEUE_DEPTH);
         let (done_tx, writer_done) = watch::channel(false);
+        let staging_names = Arc::new(import::StagingNames::new());
         let reclaimer = Reclaimer::new(
             log.rewriter(),
             log.reader(),
@@ -172,7 +179,8 @@ impl Store {
             queue.clone(),
             config.reclaim,
             snapshots.clone(),
-        );
+        )
+        .with_staging_names(staging_names.clone());
         let writer = Writer::new(log, index, shared.clone(), config.session_cache_bytes)?;
         let writer = std::thread::Builder::new()
             .name("log-writer".into())
@@ -210,6 +218,7 @@ impl Store {
             snapshots,
             background,
             background_threads,
+            staging_names,
         })
     }
 
@@ -601,7 +610,7 @@ impl Store {
         let passed_over: HashSet<&str> = changed.iter().map(|(id, _)| id.as_str()).collect();
         let mut found: Vec<(i64, String, SessionMeta)> = Vec::new();
         for (id, meta) in &changed {
-            if !scope.admits(id) || !query.admits_but_text(id, meta) {
+            if !scope.admits(id) || index::is_staging(id) || !query.admits_but_text(id, meta) {
                 continue;
             }
             let mut meta = meta.clone();
@@ -710,6 +719,133 @@ impl Store {
     }
 }
 
+// Sessions that move: export's walk, pins, imports.
+impl Store {
+    /// The sessions after `after` in id order, deleted ones too, from the index and the
+    /// states published since its last absorb.
+    pub fn session_ids(
+        &self,
+        after: &str,
+        limit: usize,
+        scope: &Scope,
+    ) -> Result<Vec<backend::ListedId>, StoreError> {
+        const WALK: usize = 256;
+        let mut found: std::collections::BTreeMap<String, i64> = Default::default();
+        // The index's ids, from `after` on, until `limit` of them are in scope: `upper` is
+        // the last one walked (none: the index ended), up to which the page is complete.
+        let mut from = after.to_string();
+        let mut in_scope = 0;
+        let upper = loop {
+            let page = self.source.index.sessions_after(&from, WALK)?;
+            for (id, meta) in &page {
+                if scope.admits(id) && (meta.last_seq > 0 || meta.is_deleted()) {
+                    found.insert(id.clone(), meta.deleted_unix_ms);
+                    in_scope += 1;
+                }
+            }
+            match page.last() {
+                Some((last, _)) if page.len() == WALK => from.clone_from(last),
+                _ => break None,
+            }
+            if in_scope >= limit {
+                break Some(from.clone());
+            }
+        };
+        // The states published since the last absorb (the index may lack them, or hold
+        // them as they were before).
+        let sessions = self
+            .shared
+            .sessions
+            .read()
+            .unwrap_or_else(|p| p.into_inner());
+        for (id, meta) in sessions.iter() {
+            let within = id.as_str() > after && upper.as_ref().is_none_or(|u| id <= u);
+            if within
+                && scope.admits(id)
+                && !index::is_staging(id)
+                && (meta.last_seq > 0 || meta.is_deleted())
+            {
+                found.insert(id.clone(), meta.deleted_unix_ms);
+            }
+        }
+        Ok(found
+            .into_iter()
+            .take(limit)
+            .map(|(session_id, deleted_unix_ms)| backend::ListedId {
+                session_id,
+                deleted_unix_ms,
+            })
+            .collect())
+    }
+
+    pub async fn pin(&self, session_id: &str, pinned: bool) -> Result<SessionInfo, StoreError> {
+        let id = session_id.to_string();
+        let meta = self.submit(|tx| Op::Pin(id, pinned, tx)).await?;
+        self.info(session_id, meta, now_unix_ms())
+    }
+
+    pub async fn expiring(
+        &self,
+        idle_before: i64,
+        max: usize,
+    ) -> Result<Vec<backend::Expiring>, StoreError> {
+        let (tx, rx) = oneshot::channel();
+        let op = Op::Expiring {
+            idle_before,
+            max,
+            reply: tx,
+        };
+        self.queue.send(op).await.map_err(|_| gone())?;
+        let found = rx.await.map_err(|_| gone())??;
+        Ok(found
+            .into_iter()
+            .map(|(session_id, last_seq)| backend::Expiring {
+                session_id,
+                read_at: last_seq as i64,
+            })
+            .collect())
+    }
+
+    pub async fn delete_expiring(
+        &self,
+        expiring: &backend::Expiring,
+        idle_before: i64,
+    ) -> Result<bool, StoreError> {
+        let op = DeleteOp::IfExpired {
+            session_id: expiring.session_id.clone(),
+            idle_before,
+            last_seq: expiring.read_at as u64,
+        };
+        let deleted = self.submit(|tx| Op::Delete(op, tx)).await?;
+        if deleted.is_empty() {
+            return Ok(false);
+        }
+        crate::metrics::sessions_deleted("retention", 1);
+        let snapshots = self.snapshots.clone();
+        let id = expiring.session_id.clone();
+        let removed = tokio::task::spawn_blocking(move || snapshots.remove_sessions([id.as_str()]))
+            .await
+            .map_err(|e| StoreError::Internal(format!("the snapshot removal stopped: {e}")))?;
+        if let Err(e) = removed {
+            tracing::warn!(error = %e, "removing a deleted session's snapshots failed; the next open does it");
+        }
+        Ok(true)
+    }
+
+    pub async fn import_deletion(
+        &self,
+        session_id: &str,
+        deleted_unix_ms: i64,
+    ) -> Result<bool, StoreError> {
+        let op = DeleteOp::Imported {
+            session_id: session_id.to_string(),
+            deleted_unix_ms,
+        };
+        let deleted = self.submit(|tx| Op::Delete(op, tx)).await?;
+        Ok(!deleted.is_empty())
+    }
+}
+
 impl Drop for Store {
     /// The background threads let go of the writer's queue (a store dropped without
     /// [`Store::close`] still lets its writer finish).
@@ -814,6 +950,51 @@ impl Backend for Store {
 
     async fn fork(&self, op: ForkOp) -> Result<ForkSessionResponse, StoreError> {
         Store::fork(self, op).await
+    }
+
+    async fn session_ids(
+        &self,
+        after: &str,
+        limit: usize,
+        scope: &Scope,
+    ) -> Result<Vec<backend::ListedId>, StoreError> {
+        Store::session_ids(self, after, limit, scope)
+    }
+
+    async fn pin(&self, session_id: &str, pinned: bool) -> Result<SessionInfo, StoreError> {
+        Store::pin(self, session_id, pinned).await
+    }
+
+    async fn begin_import(&self, session_id: &str) -> Result<Box<dyn Staging>, StoreError> {
+        Ok(Box::new(import::LocalStaging::begin(
+            self.queue.clone(),
+            &self.staging_names,
+            session_id,
+        )))
+    }
+
+    async fn import_deletion(
+        &self,
+        session_id: &str,
+        deleted_unix_ms: i64,
+    ) -> Result<bool, StoreError> {
+        Store::import_deletion(self, session_id, deleted_unix_ms).await
+    }
+
+    async fn expiring(
+        &self,
+        idle_before: i64,
+        max: usize,
+    ) -> Result<Vec<backend::Expiring>, StoreError> {
+        Store::expiring(self, idle_before, max).await
+    }
+
+    async fn delete_expiring(
+        &self,
+        expiring: &backend::Expiring,
+        idle_before: i64,
+    ) -> Result<bool, StoreError> {
+        Store::delete_expiring(self, expiring, idle_before).await
     }
 }
 

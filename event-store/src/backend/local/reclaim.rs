@@ -60,13 +60,14 @@ use super::snapshots::SnapshotDir;
 use tokio::sync::mpsc;
 
 use super::background::{ask, Signal};
+use super::import::StagingNames;
 use super::index::Index;
 use super::log::record::{event_for_state, CopiedEvent};
 use super::log::storage::CrashPoint;
 use super::log::{LogError, LogReader, SegmentRewriter};
 use super::published::{Erasing, Shared};
 use super::subscriptions::{read_up_to, Source};
-use super::writer::{Materialize, Op};
+use super::writer::{DeleteOp, Materialize, Op};
 use crate::error::StoreError;
 use crate::metrics;
 
@@ -122,6 +123,9 @@ pub(crate) struct Reclaimer {
     materialized: HashSet<String>,
     /// Tells a rewrite to stop when the store does.
     signal: Signal,
+    /// This run's imports' staging sessions: those of earlier runs that no session reads
+    /// through are imports a crash cut short (see `import`).
+    staging_names: Arc<StagingNames>,
 }
 
 impl Reclaimer {
@@ -145,13 +149,23 @@ impl Reclaimer {
             snapshots,
             dead: HashMap::new(),
             materialized: HashSet::new(),
+            staging_names: Arc::new(StagingNames::new()),
         }
+    }
+
+    /// The names of this run's imports (the others' unfinished ones are removed at start).
+    pub fn with_staging_names(mut self, names: Arc<StagingNames>) -> Reclaimer {
+        self.staging_names = names;
+        self
     }
 
     /// Looks for work every `check_every` (and when a deletion wakes it) until the store
     /// stops. A failed pass is retried at the next look.
     pub fn run(mut self) {
         let signal = self.signal.clone();
+        if let Err(Failed::WriterGone) = self.drop_unfinished_imports() {
+            return;
+        }
         while !signal.wait(self.config.check_every) {
             if let Err(Failed::WriterGone) = self.restore_reserve() {
                 return;
@@ -164,6 +178,33 @@ impl Reclaimer {
                 }
             }
         }
+    }
+
+    /// Deletes the staging sessions of imports an earlier run of the store left unfinished
+    /// (see `import`): their records then leave the log as a deleted session's do.
+    fn drop_unfinished_imports(&self) -> Result<(), Failed> {
+        let unfinished = match self.index.unfinished_stagings() {
+            Ok(unfinished) => unfinished,
+            Err(e) => {
+                tracing::warn!(error = %e, "looking for unfinished imports failed");
+                return Ok(());
+            }
+        };
+        for staging in unfinished {
+            if self.staging_names.is_this_runs(&staging) {
+                continue;
+            }
+            let op = DeleteOp::Session(staging.clone());
+            match ask(&self.queue, |tx| Op::Delete(op, tx)).ok_or(Failed::WriterGone)? {
+                Ok(_) => tracing::info!(
+                    staging,
+                    "removing the events of an import that did not finish (the store stopped \
+                     in the middle of it)"
+                ),
+                Err(e) => tracing::warn!(staging, error = %e, "an unfinished import stays"),
+            }
+        }
+        Ok(())
     }
 
     /// Puts the volume's reserve back once there is room for it (it was released for a

@@ -125,6 +125,7 @@ fn recover(config: &StoreConfig, index: &Index) -> Result<LogWriter, OpenError> 
                 Record::Event(event) => meta.apply_event(event),
                 Record::Lease(lease) => meta.apply_lease(lease),
                 Record::Fork(fork) => meta.apply_fork(fork),
+                Record::Pin(pin) => meta.pinned = pin.pinned,
                 Record::Placed(_) => {}
                 Record::Tombstone(t) => {
                     jumped.remove(session_id);

@@ -43,10 +43,11 @@ use tokio::sync::{mpsc, oneshot};
 use agentlog_proto::reason::Reason;
 
 use super::index::{
-    self_named_seq, Index, IndexBatch, IndexError, Recent, GENERATED_ID_PREFIX, LISTED_STATUSES,
+    is_staging, self_named_seq, Index, IndexBatch, IndexError, Recent, GENERATED_ID_PREFIX,
+    LISTED_STATUSES,
 };
-use super::log::record::CopiedEvent;
 use super::log::record::Tombstone;
+use super::log::record::{CopiedEvent, PinRecord};
 use super::log::storage::CrashPoint;
 use super::log::{record, LogError, LogReader, LogWriter, Record};
 use super::published::Shared;
@@ -57,7 +58,7 @@ use crate::error::StoreError;
 use crate::metrics;
 use crate::rules::{self, Deletion};
 use crate::scope::Scope;
-use crate::session::{lease_of, SessionMeta};
+use crate::session::{lease_of, ForkRecord, SessionMeta};
 use agentlog_proto::v1::SessionStatus;
 
 /// At most this many operations share one fsync, so one batch's latency stays bounded.
@@ -98,6 +99,30 @@ pub enum Op {
     Materialize(Box<Materialize>, oneshot::Sender<Result<bool, StoreError>>),
     /// Answered with the sessions it deleted (none: the session was deleted before).
     Delete(DeleteOp, oneshot::Sender<Result<Vec<String>, StoreError>>),
+    /// Events of a session being imported, written into its staging session as the export
+    /// gives them (see `import`).
+    /// Answered with the first event whose id repeats one of the session's, if any
+    /// (its seq, the earlier seq, the id): then nothing was written.
+    Stage(
+        Box<Stage>,
+        oneshot::Sender<Result<Option<Repeated>, StoreError>>,
+    ),
+    /// An import made visible: the session, reading its events through its staging
+    /// session, in one record (see `import`).
+    Adopt(Box<Adopt>, oneshot::Sender<Result<(), StoreError>>),
+    /// The sessions retention would take (`Backend::expiring`), each with its last seq;
+    /// nothing is written.
+    Expiring {
+        idle_before: i64,
+        max: usize,
+        reply: oneshot::Sender<Result<Vec<(String, u64)>, StoreError>>,
+    },
+    /// PinSession: answered with the session's state after it.
+    Pin(
+        String,
+        bool,
+        oneshot::Sender<Result<SessionMeta, StoreError>>,
+    ),
     /// Seal the active segment, if it holds any record, so that it can be rewritten;
     /// answered with the base of the active segment after it.
     Seal(oneshot::Sender<Result<u64, StoreError>>),
@@ -109,9 +134,21 @@ pub enum Op {
 pub enum DeleteOp {
     /// DeleteSession.
     Session(String),
+    /// An imported `deleted` line: the id's tombstone, even if it never existed here.
+    Imported {
+        session_id: String,
+        deleted_unix_ms: i64,
+    },
     /// A step of retention: up to `max` sessions whose last event is before `idle_before`
     /// and that hold no live lease ([`rules::expired`]).
     Idle { idle_before: i64, max: usize },
+    /// The archive's deletion: the session, if it is still expired at `last_seq` (nothing
+    /// written since it was archived).
+    IfExpired {
+        session_id: String,
+        idle_before: i64,
+        last_seq: u64,
+    },
 }
 
 /// A fork's prefix, read through its base, to be made its own ([`Record::Placed`]s, in one
@@ -123,6 +160,23 @@ pub struct Materialize {
     pub base_seq: u64,
     /// Seqs 1 to `base_seq`, as stored, each with the fork's session id.
     pub placed: Vec<CopiedEvent>,
+}
+
+/// An event id repeated in an import: the event's seq, the earlier seq, the id.
+pub type Repeated = (u64, u64, String);
+
+/// Events staged for an import: they must go on from the staging session's last seq.
+pub struct Stage {
+    pub staging: String,
+    pub events: Vec<agentlog_proto::v1::Event>,
+}
+
+/// An import's commit: `session_id` made of the staging session's events, with the state
+/// `rules::adopt_imported` makes of them and of the session line.
+pub struct Adopt {
+    pub session_id: String,
+    pub staging: String,
+    pub line: agentlog_proto::v1::SessionInfo,
 }
 
 pub enum LeaseOp {
@@ -202,6 +256,12 @@ enum Pending {
         ForkSessionResponse,
     ),
     Materialize(oneshot::Sender<Result<bool, StoreError>>, bool),
+    Done(oneshot::Sender<Result<(), StoreError>>),
+    Staged(oneshot::Sender<Result<Option<Repeated>, StoreError>>),
+    Pinned(
+        oneshot::Sender<Result<SessionMeta, StoreError>>,
+        SessionMeta,
+    ),
 }
 
 /// Whether a thread that waits for another may look again for a while before it sleeps
@@ -483,6 +543,41 @@ impl Writer {
                         let _ = reply.send(other);
                     }
                 },
+                Op::Stage(stage, reply) => match self.prepare_stage(*stage, &mut batch) {
+                    Ok(None) => pending.push(Pending::Staged(reply)),
+                    other => {
+                        let _ = reply.send(other);
+                    }
+                },
+                Op::Adopt(adopt, reply) => match self.prepare_adopt(*adopt, &mut batch) {
+                    Ok(()) => pending.push(Pending::Done(reply)),
+                    Err(e) => {
+                        let _ = reply.send(Err(e));
+                    }
+                },
+                Op::Pin(session_id, pinned, reply) => {
+                    match self.prepare_pin(&session_id, pinned, &mut batch) {
+                        Ok(meta) => pending.push(Pending::Pinned(reply, meta)),
+                        Err(e) => {
+                            let _ = reply.send(Err(e));
+                        }
+                    }
+                }
+                Op::Expiring {
+                    idle_before,
+                    max,
+                    reply,
+                } => {
+                    let found = self.expired(idle_before, max, now).map(|ids| {
+                        ids.into_iter()
+                            .map(|id| {
+                                let last_seq = self.sessions.get(&id).map_or(0, |m| m.last_seq);
+                                (id, last_seq)
+                            })
+                            .collect()
+                    });
+                    let _ = reply.send(found);
+                }
                 // Answered by `seal_first`, which takes every seal out of the batch.
                 Op::Seal(reply) => {
                     let _ = reply.send(Ok(self.log.reader().active_base()));
@@ -732,34 +827,23 @@ impl Writer {
                     Deletion::AlreadyDeleted => Ok(Vec::new()),
                 }
             }
-            DeleteOp::Idle { idle_before, max } => {
-                // The least recently updated sessions of the index's listing (a bounded
-                // prefix, so that one step stays short even when many of the oldest are
-                // leased: a later pass looks again), each then judged on its state now (a
-                // session changed since the index's last absorb is in the cache).
-                let look_at = max.saturating_mul(8);
-                let mut oldest: Vec<(i64, String)> = Vec::new();
-                for status in LISTED_STATUSES {
-                    for entry in self.index.oldest(status).take(look_at) {
-                        let (updated, id) = entry?;
-                        if updated >= idle_before {
-                            break;
-                        }
-                        oldest.push((updated, id));
+            DeleteOp::Imported {
+                session_id,
+                deleted_unix_ms,
+            } => {
+                self.sessions.load(&session_id)?;
+                match rules::delete_imported(self.sessions.get(&session_id), deleted_unix_ms) {
+                    Deletion::Tombstone(tombstone) => {
+                        self.tombstone(&session_id, *tombstone, batch);
+                        Ok(vec![session_id])
                     }
+                    Deletion::AlreadyDeleted => Ok(Vec::new()),
                 }
-                oldest.sort_unstable();
-                oldest.truncate(look_at);
+            }
+            DeleteOp::Idle { idle_before, max } => {
                 let mut expired = Vec::new();
-                for (_, session_id) in oldest {
-                    if expired.len() >= max {
-                        break;
-                    }
-                    self.sessions.load(&session_id)?;
+                for session_id in self.expired(idle_before, max, now)? {
                     let meta = self.sessions.get(&session_id);
-                    if !meta.is_some_and(|m| rules::expired(m, idle_before, now)) {
-                        continue;
-                    }
                     if let Deletion::Tombstone(tombstone) = rules::delete(meta, &session_id, now)? {
                         self.tombstone(&session_id, *tombstone, batch);
                         expired.push(session_id);
@@ -767,19 +851,98 @@ impl Writer {
                 }
                 Ok(expired)
             }
+            DeleteOp::IfExpired {
+                session_id,
+                idle_before,
+                last_seq,
+            } => {
+                self.sessions.load(&session_id)?;
+                let meta = self.sessions.get(&session_id);
+                let unchanged = meta
+                    .is_some_and(|m| m.last_seq == last_seq && rules::expired(m, idle_before, now));
+                if !unchanged {
+                    return Ok(Vec::new());
+                }
+                match rules::delete(meta, &session_id, now)? {
+                    Deletion::Tombstone(tombstone) => {
+                        self.tombstone(&session_id, *tombstone, batch);
+                        Ok(vec![session_id])
+                    }
+                    Deletion::AlreadyDeleted => Ok(Vec::new()),
+                }
+            }
         }
+    }
+
+    /// Up to `max` sessions retention takes at `now` ([`rules::expired`]), least recently
+    /// updated first (their states loaded). The least recently updated sessions of the
+    /// index's listing are looked at (a bounded prefix, so that one step stays short even
+    /// when many of the oldest are leased: a later pass looks again; pinned ones are passed
+    /// over without counting, up to [`PINNED_PASSED`]), each judged on its state now (a
+    /// session changed since the index's last absorb is in the cache).
+    fn expired(
+        &mut self,
+        idle_before: i64,
+        max: usize,
+        now: i64,
+    ) -> Result<Vec<String>, StoreError> {
+        let look_at = max.saturating_mul(8);
+        let mut oldest: Vec<(i64, String)> = Vec::new();
+        for status in LISTED_STATUSES {
+            let (mut taken, mut pinned) = (0, 0);
+            for entry in self.index.oldest(status) {
+                let (updated, id) = entry?;
+                if updated >= idle_before || taken >= look_at || pinned >= PINNED_PASSED {
+                    break;
+                }
+                self.sessions.load(&id)?;
+                if self.sessions.get(&id).is_some_and(|m| m.pinned) {
+                    pinned += 1;
+                    continue;
+                }
+                taken += 1;
+                oldest.push((updated, id));
+            }
+        }
+        oldest.sort_unstable();
+        oldest.truncate(look_at);
+        let mut expired = Vec::new();
+        for (_, session_id) in oldest {
+            if expired.len() >= max {
+                break;
+            }
+            self.sessions.load(&session_id)?;
+            if self
+                .sessions
+                .get(&session_id)
+                .is_some_and(|m| rules::expired(m, idle_before, now))
+            {
+                expired.push(session_id);
+            }
+        }
+        Ok(expired)
     }
 
     /// Replaces the session's state by its tombstone (from now on every op refuses it) and
     /// writes the tombstone record.
+    /// An imported session's staging session (its base, which nothing else reads through)
+    /// goes with it.
     fn tombstone(&mut self, session_id: &str, mut tombstone: SessionMeta, batch: &mut Batch) {
         let deleted_unix_ms = tombstone.deleted_unix_ms;
-        self.update_session(session_id, |meta| {
+        let base = self.update_session(session_id, |meta| {
             // Its forks may read through it until its records are gone.
             tombstone.base_session = std::mem::take(&mut meta.base_session);
             tombstone.base_seq = meta.base_seq;
-            *meta = tombstone
+            *meta = tombstone;
+            meta.base_session.clone()
         });
+        if is_staging(&base) && !is_staging(session_id) {
+            if let Ok(Deletion::Tombstone(staging)) =
+                rules::delete(self.sessions.get(&base), &base, deleted_unix_ms)
+            {
+                self.tombstone(&base, *staging, batch);
+            }
+        }
         // Its recent ids stay until the next absorb writes them into the index: a fork that
         // reads its prefix through it dedups against them.
         batch.push(
@@ -882,13 +1045,183 @@ impl Writer {
         Ok(true)
     }
 
+    /// An import's events into its staging session, as one atomic append: each must go on
+    /// from the staging session's last seq, with an id of its own (a repeat is refused,
+    /// naming both seqs). Their seqs, ids, times and contents are the export's.
+    fn prepare_stage(
+        &mut self,
+        stage: Stage,
+        batch: &mut Batch,
+    ) -> Result<Option<Repeated>, StoreError> {
+        let Stage { staging, events } = stage;
+        self.sessions.load(&staging)?;
+        let empty = SessionMeta::default();
+        let meta = self.sessions.get(&staging).unwrap_or(&empty);
+        rules::not_deleted(meta, &staging)?;
+        let mut last_seq = meta.last_seq;
+        let mut ids: HashMap<&str, u64> = HashMap::new();
+        for event in &events {
+            if event.seq != last_seq + 1 {
+                return Err(StoreError::InvalidArgument(format!(
+                    "seq {} where {} was next",
+                    event.seq,
+                    last_seq + 1
+                )));
+            }
+            let earlier = match ids.get(event.event_id.as_str()) {
+                Some(seq) => Some(*seq),
+                None => self.staged_seq(&staging, &event.event_id, last_seq)?,
+            };
+            if let Some(seq) = earlier {
+                return Ok(Some((event.seq, seq, event.event_id.clone())));
+            }
+            ids.insert(&event.event_id, event.seq);
+            last_seq = event.seq;
+        }
+        let mut staged: Vec<agentlog_proto::v1::Event> = events;
+        for event in &mut staged {
+            event.session_id.clone_from(&staging);
+        }
+        let recent = self.recent_ids.entry(staging.clone()).or_default();
+        for event in &staged {
+            if self_named_seq(&event.event_id) != Some(event.seq) {
+                recent.insert(event.event_id.clone(), event.seq);
+            }
+        }
+        self.update_session(&staging, |meta| {
+            for event in &staged {
+                meta.apply_event(event);
+            }
+        });
+        let count = staged.len();
+        for (i, event) in staged.into_iter().enumerate() {
+            batch.push(Record::Event(event), i + 1 < count);
+        }
+        Ok(None)
+    }
+
+    /// The seq of `event_id` among the staging session's events up to `last_seq`, if it
+    /// is there.
+    fn staged_seq(
+        &mut self,
+        staging: &str,
+        event_id: &str,
+        last_seq: u64,
+    ) -> Result<Option<u64>, StoreError> {
+        if let Some(seq) = self
+            .recent_ids
+            .get(staging)
+            .and_then(|ids| ids.get(event_id))
+        {
+            return Ok(Some(*seq));
+        }
+        if let Some(seq) = self.index.event_seq(staging, event_id)? {
+            return Ok(Some(seq));
+        }
+        let log = self.log.reader();
+        let found = (&self.index, &*self.shared.recent, &*log);
+        self_named(found, staging, event_id, last_seq)
+    }
+
+    /// An import made visible: the session's start record, a fork's, carrying its state
+    /// (folded from the staged events, with the session line's times, `forked_from` and
+    /// `pinned`: `rules::adopt_imported`) and naming the staging session as the base of
+    /// all its seqs. The session must not exist (nor have been deleted) here.
+    fn prepare_adopt(&mut self, adopt: Adopt, batch: &mut Batch) -> Result<(), StoreError> {
+        let Adopt {
+            session_id,
+            staging,
+            line,
+        } = adopt;
+        self.sessions.load(&session_id)?;
+        if let Some(taken) = self.sessions.get(&session_id) {
+            if taken.is_deleted() || taken.last_seq > 0 {
+                return Err(rules::imported_taken(&session_id, taken.is_deleted()));
+            }
+        }
+        self.sessions.load(&staging)?;
+        let mut staged = rules::existing(self.sessions.get(&staging), &staging)?.clone();
+        if staged.first_user_seq > 0 && staged.first_user_text.is_empty() {
+            // Read from the index, which keeps no text: the title is read back from the log.
+            let text = self.user_text(&staging, staged.first_user_seq)?;
+            staged.set_first_user_text(staged.first_user_seq, &text);
+        }
+        let mut meta = rules::adopt_imported(&staged, &line)?;
+        meta.base_session = staging.clone();
+        meta.base_seq = meta.last_seq;
+        let mut state = meta.clone();
+        state.first_user_text.clear();
+        let record = ForkRecord {
+            session_id: session_id.clone(),
+            parent: staging,
+            seq: meta.last_seq,
+            ts_unix_ms: meta.created_unix_ms,
+            state: Some(state),
+        };
+        self.update_session(&session_id, |current| *current = meta);
+        batch.push(Record::Fork(record), false);
+        Ok(())
+    }
+
+    /// The text of the session's user message at `seq` (a durable one), read from the log.
+    fn user_text(&mut self, session_id: &str, seq: u64) -> Result<String, StoreError> {
+        let recent = self.shared.recent.positions(session_id, seq, 1);
+        let position = match recent.first() {
+            Some(&(s, pos)) if s == seq => Some(pos),
+            _ => self
+                .index
+                .positions(session_id, seq, 1)?
+                .first()
+                .filter(|(s, _)| *s == seq)
+                .map(|(_, pos)| *pos),
+        };
+        let record = match position {
+            Some(pos) => Some(self.log.reader().read(pos)?),
+            None => None,
+        };
+        match record {
+            Some(Record::Event(agentlog_proto::v1::Event {
+                kind: Some(agentlog_proto::v1::event::Kind::UserMessage(m)),
+                ..
+            })) => Ok(m.text),
+            _ => Err(StoreError::Internal(format!(
+                "{session_id}/{seq} is not the user message its state names"
+            ))),
+        }
+    }
+
+    /// PinSession: a pin record, if the session's `pinned` changes.
+    fn prepare_pin(
+        &mut self,
+        session_id: &str,
+        pinned: bool,
+        batch: &mut Batch,
+    ) -> Result<SessionMeta, StoreError> {
+        self.sessions.load(session_id)?;
+        let current = self.sessions.get(session_id);
+        let Some(changed) = rules::pin(current, session_id, pinned)? else {
+            return Ok(current.cloned().unwrap_or_default());
+        };
+        self.update_session(session_id, |meta| meta.pinned = changed.pinned);
+        batch.push(
+            Record::Pin(PinRecord {
+                session_id: session_id.to_string(),
+                pinned,
+            }),
+            false,
+        );
+        Ok(self.sessions.get(session_id).cloned().unwrap_or(changed))
+    }
+
     /// Changes one session's state (loaded first), keeping the runnable order in step.
     fn update_session<T>(&mut self, session_id: &str, f: impl FnOnce(&mut SessionMeta) -> T) -> T {
         let runnable = &mut self.runnable;
+        // A staging session is never claimed (see `import`).
+        let claimable = !is_staging(session_id);
         self.sessions.update(session_id, |meta| {
-            let before = (meta.is_runnable(), meta.updated_unix_ms);
+            let before = (claimable && meta.is_runnable(), meta.updated_unix_ms);
             let out = f(meta);
-            let after = (meta.is_runnable(), meta.updated_unix_ms);
+            let after = (claimable && meta.is_runnable(), meta.updated_unix_ms);
             if before != after {
                 if before.0 {
                     runnable.remove(&(before.1, session_id.to_string()));
@@ -951,8 +1284,23 @@ impl Op {
                     .map(|c| record::HEADER_LEN + 1 + c.message.len() + id)
                     .sum::<usize>() as u64
             }
-            Op::Delete(DeleteOp::Session(_), _) => TOMBSTONE_BYTES,
-            Op::Delete(DeleteOp::Idle { max, .. }, _) => TOMBSTONE_BYTES * *max as u64,
+            Op::Stage(stage, _) => stage
+                .events
+                .iter()
+                .map(|e| e.encoded_len() + stage.staging.len() + PER_EVENT)
+                .sum::<usize>() as u64,
+            // The session's start, as a fork's (its state with a title of up to 80
+            // characters, its forked_from and base).
+            Op::Adopt(adopt, _) => {
+                let ids = adopt.session_id.len() + adopt.staging.len() + 6;
+                (record::HEADER_LEN + 1 + 2 * 131 + 11 + 11 + 4 * 131 + 320 + 128 + ids) as u64
+            }
+            Op::Pin(..) => (record::HEADER_LEN + 1 + 131 + 2) as u64,
+            // A deletion may take the staging session of an imported one with it.
+            Op::Delete(DeleteOp::Session(_) | DeleteOp::Imported { .. }, _) => 2 * TOMBSTONE_BYTES,
+            Op::Delete(DeleteOp::Idle { max, .. }, _) => 2 * TOMBSTONE_BYTES * *max as u64,
+            Op::Delete(DeleteOp::IfExpired { .. }, _) => 2 * TOMBSTONE_BYTES,
+            Op::Expiring { .. } => 0,
             Op::Seal(_) | Op::Room(_) => 0,
         }
     }
@@ -981,6 +1329,18 @@ impl Op {
             Op::Materialize(_, reply) => {
                 let _ = reply.send(Err(error));
             }
+            Op::Stage(_, reply) => {
+                let _ = reply.send(Err(error));
+            }
+            Op::Adopt(_, reply) => {
+                let _ = reply.send(Err(error));
+            }
+            Op::Pin(_, _, reply) => {
+                let _ = reply.send(Err(error));
+            }
+            Op::Expiring { reply, .. } => {
+                let _ = reply.send(Err(error));
+            }
         }
     }
 }
@@ -1001,6 +1361,11 @@ fn name_fresh(fresh: &mut [agentlog_proto::v1::Event], ids: &mut HashMap<String,
         }
     }
 }
+
+/// Pinned sessions one retention step passes over, at most, in each status's listing (a
+/// store with more pinned sessions idle past the span than this finds the ones after them
+/// only as the pinned ones move on).
+const PINNED_PASSED: usize = 100_000;
 
 /// The most bytes of log one tombstone takes: frame and kind byte, the session id (at most
 /// 128 bytes, with tag and length) and the time.
@@ -1023,6 +1388,15 @@ impl Pending {
             }
             Pending::Materialize(reply, wrote) => {
                 let _ = reply.send(Ok(wrote));
+            }
+            Pending::Done(reply) => {
+                let _ = reply.send(Ok(()));
+            }
+            Pending::Staged(reply) => {
+                let _ = reply.send(Ok(None));
+            }
+            Pending::Pinned(reply, meta) => {
+                let _ = reply.send(Ok(meta));
             }
         }
     }

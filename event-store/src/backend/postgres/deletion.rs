@@ -41,19 +41,38 @@ const ERASURE_SWEEP: Duration = Duration::from_secs(30);
 
 impl Replica {
     pub(super) async fn delete_session(&self, session_id: &str) -> Result<(), StoreError> {
-        let client = self.client().await?;
         for _ in 0..MAX_ATTEMPTS {
+            let client = self.client().await?;
             let (state, _) = self.refresh(&client, session_id, &[]).await?;
+            drop(client);
+            if let Deletion::AlreadyDeleted = rules::delete(Some(&state.meta), session_id, 0)? {
+                return Ok(());
+            }
+            if self.delete_at_version(session_id, state.version).await? {
+                crate::metrics::sessions_deleted("request", 1);
+                return Ok(());
+            }
+            // Written in between: decide again on what is there now.
+        }
+        Err(contended(session_id))
+    }
+
+    /// Tombstones the session if its row is still at `version` (and live), then erases its
+    /// rows in the background; whether it did.
+    pub(super) async fn delete_at_version(
+        &self,
+        session_id: &str,
+        version: i64,
+    ) -> Result<bool, StoreError> {
+        let client = self.client().await?;
+        {
             let now = now_unix_ms();
-            let tombstone = match rules::delete(Some(&state.meta), session_id, now)? {
-                Deletion::AlreadyDeleted => return Ok(()),
-                Deletion::Tombstone(tombstone) => *tombstone,
-            };
+            let tombstone = SessionMeta::tombstone(now);
             let Some(version) = self
-                .write_tombstone(&client, session_id, state.version, &tombstone)
+                .write_tombstone(&client, session_id, version, &tombstone)
                 .await?
             else {
-                continue; // Written in between: decide again on what is there now.
+                return Ok(false);
             };
             let tombstone = Arc::new(tombstone);
             self.remember(
@@ -65,7 +84,6 @@ impl Replica {
             );
             // Followers here and on every replica look again and find the tombstone.
             self.changed(session_id, &tombstone, now);
-            crate::metrics::sessions_deleted("request", 1);
             let connector = self.connector.clone();
             let id = session_id.to_string();
             tokio::spawn(async move {
@@ -77,9 +95,8 @@ impl Replica {
                     tracing::warn!(session_id = %id, error = %e, "erasing a deleted session's rows stopped; the sweep takes it up again");
                 }
             });
-            return Ok(());
+            Ok(true)
         }
-        Err(contended(session_id))
     }
 
     /// Writes the session's tombstone over its row if it is still at `version`, with its

@@ -39,7 +39,8 @@
 //! [`replica::Replica`]: [`append`] and [`pipeline`] (AppendStream's, on top of append's
 //! plan), [`fork`], [`subscriptions`], [`listing`] (GetSession, ListSessions), [`leases`],
 //! [`claims`], [`snapshots`], [`deletion`] (the tombstone and the erasure) and
-//! [`retention`] (which deletes as deletion does). Below them, what they share, each file
+//! [`retention`] (which deletes as deletion does); [`export`] (the walk of every id),
+//! [`import`] (a session's rows in one transaction) and [`pin`]. Below them, what they share, each file
 //! importing only the ones after it: [`replica`] (one replica's state: the cache of
 //! states, the optimistic write's re-read, the wake-ups a write sends), [`batch`] (the
 //! batch writer), [`wake`], [`health`], [`rows`] (how a session lies in the tables),
@@ -55,10 +56,13 @@ mod batch;
 mod claims;
 mod connection;
 mod deletion;
+mod export;
 mod fork;
 mod health;
+mod import;
 mod leases;
 mod listing;
+mod pin;
 mod pipeline;
 mod replica;
 mod retention;
@@ -79,7 +83,10 @@ use agentlog_proto::v1::{
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
-use crate::backend::{AppendAnswer, AppendOp, Backend, EventRun, ForkOp, Snapshot, SnapshotRead};
+use crate::backend::{
+    AppendAnswer, AppendOp, Backend, EventRun, Expiring, ForkOp, ListedId, Snapshot, SnapshotRead,
+    Staging,
+};
 use crate::retention::Retention;
 use crate::scope::Scope;
 use crate::StoreError;
@@ -287,5 +294,44 @@ impl Backend for PgBackend {
 
     async fn enqueue_append(&self, op: AppendOp) -> Result<AppendAnswer, StoreError> {
         Ok(self.lanes.enqueue(&self.replica, op))
+    }
+
+    async fn session_ids(
+        &self,
+        after: &str,
+        limit: usize,
+        scope: &Scope,
+    ) -> Result<Vec<ListedId>, StoreError> {
+        self.replica.session_ids(after, limit, scope).await
+    }
+
+    async fn pin(&self, session_id: &str, pinned: bool) -> Result<SessionInfo, StoreError> {
+        self.replica.pin(session_id, pinned).await
+    }
+
+    async fn begin_import(&self, session_id: &str) -> Result<Box<dyn Staging>, StoreError> {
+        Ok(Box::new(self.replica.begin_import(session_id).await?))
+    }
+
+    async fn import_deletion(
+        &self,
+        session_id: &str,
+        deleted_unix_ms: i64,
+    ) -> Result<bool, StoreError> {
+        self.replica
+            .import_deletion(session_id, deleted_unix_ms)
+            .await
+    }
+
+    async fn expiring(&self, idle_before: i64, max: usize) -> Result<Vec<Expiring>, StoreError> {
+        self.replica.expiring(idle_before, max).await
+    }
+
+    async fn delete_expiring(
+        &self,
+        expiring: &Expiring,
+        _idle_before: i64,
+    ) -> Result<bool, StoreError> {
+        self.replica.delete_expiring(expiring).await
     }
 }

@@ -23,12 +23,15 @@ use tokio_util::sync::CancellationToken;
 
 use super::connection::{timed, Connector, Timed, CONNECTION_SETTINGS};
 use super::deletion::erase;
+use super::replica::Replica;
 use super::rows::decode_meta;
 use super::wake::Board;
+use crate::backend::Expiring;
 use crate::clock::now_unix_ms;
 use crate::retention::{Retention, BATCH};
 use crate::rules;
 use crate::session::SessionMeta;
+use crate::StoreError;
 
 /// The share of the time a retention pass keeps the database busy: it rests between its
 /// steps (measured, a pass deleting 100,000 sessions against appends at 64 clients: no
@@ -37,6 +40,53 @@ use crate::session::SessionMeta;
 const RETENTION_BUSY_SHARE: f64 = 1.0 / 3.0;
 /// Retention's advisory lock: the replica that holds it runs the pass, the others skip it.
 pub const RETENTION_LOCK: i64 = 0x6167_656e_745f_7265; // "agent_re"
+
+impl Replica {
+    /// What a retention step would take now (as its statement reads them), each with its
+    /// row version: the archive's candidates.
+    pub(super) async fn expiring(
+        &self,
+        idle_before: i64,
+        max: usize,
+    ) -> Result<Vec<Expiring>, StoreError> {
+        let client = self.client().await?;
+        let now = now_unix_ms();
+        let rows = timed(
+            "retention",
+            client.query(
+                "SELECT session_id, version, meta FROM agentlog_sessions \
+                 WHERE updated_second <= $1 AND updated_unix_ms < $2 \
+                 AND deleted_unix_ms = 0 AND last_seq > 0 AND NOT pinned \
+                 AND lease_expires_unix_ms <= $3 ORDER BY updated_second LIMIT $4",
+                &[&(idle_before / 1000), &idle_before, &now, &(max as i64)],
+            ),
+        )
+        .await
+        .map_err(|e| self.timed_error(e))?;
+        let mut expiring = Vec::with_capacity(rows.len());
+        for row in &rows {
+            if rules::expired(&decode_meta(row.get(2))?, idle_before, now) {
+                expiring.push(Expiring {
+                    session_id: row.get(0),
+                    read_at: row.get(1),
+                });
+            }
+        }
+        Ok(expiring)
+    }
+
+    /// Deletes the session as DeleteSession does if its row is still at the version
+    /// [`Replica::expiring`] read.
+    pub(super) async fn delete_expiring(&self, expiring: &Expiring) -> Result<bool, StoreError> {
+        let deleted = self
+            .delete_at_version(&expiring.session_id, expiring.read_at)
+            .await?;
+        if deleted {
+            crate::metrics::sessions_deleted("retention", 1);
+        }
+        Ok(deleted)
+    }
+}
 
 /// Retention: every `retention.interval`, the replica that gets [`RETENTION_LOCK`] runs a
 /// pass; the others skip it.
@@ -104,7 +154,7 @@ async fn retention_pass(
                 .query(
                     "SELECT session_id, version, meta FROM agentlog_sessions \
                      WHERE updated_second <= $1 AND updated_unix_ms < $2 \
-                     AND deleted_unix_ms = 0 AND last_seq > 0 \
+                     AND deleted_unix_ms = 0 AND last_seq > 0 AND NOT pinned \
                      AND lease_expires_unix_ms <= $3 ORDER BY updated_second LIMIT $4",
                     &[&(idle_before / 1000), &idle_before, &now, &(BATCH as i64)],
                 )

@@ -51,6 +51,8 @@ pub(super) struct Columns {
     /// Whether the session is a fork (it may share a prefix with a base: dedup looks there
     /// too, see [`super::batch`]).
     pub(super) fork: bool,
+    /// `PinSession` (schema version 8).
+    pub(super) pinned: bool,
 }
 
 impl Columns {
@@ -75,6 +77,7 @@ impl Columns {
                 .map_or(0, |l| l.expires_unix_ms),
             first_user_text: meta.first_user_text.clone(),
             fork: meta.forked_from.is_some(),
+            pinned: meta.pinned,
         }
     }
 }

@@ -57,6 +57,12 @@
 //!   replica of version 6 during a rolling update, which erases without materializing,
 //!   fails its erasure (and retries it) until a replica of version 7 has materialized the
 //!   forks first.
+//! - Version 8: `pinned`, a copy of the state's field of the same name (`PinSession`), so
+//!   that a retention pass walks past pinned sessions in its statement instead of reading
+//!   them step after step. Adding a column with a constant default rewrites nothing. A
+//!   replica of version 7 during a rolling update re-encodes the state without the field
+//!   (prost keeps no unknown field), so an append through it unpins the session in `meta`
+//!   while the column still says pinned: roll the store replicas before pinning.
 //!
 //! [`SessionMeta`]: crate::session::SessionMeta
 
@@ -183,6 +189,10 @@ $$;
 CREATE TRIGGER agentlog_shared_prefixes_kept AFTER DELETE ON agentlog_events
     REFERENCING OLD TABLE AS erased FOR EACH STATEMENT
     EXECUTE FUNCTION agentlog_keep_shared_prefixes();
+"#,
+    // Version 8: pins (sessions that move).
+    r#"
+ALTER TABLE agentlog_sessions ADD COLUMN pinned boolean NOT NULL DEFAULT false;
 "#,
 ];
 

@@ -32,6 +32,27 @@ use storage::{CrashPoint, SegmentFile, Storage};
 pub const DEFAULT_SEGMENT_BYTES: u64 = 64 << 20;
 /// Zero-fill the active segment this far ahead of the writer (see [`LogConfig`]).
 pub const DEFAULT_PREALLOCATE_BYTES: u64 = 4 << 20;
+/// The smallest segment the store picks by itself for a small volume.
+const MIN_SIZED_SEGMENT_BYTES: u64 = 1 << 20;
+
+impl LogConfig {
+    /// The defaults, with segments sized to a volume of `volume_bytes`: a sixteenth of it,
+    /// between 1 MiB and [`DEFAULT_SEGMENT_BYTES`] (in whole 64 KiB), and the zero-filled
+    /// room ahead a quarter of a segment at most. A full volume comes back by rewriting
+    /// segments without deleted sessions' records, one at a time, each rewrite needing
+    /// room for what it keeps of one segment: with a segment a sixteenth of the volume
+    /// that always fits in the reserve kept for it (a segment and a MiB, at most an eighth
+    /// of the volume), whatever the volume's size. (A segment as large as the volume held
+    /// the whole log, and its rewrite needed room for every live session at once.)
+    pub fn for_volume(volume_bytes: u64) -> LogConfig {
+        let sixteenth = (volume_bytes / 16) & !((64 << 10) - 1);
+        let segment_bytes = sixteenth.clamp(MIN_SIZED_SEGMENT_BYTES, DEFAULT_SEGMENT_BYTES);
+        LogConfig {
+            segment_bytes,
+            preallocate_bytes: DEFAULT_PREALLOCATE_BYTES.min(segment_bytes / 4),
+        }
+    }
+}
 
 /// How the log lays out its files.
 #[derive(Clone, Copy, Debug)]
@@ -45,6 +66,22 @@ pub struct LogConfig {
     /// its WAL segments for the same reason). Recovery reads an all-zero tail as the end
     /// of the log.
     pub preallocate_bytes: u64,
+}
+
+#[cfg(test)]
+mod sized {
+    use super::*;
+
+    #[test]
+    fn segments_are_a_sixteenth_of_a_small_volume_and_64_mib_on_a_large_one() {
+        let small = LogConfig::for_volume(40 << 20);
+        assert_eq!(small.segment_bytes, 2560 << 10);
+        assert_eq!(small.preallocate_bytes, 640 << 10);
+        assert_eq!(LogConfig::for_volume(4 << 20).segment_bytes, 1 << 20);
+        let large = LogConfig::for_volume(100 << 30);
+        assert_eq!(large.segment_bytes, DEFAULT_SEGMENT_BYTES);
+        assert_eq!(large.preallocate_bytes, DEFAULT_PREALLOCATE_BYTES);
+    }
 }
 
 impl Default for LogConfig {

@@ -20,6 +20,8 @@ const KIND_TOMBSTONE: u8 = 3;
 const KIND_FORK: u8 = 4;
 /// An event of a fork's shared prefix made the fork's own ([`Record::Placed`]).
 const KIND_PLACED: u8 = 5;
+/// A session pinned or unpinned ([`Record::Pin`]).
+const KIND_PIN: u8 = 6;
 /// Set on every record of a multi-record append but its last: recovery keeps an append
 /// only if its last record survived, so an append is all or nothing even when power is
 /// cut in the middle of its write.
@@ -43,6 +45,17 @@ pub enum Record {
     /// materialization's records drops the fork's base).
     Placed(CopiedEvent),
     Tombstone(Tombstone),
+    /// The session was pinned or unpinned (`PinSession`): a change of its state alone.
+    Pin(PinRecord),
+}
+
+/// The session's `pinned` from here on.
+#[derive(Clone, PartialEq, Message)]
+pub struct PinRecord {
+    #[prost(string, tag = "1")]
+    pub session_id: String,
+    #[prost(bool, tag = "2")]
+    pub pinned: bool,
 }
 
 /// The session was deleted: everything before this record about it is dead.
@@ -84,6 +97,7 @@ impl Record {
             Record::Fork(f) => &f.session_id,
             Record::Placed(c) => &c.session_id,
             Record::Tombstone(t) => &t.session_id,
+            Record::Pin(p) => &p.session_id,
         }
     }
 
@@ -92,7 +106,7 @@ impl Record {
         match self {
             Record::Event(e) => Some((&e.session_id, e.seq, &e.event_id)),
             Record::Placed(c) => Some((&c.session_id, c.seq, &c.event_id)),
-            Record::Lease(_) | Record::Fork(_) | Record::Tombstone(_) => None,
+            Record::Lease(_) | Record::Fork(_) | Record::Tombstone(_) | Record::Pin(_) => None,
         }
     }
 
@@ -126,6 +140,10 @@ impl Record {
             Record::Tombstone(t) => {
                 buf.push(KIND_TOMBSTONE | flag);
                 t.encode(buf).expect("Vec grows as needed");
+            }
+            Record::Pin(p) => {
+                buf.push(KIND_PIN | flag);
+                p.encode(buf).expect("Vec grows as needed");
             }
         }
         let body_len = buf.len() - start - HEADER_LEN;
@@ -188,6 +206,7 @@ pub fn decode(frame: &[u8]) -> Result<Frame, FrameError> {
         KIND_LEASE => Record::Lease(LeaseRecord::decode(payload).map_err(bad)?),
         KIND_FORK => Record::Fork(ForkRecord::decode(payload).map_err(bad)?),
         KIND_TOMBSTONE => Record::Tombstone(Tombstone::decode(payload).map_err(bad)?),
+        KIND_PIN => Record::Pin(PinRecord::decode(payload).map_err(bad)?),
         KIND_PLACED => {
             let event = Event::decode(payload).map_err(bad)?;
             Record::Placed(CopiedEvent {
@@ -221,7 +240,7 @@ pub fn session_of(frame: &[u8]) -> Result<(&[u8], bool), FrameError> {
     let kind = body[0] & !CONTINUED;
     if !matches!(
         kind,
-        KIND_EVENT | KIND_LEASE | KIND_FORK | KIND_TOMBSTONE | KIND_PLACED
+        KIND_EVENT | KIND_LEASE | KIND_FORK | KIND_TOMBSTONE | KIND_PLACED | KIND_PIN
     ) {
         return Err(FrameError::Body(format!("unknown record kind {kind}")));
     }
@@ -434,7 +453,11 @@ mod tests {
             session_id: "s1".into(),
             deleted_unix_ms: 1_700_000_000_000,
         });
-        for record in [sample(), fork, tombstone] {
+        let pin = Record::Pin(PinRecord {
+            session_id: "s1".into(),
+            pinned: true,
+        });
+        for record in [sample(), fork, tombstone, pin] {
             for continued in [false, true] {
                 let mut buf = Vec::new();
                 let n = record.encode_into(&mut buf, continued);

@@ -162,6 +162,11 @@ impl FsStorage {
         })
     }
 
+    /// The size of the volume the directory is on.
+    pub fn volume_bytes(&self) -> io::Result<u64> {
+        Ok(self.room()?.2)
+    }
+
     /// The volume's free bytes, and what is kept free for the index.
     fn room(&self) -> io::Result<(u64, u64, u64)> {
         let stat = nix::sys::statvfs::statvfs(&self.dir).map_err(io::Error::from)?;

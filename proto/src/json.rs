@@ -1,0 +1,1068 @@
+//! Events in the proto3 JSON mapping, both ways: lowerCamelCase names, 64-bit integers as
+//! strings, fields at their default left out, a `google.protobuf.Struct` as the JSON object
+//! it stands for, as grpcurl prints them. The export format's event lines are written and
+//! read here, and the CLI's `--json` prints the same.
+//!
+//! Promises:
+//! - **Exact both ways.** [`event_from_json`] of what [`write_event`] wrote is the event
+//!   again, field for field (a tool input's numbers included: a whole double is written as
+//!   an integer, any other as the shortest form that reads back as the same double). The
+//!   one exception is a Struct number that is not finite, which JSON cannot hold: it is
+//!   written as `null` (no JSON reader of the store can make one).
+//! - **Nothing dropped silently.** A field this build does not know (a kind added by a newer
+//!   store), a value of the wrong type or a 64-bit integer out of range is an error naming
+//!   the field, never skipped: an import recreates a session exactly or refuses it.
+//!   Either name of a field is read (`toolUseId` or `tool_use_id`), as proto3 JSON asks.
+//! - Every field of every message an `Event` holds is known here: the test
+//!   `every_field_of_the_protocol_is_mapped` reads the compiled descriptors and fails when
+//!   a field is added to the protocol without its mapping.
+
+use std::collections::BTreeMap;
+
+use prost_types::{value::Kind as ValueKind, ListValue, Struct, Value as PbValue};
+use serde_json::{Map, Value};
+
+use crate::v1::{
+    content_block::Block, event::Kind, ApprovalDecision, ApprovalRequested, AssistantDelta,
+    AssistantMessage, ContentBlock, Event, Interrupt, Interrupted, OffPath, RedactedThinkingBlock,
+    Replay, RunError, ServedFrom, SessionConfig, TextBlock, ThinkingBlock, ToolResult, ToolStarted,
+    ToolUseBlock, Usage, UserMessage,
+};
+
+/// Why a JSON value is not an event.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct JsonError(pub String);
+
+fn err(message: impl Into<String>) -> JsonError {
+    JsonError(message.into())
+}
+
+/// Writes `event` as one JSON object (no newline) onto `out`.
+pub fn write_event(out: &mut Vec<u8>, event: &Event) {
+    let mut o = Obj::open(out);
+    o.str("sessionId", &event.session_id);
+    o.u64("seq", event.seq);
+    o.str("eventId", &event.event_id);
+    o.i64("tsUnixMs", event.ts_unix_ms);
+    o.u32("schemaVersion", event.schema_version);
+    if let Some(kind) = &event.kind {
+        let (name, write): (&str, WriteBody) = match kind {
+            Kind::UserMessage(m) => ("userMessage", &|out| {
+                let mut o = Obj::open(out);
+                o.str("text", &m.text);
+                o.close();
+            }),
+            Kind::AssistantMessage(m) => ("assistantMessage", &|out| write_assistant(out, m)),
+            Kind::ToolStarted(s) => ("toolStarted", &|out| {
+                let mut o = Obj::open(out);
+                o.str("toolUseId", &s.tool_use_id);
+                o.str("idempotencyKey", &s.idempotency_key);
+                o.u32("attempt", s.attempt);
+                o.close();
+            }),
+            Kind::ToolResult(r) => ("toolResult", &|out| {
+                let mut o = Obj::open(out);
+                o.str("toolUseId", &r.tool_use_id);
+                o.str("content", &r.content);
+                o.bool("isError", r.is_error);
+                if let Some(checkpoint) = &r.workspace_checkpoint {
+                    o.key("workspaceCheckpoint");
+                    write_str(o.out, checkpoint);
+                }
+                if let Some(from) = &r.served_from {
+                    o.key("servedFrom");
+                    let mut f = Obj::open(o.out);
+                    f.str("sessionId", &from.session_id);
+                    f.u64("seq", from.seq);
+                    f.close();
+                }
+                o.close();
+            }),
+            Kind::AssistantDelta(d) => ("assistantDelta", &|out| {
+                let mut o = Obj::open(out);
+                o.str("turnId", &d.turn_id);
+                o.str("text", &d.text);
+                o.close();
+            }),
+            Kind::RunError(e) => ("runError", &|out| {
+                let mut o = Obj::open(out);
+                o.str("message", &e.message);
+                o.bool("retryable", e.retryable);
+                o.close();
+            }),
+            Kind::Interrupt(i) => ("interrupt", &|out| {
+                let mut o = Obj::open(out);
+                o.str("reason", &i.reason);
+                o.close();
+            }),
+            Kind::Interrupted(i) => ("interrupted", &|out| {
+                let mut o = Obj::open(out);
+                o.str("reason", &i.reason);
+                o.close();
+            }),
+            Kind::ApprovalRequested(r) => ("approvalRequested", &|out| {
+                let mut o = Obj::open(out);
+                o.str("toolUseId", &r.tool_use_id);
+                o.str("toolName", &r.tool_name);
+                if let Some(input) = &r.input {
+                    o.key("input");
+                    write_struct(o.out, input);
+                }
+                o.str("reason", &r.reason);
+                o.close();
+            }),
+            Kind::ApprovalDecision(d) => ("approvalDecision", &|out| {
+                let mut o = Obj::open(out);
+                o.str("toolUseId", &d.tool_use_id);
+                o.bool("approved", d.approved);
+                o.str("note", &d.note);
+                o.close();
+            }),
+            Kind::SessionConfig(c) => ("sessionConfig", &|out| {
+                let mut o = Obj::open(out);
+                o.str("model", &c.model);
+                if let Some(r) = &c.replay {
+                    o.key("replay");
+                    let mut r_ = Obj::open(o.out);
+                    r_.str("sessionId", &r.session_id);
+                    r_.u64("afterSeq", r.after_seq);
+                    r_.u64("throughSeq", r.through_seq);
+                    if r.off_path != 0 {
+                        r_.key("offPath");
+                        match OffPath::try_from(r.off_path) {
+                            Ok(known) => write_str(r_.out, known.as_str_name()),
+                            // A value this build does not name: its number, as proto3 JSON
+                            // writes an unknown enum value.
+                            Err(_) => r_.out.extend_from_slice(r.off_path.to_string().as_bytes()),
+                        }
+                    }
+                    r_.close();
+                }
+                o.close();
+            }),
+        };
+        o.key(name);
+        write(o.out);
+    }
+    o.close();
+}
+
+/// Writes a kind's body.
+type WriteBody<'a> = &'a dyn Fn(&mut Vec<u8>);
+
+/// `event` as one JSON object, as text.
+pub fn event_to_string(event: &Event) -> String {
+    let mut out = Vec::with_capacity(256);
+    write_event(&mut out, event);
+    String::from_utf8(out).expect("the writer writes UTF-8")
+}
+
+fn write_assistant(out: &mut Vec<u8>, m: &AssistantMessage) {
+    let mut o = Obj::open(out);
+    if !m.content.is_empty() {
+        o.key("content");
+        o.out.push(b'[');
+        for (i, block) in m.content.iter().enumerate() {
+            if i > 0 {
+                o.out.push(b',');
+            }
+            let mut b = Obj::open(o.out);
+            match &block.block {
+                Some(Block::Text(t)) => {
+                    b.key("text");
+                    let mut t_ = Obj::open(b.out);
+                    t_.str("text", &t.text);
+                    t_.close();
+                }
+                Some(Block::ToolUse(u)) => {
+                    b.key("toolUse");
+                    let mut u_ = Obj::open(b.out);
+                    u_.str("id", &u.id);
+                    u_.str("name", &u.name);
+                    if let Some(input) = &u.input {
+                        u_.key("input");
+                        write_struct(u_.out, input);
+                    }
+                    u_.close();
+                }
+                Some(Block::Thinking(t)) => {
+                    b.key("thinking");
+                    let mut t_ = Obj::open(b.out);
+                    t_.str("thinking", &t.thinking);
+                    t_.str("signature", &t.signature);
+                    t_.close();
+                }
+                Some(Block::RedactedThinking(r)) => {
+                    b.key("redactedThinking");
+                    let mut r_ = Obj::open(b.out);
+                    r_.str("data", &r.data);
+                    r_.close();
+                }
+                None => {}
+            }
+            b.close();
+        }
+        o.out.push(b']');
+    }
+    o.str("stopReason", &m.stop_reason);
+    o.str("model", &m.model);
+    if let Some(u) = &m.usage {
+        o.key("usage");
+        let mut u_ = Obj::open(o.out);
+        u_.u64("inputTokens", u.input_tokens);
+        u_.u64("outputTokens", u.output_tokens);
+        u_.u64("cacheCreationInputTokens", u.cache_creation_input_tokens);
+        u_.u64("cacheReadInputTokens", u.cache_read_input_tokens);
+        u_.close();
+    }
+    o.str("messageId", &m.message_id);
+    o.close();
+}
+
+/// A JSON object being written: its fields, each with the comma before it.
+struct Obj<'a> {
+    out: &'a mut Vec<u8>,
+    first: bool,
+}
+
+impl<'a> Obj<'a> {
+    fn open(out: &'a mut Vec<u8>) -> Obj<'a> {
+        out.push(b'{');
+        Obj { out, first: true }
+    }
+
+    fn key(&mut self, name: &str) {
+        if !self.first {
+            self.out.push(b',');
+        }
+        self.first = false;
+        self.out.push(b'"');
+        self.out.extend_from_slice(name.as_bytes());
+        self.out.extend_from_slice(b"\":");
+    }
+
+    fn str(&mut self, name: &str, value: &str) {
+        if !value.is_empty() {
+            self.key(name);
+            write_str(self.out, value);
+        }
+    }
+
+    fn u64(&mut self, name: &str, value: u64) {
+        if value != 0 {
+            self.key(name);
+            self.out.push(b'"');
+            self.out.extend_from_slice(value.to_string().as_bytes());
+            self.out.push(b'"');
+        }
+    }
+
+    fn i64(&mut self, name: &str, value: i64) {
+        if value != 0 {
+            self.key(name);
+            self.out.push(b'"');
+            self.out.extend_from_slice(value.to_string().as_bytes());
+            self.out.push(b'"');
+        }
+    }
+
+    fn u32(&mut self, name: &str, value: u32) {
+        if value != 0 {
+            self.key(name);
+            self.out.extend_from_slice(value.to_string().as_bytes());
+        }
+    }
+
+    fn bool(&mut self, name: &str, value: bool) {
+        if value {
+            self.key(name);
+            self.out.extend_from_slice(b"true");
+        }
+    }
+
+    fn close(self) {
+        self.out.push(b'}');
+    }
+}
+
+/// A JSON string, escaped.
+pub fn write_str(out: &mut Vec<u8>, value: &str) {
+    serde_json::to_writer(out, value).expect("writing to a Vec cannot fail");
+}
+
+fn write_struct(out: &mut Vec<u8>, s: &Struct) {
+    out.push(b'{');
+    for (i, (key, value)) in s.fields.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        write_str(out, key);
+        out.push(b':');
+        write_value(out, value);
+    }
+    out.push(b'}');
+}
+
+fn write_value(out: &mut Vec<u8>, value: &PbValue) {
+    match &value.kind {
+        None | Some(ValueKind::NullValue(_)) => out.extend_from_slice(b"null"),
+        Some(ValueKind::BoolValue(b)) => out.extend_from_slice(if *b { b"true" } else { b"false" }),
+        Some(ValueKind::NumberValue(n)) => write_number(out, *n),
+        Some(ValueKind::StringValue(s)) => write_str(out, s),
+        Some(ValueKind::ListValue(list)) => {
+            out.push(b'[');
+            for (i, item) in list.values.iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                write_value(out, item);
+            }
+            out.push(b']');
+        }
+        Some(ValueKind::StructValue(s)) => write_struct(out, s),
+    }
+}
+
+fn write_number(out: &mut Vec<u8>, n: f64) {
+    const EXACT: f64 = 9_007_199_254_740_992.0; // 2^53: every whole double below is exact
+    if !n.is_finite() {
+        out.extend_from_slice(b"null");
+    } else if n.fract() == 0.0 && n.abs() <= EXACT {
+        if n == 0.0 && n.is_sign_negative() {
+            out.extend_from_slice(b"-0.0");
+        } else {
+            out.extend_from_slice((n as i64).to_string().as_bytes());
+        }
+    } else {
+        // serde_json writes the shortest form that reads back as the same double.
+        serde_json::to_writer(out, &n).expect("writing to a Vec cannot fail");
+    }
+}
+
+/// The event a JSON object stands for (see the module head: exact, and strict).
+pub fn event_from_json(value: &Value) -> Result<Event, JsonError> {
+    let mut fields = Fields::of(value, "the event")?;
+    let mut event = Event {
+        session_id: fields.string("sessionId")?,
+        seq: fields.u64("seq")?,
+        event_id: fields.string("eventId")?,
+        ts_unix_ms: fields.i64("tsUnixMs")?,
+        schema_version: fields.u32("schemaVersion")?,
+        kind: None,
+    };
+    let kinds: [(&str, KindReader); 11] = [
+        ("userMessage", |f| {
+            Ok(Kind::UserMessage(UserMessage {
+                text: f.string("text")?,
+            }))
+        }),
+        ("assistantMessage", read_assistant),
+        ("toolStarted", |f| {
+            Ok(Kind::ToolStarted(ToolStarted {
+                tool_use_id: f.string("toolUseId")?,
+                idempotency_key: f.string("idempotencyKey")?,
+                attempt: f.u32("attempt")?,
+            }))
+        }),
+        ("toolResult", |f| {
+            Ok(Kind::ToolResult(ToolResult {
+                tool_use_id: f.string("toolUseId")?,
+                content: f.string("content")?,
+                is_error: f.bool("isError")?,
+                workspace_checkpoint: f.optional_string("workspaceCheckpoint")?,
+                served_from: match f.take("servedFrom") {
+                    None | Some(Value::Null) => None,
+                    Some(value) => {
+                        let mut g = Fields::of(&value, "servedFrom")?;
+                        let from = ServedFrom {
+                            session_id: g.string("sessionId")?,
+                            seq: g.u64("seq")?,
+                        };
+                        g.done()?;
+                        Some(from)
+                    }
+                },
+            }))
+        }),
+        ("assistantDelta", |f| {
+            Ok(Kind::AssistantDelta(AssistantDelta {
+                turn_id: f.string("turnId")?,
+                text: f.string("text")?,
+            }))
+        }),
+        ("runError", |f| {
+            Ok(Kind::RunError(RunError {
+                message: f.string("message")?,
+                retryable: f.bool("retryable")?,
+            }))
+        }),
+        ("interrupt", |f| {
+            Ok(Kind::Interrupt(Interrupt {
+                reason: f.string("reason")?,
+            }))
+        }),
+        ("interrupted", |f| {
+            Ok(Kind::Interrupted(Interrupted {
+                reason: f.string("reason")?,
+            }))
+        }),
+        ("approvalRequested", |f| {
+            Ok(Kind::ApprovalRequested(ApprovalRequested {
+                tool_use_id: f.string("toolUseId")?,
+                tool_name: f.string("toolName")?,
+                input: f.structure("input")?,
+                reason: f.string("reason")?,
+            }))
+        }),
+        ("approvalDecision", |f| {
+            Ok(Kind::ApprovalDecision(ApprovalDecision {
+                tool_use_id: f.string("toolUseId")?,
+                approved: f.bool("approved")?,
+                note: f.string("note")?,
+            }))
+        }),
+        ("sessionConfig", |f| {
+            let replay = match f.take("replay") {
+                None | Some(Value::Null) => None,
+                Some(value) => {
+                    let mut r = Fields::of(&value, "replay")?;
+                    let off_path = match r.take("offPath") {
+                        None | Some(Value::Null) => 0,
+                        Some(Value::String(name)) => {
+                            OffPath::from_str_name(&name).ok_or_else(|| {
+                                err(format!("replay: `offPath` {name:?} is not an OffPath"))
+                            })? as i32
+                        }
+                        Some(Value::Number(n)) => n
+                            .as_i64()
+                            .and_then(|n| i32::try_from(n).ok())
+                            .ok_or_else(|| err(format!("replay: `offPath` {n} is out of range")))?,
+                        Some(other) => {
+                            return Err(err(format!(
+                                "replay: `offPath` must be a name, not {other}"
+                            )))
+                        }
+                    };
+                    let replay = Replay {
+                        session_id: r.string("sessionId")?,
+                        after_seq: r.u64("afterSeq")?,
+                        through_seq: r.u64("throughSeq")?,
+                        off_path,
+                    };
+                    r.done()?;
+                    Some(replay)
+                }
+            };
+            Ok(Kind::SessionConfig(SessionConfig {
+                model: f.string("model")?,
+                replay,
+            }))
+        }),
+    ];
+    for (name, read) in kinds {
+        if let Some(body) = fields.take(name) {
+            if event.kind.is_some() {
+                return Err(err(format!(
+                    "the event has two kinds; `{name}` is the second"
+                )));
+            }
+            let mut body = Fields::of(&body, name)?;
+            event.kind = Some(read(&mut body)?);
+            body.done()?;
+        }
+    }
+    fields.done()?;
+    Ok(event)
+}
+
+type KindReader = fn(&mut Fields) -> Result<Kind, JsonError>;
+
+fn read_assistant(f: &mut Fields) -> Result<Kind, JsonError> {
+    let content = match f.take("content") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(blocks)) => blocks
+            .iter()
+            .map(read_block)
+            .collect::<Result<Vec<_>, _>>()?,
+        Some(other) => {
+            return Err(err(format!(
+                "`assistantMessage.content` must be an array, not {other}"
+            )))
+        }
+    };
+    let usage = match f.take("usage") {
+        None | Some(Value::Null) => None,
+        Some(value) => {
+            let mut u = Fields::of(&value, "usage")?;
+            let usage = Usage {
+                input_tokens: u.u64("inputTokens")?,
+                output_tokens: u.u64("outputTokens")?,
+                cache_creation_input_tokens: u.u64("cacheCreationInputTokens")?,
+                cache_read_input_tokens: u.u64("cacheReadInputTokens")?,
+            };
+            u.done()?;
+            Some(usage)
+        }
+    };
+    Ok(Kind::AssistantMessage(AssistantMessage {
+        content,
+        stop_reason: f.string("stopReason")?,
+        model: f.string("model")?,
+        usage,
+        message_id: f.string("messageId")?,
+    }))
+}
+
+fn read_block(value: &Value) -> Result<ContentBlock, JsonError> {
+    let mut f = Fields::of(value, "a content block")?;
+    let mut block = None;
+    let mut set = |b: Block, name: &str| {
+        if block.is_some() {
+            return Err(err(format!(
+                "a content block has two kinds; `{name}` is the second"
+            )));
+        }
+        block = Some(b);
+        Ok(())
+    };
+    if let Some(v) = f.take("text") {
+        let mut t = Fields::of(&v, "text")?;
+        set(
+            Block::Text(TextBlock {
+                text: t.string("text")?,
+            }),
+            "text",
+        )?;
+        t.done()?;
+    }
+    if let Some(v) = f.take("toolUse") {
+        let mut u = Fields::of(&v, "toolUse")?;
+        set(
+            Block::ToolUse(ToolUseBlock {
+                id: u.string("id")?,
+                name: u.string("name")?,
+                input: u.structure("input")?,
+            }),
+            "toolUse",
+        )?;
+        u.done()?;
+    }
+    if let Some(v) = f.take("thinking") {
+        let mut t = Fields::of(&v, "thinking")?;
+        set(
+            Block::Thinking(ThinkingBlock {
+                thinking: t.string("thinking")?,
+                signature: t.string("signature")?,
+            }),
+            "thinking",
+        )?;
+        t.done()?;
+    }
+    if let Some(v) = f.take("redactedThinking") {
+        let mut r = Fields::of(&v, "redactedThinking")?;
+        set(
+            Block::RedactedThinking(RedactedThinkingBlock {
+                data: r.string("data")?,
+            }),
+            "redactedThinking",
+        )?;
+        r.done()?;
+    }
+    f.done()?;
+    Ok(ContentBlock { block })
+}
+
+/// The fields of a JSON object, by their lowerCamelCase names, taken one by one; what is
+/// left at the end is an unknown field.
+struct Fields {
+    what: String,
+    fields: BTreeMap<String, Value>,
+}
+
+impl Fields {
+    fn of(value: &Value, what: &str) -> Result<Fields, JsonError> {
+        let Value::Object(object) = value else {
+            return Err(err(format!("{what} must be a JSON object, not {value}")));
+        };
+        let mut fields = BTreeMap::new();
+        for (key, value) in object {
+            if fields.insert(camel(key), value.clone()).is_some() {
+                return Err(err(format!("{what} names the field `{key}` twice")));
+            }
+        }
+        Ok(Fields {
+            what: what.to_string(),
+            fields,
+        })
+    }
+
+    fn take(&mut self, name: &str) -> Option<Value> {
+        self.fields.remove(name)
+    }
+
+    fn string(&mut self, name: &str) -> Result<String, JsonError> {
+        Ok(self.optional_string(name)?.unwrap_or_default())
+    }
+
+    fn optional_string(&mut self, name: &str) -> Result<Option<String>, JsonError> {
+        match self.take(name) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s)),
+            Some(other) => Err(self.wrong(name, "a string", &other)),
+        }
+    }
+
+    fn bool(&mut self, name: &str) -> Result<bool, JsonError> {
+        match self.take(name) {
+            None | Some(Value::Null) => Ok(false),
+            Some(Value::Bool(b)) => Ok(b),
+            Some(other) => Err(self.wrong(name, "true or false", &other)),
+        }
+    }
+
+    fn integer(&mut self, name: &str) -> Result<Option<i128>, JsonError> {
+        match self.take(name) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::String(s)) => s
+                .parse::<i128>()
+                .map(Some)
+                .map_err(|_| self.wrong(name, "an integer", &Value::String(s.clone()))),
+            Some(Value::Number(n)) => n
+                .as_i64()
+                .map(i128::from)
+                .or_else(|| n.as_u64().map(i128::from))
+                .map(Some)
+                .ok_or_else(|| self.wrong(name, "an integer", &Value::Number(n.clone()))),
+            Some(other) => Err(self.wrong(name, "an integer", &other)),
+        }
+    }
+
+    fn u64(&mut self, name: &str) -> Result<u64, JsonError> {
+        self.ranged(name)
+    }
+
+    fn i64(&mut self, name: &str) -> Result<i64, JsonError> {
+        self.ranged(name)
+    }
+
+    fn u32(&mut self, name: &str) -> Result<u32, JsonError> {
+        self.ranged(name)
+    }
+
+    fn ranged<T: TryFrom<i128> + Default>(&mut self, name: &str) -> Result<T, JsonError> {
+        match self.integer(name)? {
+            None => Ok(T::default()),
+            Some(n) => T::try_from(n).map_err(|_| {
+                err(format!(
+                    "{}: `{name}` is {n}, out of its type's range",
+                    self.what
+                ))
+            }),
+        }
+    }
+
+    fn structure(&mut self, name: &str) -> Result<Option<Struct>, JsonError> {
+        match self.take(name) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::Object(object)) => Ok(Some(json_to_struct(object))),
+            Some(other) => Err(self.wrong(name, "a JSON object", &other)),
+        }
+    }
+
+    fn wrong(&self, name: &str, wanted: &str, found: &Value) -> JsonError {
+        let mut shown = found.to_string();
+        if shown.len() > 40 {
+            let mut end = 40;
+            while !shown.is_char_boundary(end) {
+                end -= 1;
+            }
+            shown.truncate(end);
+            shown.push('…');
+        }
+        err(format!(
+            "{}: `{name}` must be {wanted}, not {shown}",
+            self.what
+        ))
+    }
+
+    /// Every field was taken: anything left is one this build does not know.
+    fn done(self) -> Result<(), JsonError> {
+        match self.fields.keys().next() {
+            None => Ok(()),
+            Some(unknown) => Err(err(format!(
+                "{} has a field this store does not know: `{unknown}` (exported by a newer \
+                 store?)",
+                self.what
+            ))),
+        }
+    }
+}
+
+/// A field name in lowerCamelCase (proto3 JSON readers take the proto name too).
+fn camel(name: &str) -> String {
+    if !name.contains('_') {
+        return name.to_string();
+    }
+    let mut out = String::with_capacity(name.len());
+    let mut upper = false;
+    for c in name.chars() {
+        if c == '_' {
+            upper = true;
+        } else if upper {
+            out.extend(c.to_uppercase());
+            upper = false;
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+fn json_to_struct(object: Map<String, Value>) -> Struct {
+    Struct {
+        fields: object
+            .into_iter()
+            .map(|(key, value)| (key, json_to_value(value)))
+            .collect(),
+    }
+}
+
+fn json_to_value(value: Value) -> PbValue {
+    let kind = match value {
+        Value::Null => ValueKind::NullValue(0),
+        Value::Bool(b) => ValueKind::BoolValue(b),
+        // Struct numbers are doubles (integers beyond 2^53 lose precision, as in protobuf's
+        // own JSON mapping).
+        Value::Number(n) => ValueKind::NumberValue(n.as_f64().unwrap_or(0.0)),
+        Value::String(s) => ValueKind::StringValue(s),
+        Value::Array(items) => ValueKind::ListValue(ListValue {
+            values: items.into_iter().map(json_to_value).collect(),
+        }),
+        Value::Object(object) => ValueKind::StructValue(json_to_struct(object)),
+    };
+    PbValue { kind: Some(kind) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use prost::Message;
+    use prost_types::FileDescriptorSet;
+
+    fn every_kind() -> Vec<Event> {
+        let input = json_to_struct(
+            serde_json::json!({
+                "command": "echo \"hi\" \u{1F600}\n",
+                "timeout_ms": 5000,
+                "ratio": 0.1,
+                "neg": -3,
+                "big": 1e300,
+                "tiny": 5e-324,
+                "flags": [true, false, null, {"deep": [1, 2.5]}],
+                "empty": {}
+            })
+            .as_object()
+            .cloned()
+            .expect("an object"),
+        );
+        let kinds = vec![
+            Kind::UserMessage(UserMessage {
+                text: "hi\u{0}\t\"there\"\\ é".into(),
+            }),
+            Kind::AssistantMessage(AssistantMessage {
+                content: vec![
+                    ContentBlock {
+                        block: Some(Block::Thinking(ThinkingBlock {
+                            thinking: "hmm".into(),
+                            signature: "sig==".into(),
+                        })),
+                    },
+                    ContentBlock {
+                        block: Some(Block::RedactedThinking(RedactedThinkingBlock {
+                            data: "xyz".into(),
+                        })),
+                    },
+                    ContentBlock {
+                        block: Some(Block::Text(TextBlock {
+                            text: "I'll run it".into(),
+                        })),
+                    },
+                    ContentBlock {
+                        block: Some(Block::ToolUse(ToolUseBlock {
+                            id: "toolu_1".into(),
+                            name: "bash".into(),
+                            input: Some(input.clone()),
+                        })),
+                    },
+                    ContentBlock { block: None },
+                ],
+                stop_reason: "tool_use".into(),
+                model: "scripted:demo".into(),
+                usage: Some(Usage {
+                    input_tokens: u64::MAX,
+                    output_tokens: 7,
+                    cache_creation_input_tokens: 0,
+                    cache_read_input_tokens: 3,
+                }),
+                message_id: "msg_1".into(),
+            }),
+            Kind::AssistantMessage(AssistantMessage::default()),
+            Kind::ToolStarted(ToolStarted {
+                tool_use_id: "toolu_1".into(),
+                idempotency_key: "s/toolu_1".into(),
+                attempt: 2,
+            }),
+            Kind::ToolResult(ToolResult {
+                tool_use_id: "toolu_1".into(),
+                content: "ok\n".into(),
+                is_error: true,
+                workspace_checkpoint: Some(String::new()),
+                served_from: None,
+            }),
+            Kind::ToolResult(ToolResult {
+                workspace_checkpoint: Some("abc".into()),
+                ..ToolResult::default()
+            }),
+            Kind::AssistantDelta(AssistantDelta {
+                turn_id: "1.1.1".into(),
+                text: "Hel".into(),
+            }),
+            Kind::RunError(RunError {
+                message: "refused".into(),
+                retryable: true,
+            }),
+            Kind::Interrupt(Interrupt {
+                reason: "stop".into(),
+            }),
+            Kind::Interrupted(Interrupted { reason: "".into() }),
+            Kind::ApprovalRequested(ApprovalRequested {
+                tool_use_id: "toolu_2".into(),
+                tool_name: "bash".into(),
+                input: Some(input),
+                reason: "needs a yes".into(),
+            }),
+            Kind::ApprovalDecision(ApprovalDecision {
+                tool_use_id: "toolu_2".into(),
+                approved: true,
+                note: "fine".into(),
+            }),
+            Kind::ToolResult(ToolResult {
+                tool_use_id: "toolu_3".into(),
+                content: "served".into(),
+                served_from: Some(ServedFrom {
+                    session_id: "acme:s-0".into(),
+                    seq: 9,
+                }),
+                ..ToolResult::default()
+            }),
+            Kind::SessionConfig(SessionConfig {
+                model: "openai:gpt".into(),
+                replay: Some(Replay {
+                    session_id: "acme:s-0".into(),
+                    after_seq: 1,
+                    through_seq: 20,
+                    off_path: OffPath::Stop as i32,
+                }),
+            }),
+            Kind::SessionConfig(SessionConfig {
+                model: "anthropic:claude".into(),
+                replay: Some(Replay::default()),
+            }),
+        ];
+        let mut events: Vec<Event> = kinds
+            .into_iter()
+            .enumerate()
+            .map(|(i, kind)| Event {
+                session_id: "acme:s-1".into(),
+                seq: i as u64 + 1,
+                event_id: format!("e{i}"),
+                ts_unix_ms: -5 + i as i64,
+                schema_version: 1,
+                kind: Some(kind),
+            })
+            .collect();
+        events.push(Event::default());
+        events.push(Event {
+            seq: u64::MAX,
+            ts_unix_ms: i64::MIN,
+            schema_version: u32::MAX,
+            ..Event::default()
+        });
+        events
+    }
+
+    #[test]
+    fn every_event_reads_back_exactly() {
+        for event in every_kind() {
+            let text = event_to_string(&event);
+            let value: Value = serde_json::from_str(&text).expect("valid JSON");
+            let back = event_from_json(&value).unwrap_or_else(|e| panic!("{text}: {e}"));
+            assert_eq!(back, event, "{text}");
+            assert_eq!(back.encode_to_vec(), event.encode_to_vec());
+        }
+    }
+
+    #[test]
+    fn it_is_the_mapping_grpcurl_prints() {
+        let event = &every_kind()[0];
+        let value: Value = serde_json::from_str(&event_to_string(event)).expect("JSON");
+        assert_eq!(
+            value,
+            serde_json::json!({"sessionId": "acme:s-1", "seq": "1", "eventId": "e0",
+                "tsUnixMs": "-5", "schemaVersion": 1,
+                "userMessage": {"text": "hi\u{0}\t\"there\"\\ é"}})
+        );
+        let call = &every_kind()[1];
+        let text = event_to_string(call);
+        assert!(text.contains(r#""timeout_ms":5000"#), "{text}");
+        assert!(
+            text.contains(r#""inputTokens":"18446744073709551615""#),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn proto_names_are_read_too_and_unknown_fields_refused() {
+        let value = serde_json::json!({"session_id": "s", "seq": 3, "event_id": "x",
+            "tool_result": {"tool_use_id": "t", "is_error": true}});
+        let event = event_from_json(&value).expect("reads");
+        assert_eq!((event.session_id.as_str(), event.seq), ("s", 3));
+        assert!(matches!(event.kind, Some(Kind::ToolResult(ref r)) if r.is_error));
+        for (bad, says) in [
+            (
+                serde_json::json!({"seq": "1", "sessionSettings": {"model": "m"}}),
+                "sessionSettings",
+            ),
+            (serde_json::json!({"seq": "x"}), "`seq` must be an integer"),
+            (serde_json::json!({"seq": "-1"}), "out of its type's range"),
+            (
+                serde_json::json!({"userMessage": {"text": 5}}),
+                "`text` must be a string",
+            ),
+            (
+                serde_json::json!({"userMessage": {}, "interrupt": {}}),
+                "two kinds",
+            ),
+            (
+                serde_json::json!({"toolStarted": {"attempt": 4294967296u64}}),
+                "range",
+            ),
+            (serde_json::json!([1]), "must be a JSON object"),
+        ] {
+            let e = event_from_json(&bad).expect_err("refused");
+            assert!(e.0.contains(says), "{bad}: {e}");
+        }
+    }
+
+    /// Fails when a field is added to the protocol (a kind to `Event`, a field to a kind)
+    /// without its mapping here: every field of every message reachable from `Event`,
+    /// with its JSON name, must be one this module writes and reads.
+    #[test]
+    fn every_field_of_the_protocol_is_mapped() {
+        let set = FileDescriptorSet::decode(crate::FILE_DESCRIPTOR_SET).expect("descriptors");
+        let messages: BTreeMap<String, &prost_types::DescriptorProto> = set
+            .file
+            .iter()
+            .filter(|f| f.package() == "agentlog.v1")
+            .flat_map(|f| f.message_type.iter())
+            .map(|m| (m.name().to_string(), m))
+            .collect();
+        let mapped: BTreeMap<&str, &[&str]> = BTreeMap::from([
+            (
+                "Event",
+                &[
+                    "sessionId",
+                    "seq",
+                    "eventId",
+                    "tsUnixMs",
+                    "schemaVersion",
+                    "userMessage",
+                    "assistantMessage",
+                    "toolStarted",
+                    "toolResult",
+                    "assistantDelta",
+                    "runError",
+                    "interrupt",
+                    "interrupted",
+                    "approvalRequested",
+                    "approvalDecision",
+                    "sessionConfig",
+                ][..],
+            ),
+            ("UserMessage", &["text"][..]),
+            (
+                "AssistantMessage",
+                &["content", "stopReason", "model", "usage", "messageId"][..],
+            ),
+            (
+                "ContentBlock",
+                &["text", "toolUse", "thinking", "redactedThinking"][..],
+            ),
+            ("TextBlock", &["text"][..]),
+            ("ToolUseBlock", &["id", "name", "input"][..]),
+            ("ThinkingBlock", &["thinking", "signature"][..]),
+            ("RedactedThinkingBlock", &["data"][..]),
+            (
+                "Usage",
+                &[
+                    "inputTokens",
+                    "outputTokens",
+                    "cacheCreationInputTokens",
+                    "cacheReadInputTokens",
+                ][..],
+            ),
+            (
+                "ToolStarted",
+                &["toolUseId", "idempotencyKey", "attempt"][..],
+            ),
+            (
+                "ToolResult",
+                &[
+                    "toolUseId",
+                    "content",
+                    "isError",
+                    "workspaceCheckpoint",
+                    "servedFrom",
+                ][..],
+            ),
+            ("ServedFrom", &["sessionId", "seq"][..]),
+            ("SessionConfig", &["model", "replay"][..]),
+            (
+                "Replay",
+                &["sessionId", "afterSeq", "throughSeq", "offPath"][..],
+            ),
+            ("AssistantDelta", &["turnId", "text"][..]),
+            ("RunError", &["message", "retryable"][..]),
+            ("Interrupt", &["reason"][..]),
+            ("Interrupted", &["reason"][..]),
+            (
+                "ApprovalRequested",
+                &["toolUseId", "toolName", "input", "reason"][..],
+            ),
+            ("ApprovalDecision", &["toolUseId", "approved", "note"][..]),
+        ]);
+        let mut todo = vec!["Event".to_string()];
+        let mut seen = std::collections::BTreeSet::new();
+        while let Some(name) = todo.pop() {
+            if !seen.insert(name.clone()) {
+                continue;
+            }
+            let message = messages[&name];
+            let known = mapped.get(name.as_str()).unwrap_or_else(|| {
+                panic!("message {name} is reachable from Event but has no JSON mapping here")
+            });
+            for field in &message.field {
+                assert!(
+                    known.contains(&field.json_name()),
+                    "{name}.{} has no JSON mapping in proto/src/json.rs",
+                    field.json_name()
+                );
+                let type_name = field.type_name().trim_start_matches(".agentlog.v1.");
+                if messages.contains_key(type_name) {
+                    todo.push(type_name.to_string());
+                }
+            }
+        }
+    }
+}
