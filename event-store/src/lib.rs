@@ -13,6 +13,8 @@
 //! - [`auth`], [`limits`], [`tls`], [`incoming`]: who may call, how much, and over what;
 //!   [`scope`]: the one rule for which sessions a caller may see; [`wire`]: which call a
 //!   request is, and the request limits.
+//! - [`search`]: `SearchSessions`' words, queries and snippets, shared by the backends'
+//!   indexes.
 //! - [`metrics`]: what the store reports to Prometheus; [`clock`]: the store's wall clock.
 #![forbid(unsafe_code)]
 
@@ -28,6 +30,7 @@ pub mod queries;
 pub mod retention;
 pub mod rules;
 pub mod scope;
+pub mod search;
 pub mod service;
 pub mod session;
 pub mod tls;

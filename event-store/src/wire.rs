@@ -40,10 +40,12 @@ pub enum Rpc {
     /// Names two sessions: the parent (field 1, checked by the auth layer) and the fork,
     /// checked by the service.
     ForkSession,
+    /// Names no session: the service searches within the caller's scope.
+    SearchSessions,
 }
 
 impl Rpc {
-    pub const ALL: [Rpc; 13] = [
+    pub const ALL: [Rpc; 14] = [
         Rpc::Append,
         Rpc::AppendStream,
         Rpc::Subscribe,
@@ -57,6 +59,7 @@ impl Rpc {
         Rpc::GetSnapshot,
         Rpc::DeleteSession,
         Rpc::ForkSession,
+        Rpc::SearchSessions,
     ];
 
     pub fn from_method(method: &str) -> Option<Rpc> {
@@ -74,6 +77,7 @@ impl Rpc {
             "GetSnapshot" => Rpc::GetSnapshot,
             "DeleteSession" => Rpc::DeleteSession,
             "ForkSession" => Rpc::ForkSession,
+            "SearchSessions" => Rpc::SearchSessions,
             _ => return None,
         })
     }
@@ -84,7 +88,7 @@ impl Rpc {
         matches!(
             self,
             Rpc::Subscribe | Rpc::GetSession | Rpc::ListSessions | Rpc::GetSnapshot
-        )
+        ) || self == Rpc::SearchSessions
     }
 }
 

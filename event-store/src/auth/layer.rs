@@ -117,7 +117,7 @@ async fn admit(access: &Access, mut request: Request<Body>) -> Result<Request<Bo
         let needs_message = !matches!(
             rpc,
             Rpc::ListSessions | Rpc::ClaimSession | Rpc::AppendStream | Rpc::PutSnapshot
-        );
+        ) && rpc != Rpc::SearchSessions;
         let target = if needs_message {
             let (parts, body) = request.into_parts();
             let message = read_single_message(body).await?;

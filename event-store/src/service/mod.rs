@@ -9,7 +9,7 @@ mod subscribe;
 mod validate;
 
 pub use serve::{local_addr, serve, serve_health, OversizedAsResourceExhausted, ServeOptions};
-pub use validate::{validate_append, validate_fork, validate_session_id};
+pub use validate::{validate_append, validate_fork, validate_search, validate_session_id};
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -23,6 +23,7 @@ use agentlog_proto::v1::{
     ListSessionsResponse, PutSnapshotResponse, ReleaseLeaseRequest, ReleaseLeaseResponse,
     RenewLeaseRequest, SessionInfo, SnapshotChunk, SubscribeRequest,
 };
+use agentlog_proto::v1::{SearchSessionsRequest, SearchSessionsResponse};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::{Stream, StreamExt};
@@ -336,6 +337,15 @@ impl EventStore for EventStoreService {
         let caller = caller_of(&request)?;
         let op = validate_fork(request.into_inner(), &caller.scope)?;
         Ok(Response::new(self.store.fork(op).await?))
+    }
+
+    async fn search_sessions(
+        &self,
+        request: Request<SearchSessionsRequest>,
+    ) -> Result<Response<SearchSessionsResponse>, Status> {
+        let caller = caller_of(&request)?;
+        let op = validate_search(request.into_inner())?;
+        Ok(Response::new(self.store.search(op, &caller.scope).await?))
     }
 }
 

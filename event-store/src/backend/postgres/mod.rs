@@ -38,8 +38,9 @@
 //! One concern a file. Each call is in a file of its own, as methods of
 //! [`replica::Replica`]: [`append`] and [`pipeline`] (AppendStream's, on top of append's
 //! plan), [`fork`], [`subscriptions`], [`listing`] (GetSession, ListSessions), [`leases`],
-//! [`claims`], [`snapshots`], [`deletion`] (the tombstone and the erasure) and
-//! [`retention`] (which deletes as deletion does). Below them, what they share, each file
+//! [`claims`], [`snapshots`], [`deletion`] (the tombstone and the erasure),
+//! [`retention`] (which deletes as deletion does) and [`search`] (`SearchSessions` over
+//! PostgreSQL's full-text search). Below them, what they share, each file
 //! importing only the ones after it: [`replica`] (one replica's state: the cache of
 //! states, the optimistic write's re-read, the wake-ups a write sends), [`batch`] (the
 //! batch writer), [`wake`], [`health`], [`rows`] (how a session lies in the tables),
@@ -64,6 +65,7 @@ mod replica;
 mod retention;
 mod rows;
 pub mod schema;
+mod search;
 mod snapshots;
 mod subscriptions;
 pub mod wake;
@@ -74,12 +76,14 @@ use std::time::Duration;
 
 use agentlog_proto::v1::{
     AppendResponse, ForkSessionResponse, Lease, ListSessionsRequest, ListSessionsResponse,
-    SessionInfo,
+    SearchSessionsResponse, SessionInfo,
 };
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
-use crate::backend::{AppendAnswer, AppendOp, Backend, EventRun, ForkOp, Snapshot, SnapshotRead};
+use crate::backend::{
+    AppendAnswer, AppendOp, Backend, EventRun, ForkOp, SearchOp, Snapshot, SnapshotRead,
+};
 use crate::retention::Retention;
 use crate::scope::Scope;
 use crate::StoreError;
@@ -109,6 +113,9 @@ pub struct PgConfig {
     /// `--session-cache`: bytes of sessions' states the replica keeps at hand (the
     /// database holds them all; a state not at hand is read with the next append's row).
     pub cache_bytes: usize,
+    /// Whether appends write their searchable text for `SearchSessions` (off: the search
+    /// answers `UNAVAILABLE`; for measuring what the index costs).
+    pub search: bool,
 }
 
 /// The backend: a handle on one replica, and the lanes of its pipelined appends
@@ -153,8 +160,12 @@ impl PgBackend {
             health.clone(),
             batch::batches_in_flight(config.pool_size),
             tasks.clone(),
+            config.search,
         );
         tokio::spawn(deletion::sweep_erasures(connector.clone(), tasks.clone()));
+        if config.search {
+            tokio::spawn(search::backfill(connector.clone(), tasks.clone()));
+        }
         if let Some(retention) = config.retention {
             tokio::spawn(retention::run_retention(
                 connector.clone(),
@@ -180,6 +191,7 @@ impl PgBackend {
                 health,
                 poll_interval: config.poll_interval,
                 tasks,
+                search: config.search,
             }),
             lanes: Arc::default(),
         })
@@ -287,5 +299,13 @@ impl Backend for PgBackend {
 
     async fn enqueue_append(&self, op: AppendOp) -> Result<AppendAnswer, StoreError> {
         Ok(self.lanes.enqueue(&self.replica, op))
+    }
+
+    async fn search(
+        &self,
+        op: SearchOp,
+        scope: &Scope,
+    ) -> Result<SearchSessionsResponse, StoreError> {
+        self.replica.search(op, scope).await
     }
 }
