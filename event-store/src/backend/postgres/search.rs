@@ -37,7 +37,7 @@ use crate::StoreError;
 const CANDIDATES: &str = "SELECT s.session_id, s.seq, s.ts_unix_ms, s.kind, s.body \
      FROM agentlog_search s \
      JOIN agentlog_sessions x ON x.session_id = s.session_id AND x.deleted_unix_ms = 0 \
-     WHERE s.words @@ $1::tsquery \
+     WHERE s.words @@ $1::text::tsquery \
      AND ($2 OR EXISTS (SELECT 1 FROM unnest($3::text[]) p \
      WHERE starts_with(s.session_id, p))) \
      AND ($4::bigint IS NULL OR (s.ts_unix_ms, s.session_id, s.seq) < ($4, $5::text, $6)) \
