@@ -322,8 +322,9 @@ impl SearchIndex {
                     &TopDocs::with_limit(wanted).order_by_fast_field::<u64>("order", Order::Desc),
                 )
                 .map_err(SearchError::from)?;
-            let exhausted = found.len() < wanted;
-            for (order, address) in found {
+            let mut exhausted = found.len() < wanted;
+            let count = found.len();
+            for (i, (order, address)) in found.into_iter().enumerate() {
                 let order = order.unwrap_or(0);
                 before = Some(order);
                 looked += 1;
@@ -336,13 +337,15 @@ impl SearchIndex {
                 if let Some(hit) = self.check(&op.query, session, seq)? {
                     hits.push(hit);
                     if hits.len() == op.page_size {
+                        // More only if candidates are left after this one.
+                        exhausted &= i + 1 == count;
                         break;
                     }
                 }
             }
             let full = hits.len() == op.page_size;
-            if (exhausted && !full) || looked >= search::MAX_CANDIDATES_PER_PAGE || full {
-                let more = !exhausted || full;
+            if exhausted || full || looked >= search::MAX_CANDIDATES_PER_PAGE {
+                let more = !exhausted;
                 return Ok(SearchSessionsResponse {
                     hits,
                     next_page_token: match (more, before) {

@@ -119,8 +119,8 @@ impl Replica {
             })
             .await
             .map_err(|e| self.timed_error(e))?;
-            let exhausted = rows.len() < wanted;
-            for row in &rows {
+            let mut exhausted = rows.len() < wanted;
+            for (i, row) in rows.iter().enumerate() {
                 let session_id: String = row.get(0);
                 let seq: i64 = row.get(1);
                 let ts_unix_ms: i64 = row.get(2);
@@ -141,13 +141,15 @@ impl Replica {
                 if let Some(hit) = hit {
                     hits.push(hit);
                     if hits.len() == op.page_size {
+                        // More only if candidates are left after this one.
+                        exhausted &= i + 1 == rows.len();
                         break;
                     }
                 }
             }
             let full = hits.len() == op.page_size;
             if full || exhausted || looked >= search::MAX_CANDIDATES_PER_PAGE {
-                let more = full || !exhausted;
+                let more = !exhausted;
                 return Ok(SearchSessionsResponse {
                     hits,
                     next_page_token: match (more, &cursor) {
