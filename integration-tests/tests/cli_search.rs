@@ -60,14 +60,20 @@ fn searched(store: &Store, query: &str) -> Vec<(String, String)> {
 
 /// Waits until `agentlog search QUERY` finds exactly `want`.
 fn eventually(store: &Store, query: &str, want: &[(&str, &str)]) {
-    let want: Vec<(String, String)> = want.iter().map(|(s, q)| (s.to_string(), q.to_string())).collect();
+    let want: Vec<(String, String)> = want
+        .iter()
+        .map(|(s, q)| (s.to_string(), q.to_string()))
+        .collect();
     let deadline = Instant::now() + PATIENCE;
     loop {
         let got = searched(store, query);
         if got == want {
             return;
         }
-        assert!(Instant::now() < deadline, "{query:?} finds {got:?}, not {want:?}");
+        assert!(
+            Instant::now() < deadline,
+            "{query:?} finds {got:?}, not {want:?}"
+        );
         std::thread::sleep(Duration::from_millis(100));
     }
 }
@@ -86,12 +92,18 @@ async fn agentlog_search_prints_hits_and_forgets_what_agentlog_rm_deleted() {
     assert_eq!(hit["seq"], "1");
     assert_eq!(hit["kind"], "user_message");
     assert_eq!(hit["snippet"], "which session ran terraform destroy");
-    assert!(hit["tsUnixMs"].as_str().is_some_and(|t| t.parse::<i64>().is_ok()));
+    assert!(hit["tsUnixMs"]
+        .as_str()
+        .is_some_and(|t| t.parse::<i64>().is_ok()));
 
     let (ok, out, _) = agentlog(&store, &["search", "destroy"]);
     assert!(ok);
     assert!(out.starts_with("cli-a  #1  user_message  "), "{out}");
-    assert!(out.trim_end().ends_with("which session ran terraform destroy"), "{out}");
+    assert!(
+        out.trim_end()
+            .ends_with("which session ran terraform destroy"),
+        "{out}"
+    );
     let (ok, out, _) = agentlog(&store, &["search", "nowhere"]);
     assert!(ok);
     assert_eq!(out.trim(), "nothing found for \"nowhere\"");
@@ -102,7 +114,10 @@ async fn agentlog_search_prints_hits_and_forgets_what_agentlog_rm_deleted() {
 
     let (ok, _, err) = agentlog(&store, &["rm", "cli-a"]);
     assert!(ok, "{err}");
-    assert_eq!(searched(&store, "terraform"), [("cli-b".to_string(), "1".to_string())]);
+    assert_eq!(
+        searched(&store, "terraform"),
+        [("cli-b".to_string(), "1".to_string())]
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -157,7 +172,9 @@ impl Web {
                 }
             }
         });
-        let addr = rx.recv_timeout(PATIENCE).expect("agentlog web logs its listen address");
+        let addr = rx
+            .recv_timeout(PATIENCE)
+            .expect("agentlog web logs its listen address");
         Web { child, addr }
     }
 }
@@ -196,8 +213,20 @@ async fn get_v1_search_answers_json_and_a_bad_query_is_400_saying_why() {
 
     let (status, body) = get("   ").await;
     assert_eq!(status, 400, "{body}");
-    assert!(body["error"]["message"].as_str().unwrap_or("").contains("empty"), "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("empty"),
+        "{body}"
+    );
     let (status, body) = get(&"x".repeat(1100)).await;
     assert_eq!(status, 400, "{body}");
-    assert!(body["error"]["message"].as_str().unwrap_or("").contains("1024"), "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("1024"),
+        "{body}"
+    );
 }

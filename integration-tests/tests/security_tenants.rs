@@ -7,11 +7,11 @@
 
 use std::time::Duration;
 
+use agentlog_proto::v1::SearchSessionsRequest;
 use agentlog_proto::v1::{
     AcquireLeaseRequest, AppendRequest, ClaimSessionRequest, DeleteSessionRequest,
     ForkSessionRequest, GetSessionRequest, ListSessionsRequest, SubscribeRequest,
 };
-use agentlog_proto::v1::SearchSessionsRequest;
 use integration_tests::secure::{tls_client, tokens_json, LoggedStore, SecureFiles, TokenSpec};
 use integration_tests::user_event;
 use tonic::Code;
@@ -352,7 +352,10 @@ async fn a_search_shows_a_tenant_only_its_own_sessions_hits() {
     // The admin sees every hit once the index has them.
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     while search(&admin, "merger", 100).await.hits.len() < 31 {
-        assert!(std::time::Instant::now() < deadline, "the hits were never all found");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the hits were never all found"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 

@@ -101,12 +101,20 @@ async fn eventually_found_in(
         if got == want {
             return Ok(());
         }
-        ensure!(Instant::now() < deadline, "{query:?} finds {got:?}, not {want:?}");
+        ensure!(
+            Instant::now() < deadline,
+            "{query:?} finds {got:?}, not {want:?}"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 
-async fn append(client: &mut Client, session_id: &str, events: Vec<Event>, epoch: Option<u64>) -> Result<u64> {
+async fn append(
+    client: &mut Client,
+    session_id: &str,
+    events: Vec<Event>,
+    epoch: Option<u64>,
+) -> Result<u64> {
     Ok(client
         .append(AppendRequest {
             session_id: session_id.into(),
@@ -161,7 +169,12 @@ fn reply(text: &str, command: Option<&str>) -> Event {
     }
     kind(event::Kind::AssistantMessage(AssistantMessage {
         content,
-        stop_reason: if command.is_some() { "tool_use" } else { "end_turn" }.into(),
+        stop_reason: if command.is_some() {
+            "tool_use"
+        } else {
+            "end_turn"
+        }
+        .into(),
         ..Default::default()
     }))
 }
@@ -183,7 +196,13 @@ fn delta(text: &str) -> Event {
 
 /// A session of a user turn, a delta, a reply calling bash, its output and a final reply.
 async fn incident(client: &mut Client, session_id: &str) -> Result<()> {
-    append(client, session_id, vec![user_event("u1", "Please clean up the Staging cluster")], None).await?;
+    append(
+        client,
+        session_id,
+        vec![user_event("u1", "Please clean up the Staging cluster")],
+        None,
+    )
+    .await?;
     let epoch = lease(client, session_id).await?;
     append(
         client,
@@ -192,7 +211,10 @@ async fn incident(client: &mut Client, session_id: &str) -> Result<()> {
             delta("thinking about deltaonlyword"),
             reply("Running it now.", Some("terraform destroy -auto-approve")),
             tool_output("Destroy complete! Resources: 12 destroyed."),
-            reply("The staging cluster is gone; the tests were flaky anyway.", None),
+            reply(
+                "The staging cluster is gone; the tests were flaky anyway.",
+                None,
+            ),
         ],
         Some(epoch),
     )
@@ -209,11 +231,23 @@ async fn words_phrases_and_prefixes_are_found_in_what_people_read_newest_first()
     eventually_found(&mut client, "terraform", &[("ops-1", 3)]).await?;
 
     // The same event's tool input and output are found by what a person would type.
-    assert_eq!(found(&mut client, "TERRAFORM destroy").await?, [("ops-1".into(), 3)]);
-    assert_eq!(found(&mut client, "\"terraform destroy\"").await?, [("ops-1".into(), 3)]);
+    assert_eq!(
+        found(&mut client, "TERRAFORM destroy").await?,
+        [("ops-1".into(), 3)]
+    );
+    assert_eq!(
+        found(&mut client, "\"terraform destroy\"").await?,
+        [("ops-1".into(), 3)]
+    );
     assert_eq!(found(&mut client, "\"destroy terraform\"").await?, []);
-    assert_eq!(found(&mut client, "terraform-destroy").await?, [("ops-1".into(), 3)]);
-    assert_eq!(found(&mut client, "destroyed resources").await?, [("ops-1".into(), 4)]);
+    assert_eq!(
+        found(&mut client, "terraform-destroy").await?,
+        [("ops-1".into(), 3)]
+    );
+    assert_eq!(
+        found(&mut client, "destroyed resources").await?,
+        [("ops-1".into(), 4)]
+    );
     // All words in one event: "cluster" and "complete" are in different events.
     assert_eq!(found(&mut client, "cluster complete").await?, []);
     // Whole words, no stemming; a prefix with *.
@@ -231,21 +265,48 @@ async fn words_phrases_and_prefixes_are_found_in_what_people_read_newest_first()
     let hits = search_all(&mut client, "destroy", 100).await?;
     let kinds: Vec<&str> = hits.iter().map(|h| h.kind.as_str()).collect();
     assert_eq!(kinds, ["tool_result", "assistant_message"]);
-    assert!(hits[0].snippet.contains("Destroy complete"), "{:?}", hits[0].snippet);
-    assert!(hits[1].snippet.contains("terraform destroy -auto-approve"), "{:?}", hits[1].snippet);
+    assert!(
+        hits[0].snippet.contains("Destroy complete"),
+        "{:?}",
+        hits[0].snippet
+    );
+    assert!(
+        hits[1].snippet.contains("terraform destroy -auto-approve"),
+        "{:?}",
+        hits[1].snippet
+    );
     assert!(hits.iter().all(|h| h.ts_unix_ms > 0));
 
     // Pages: three sessions, each with the word twice; pages of two hold every hit once,
     // newest first.
     for i in 0..3 {
         let id = format!("page-{i}");
-        append(&mut client, &id, vec![user_event("", "pagedword one")], None).await?;
-        append(&mut client, &id, vec![user_event("", "pagedword two")], None).await?;
+        append(
+            &mut client,
+            &id,
+            vec![user_event("", "pagedword one")],
+            None,
+        )
+        .await?;
+        append(
+            &mut client,
+            &id,
+            vec![user_event("", "pagedword two")],
+            None,
+        )
+        .await?;
     }
     eventually_found(
         &mut client,
         "pagedword",
-        &[("page-2", 2), ("page-2", 1), ("page-1", 2), ("page-1", 1), ("page-0", 2), ("page-0", 1)],
+        &[
+            ("page-2", 2),
+            ("page-2", 1),
+            ("page-1", 2),
+            ("page-1", 1),
+            ("page-0", 2),
+            ("page-0", 1),
+        ],
     )
     .await?;
     let paged: Vec<(String, u64)> = search_all(&mut client, "pagedword", 2)
@@ -276,11 +337,21 @@ async fn bad_queries_are_invalid_argument_saying_which() -> Result<()> {
         let status = search_page(&mut client, query, page_size, token)
             .await
             .expect_err("refused");
-        assert_eq!(status.code(), Code::InvalidArgument, "{query:?}: {status:?}");
-        assert!(status.message().contains(says), "{query:?}: {}", status.message());
+        assert_eq!(
+            status.code(),
+            Code::InvalidArgument,
+            "{query:?}: {status:?}"
+        );
+        assert!(
+            status.message().contains(says),
+            "{query:?}: {}",
+            status.message()
+        );
     }
     // A query of exactly 1 KiB is fine.
-    search_page(&mut client, &"x ".repeat(512), 0, "").await.expect("1 KiB is allowed");
+    search_page(&mut client, &"x ".repeat(512), 0, "")
+        .await
+        .expect("1 KiB is allowed");
     Ok(())
 }
 
@@ -298,7 +369,11 @@ async fn words_left(store: &Store, session_id: &str, word: &str) -> Result<Vec<S
                      OR words @@ '{word}'::tsquery"
                 ),
             )?;
-            if rows == "0" { Vec::new() } else { vec![format!("{rows} rows")] }
+            if rows == "0" {
+                Vec::new()
+            } else {
+                vec![format!("{rows} rows")]
+            }
         }
         Backing::Database(_, None) => anyhow::bail!("no server to look into"),
     })
@@ -312,13 +387,18 @@ fn holding(dir: &std::path::Path, word: &str) -> Vec<String> {
     let mut found = Vec::new();
     let mut stack = vec![dir.to_path_buf()];
     while let Some(dir) = stack.pop() {
-        let Ok(entries) = std::fs::read_dir(&dir) else { continue };
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
         for entry in entries.flatten() {
             let path = entry.path();
             if path.is_dir() {
                 stack.push(path);
             } else if let Ok(bytes) = std::fs::read(&path) {
-                if bytes.windows(forward.len()).any(|w| w == forward || w == backward) {
+                if bytes
+                    .windows(forward.len())
+                    .any(|w| w == forward || w == backward)
+                {
                     found.push(path.display().to_string());
                 }
             }
@@ -333,27 +413,49 @@ async fn a_deleted_session_is_never_found_again_and_its_words_leave_the_index() 
     // still hold its words.
     let mut store = Store::start_with(&["--reclaim-after", "100ms", "--segment-bytes", "65536"])?;
     let mut client = store.client().await?;
-    append(&mut client, "keep", vec![user_event("", "quokkaword stays")], None).await?;
-    append(&mut client, "doomed", vec![user_event("", "xylophonezebra was typed here quokkaword")], None).await?;
+    append(
+        &mut client,
+        "keep",
+        vec![user_event("", "quokkaword stays")],
+        None,
+    )
+    .await?;
+    append(
+        &mut client,
+        "doomed",
+        vec![user_event("", "xylophonezebra was typed here quokkaword")],
+        None,
+    )
+    .await?;
     eventually_found(&mut client, "quokkaword", &[("doomed", 1), ("keep", 1)]).await?;
     ensure!(
-        !words_left(&store, "doomed", "xylophonezebra").await?.is_empty(),
+        !words_left(&store, "doomed", "xylophonezebra")
+            .await?
+            .is_empty(),
         "the look for the word in the index finds it before the deletion"
     );
 
     client
-        .delete_session(DeleteSessionRequest { session_id: "doomed".into() })
+        .delete_session(DeleteSessionRequest {
+            session_id: "doomed".into(),
+        })
         .await?;
     // From the moment DeleteSession returns.
     assert_eq!(found(&mut client, "xylophonezebra").await?, []);
-    assert_eq!(found(&mut client, "quokkaword").await?, [("keep".into(), 1)]);
+    assert_eq!(
+        found(&mut client, "quokkaword").await?,
+        [("keep".into(), 1)]
+    );
 
     // A kill -9 right after it brings nothing back.
     store.kill9();
     let store = store.restart()?;
     let mut client = store.client().await?;
     assert_eq!(found(&mut client, "xylophonezebra").await?, []);
-    assert_eq!(found(&mut client, "quokkaword").await?, [("keep".into(), 1)]);
+    assert_eq!(
+        found(&mut client, "quokkaword").await?,
+        [("keep".into(), 1)]
+    );
 
     let deadline = Instant::now() + Duration::from_secs(40);
     loop {
@@ -361,17 +463,26 @@ async fn a_deleted_session_is_never_found_again_and_its_words_leave_the_index() 
         if left.is_empty() {
             break;
         }
-        ensure!(Instant::now() < deadline, "the deleted session's word is still in {left:?}");
+        ensure!(
+            Instant::now() < deadline,
+            "the deleted session's word is still in {left:?}"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     // The other session's word is still there, and found.
-    ensure!(!words_left(&store, "keep", "quokkaword").await?.is_empty() || test_backend_is_postgres());
-    assert_eq!(found(&mut client, "quokkaword").await?, [("keep".into(), 1)]);
+    ensure!(
+        !words_left(&store, "keep", "quokkaword").await?.is_empty() || test_backend_is_postgres()
+    );
+    assert_eq!(
+        found(&mut client, "quokkaword").await?,
+        [("keep".into(), 1)]
+    );
     Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn after_a_kill_9_mid_appends_every_acknowledged_event_is_found_and_nothing_else() -> Result<()> {
+async fn after_a_kill_9_mid_appends_every_acknowledged_event_is_found_and_nothing_else(
+) -> Result<()> {
     let mut store = Store::start()?;
     let mut acked: BTreeMap<String, (String, u64)> = BTreeMap::new();
     let writers: Vec<_> = (0..4)
@@ -383,7 +494,14 @@ async fn after_a_kill_9_mid_appends_every_acknowledged_event_is_found_and_nothin
                 for i in 0.. {
                     let word = format!("crashword{w}x{i}");
                     let session = format!("crash-{w}");
-                    match append(&mut client, &session, vec![user_event("", &format!("{word} common"))], None).await {
+                    match append(
+                        &mut client,
+                        &session,
+                        vec![user_event("", &format!("{word} common"))],
+                        None,
+                    )
+                    .await
+                    {
                         Ok(seq) => acked.push((word, (session, seq))),
                         Err(_) => break,
                     }
@@ -397,13 +515,21 @@ async fn after_a_kill_9_mid_appends_every_acknowledged_event_is_found_and_nothin
     for writer in writers {
         acked.extend(writer.await??);
     }
-    ensure!(acked.len() > 20, "only {} appends were acknowledged", acked.len());
+    ensure!(
+        acked.len() > 20,
+        "only {} appends were acknowledged",
+        acked.len()
+    );
 
     let store = store.restart()?;
     let mut client = store.client().await?;
     // Found as soon as the store answers: the index caught up with the log at open.
     for (word, (session, seq)) in &acked {
-        assert_eq!(found(&mut client, word).await?, [(session.clone(), *seq)], "{word}");
+        assert_eq!(
+            found(&mut client, word).await?,
+            [(session.clone(), *seq)],
+            "{word}"
+        );
     }
     // No phantom: every hit of the common word is an event of its session's log.
     let hits = found(&mut client, "common").await?;
@@ -414,7 +540,10 @@ async fn after_a_kill_9_mid_appends_every_acknowledged_event_is_found_and_nothin
         logs.insert(session, log.iter().map(|e| e.seq).collect());
     }
     for (session, seq) in &hits {
-        ensure!(logs[session].contains(seq), "a hit {session}/{seq} its log does not hold");
+        ensure!(
+            logs[session].contains(seq),
+            "a hit {session}/{seq} its log does not hold"
+        );
     }
     let total: usize = logs.values().map(Vec::len).sum();
     assert_eq!(hits.len(), total, "every event of the logs is found once");
@@ -437,8 +566,20 @@ async fn after_a_kill_9_mid_appends_every_acknowledged_event_is_found_and_nothin
 async fn a_forks_prefix_is_found_in_the_fork_and_outlives_its_parent() -> Result<()> {
     let store = Store::start()?;
     let mut client = store.client().await?;
-    append(&mut client, "parent", vec![user_event("", "pangolinword at the start")], None).await?;
-    append(&mut client, "parent", vec![user_event("", "later words")], None).await?;
+    append(
+        &mut client,
+        "parent",
+        vec![user_event("", "pangolinword at the start")],
+        None,
+    )
+    .await?;
+    append(
+        &mut client,
+        "parent",
+        vec![user_event("", "later words")],
+        None,
+    )
+    .await?;
     client
         .fork_session(ForkSessionRequest {
             session_id: "parent".into(),
@@ -455,7 +596,9 @@ async fn a_forks_prefix_is_found_in_the_fork_and_outlives_its_parent() -> Result
     )
     .await?;
     client
-        .delete_session(DeleteSessionRequest { session_id: "parent".into() })
+        .delete_session(DeleteSessionRequest {
+            session_id: "parent".into(),
+        })
         .await?;
     assert_eq!(
         found(&mut client, "pangolinword").await?,

@@ -54,7 +54,9 @@ pub fn parse(query: &str) -> Result<Query, QueryError> {
     while !rest.is_empty() {
         if let Some(after) = rest.strip_prefix('"') {
             let Some(close) = after.find('"') else {
-                return Err(QueryError::UnclosedQuote(query[..consumed].chars().count() + 1));
+                return Err(QueryError::UnclosedQuote(
+                    query[..consumed].chars().count() + 1,
+                ));
             };
             push_words(&mut clauses, &after[..close], false);
             let used = close + 2;
@@ -117,9 +119,9 @@ impl Clause {
         match self {
             Clause::Word(w) => words.iter().position(|x| &x.text == w),
             Clause::Prefix(p) => words.iter().position(|x| x.text.starts_with(p.as_str())),
-            Clause::Phrase(phrase) => words.windows(phrase.len()).position(|window| {
-                window.iter().zip(phrase).all(|(x, w)| &x.text == w)
-            }),
+            Clause::Phrase(phrase) => words
+                .windows(phrase.len())
+                .position(|window| window.iter().zip(phrase).all(|(x, w)| &x.text == w)),
         }
     }
 }
@@ -145,7 +147,10 @@ mod tests {
             ]
         );
         assert_eq!(parse(r#""one""#).unwrap().clauses, vec![w("one")]);
-        assert_eq!(parse("a\"b c\"d").unwrap().clauses, vec![w("a"), Clause::Phrase(vec!["b".into(), "c".into()]), w("d")]);
+        assert_eq!(
+            parse("a\"b c\"d").unwrap().clauses,
+            vec![w("a"), Clause::Phrase(vec!["b".into(), "c".into()]), w("d")]
+        );
     }
 
     #[test]
@@ -156,7 +161,10 @@ mod tests {
         assert_eq!(parse(&"a".repeat(1025)), Err(QueryError::TooLong(1025)));
         assert!(parse(&"a ".repeat(512)).is_ok());
         assert_eq!(parse("*** !!"), Err(QueryError::NoWords));
-        assert!(parse(r#"ok "open"#).unwrap_err().to_string().contains("not closed"));
+        assert!(parse(r#"ok "open"#)
+            .unwrap_err()
+            .to_string()
+            .contains("not closed"));
     }
 
     #[test]

@@ -65,7 +65,10 @@ mod tests {
 
     #[test]
     fn a_short_text_is_shown_whole_on_one_line() {
-        assert_eq!(snip("run\n  terraform   destroy\n", "destroy"), "run terraform destroy");
+        assert_eq!(
+            snip("run\n  terraform   destroy\n", "destroy"),
+            "run terraform destroy"
+        );
     }
 
     #[test]

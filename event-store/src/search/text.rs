@@ -105,7 +105,9 @@ pub fn words(text: &str) -> impl Iterator<Item = Word> + '_ {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use agentlog_proto::v1::{AssistantMessage, ContentBlock, TextBlock, ToolUseBlock, UserMessage};
+    use agentlog_proto::v1::{
+        AssistantMessage, ContentBlock, TextBlock, ToolUseBlock, UserMessage,
+    };
 
     fn texts(s: &str) -> Vec<String> {
         words(s).map(|w| w.text).collect()
@@ -115,7 +117,17 @@ mod tests {
     fn words_are_lowercased_runs_of_letters_and_digits() {
         assert_eq!(
             texts("Ran `terraform destroy -auto-approve` in /srv/prod_2!"),
-            ["ran", "terraform", "destroy", "auto", "approve", "in", "srv", "prod", "2"]
+            [
+                "ran",
+                "terraform",
+                "destroy",
+                "auto",
+                "approve",
+                "in",
+                "srv",
+                "prod",
+                "2"
+            ]
         );
         assert_eq!(texts("Größe ÉTÉ 東京"), ["größe", "été", "東京"]);
         assert_eq!(texts(""), Vec::<String>::new());
@@ -136,7 +148,9 @@ mod tests {
             fields: [(
                 "command".to_string(),
                 prost_types::Value {
-                    kind: Some(prost_types::value::Kind::StringValue("terraform destroy".into())),
+                    kind: Some(prost_types::value::Kind::StringValue(
+                        "terraform destroy".into(),
+                    )),
                 },
             )]
             .into(),
@@ -145,7 +159,9 @@ mod tests {
             kind: Some(event::Kind::AssistantMessage(AssistantMessage {
                 content: vec![
                     ContentBlock {
-                        block: Some(content_block::Block::Text(TextBlock { text: "Sure.".into() })),
+                        block: Some(content_block::Block::Text(TextBlock {
+                            text: "Sure.".into(),
+                        })),
                     },
                     ContentBlock {
                         block: Some(content_block::Block::ToolUse(ToolUseBlock {
@@ -159,7 +175,10 @@ mod tests {
             })),
             ..Default::default()
         };
-        assert_eq!(searchable(&reply).unwrap().text, "Sure.\nbash\nterraform destroy");
+        assert_eq!(
+            searchable(&reply).unwrap().text,
+            "Sure.\nbash\nterraform destroy"
+        );
         let delta = Event {
             kind: Some(event::Kind::AssistantDelta(Default::default())),
             ..Default::default()

@@ -50,13 +50,11 @@ use tantivy::collector::TopDocs;
 use tantivy::directory::MmapDirectory;
 use tantivy::query::{BooleanQuery, Occur, PhraseQuery, RangeQuery, RegexQuery, TermQuery};
 use tantivy::schema::{
-    Field, IndexRecordOption, Schema, TextFieldIndexing, TextOptions, Value, FAST, INDEXED,
-    STORED, STRING,
+    Field, IndexRecordOption, Schema, TextFieldIndexing, TextOptions, Value, FAST, INDEXED, STORED,
+    STRING,
 };
 use tantivy::tokenizer::{Token, TokenStream, Tokenizer};
-use tantivy::{
-    doc, Index, IndexReader, IndexWriter, Order, ReloadPolicy, TantivyDocument, Term,
-};
+use tantivy::{doc, Index, IndexReader, IndexWriter, Order, ReloadPolicy, TantivyDocument, Term};
 
 use super::background::Signal;
 use super::log::{LogReader, Position, Record};
@@ -282,7 +280,11 @@ impl SearchIndex {
 
     /// One page of hits for `op` in `scope`, newest first (blocking: call it off the
     /// runtime).
-    pub fn search(&self, op: &SearchOp, scope: &Scope) -> Result<SearchSessionsResponse, StoreError> {
+    pub fn search(
+        &self,
+        op: &SearchOp,
+        scope: &Scope,
+    ) -> Result<SearchSessionsResponse, StoreError> {
         let mut before = match op.page_token.as_str() {
             "" => None,
             token => Some(
@@ -291,7 +293,8 @@ impl SearchIndex {
                     .and_then(|t| t.parse::<u64>().ok())
                     .ok_or_else(|| {
                         StoreError::InvalidArgument(
-                            "page_token: not a token from a previous SearchSessions response".into(),
+                            "page_token: not a token from a previous SearchSessions response"
+                                .into(),
                         )
                     })?,
             ),
@@ -365,7 +368,12 @@ impl SearchIndex {
         session_id: &str,
         seq: u64,
     ) -> Result<Option<agentlog_proto::v1::SearchHit>, StoreError> {
-        if self.source.shared.get(session_id)?.is_none_or(|m| m.is_deleted()) {
+        if self
+            .source
+            .shared
+            .get(session_id)?
+            .is_none_or(|m| m.is_deleted())
+        {
             return Ok(None);
         }
         let Some(position) = position_of(&self.source, session_id, seq)? else {
@@ -409,7 +417,9 @@ impl SearchIndex {
                         Ok(q) => Box::new(q),
                         Err(_) => Box::new(tantivy::query::EmptyQuery),
                     },
-                    Clause::Phrase(ws) => Box::new(PhraseQuery::new(ws.iter().map(|w| term(w)).collect())),
+                    Clause::Phrase(ws) => {
+                        Box::new(PhraseQuery::new(ws.iter().map(|w| term(w)).collect()))
+                    }
                 };
                 (Occur::Must, query)
             })
@@ -445,7 +455,8 @@ impl SearchIndex {
 }
 
 fn open_index(dir: &Path, schema: &Schema) -> Result<Index, SearchError> {
-    std::fs::create_dir_all(dir).map_err(|e| SearchError::Dir(dir.display().to_string(), e.to_string()))?;
+    std::fs::create_dir_all(dir)
+        .map_err(|e| SearchError::Dir(dir.display().to_string(), e.to_string()))?;
     let directory = MmapDirectory::open(dir)
         .map_err(|e| SearchError::Dir(dir.display().to_string(), e.to_string()))?;
     let index = Index::open_or_create(directory, schema.clone())?;
@@ -609,7 +620,10 @@ impl Indexer {
             }
             Some(seq) => {
                 self.writer.delete_query(Box::new(BooleanQuery::new(vec![
-                    (Occur::Must, Box::new(TermQuery::new(session, IndexRecordOption::Basic))),
+                    (
+                        Occur::Must,
+                        Box::new(TermQuery::new(session, IndexRecordOption::Basic)),
+                    ),
                     (
                         Occur::Must,
                         Box::new(TermQuery::new(

@@ -235,7 +235,14 @@ pub(super) fn start(
     index_search: bool,
 ) -> mpsc::UnboundedSender<Write> {
     let (tx, rx) = mpsc::unbounded_channel();
-    tokio::spawn(run(connector, health, in_flight.max(1), rx, stop, index_search));
+    tokio::spawn(run(
+        connector,
+        health,
+        in_flight.max(1),
+        rx,
+        stop,
+        index_search,
+    ));
     tx
 }
 

@@ -111,7 +111,9 @@ impl SearchRows {
             return;
         };
         let words: std::collections::BTreeSet<String> =
-            crate::search::text::words(&searchable.text).map(|w| w.text).collect();
+            crate::search::text::words(&searchable.text)
+                .map(|w| w.text)
+                .collect();
         let mut literal = String::new();
         for word in words {
             if literal.len() + word.len() + 3 > MAX_TSVECTOR_WORD_BYTES {

@@ -176,7 +176,9 @@ pub(super) async fn backfill(connector: std::sync::Arc<Connector>, stop: Cancell
         match backfill_one(&connector).await {
             Ok(true) => continue,
             Ok(false) => {}
-            Err(e) => tracing::warn!(error = %e, "backfilling the search rows failed; trying again"),
+            Err(e) => {
+                tracing::warn!(error = %e, "backfilling the search rows failed; trying again")
+            }
         }
         tokio::select! {
             _ = stop.cancelled() => return,
