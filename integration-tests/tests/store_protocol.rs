@@ -19,7 +19,7 @@ use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
 use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
 use tonic_reflection::pb::v1::ServerReflectionRequest;
 
-const RPCS: [&str; 13] = [
+const RPCS: [&str; 14] = [
     "Append",
     "AppendStream",
     "Subscribe",
@@ -33,6 +33,7 @@ const RPCS: [&str; 13] = [
     "GetSnapshot",
     "DeleteSession",
     "ForkSession",
+    "SearchSessions",
 ];
 const BOUND: Duration = Duration::from_secs(60);
 

@@ -609,3 +609,72 @@ async fn a_forks_prefix_is_found_in_the_fork_and_outlives_its_parent() -> Result
     assert_eq!((hits[0].session_id.as_str(), hits[0].seq), ("child", 1));
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kill_9_at_any_moment_of_an_erasure_brings_nothing_back() -> Result<()> {
+    // Killed at a spread of moments after DeleteSession returned: before the index read the
+    // tombstone, between its delete's commit and the merge, in the merge, after it.
+    let mut store = Store::start_with(&["--reclaim-after", "100ms", "--segment-bytes", "65536"])?;
+    let mut rng = fastrand::Rng::with_seed(39);
+    for i in 0..6 {
+        let mut client = store.client().await?;
+        let word = format!("vanishword{i}q");
+        append(
+            &mut client,
+            &format!("gone-{i}"),
+            vec![user_event("", &format!("{word} alpacaword"))],
+            None,
+        )
+        .await?;
+        append(
+            &mut client,
+            &format!("kept-{i}"),
+            vec![user_event("", "alpacaword kept")],
+            None,
+        )
+        .await?;
+        eventually_found_in(
+            &mut client,
+            "alpacaword",
+            &(0..=i)
+                .map(|k| (format!("kept-{k}"), 1))
+                .chain(std::iter::once((format!("gone-{i}"), 1)))
+                .collect::<Vec<_>>()
+                .iter()
+                .map(|(s, q)| (s.as_str(), *q))
+                .collect::<Vec<_>>(),
+            true,
+        )
+        .await?;
+        client
+            .delete_session(DeleteSessionRequest {
+                session_id: format!("gone-{i}"),
+            })
+            .await?;
+        tokio::time::sleep(Duration::from_millis(rng.u64(0..600))).await;
+        store.kill9();
+        store = store.restart()?;
+        let mut client = store.client().await?;
+        for k in 0..=i {
+            assert_eq!(
+                found(&mut client, &format!("vanishword{k}q")).await?,
+                [],
+                "gone-{k} came back"
+            );
+        }
+        assert_eq!(found(&mut client, "alpacaword").await?.len(), i + 1);
+    }
+    let deadline = Instant::now() + Duration::from_secs(40);
+    for i in 0..6 {
+        let word = format!("vanishword{i}q");
+        loop {
+            let left = words_left(&store, &format!("gone-{i}"), &word).await?;
+            if left.is_empty() {
+                break;
+            }
+            ensure!(Instant::now() < deadline, "{word} is still in {left:?}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    Ok(())
+}

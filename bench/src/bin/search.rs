@@ -119,8 +119,12 @@ fn start(binary: &Path, part: Part, dir: &Path, indexed: bool) -> anyhow::Result
         Part::Local => {
             let _ = std::fs::remove_dir_all(dir);
             std::fs::create_dir_all(dir)?;
-            let store =
-                Store::start_backed(binary, Backing::Dir(dir.to_path_buf()), "127.0.0.1:0", &extra)?;
+            let store = Store::start_backed(
+                binary,
+                Backing::Dir(dir.to_path_buf()),
+                "127.0.0.1:0",
+                &extra,
+            )?;
             Ok(Running { store, _pg: None })
         }
         Part::Postgres => {
@@ -199,7 +203,10 @@ async fn load(
                         fresh.push(acked.elapsed().as_secs_f64() * 1e3);
                         break;
                     }
-                    anyhow::ensure!(acked.elapsed() < Duration::from_secs(30), "{word} never found");
+                    anyhow::ensure!(
+                        acked.elapsed() < Duration::from_secs(30),
+                        "{word} never found"
+                    );
                     tokio::time::sleep(Duration::from_millis(5)).await;
                 }
             }
@@ -384,7 +391,10 @@ async fn part(args: &Args, binary: &Path, part: Part) -> anyhow::Result<()> {
         fresh_all.len()
     );
 
-    println!("\n### {name}: queries at {} events (pages of 20, one query at a time)\n", fmt_num(args.events as f64));
+    println!(
+        "\n### {name}: queries at {} events (pages of 20, one query at a time)\n",
+        fmt_num(args.events as f64)
+    );
     let running = tokio::task::block_in_place(|| start(binary, part, &dir, true))?;
     let url = running.store.url();
     let filled = fill(&url, args.events).await?;
@@ -392,18 +402,33 @@ async fn part(args: &Args, binary: &Path, part: Part) -> anyhow::Result<()> {
     println!("| query | p50 ms | p99 ms | hits a page |");
     println!("|---|---:|---:|---:|");
     let kinds: [(&str, Box<dyn FnMut(&mut fastrand::Rng) -> String>); 5] = [
-        ("a rare word (rank 10,000–20,000)", Box::new(|r| word(r.usize(10_000..VOCABULARY)))),
-        ("a common word (rank 0–10)", Box::new(|r| word(r.usize(0..10)))),
-        ("two words (ranks 0–100)", Box::new(|r| format!("{} {}", word(r.usize(0..100)), word(r.usize(0..100))))),
-        ("a phrase of two words (ranks 0–20)", Box::new(|r| format!("\"{} {}\"", word(r.usize(0..20)), word(r.usize(0..20))))),
-        ("a prefix (`wa*`…`wz*`)", Box::new(|r| format!("w{}*", (b'a' + r.u8(0..26)) as char))),
+        (
+            "a rare word (rank 10,000–20,000)",
+            Box::new(|r| word(r.usize(10_000..VOCABULARY))),
+        ),
+        (
+            "a common word (rank 0–10)",
+            Box::new(|r| word(r.usize(0..10))),
+        ),
+        (
+            "two words (ranks 0–100)",
+            Box::new(|r| format!("{} {}", word(r.usize(0..100)), word(r.usize(0..100)))),
+        ),
+        (
+            "a phrase of two words (ranks 0–20)",
+            Box::new(|r| format!("\"{} {}\"", word(r.usize(0..20)), word(r.usize(0..20)))),
+        ),
+        (
+            "a prefix (`wa*`…`wz*`)",
+            Box::new(|r| format!("w{}*", (b'a' + r.u8(0..26)) as char)),
+        ),
     ];
     for (kind, make) in kinds {
         let (p50, p99, hits) = time_queries(&url, args.queries, make).await?;
         println!("| {kind} | {p50:.1} | {p99:.1} | {hits:.1} |");
     }
 
-    match (&running.store.backing, part) {
+    match (running.store.backing.clone(), part) {
         (Backing::Dir(d), Part::Local) => {
             let (log, index) = (dir_bytes(&d.join("log")), dir_bytes(&d.join("search")));
             println!(
@@ -415,12 +440,14 @@ async fn part(args: &Args, binary: &Path, part: Part) -> anyhow::Result<()> {
             let mut store = running.store;
             let _ = store.terminate();
             let warm = Instant::now();
-            let mut again = Store::start_backed(binary, Backing::Dir(d.clone()), "127.0.0.1:0", &[])?;
+            let mut again =
+                Store::start_backed(binary, Backing::Dir(d.clone()), "127.0.0.1:0", &[])?;
             let warm = warm.elapsed().as_secs_f64();
             let _ = again.terminate();
             std::fs::remove_dir_all(d.join("search"))?;
             let cold = Instant::now();
-            let mut rebuilt = Store::start_backed(binary, Backing::Dir(d.clone()), "127.0.0.1:0", &[])?;
+            let mut rebuilt =
+                Store::start_backed(binary, Backing::Dir(d.clone()), "127.0.0.1:0", &[])?;
             let cold = cold.elapsed().as_secs_f64();
             let _ = rebuilt.terminate();
             println!(
@@ -438,7 +465,9 @@ async fn part(args: &Args, binary: &Path, part: Part) -> anyhow::Result<()> {
                      pg_total_relation_size('agentlog_events')",
                 )
             })?;
-            let mut parts = sizes.split_whitespace().map(|s| s.parse::<f64>().unwrap_or(0.0));
+            let mut parts = sizes
+                .split_whitespace()
+                .map(|s| s.parse::<f64>().unwrap_or(0.0));
             let (search, events) = (parts.next().unwrap_or(0.0), parts.next().unwrap_or(1.0));
             println!(
                 "\nsearch bytes per event byte: {} MiB of `agentlog_search` ÷ {} MiB of `agentlog_events` (indexes and TOAST included) = **{:.2}**",

@@ -475,12 +475,13 @@ mod tests {
                 client
                     .batch_execute(&format!(
                         "PREPARE {name} (text[], bigint[], bytea[], bigint[], bigint[], \
-                         integer[], bigint[], text[], text[], bigint[], text[], bytea[]) \
+                         integer[], bigint[], text[], text[], bigint[], text[], bytea[], \
+                         text[], bigint[], bigint[], text[], text[], text[]) \
                          AS {statement}"
                     ))
                     .await
                     .unwrap();
-                let nulls = ["NULL"; 12].join(", ");
+                let nulls = ["NULL"; 18].join(", ");
                 let plan: Vec<String> = client
                     .query(&format!("EXPLAIN (COSTS OFF) EXECUTE {name}({nulls})"), &[])
                     .await
