@@ -477,8 +477,15 @@ impl Indexer {
                 }
                 continue;
             }
-            let wait = COMMIT_EVERY.saturating_sub(self.committed.elapsed());
-            if stop.wait(if self.dirty { wait } else { COMMIT_EVERY }) {
+            // With documents waiting, the next look is the next commit's: the writer's
+            // wake-up after every fsync is not followed (under load that would be a read of
+            // the log per fsync); idle, the first append after the pause is read at once.
+            let stopping = if self.dirty {
+                stop.rest(COMMIT_EVERY.saturating_sub(self.committed.elapsed()))
+            } else {
+                stop.wait(COMMIT_EVERY)
+            };
+            if stopping {
                 break;
             }
         }
