@@ -287,6 +287,9 @@ async fn fill(url: &str, events: usize) -> anyhow::Result<f64> {
     Ok(started.elapsed().as_secs_f64())
 }
 
+/// Makes one query of a kind.
+type MakeQuery = Box<dyn FnMut(&mut fastrand::Rng) -> String>;
+
 /// p50 and p99 (ms) of `n` queries made by `make`, one after another.
 async fn time_queries(
     url: &str,
@@ -401,7 +404,7 @@ async fn part(args: &Args, binary: &Path, part: Part) -> anyhow::Result<()> {
     println!("filled and indexed in {filled:.1} s\n");
     println!("| query | p50 ms | p99 ms | hits a page |");
     println!("|---|---:|---:|---:|");
-    let kinds: [(&str, Box<dyn FnMut(&mut fastrand::Rng) -> String>); 5] = [
+    let kinds: [(&str, MakeQuery); 5] = [
         (
             "a rare word (rank 10,000–20,000)",
             Box::new(|r| word(r.usize(10_000..VOCABULARY))),

@@ -45,8 +45,10 @@ pub fn hit(query: &Query, candidate: Candidate) -> Option<SearchHit> {
     })
 }
 
-/// How many candidates to ask the index for, to fill `wanted` more hits: a few more than
-/// that, since a candidate may still fail the check.
-pub fn batch_for(wanted: usize) -> usize {
-    (wanted + 1).max(32)
+/// How many candidates to ask the index for, to fill `wanted` more hits at the `round`th
+/// ask of one page: a few more than that (a candidate may still fail the check), twice as
+/// many at each further ask (a phrase of common words fails most of them, and each ask
+/// costs the index a walk of every match).
+pub fn batch_for(wanted: usize, round: u32) -> usize {
+    ((wanted + 1).max(32) << round.min(7)).min(MAX_CANDIDATES_PER_PAGE)
 }

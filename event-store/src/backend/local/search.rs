@@ -305,8 +305,10 @@ impl SearchIndex {
         let searcher = self.reader.searcher();
         let mut hits = Vec::new();
         let mut looked = 0;
+        let mut round = 0;
         loop {
-            let wanted = search::batch_for(op.page_size - hits.len());
+            let wanted = search::batch_for(op.page_size - hits.len(), round);
+            round += 1;
             let mut clauses = self.clauses(&op.query);
             clauses.extend(filter.iter().map(|q| (Occur::Must, q.box_clone())));
             if let Some(before) = before {

@@ -98,8 +98,10 @@ impl Replica {
         let mut client = self.client().await?;
         let mut hits = Vec::new();
         let mut looked = 0;
+        let mut round = 0;
         loop {
-            let wanted = search::batch_for(op.page_size - hits.len());
+            let wanted = search::batch_for(op.page_size - hits.len(), round);
+            round += 1;
             let (ts, session, seq) = match &cursor {
                 Some((ts, session, seq)) => (Some(*ts), session.clone(), *seq),
                 None => (None, String::new(), 0),
