@@ -433,7 +433,7 @@ pub fn now_ms() -> i64 {
         .unwrap_or(0)
 }
 
-fn ago(ms: i64) -> String {
+pub fn ago(ms: i64) -> String {
     let s = (ms / 1000).max(0);
     match s {
         0..=59 => format!("{s}s ago"),

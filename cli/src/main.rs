@@ -10,6 +10,7 @@ mod fork;
 mod lifecycle;
 mod render;
 mod replay;
+mod search;
 mod stack;
 mod store;
 mod transfer;
@@ -211,6 +212,14 @@ enum Command {
         #[arg(long)]
         batch: Option<String>,
     },
+    /// Find words inside sessions: user and assistant text, tool inputs and outputs. Every
+    /// word must be in one event; `prefix*`, "a phrase"; newest first, one hit a line.
+    Search {
+        query: String,
+        /// At most this many hits.
+        #[arg(long, default_value_t = 20)]
+        limit: usize,
+    },
     /// SIGKILL a runner mid-tool and watch a new one finish, each side effect applied once.
     Demo {
         /// Keep the demo's data in this (new) directory instead of a temp dir.
@@ -326,6 +335,7 @@ async fn main() -> ExitCode {
             ..
         } => lifecycle::rm_idle(&out, idle_for, yes).await,
         Command::Rm { sessions, .. } => lifecycle::rm(&out, &sessions).await,
+        Command::Search { query, limit } => search::search(&out, &query, limit).await,
         Command::Demo { keep } => demo::demo(keep).await,
         Command::Replay {
             session: Some(session),

@@ -247,6 +247,17 @@ pub fn session_json(s: &SessionInfo) -> Value {
     })
 }
 
+/// A search hit in the proto3 JSON mapping (as grpcurl prints `SearchHit`).
+pub fn hit_json(hit: &agentlog_proto::v1::SearchHit) -> Value {
+    json!({
+        "sessionId": hit.session_id,
+        "seq": hit.seq.to_string(),
+        "kind": hit.kind,
+        "snippet": hit.snippet,
+        "tsUnixMs": hit.ts_unix_ms.to_string(),
+    })
+}
+
 /// An event in the proto3 JSON mapping (lowerCamelCase names, 64-bit integers as strings,
 /// default values left out), as grpcurl prints it.
 pub fn event_json(event: &Event) -> Value {

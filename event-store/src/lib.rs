@@ -14,6 +14,8 @@
 //!   [`scope`]: the one rule for which sessions a caller may see; [`wire`]: which call a
 //!   request is, and the request limits.
 //! - [`transfer`]: sessions that move: the export format, export, import, the archive.
+//! - [`search`]: `SearchSessions`' words, queries and snippets, shared by the backends'
+//!   indexes.
 //! - [`metrics`]: what the store reports to Prometheus; [`clock`]: the store's wall clock.
 #![forbid(unsafe_code)]
 
@@ -29,6 +31,7 @@ pub mod queries;
 pub mod retention;
 pub mod rules;
 pub mod scope;
+pub mod search;
 pub mod service;
 pub mod session;
 pub mod tls;

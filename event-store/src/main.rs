@@ -126,6 +126,10 @@ struct Args {
         default_value = "64MiB"
     )]
     session_cache: usize,
+    /// Run without the full-text index of SearchSessions (which then answers UNAVAILABLE):
+    /// what the index costs appends, measured by the bench.
+    #[arg(long, env = "AGENTLOG_NO_SEARCH_INDEX")]
+    no_search_index: bool,
     /// The local backend: roll to a new segment file once the current one holds this many
     /// bytes (for tests that want many segments). Default: a sixteenth of the data volume,
     /// between 1 MiB and 64 MiB, so that a full volume comes back whatever its size.
@@ -249,6 +253,7 @@ async fn open_backend(args: &Args) -> anyhow::Result<Opened> {
             poll_interval: Duration::from_millis(poll_ms.max(10)),
             retention,
             cache_bytes: args.session_cache,
+            search: !args.no_search_index,
         })
         .await
         .context("opening the PostgreSQL backend")?;
@@ -265,6 +270,9 @@ async fn open_backend(args: &Args) -> anyhow::Result<Opened> {
         session_cache_bytes: args.session_cache,
         ..StoreConfig::in_dir(data_dir)?
     };
+    if args.no_search_index {
+        config.search_dir = None;
+    }
     if let Some(segment_bytes) = args.segment_bytes {
         anyhow::ensure!(
             segment_bytes >= 64 << 10,

@@ -47,10 +47,12 @@ pub enum Rpc {
     /// Streamed; admin tokens only.
     Import,
     PinSession,
+    /// Names no session: the service searches within the caller's scope.
+    SearchSessions,
 }
 
 impl Rpc {
-    pub const ALL: [Rpc; 16] = [
+    pub const ALL: [Rpc; 17] = [
         Rpc::Append,
         Rpc::AppendStream,
         Rpc::Subscribe,
@@ -67,6 +69,7 @@ impl Rpc {
         Rpc::Export,
         Rpc::Import,
         Rpc::PinSession,
+        Rpc::SearchSessions,
     ];
 
     pub fn from_method(method: &str) -> Option<Rpc> {
@@ -87,6 +90,7 @@ impl Rpc {
             "Export" => Rpc::Export,
             "Import" => Rpc::Import,
             "PinSession" => Rpc::PinSession,
+            "SearchSessions" => Rpc::SearchSessions,
             _ => return None,
         })
     }
@@ -97,7 +101,7 @@ impl Rpc {
         matches!(
             self,
             Rpc::Subscribe | Rpc::GetSession | Rpc::ListSessions | Rpc::GetSnapshot | Rpc::Export
-        )
+        ) || self == Rpc::SearchSessions
     }
 }
 

@@ -70,6 +70,7 @@ async fn postgres() -> Replicas {
             notify: NotifyMode::Listen,
             poll_interval: Duration::from_millis(500),
             cache_bytes: 64 << 20,
+            search: true,
             retention: None,
         })
     };

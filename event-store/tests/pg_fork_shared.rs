@@ -43,6 +43,7 @@ fn config(url: &str) -> PgConfig {
         notify: NotifyMode::Listen,
         poll_interval: Duration::from_millis(200),
         cache_bytes: 1 << 10,
+        search: true,
         retention: None,
     }
 }

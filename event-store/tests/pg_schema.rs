@@ -27,6 +27,7 @@ fn config(url: &str) -> PgConfig {
         notify: NotifyMode::Listen,
         poll_interval: Duration::from_millis(500),
         cache_bytes: 64 << 20,
+        search: true,
         retention: None,
     }
 }

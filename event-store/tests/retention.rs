@@ -23,6 +23,7 @@ async fn a_retention_pass_runs_only_on_the_replica_holding_the_lock() {
         notify: NotifyMode::Listen,
         poll_interval: Duration::from_millis(500),
         cache_bytes: 64 << 20,
+        search: true,
         retention: Some(Retention {
             idle: Duration::from_secs(3600),
             interval: Duration::from_millis(100),

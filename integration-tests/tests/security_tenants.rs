@@ -2,10 +2,12 @@
 //! A's sessions: append, subscribe (with follow), get, list (with queries that match A's
 //! ids and titles), claim and lease, delete and fork. Nothing of A is revealed, nothing of A
 //! changes, and the answers for an existing and a missing session of A are the same. A
-//! runner token deletes and forks nothing, even in its own scope.
+//! runner token deletes and forks nothing, even in its own scope. A search shows a tenant
+//! only its own sessions' hits: no snippet, page or token of another tenant's words.
 
 use std::time::Duration;
 
+use agentlog_proto::v1::SearchSessionsRequest;
 use agentlog_proto::v1::{
     AcquireLeaseRequest, AppendRequest, ClaimSessionRequest, DeleteSessionRequest,
     ForkSessionRequest, GetSessionRequest, ListSessionsRequest, SubscribeRequest,
@@ -287,4 +289,87 @@ async fn tenant_b_learns_and_changes_nothing_of_tenant_a() {
     for token in [A, B, RUNNER_B, ADMIN] {
         assert!(!log.contains(token), "the store logged a token");
     }
+}
+
+#[tokio::test]
+async fn a_search_shows_a_tenant_only_its_own_sessions_hits() {
+    let files = SecureFiles::new();
+    let tokens = files.write(
+        "tokens.json",
+        &tokens_json(&[
+            TokenSpec::scoped("a", A, "client", &["acme:"]),
+            TokenSpec::scoped("b", B, "client", &["beta:"]),
+            TokenSpec::unscoped("ops", ADMIN, "admin"),
+        ]),
+    );
+    let mut args = files.tls_args();
+    args.extend(["--tokens-file".into(), tokens.into()]);
+    let store = LoggedStore::start(&args).expect("store starts");
+    let url = store.https_url();
+    let ca = &files.ca.cert_pem;
+    let a = tls_client(&url, ca, None, Some(A)).await.expect("connects");
+    let b = tls_client(&url, ca, None, Some(B)).await.expect("connects");
+    let admin = tls_client(&url, ca, None, Some(ADMIN))
+        .await
+        .expect("connects");
+
+    // B's one session with the word, then many of A's, newer.
+    b.clone()
+        .append(AppendRequest {
+            session_id: "beta:1".into(),
+            events: vec![user_event("", "the merger memo")],
+            ..Default::default()
+        })
+        .await
+        .expect("B appends");
+    for i in 0..30 {
+        a.clone()
+            .append(AppendRequest {
+                session_id: format!("acme:{i}"),
+                events: vec![user_event("", "the merger memo, acquisition secret")],
+                ..Default::default()
+            })
+            .await
+            .expect("A appends");
+    }
+    let search = |client: &agentlog_proto::v1::event_store_client::EventStoreClient<_>,
+                  query: &str,
+                  page_size: u32| {
+        let mut client = client.clone();
+        let query = query.to_string();
+        async move {
+            client
+                .search_sessions(SearchSessionsRequest {
+                    query,
+                    page_size,
+                    page_token: String::new(),
+                })
+                .await
+                .expect("may search")
+                .into_inner()
+        }
+    };
+    // The admin sees every hit once the index has them.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while search(&admin, "merger", 100).await.hits.len() < 31 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the hits were never all found"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // B: its own hit alone, on the first page of one, and no token to more.
+    let page = search(&b, "merger", 1).await;
+    let found: Vec<&str> = page.hits.iter().map(|h| h.session_id.as_str()).collect();
+    assert_eq!(found, ["beta:1"]);
+    assert_eq!(page.next_page_token, "", "nothing hints at more hits");
+    // A word only A wrote: nothing, and no token.
+    let page = search(&b, "acquisition secret", 10).await;
+    assert!(page.hits.is_empty(), "{:?}", page.hits);
+    assert_eq!(page.next_page_token, "");
+    // A sees only its own.
+    let page = search(&a, "merger", 100).await;
+    assert_eq!(page.hits.len(), 30);
+    assert!(page.hits.iter().all(|h| h.session_id.starts_with("acme:")));
 }

@@ -37,6 +37,7 @@ const RPCS: &[&str] = &[
     "Export",
     "Import",
     "PinSession",
+    "SearchSessions",
 ];
 const BOUND: Duration = Duration::from_secs(60);
 

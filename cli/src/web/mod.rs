@@ -12,6 +12,7 @@ mod compare;
 mod events;
 mod guard;
 mod pages;
+mod search;
 mod tls;
 
 use std::path::PathBuf;
@@ -148,6 +149,7 @@ fn routes(app: App, guard: Arc<Guard>) -> Router {
         .route("/v1/sessions/{id}/deny", post(api::post_deny))
         .route("/v1/sessions/{id}/fork", post(api::post_fork))
         .route("/v1/sessions/{id}/settled", get(api::settled))
+        .route("/v1/search", get(search::search))
         .with_state(app)
         .layer(axum::Extension(guard.clone()))
         .layer(axum::middleware::from_fn_with_state(guard, guard::protect))

@@ -77,6 +77,10 @@ pub async fn asset(Path(file): Path<String>) -> Response {
             "text/javascript; charset=utf-8",
             include_str!("assets/list.js"),
         ),
+        "search.js" => (
+            "text/javascript; charset=utf-8",
+            include_str!("assets/search.js"),
+        ),
         "session.js" => (
             "text/javascript; charset=utf-8",
             include_str!("assets/session.js"),

@@ -122,7 +122,7 @@ async fn admit(access: &Access, mut request: Request<Body>) -> Result<Request<Bo
                 | Rpc::PutSnapshot
                 | Rpc::Export
                 | Rpc::Import
-        );
+        ) && rpc != Rpc::SearchSessions;
         let target = if needs_message {
             let (parts, body) = request.into_parts();
             let message = read_single_message(body).await?;

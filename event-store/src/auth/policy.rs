@@ -80,6 +80,8 @@ pub fn authorize(caller: &Caller, rpc: Rpc, target: &Target) -> Result<(), Denia
         ) => None,
         // An export is a read, of the caller's scope.
         (_, Rpc::Export) => None,
+        // Any role, within its scope (the backend searches only the scope's sessions).
+        (_, Rpc::SearchSessions) => None,
         // What a person decides on a session's life is not a runner's to do.
         (Role::Runner, Rpc::DeleteSession | Rpc::ForkSession | Rpc::PinSession) => {
             Some(("runner", "a client"))
@@ -102,7 +104,8 @@ pub fn authorize(caller: &Caller, rpc: Rpc, target: &Target) -> Result<(), Denia
             | Rpc::PutSnapshot
             | Rpc::Export
             | Rpc::Import
-    ) {
+    ) || rpc == Rpc::SearchSessions
+    {
         return Ok(());
     }
     if !caller.scope.admits(&target.session_id) {

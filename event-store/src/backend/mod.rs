@@ -41,6 +41,11 @@
 //!   (`SESSION_NOT_FOUND`). Its events, title, snapshots and lease then leave the storage:
 //!   the local log rewrites the segments that hold them (`local::reclaim`), PostgreSQL
 //!   deletes the rows in bounded transactions and its vacuum frees them.
+//! - **Search follows the log** ([`Backend::search`], the rules in [`crate::search`]): an
+//!   event is found within 1 s of its acknowledgement, never before it is durable; a
+//!   deleted session is never found from the moment `delete_session` returns, and its words
+//!   leave the index as its events leave the storage; a crash loses no hit and brings none
+//!   back.
 //! - **Retention** (`--retain-idle`) deletes, as `delete_session` does, every session whose
 //!   last event is older than the span and that holds no live lease
 //!   ([`crate::rules::expired`]), in bounded batches that appends pass between, and on
@@ -72,7 +77,7 @@ use std::time::Duration;
 
 use agentlog_proto::v1::{
     AppendResponse, Durability, Event, ForkSessionResponse, Lease, ListSessionsRequest,
-    ListSessionsResponse, SessionInfo,
+    ListSessionsResponse, SearchSessionsResponse, SessionInfo,
 };
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
@@ -102,6 +107,15 @@ pub struct ForkOp {
     pub at_seq: u64,
     pub new_session_id: String,
     pub events: Vec<Event>,
+}
+
+/// A validated `SearchSessions` request.
+pub struct SearchOp {
+    pub query: crate::search::Query,
+    /// 1 to [`crate::search::MAX_PAGE_SIZE`].
+    pub page_size: usize,
+    /// Empty for the first page; else a backend's own token from a previous page.
+    pub page_token: String,
 }
 
 /// A run of a subscription's events, consecutive and ascending, as Subscribe sends them.
@@ -299,6 +313,17 @@ pub trait Backend: Send + Sync + 'static {
         expiring: &Expiring,
         idle_before: i64,
     ) -> Result<bool, StoreError>;
+
+    /// `SearchSessions`: one page of the events in `scope` that match `op.query`, newest
+    /// first. Each hit was checked against the event's text and the session's state at the
+    /// time of the call: a deleted session is never shown, nor a session outside `scope`
+    /// (nor counted). An event is found within 1 s of its acknowledgement. `UNAVAILABLE` on
+    /// a store whose index is turned off.
+    async fn search(
+        &self,
+        op: SearchOp,
+        scope: &Scope,
+    ) -> Result<SearchSessionsResponse, StoreError>;
 }
 
 /// A session retention would delete, as it was read ([`Backend::expiring`]).

@@ -10,7 +10,7 @@ mod transfer;
 mod validate;
 
 pub use serve::{local_addr, serve, serve_health, OversizedAsResourceExhausted, ServeOptions};
-pub use validate::{validate_append, validate_fork, validate_session_id};
+pub use validate::{validate_append, validate_fork, validate_search, validate_session_id};
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -25,6 +25,7 @@ use agentlog_proto::v1::{
     RenewLeaseRequest, SessionInfo, SnapshotChunk, SubscribeRequest,
 };
 use agentlog_proto::v1::{ExportRequest, ImportChunk, PinSessionRequest};
+use agentlog_proto::v1::{SearchSessionsRequest, SearchSessionsResponse};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::{Stream, StreamExt};
@@ -384,6 +385,15 @@ impl EventStore for EventStoreService {
         Ok(Response::new(
             self.store.pin(&req.session_id, req.pinned).await?,
         ))
+    }
+
+    async fn search_sessions(
+        &self,
+        request: Request<SearchSessionsRequest>,
+    ) -> Result<Response<SearchSessionsResponse>, Status> {
+        let caller = caller_of(&request)?;
+        let op = validate_search(request.into_inner())?;
+        Ok(Response::new(self.store.search(op, &caller.scope).await?))
     }
 }
 

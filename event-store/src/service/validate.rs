@@ -1,10 +1,12 @@
 //! What a request must be before any backend sees it: ids, owners, formats, ttls, and an
 //! append's counts, sizes and kinds. Each refusal names the field and what to fix.
 
-use agentlog_proto::v1::{event, AppendRequest, Durability, ForkSessionRequest, SessionConfig};
+use agentlog_proto::v1::{
+    event, AppendRequest, Durability, ForkSessionRequest, SearchSessionsRequest, SessionConfig,
+};
 use prost::Message;
 
-use crate::backend::{AppendOp, ForkOp};
+use crate::backend::{AppendOp, ForkOp, SearchOp};
 use crate::error::StoreError;
 use crate::scope::Scope;
 use crate::wire::{
@@ -222,5 +224,26 @@ pub fn validate_fork(req: ForkSessionRequest, scope: &Scope) -> Result<ForkOp, S
         at_seq: req.at_seq,
         new_session_id,
         events,
+    })
+}
+
+/// A search: its query parsed (an empty one, an unclosed quote, one over 1 KiB or without a
+/// word is refused, saying which), its page size within bounds.
+pub fn validate_search(req: SearchSessionsRequest) -> Result<SearchOp, StoreError> {
+    let query = crate::search::parse(&req.query).map_err(|e| invalid(e.to_string()))?;
+    let page_size = match req.page_size as usize {
+        0 => crate::search::DEFAULT_PAGE_SIZE,
+        n if n <= crate::search::MAX_PAGE_SIZE => n,
+        n => {
+            return Err(invalid(format!(
+                "page_size: {n} is over the limit of {}",
+                crate::search::MAX_PAGE_SIZE
+            )))
+        }
+    };
+    Ok(SearchOp {
+        query,
+        page_size,
+        page_token: req.page_token,
     })
 }

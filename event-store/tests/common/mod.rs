@@ -106,6 +106,7 @@ fn try_open_store_caching(
             retention: None,
             reclaim,
             session_cache_bytes,
+            search_dir: None,
         });
         match result {
             Err(e)

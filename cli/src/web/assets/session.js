@@ -52,6 +52,7 @@ function connect() {
     setConn("live");
     refreshInfo();
     refreshForkPoints();
+    showFound();
   });
   source.onerror = () => reconnectLater();
 }
@@ -393,5 +394,15 @@ document.getElementById("text").addEventListener("keydown", (event) => {
     document.getElementById("send").requestSubmit();
   }
 });
+
+// A search hit opens the session at its event (`#seq-N`): shown and marked once the
+// history is in.
+function showFound() {
+  const found = /^#seq-(\d+)$/.exec(location.hash);
+  const node = found && transcript.querySelector(`[data-seq="${found[1]}"]`);
+  if (!node || node.classList.contains("found")) return;
+  node.classList.add("found");
+  node.scrollIntoView({ block: "center" });
+}
 
 connect();

@@ -9,6 +9,8 @@
 //! - [`subscriptions`]: history then live, with disk catch-up for slow readers, history
 //!   handed out in its wire form ([`framed`]); [`live`]: the live fan-out.
 //! - [`snapshots`]: the snapshot files.
+//! - [`search`]: the full-text index of `SearchSessions`, derived from the log by a thread
+//!   of its own, caught up at open, forgetting deleted sessions.
 //! - [`reclaim`]: deleted sessions' space given back, by rewriting the segments that hold
 //!   their records; [`background`]: the store's own threads (retention, reclamation).
 //! - `import`: an imported session staged out of sight and made visible in one record.
@@ -24,6 +26,7 @@ pub mod log;
 pub mod published;
 pub mod reclaim;
 mod recovery;
+pub mod search;
 mod sessions;
 pub mod snapshots;
 pub mod subscriptions;
@@ -75,6 +78,8 @@ pub enum OpenError {
     Log(#[from] LogError),
     #[error("data dir {0}: {1}")]
     DataDir(String, std::io::Error),
+    #[error(transparent)]
+    Search(#[from] search::SearchError),
 }
 
 /// Where the store keeps its data.
@@ -91,6 +96,9 @@ pub struct StoreConfig {
     pub reclaim: ReclaimConfig,
     /// `--session-cache`: bytes of sessions' states the writer keeps in memory.
     pub session_cache_bytes: usize,
+    /// The full-text index's directory ([`search`]); `None`: no index, and
+    /// `SearchSessions` is `UNAVAILABLE` (`--search-index off`).
+    pub search_dir: Option<std::path::PathBuf>,
 }
 
 impl StoreConfig {
@@ -109,6 +117,7 @@ impl StoreConfig {
             retention: None,
             reclaim: ReclaimConfig::for_segments(log_config.segment_bytes),
             session_cache_bytes: sessions::DEFAULT_CACHE_BYTES,
+            search_dir: Some(search::dir_in(data_dir)),
         })
     }
 }
@@ -128,6 +137,7 @@ pub struct Store {
     background_threads: Vec<std::thread::JoinHandle<()>>,
     /// Names this run's imports' staging sessions.
     staging_names: Arc<import::StagingNames>,
+    search: Option<Arc<search::SearchIndex>>,
 }
 
 impl Store {
@@ -151,6 +161,8 @@ impl Store {
             erasing: Default::default(),
             reclaimer: background::Signal::default(),
             absorbed: log.end().into(),
+            durable: log.end().into(),
+            indexer: background::Signal::default(),
         });
         // Deletions whose records may still be in the log (their reclamation had not
         // finished when the store stopped).
@@ -159,6 +171,11 @@ impl Store {
             shared: shared.clone(),
             index: index.clone(),
             log: log.reader(),
+        };
+        // Brought up to the log's end before anything is served (see `search`).
+        let search = match &config.search_dir {
+            Some(dir) => Some(search::SearchIndex::open(dir, source.clone())?),
+            None => None,
         };
         let snapshots = Arc::new(snapshots::SnapshotDir::new(config.snapshot_dir.clone()));
         // A deletion whose tombstone was durable when the store stopped may not have removed
@@ -198,6 +215,19 @@ impl Store {
             .name("log-reclaimer".into())
             .spawn(move || reclaimer.run())
             .map_err(|e| OpenError::DataDir("reclaimer thread".into(), e))?];
+        let search = match search {
+            Some((index, indexer)) => {
+                let stop = shared.indexer.clone();
+                background.push(stop.clone());
+                let thread = std::thread::Builder::new()
+                    .name("search-indexer".into())
+                    .spawn(move || indexer.run(stop))
+                    .map_err(|e| OpenError::DataDir("search indexer thread".into(), e))?;
+                background_threads.push(thread);
+                Some(index)
+            }
+            None => None,
+        };
         if let Some(retention) = config.retention {
             let stop = background::Signal::default();
             background.push(stop.clone());
@@ -219,6 +249,7 @@ impl Store {
             background,
             background_threads,
             staging_names,
+            search,
         })
     }
 
@@ -445,6 +476,23 @@ impl Store {
         point.verdict(&op.parent, last_seq)?;
         let plan = rules::plan_fork(state, op.events, now)?;
         self.submit(|tx| Op::Fork(Box::new(plan), tx)).await
+    }
+
+    /// `SearchSessions` over the full-text index ([`search`]).
+    pub async fn search(
+        &self,
+        op: backend::SearchOp,
+        scope: &Scope,
+    ) -> Result<agentlog_proto::v1::SearchSessionsResponse, StoreError> {
+        let index = self.search.clone().ok_or_else(|| {
+            StoreError::Unavailable(
+                "this store runs without its search index (--search-index off)".into(),
+            )
+        })?;
+        let scope = scope.clone();
+        tokio::task::spawn_blocking(move || index.search(&op, &scope))
+            .await
+            .map_err(|e| StoreError::Internal(format!("the search stopped: {e}")))?
     }
 
     /// Keeps a snapshot of the session if the caller holds its live lease of `lease_epoch`
@@ -946,6 +994,14 @@ impl Backend for Store {
 
     async fn enqueue_append(&self, op: AppendOp) -> Result<AppendAnswer, StoreError> {
         Ok(Box::pin(Store::enqueue_append(self, op).await?))
+    }
+
+    async fn search(
+        &self,
+        op: backend::SearchOp,
+        scope: &Scope,
+    ) -> Result<agentlog_proto::v1::SearchSessionsResponse, StoreError> {
+        Store::search(self, op, scope).await
     }
 
     async fn fork(&self, op: ForkOp) -> Result<ForkSessionResponse, StoreError> {

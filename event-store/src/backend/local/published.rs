@@ -43,6 +43,10 @@ pub struct Shared {
     pub(crate) reclaimer: Signal,
     /// The log offset the index has absorbed up to.
     pub(crate) absorbed: AtomicU64,
+    /// Where the durable log ends: what the search index may read up to.
+    pub(crate) durable: AtomicU64,
+    /// Woken when more of the log is durable: the search index's indexer.
+    pub(crate) indexer: Signal,
 }
 
 /// A deleted session awaiting the erasure of its records.
@@ -124,6 +128,16 @@ impl Shared {
         if erasing.len() > before {
             self.reclaimer.nudge();
         }
+    }
+
+    /// The log is durable up to `end`.
+    pub(crate) fn made_durable(&self, end: u64) {
+        self.durable.store(end, Ordering::Release);
+        self.indexer.nudge();
+    }
+
+    pub(crate) fn durable(&self) -> u64 {
+        self.durable.load(Ordering::Acquire)
     }
 
     /// The index has absorbed the log up to `end`.

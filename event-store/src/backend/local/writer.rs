@@ -633,6 +633,7 @@ impl Writer {
             .collect();
         self.shared
             .publish(batch.records, self.sessions.states(), now);
+        self.shared.made_durable(self.log.end());
         if !tombstones.is_empty() {
             self.shared.erase(tombstones);
         }

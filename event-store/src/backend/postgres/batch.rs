@@ -30,7 +30,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::connection::{timed, Connector, Timed};
 use super::health::Health;
-use super::rows::Columns;
+use super::rows::{Columns, SearchRows};
 use crate::StoreError;
 
 /// Appends in one batch at most.
@@ -85,6 +85,12 @@ macro_rules! write_batch_statement {
 ), inserted AS (
     INSERT INTO agentlog_events (session_id, seq, event_id, body)
     SELECT ev.session_id, ev.seq, ev.event_id, ev.body FROM ev JOIN written USING (session_id)
+), searched AS (
+    INSERT INTO agentlog_search (session_id, seq, ts_unix_ms, kind, body, words)
+    SELECT x.session_id, x.seq, x.ts_unix_ms, x.kind, x.body, x.words::tsvector
+    FROM unnest($13::text[], $14::bigint[], $15::bigint[], $16::text[], $17::text[],
+        $18::text[]) AS x(session_id, seq, ts_unix_ms, kind, body, words)
+    JOIN written ON written.session_id = x.session_id COLLATE "C"
 )
 SELECT session_id, version FROM written
 "#
@@ -93,7 +99,9 @@ SELECT session_id, version FROM written
 }
 
 /// Writes every session of the batch whose state is still the one its write was planned
-/// against; returns those written, with their new row version. The batch's rows come in
+/// against; returns those written, with their new row version. The events' searchable text
+/// goes into `agentlog_search` in the same statement, for the sessions written: a search
+/// finds an event from its commit on. The batch's rows come in
 /// `session_id` order (the caller sorts them), one per session.
 ///
 /// Its plan is made once per connection (a generic plan: the pool's connections run with
@@ -125,13 +133,13 @@ const WRITE_BATCH: &str = write_batch_statement!(
     "SELECT session_id, version FROM updated"
 );
 
-/// The lines of bases of the batch's forks (`$13`, see the module's head), and the ids of
+/// The lines of bases of the batch's forks (`$19`, see the module's head), and the ids of
 /// the batch found down them.
 macro_rules! fork_lines {
     () => {
         r#", line(session_id, sid, hi) AS (
     SELECT f.session_id COLLATE "C", s.base_session, s.base_seq
-    FROM unnest($13::text[]) AS f(session_id), LATERAL (
+    FROM unnest($19::text[]) AS f(session_id), LATERAL (
         SELECT base_session, base_seq FROM agentlog_sessions s
         WHERE s.session_id = f.session_id COLLATE "C" AND s.base_session <> '' OFFSET 0
     ) s
@@ -217,14 +225,24 @@ pub(super) fn batches_in_flight(pool_size: usize) -> usize {
 
 /// Starts the batch writer: up to `in_flight` batches at once, each taking every write
 /// queued when it starts (within [`MAX_APPENDS`] and [`MAX_EVENTS`]).
+/// `index_search`: whether the events' searchable text is written too (off: the store runs
+/// without its search index).
 pub(super) fn start(
     connector: Arc<Connector>,
     health: Arc<Health>,
     in_flight: usize,
     stop: CancellationToken,
+    index_search: bool,
 ) -> mpsc::UnboundedSender<Write> {
     let (tx, rx) = mpsc::unbounded_channel();
-    tokio::spawn(run(connector, health, in_flight.max(1), rx, stop));
+    tokio::spawn(run(
+        connector,
+        health,
+        in_flight.max(1),
+        rx,
+        stop,
+        index_search,
+    ));
     tx
 }
 
@@ -234,6 +252,7 @@ async fn run(
     in_flight: usize,
     mut queue: mpsc::UnboundedReceiver<Write>,
     stop: CancellationToken,
+    index_search: bool,
 ) {
     let slots = Arc::new(Semaphore::new(in_flight));
     loop {
@@ -262,13 +281,18 @@ async fn run(
         let connector = connector.clone();
         let health = health.clone();
         tokio::spawn(async move {
-            write_batch(&connector, &health, batch).await;
+            write_batch(&connector, &health, batch, index_search).await;
             drop(slot);
         });
     }
 }
 
-async fn write_batch(connector: &Connector, health: &Health, mut batch: Vec<Write>) {
+async fn write_batch(
+    connector: &Connector,
+    health: &Health,
+    mut batch: Vec<Write>,
+    index_search: bool,
+) {
     // While the database is known lost (until the health probe finds it answering again,
     // within half a second of it coming back), appends are answered at once rather than
     // each waiting out the bound again, behind the batches already waiting it out.
@@ -322,6 +346,7 @@ async fn write_batch(connector: &Connector, health: &Health, mut batch: Vec<Writ
     let mut seqs = Vec::new();
     let mut event_ids = Vec::new();
     let mut bodies = Vec::new();
+    let mut searched = SearchRows::default();
     for write in &writes {
         sessions.push(write.session_id.as_str());
         versions.push(write.version);
@@ -339,6 +364,9 @@ async fn write_batch(connector: &Connector, health: &Health, mut batch: Vec<Writ
             seqs.push(event.seq as i64);
             event_ids.push(event.event_id.as_str());
             bodies.push(event.encode_to_vec());
+            if index_search {
+                searched.add(&write.session_id, event);
+            }
         }
     }
     let statement = match (versions.contains(&0), forks.is_empty()) {
@@ -350,7 +378,7 @@ async fn write_batch(connector: &Connector, health: &Health, mut batch: Vec<Writ
     crate::metrics::pg_batch(writes.len());
     let result = timed("append", async {
         let stmt = client.prepare_cached(statement).await?;
-        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 13] = [
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 19] = [
             &sessions,
             &versions,
             &metas,
@@ -363,9 +391,15 @@ async fn write_batch(connector: &Connector, health: &Health, mut batch: Vec<Writ
             &seqs,
             &event_ids,
             &bodies,
+            &searched.sessions,
+            &searched.seqs,
+            &searched.times,
+            &searched.kinds,
+            &searched.bodies,
+            &searched.words,
             &forks,
         ];
-        let taken = if forks.is_empty() { 12 } else { 13 };
+        let taken = if forks.is_empty() { 18 } else { 19 };
         client.query(&stmt, &params[..taken]).await
     })
     .await;
@@ -441,12 +475,13 @@ mod tests {
                 client
                     .batch_execute(&format!(
                         "PREPARE {name} (text[], bigint[], bytea[], bigint[], bigint[], \
-                         integer[], bigint[], text[], text[], bigint[], text[], bytea[]) \
+                         integer[], bigint[], text[], text[], bigint[], text[], bytea[], \
+                         text[], bigint[], bigint[], text[], text[], text[]) \
                          AS {statement}"
                     ))
                     .await
                     .unwrap();
-                let nulls = ["NULL"; 12].join(", ");
+                let nulls = ["NULL"; 18].join(", ");
                 let plan: Vec<String> = client
                     .query(&format!("EXPLAIN (COSTS OFF) EXECUTE {name}({nulls})"), &[])
                     .await

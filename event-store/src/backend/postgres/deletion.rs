@@ -153,6 +153,36 @@ pub(super) async fn erase(
         Timed::Elapsed => "the database did not answer".to_string(),
     };
     materialize_forks(client, session_ids).await?;
+    // The searchable text first: the words go before anything else of the session. A
+    // backfill of the session under way (`search::backfill`) holds its entry: taken first,
+    // so that the rows it writes are there to delete.
+    timed("erase", async {
+        client
+            .execute(
+                "DELETE FROM agentlog_search_backfill WHERE session_id = ANY($1)",
+                &[&session_ids],
+            )
+            .await
+    })
+    .await
+    .map_err(failed)?;
+    loop {
+        let deleted = timed("erase", async {
+            client
+                .execute(
+                    "DELETE FROM agentlog_search WHERE (session_id, seq) IN \
+                     (SELECT session_id, seq FROM agentlog_search \
+                     WHERE session_id = ANY($1) LIMIT $2)",
+                    &[&session_ids, &ERASE_BATCH],
+                )
+                .await
+        })
+        .await
+        .map_err(failed)?;
+        if deleted < ERASE_BATCH as u64 {
+            break;
+        }
+    }
     loop {
         let deleted = timed("erase", async {
             client

@@ -22,7 +22,7 @@ use prost::Message;
 
 use super::connection::{timed, Timed, STATEMENT_DEADLINE};
 use super::replica::{Cached, Replica};
-use super::rows::{line_cte, Columns, READ_BATCH};
+use super::rows::{line_cte, Columns, SearchRows, READ_BATCH};
 use crate::backend::{local, ForkOp};
 use crate::clock::now_unix_ms;
 use crate::rules;
@@ -199,6 +199,36 @@ impl Replica {
                      SELECT $1, seq, event_id, body \
                      FROM unnest($2::bigint[], $3::text[], $4::bytea[]) AS ev(seq, event_id, body)",
                     &[&session_id, &seqs, &ids, &bodies],
+                ),
+            )
+            .await
+            .map_err(|e| self.timed_error(e))?;
+        }
+        if self.search {
+            // The fork's searchable text: its parent's up to the fork point (the parent's
+            // rows hold its whole log, its own prefix included), then its new events'.
+            let mut rows = SearchRows::default();
+            plan.fresh.iter().for_each(|e| rows.add(session_id, e));
+            timed(
+                "fork",
+                tx.execute(
+                    "INSERT INTO agentlog_search (session_id, seq, ts_unix_ms, kind, body, words) \
+                     SELECT $1::text, seq, ts_unix_ms, kind, body, words FROM agentlog_search \
+                     WHERE session_id = $2::text AND seq <= $3::bigint \
+                     UNION ALL \
+                     SELECT $1::text, seq, ts_unix_ms, kind, body, words::tsvector \
+                     FROM unnest($4::bigint[], $5::bigint[], $6::text[], $7::text[], $8::text[]) \
+                     AS x(seq, ts_unix_ms, kind, body, words)",
+                    &[
+                        &session_id,
+                        &parent,
+                        &(at_seq as i64),
+                        &rows.seqs,
+                        &rows.times,
+                        &rows.kinds,
+                        &rows.bodies,
+                        &rows.words,
+                    ],
                 ),
             )
             .await

@@ -25,7 +25,7 @@ use prost::Message;
 
 use super::connection::timed;
 use super::replica::{Cached, Replica};
-use super::rows::Columns;
+use super::rows::{Columns, SearchRows};
 use crate::backend::{StageError, Staging};
 use crate::clock::now_unix_ms;
 use crate::rules::{self, Deletion};
@@ -230,6 +230,23 @@ impl Staging for PgStaging {
              SELECT $1, seq, event_id, body \
              FROM unnest($2::bigint[], $3::text[], $4::bytea[]) AS ev(seq, event_id, body)",
             &[&self.session_id, &seqs, &ids, &bodies],
+        )
+        .await?;
+        // Searchable from the commit on, as an append's events are (in the same transaction).
+        let mut searched = SearchRows::default();
+        for event in &events {
+            searched.add(&self.session_id, event);
+        }
+        self.run(
+            super::search::INSERT_ROWS,
+            &[
+                &searched.sessions,
+                &searched.seqs,
+                &searched.times,
+                &searched.kinds,
+                &searched.bodies,
+                &searched.words,
+            ],
         )
         .await?;
         for event in &events {

@@ -41,6 +41,9 @@
 //! [`claims`], [`snapshots`], [`deletion`] (the tombstone and the erasure) and
 //! [`retention`] (which deletes as deletion does); [`export`] (the walk of every id),
 //! [`import`] (a session's rows in one transaction) and [`pin`]. Below them, what they share, each file
+//! [`claims`], [`snapshots`], [`deletion`] (the tombstone and the erasure),
+//! [`retention`] (which deletes as deletion does) and [`search`] (`SearchSessions` over
+//! PostgreSQL's full-text search). Below them, what they share, each file
 //! importing only the ones after it: [`replica`] (one replica's state: the cache of
 //! states, the optimistic write's re-read, the wake-ups a write sends), [`batch`] (the
 //! batch writer), [`wake`], [`health`], [`rows`] (how a session lies in the tables),
@@ -68,6 +71,7 @@ mod replica;
 mod retention;
 mod rows;
 pub mod schema;
+mod search;
 mod snapshots;
 mod subscriptions;
 pub mod wake;
@@ -78,14 +82,14 @@ use std::time::Duration;
 
 use agentlog_proto::v1::{
     AppendResponse, ForkSessionResponse, Lease, ListSessionsRequest, ListSessionsResponse,
-    SessionInfo,
+    SearchSessionsResponse, SessionInfo,
 };
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
 use crate::backend::{
-    AppendAnswer, AppendOp, Backend, EventRun, Expiring, ForkOp, ListedId, Snapshot, SnapshotRead,
-    Staging,
+    AppendAnswer, AppendOp, Backend, EventRun, Expiring, ForkOp, ListedId, SearchOp, Snapshot,
+    SnapshotRead, Staging,
 };
 use crate::retention::Retention;
 use crate::scope::Scope;
@@ -116,6 +120,9 @@ pub struct PgConfig {
     /// `--session-cache`: bytes of sessions' states the replica keeps at hand (the
     /// database holds them all; a state not at hand is read with the next append's row).
     pub cache_bytes: usize,
+    /// Whether appends write their searchable text for `SearchSessions` (off: the search
+    /// answers `UNAVAILABLE`; for measuring what the index costs).
+    pub search: bool,
 }
 
 /// The backend: a handle on one replica, and the lanes of its pipelined appends
@@ -160,8 +167,12 @@ impl PgBackend {
             health.clone(),
             batch::batches_in_flight(config.pool_size),
             tasks.clone(),
+            config.search,
         );
         tokio::spawn(deletion::sweep_erasures(connector.clone(), tasks.clone()));
+        if config.search {
+            tokio::spawn(search::backfill(connector.clone(), tasks.clone()));
+        }
         if let Some(retention) = config.retention {
             tokio::spawn(retention::run_retention(
                 connector.clone(),
@@ -187,6 +198,7 @@ impl PgBackend {
                 health,
                 poll_interval: config.poll_interval,
                 tasks,
+                search: config.search,
             }),
             lanes: Arc::default(),
         })
@@ -333,5 +345,13 @@ impl Backend for PgBackend {
         _idle_before: i64,
     ) -> Result<bool, StoreError> {
         self.replica.delete_expiring(expiring).await
+    }
+
+    async fn search(
+        &self,
+        op: SearchOp,
+        scope: &Scope,
+    ) -> Result<SearchSessionsResponse, StoreError> {
+        self.replica.search(op, scope).await
     }
 }

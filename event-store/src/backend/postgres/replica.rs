@@ -81,6 +81,8 @@ pub(super) struct Replica {
     pub(super) poll_interval: Duration,
     /// Stops the background tasks when the backend is dropped.
     pub(super) tasks: CancellationToken,
+    /// Whether appends write their searchable text (`PgConfig::search`).
+    pub(super) search: bool,
 }
 
 impl Drop for Replica {

@@ -86,3 +86,52 @@ pub(super) fn decode_meta(bytes: Vec<u8>) -> Result<SessionMeta, StoreError> {
     SessionMeta::decode(bytes.as_slice())
         .map_err(|e| StoreError::Internal(format!("a session row does not decode: {e}")))
 }
+
+/// Events' searchable text as the rows of `agentlog_search` (see [`super::schema`]): one
+/// array per column, for an insert over `unnest`. Only the kinds with searchable text
+/// ([`crate::search::text`]) get a row.
+#[derive(Default)]
+pub(super) struct SearchRows {
+    pub sessions: Vec<String>,
+    pub seqs: Vec<i64>,
+    pub times: Vec<i64>,
+    pub kinds: Vec<&'static str>,
+    /// The text, for the snippet and the check of each candidate (PostgreSQL's text holds
+    /// no NUL: each is a space here).
+    pub bodies: Vec<String>,
+    /// The text's distinct words as a `tsvector` literal.
+    pub words: Vec<String>,
+}
+
+/// The words of one event a `tsvector` holds at most, in bytes: PostgreSQL refuses one of
+/// 1 MB or more, and an event of 1 MiB could hold that many distinct words. Words past it
+/// (in sorted order) are not found on this backend.
+const MAX_TSVECTOR_WORD_BYTES: usize = 256 << 10;
+
+impl SearchRows {
+    pub(super) fn add(&mut self, session_id: &str, event: &agentlog_proto::v1::Event) {
+        let Some(searchable) = crate::search::text::searchable(event) else {
+            return;
+        };
+        let words: std::collections::BTreeSet<String> =
+            crate::search::text::words(&searchable.text)
+                .map(|w| w.text)
+                .collect();
+        let mut literal = String::new();
+        for word in words {
+            if literal.len() + word.len() + 3 > MAX_TSVECTOR_WORD_BYTES {
+                break;
+            }
+            // A word is letters and digits: nothing in it needs escaping.
+            literal.push('\'');
+            literal.push_str(&word);
+            literal.push_str("' ");
+        }
+        self.sessions.push(session_id.to_string());
+        self.seqs.push(event.seq as i64);
+        self.times.push(event.ts_unix_ms);
+        self.kinds.push(searchable.kind);
+        self.bodies.push(searchable.text.replace('\0', " "));
+        self.words.push(literal);
+    }
+}

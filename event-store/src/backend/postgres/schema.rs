@@ -63,6 +63,13 @@
 //!   replica of version 7 during a rolling update re-encodes the state without the field
 //!   (prost keeps no unknown field), so an append through it unpins the session in `meta`
 //!   while the column still says pinned: roll the store replicas before pinning.
+//! - Version 9: `agentlog_search`, one row per event with searchable text
+//!   ([`crate::search::text`]): its text (for the snippet and the check of each hit) and
+//!   its distinct words as a `tsvector` (PostgreSQL's own full-text index, GIN), written in
+//!   the append's statement; a fork's rows are copied from its parent's in the fork's
+//!   transaction (so a search never walks a line of bases), and the erasure deletes them
+//!   with the events. `agentlog_search_backfill` lists the sessions written before version
+//!   9, whose rows any replica writes once, in the background (see `search`).
 //!
 //! [`SessionMeta`]: crate::session::SessionMeta
 
@@ -194,7 +201,31 @@ CREATE TRIGGER agentlog_shared_prefixes_kept AFTER DELETE ON agentlog_events
     r#"
 ALTER TABLE agentlog_sessions ADD COLUMN pinned boolean NOT NULL DEFAULT false;
 "#,
+    SEARCH,
 ];
+
+/// Version 9: search. Self-contained and idempotent (`IF NOT EXISTS`), so that it
+/// runs right again after a crash part-way. See the module head.
+const SEARCH: &str = r#"
+CREATE TABLE IF NOT EXISTS agentlog_search (
+    session_id text COLLATE "C" NOT NULL,
+    seq bigint NOT NULL,
+    ts_unix_ms bigint NOT NULL,
+    kind text NOT NULL,
+    body text NOT NULL,
+    words tsvector NOT NULL,
+    PRIMARY KEY (session_id, seq)
+);
+CREATE INDEX IF NOT EXISTS agentlog_search_words ON agentlog_search USING gin (words);
+CREATE INDEX IF NOT EXISTS agentlog_search_newest
+    ON agentlog_search (ts_unix_ms DESC, session_id DESC, seq DESC);
+CREATE TABLE IF NOT EXISTS agentlog_search_backfill (
+    session_id text COLLATE "C" PRIMARY KEY
+);
+INSERT INTO agentlog_search_backfill (session_id)
+    SELECT session_id FROM agentlog_sessions WHERE deleted_unix_ms = 0 AND last_seq > 0
+    ON CONFLICT DO NOTHING;
+"#;
 
 /// The schema version this build writes.
 pub const VERSION: i32 = MIGRATIONS.len() as i32;

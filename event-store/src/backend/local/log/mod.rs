@@ -333,6 +333,47 @@ impl LogReader {
         Ok(())
     }
 
+    /// Every record from `from` up to `to` (both append boundaries, `to` no later than what
+    /// was made durable), in log order, handed to `absorb` one whole append at a time with
+    /// its positions: how an index derived from the log (`search`) follows it. A record a
+    /// rewrite dropped (a deleted session's) is not there; every other one is, at its offset.
+    pub fn scan(
+        &self,
+        from: u64,
+        to: u64,
+        absorb: &mut impl FnMut(&[(Position, Record)]),
+    ) -> Result<(), LogError> {
+        let segments: Vec<(u64, Arc<Segment>)> = self
+            .segments
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .range(..to)
+            .map(|(base, segment)| (*base, segment.clone()))
+            .collect();
+        for (i, (base, segment)) in segments.iter().enumerate() {
+            let limit = segments.get(i + 1).map_or(to, |(next, _)| *next).min(to);
+            if limit <= from {
+                continue;
+            }
+            let start = from.max(*base);
+            match &segment.map {
+                Some(map) => scan_rewritten(segment.file.as_ref(), map, *base, start, absorb)?,
+                None => {
+                    let mut bytes = vec![0; (limit - start) as usize];
+                    segment.file.read_exact_at(&mut bytes, start - base)?;
+                    if let Err((offset, reason)) = scan_bytes(&bytes, start, absorb) {
+                        return Err(LogError::Corrupt {
+                            base: *base,
+                            offset,
+                            reason,
+                        });
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn insert(&self, base: u64, file: Arc<dyn SegmentFile>, map: Option<RunMap>) {
         self.segments
             .write()

@@ -1,0 +1,511 @@
+//! What SearchSessions costs and how it answers (bench/RESULTS.md, "Search"), on each
+//! backend, every ratio against a baseline measured in the same run:
+//!
+//! - appends at N clients (`AppendStream`, SYNC, one session each, ~300-byte texts of words)
+//!   on a store with its index against the same load on a store started with
+//!   `--no-search-index`, the two alternating run by run;
+//! - freshness under that load: a probe appends a word of its own every 200 ms and searches
+//!   for it until it is found (acknowledgement → first search that finds it);
+//! - queries at `--events` events (p50, p99; pages of 20): a rare word, a common word, two
+//!   words, a phrase, a prefix;
+//! - index bytes per log byte (local: `search/` against `log/`; PostgreSQL:
+//!   `agentlog_search` against `agentlog_events`, indexes included);
+//! - the local index rebuilt from scratch: a start after `search/` was removed, against a
+//!   start with the index in place.
+//!
+//! Build in release first (`cargo build --release -p event-store -p bench`), then
+//! `target/release/agentlog-bench-search` (`--help` for the knobs).
+
+#[path = "../appenders.rs"]
+#[allow(dead_code)]
+mod appenders;
+#[path = "../load.rs"]
+#[allow(dead_code)]
+mod load;
+#[path = "../stats.rs"]
+#[allow(dead_code)]
+mod stats;
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use agentlog_proto::v1::event_store_client::EventStoreClient;
+use agentlog_proto::v1::{AppendRequest, SearchSessionsRequest};
+use clap::Parser;
+use testkit::pg::Postgres;
+use testkit::{Backing, Store};
+
+use appenders::{user_event, AgentlogStreamAppender};
+use stats::{fmt_num, fmt_ratio, percentile_f64};
+
+#[derive(Parser)]
+struct Args {
+    /// Clients appending during the append figures.
+    #[arg(long, default_value_t = 64)]
+    clients: usize,
+    /// Seconds each append measurement lasts (after one of warm-up).
+    #[arg(long, default_value_t = 8)]
+    secs: u64,
+    /// Runs of each append figure (with, then without the index, alternating).
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    /// Events the queried store holds.
+    #[arg(long, default_value_t = 1_000_000)]
+    events: usize,
+    /// Queries of each kind timed.
+    #[arg(long, default_value_t = 200)]
+    queries: usize,
+    /// Only the local log's figures, or only PostgreSQL's.
+    #[arg(long)]
+    only: Option<Part>,
+    #[arg(long, default_value = "target/bench-search")]
+    dir: PathBuf,
+    /// The event-store binary (default: the one next to this program).
+    #[arg(long)]
+    store_binary: Option<PathBuf>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Part {
+    Local,
+    Postgres,
+}
+
+/// The words texts are made of: `VOCABULARY` of them, the first ones far more frequent (a
+/// word's chance falls with its rank, as in prose).
+const VOCABULARY: usize = 20_000;
+
+fn word(rank: usize) -> String {
+    // Letters only, distinct per rank: "w" and the rank in base 26.
+    let mut n = rank;
+    let mut s = String::from("w");
+    loop {
+        s.push((b'a' + (n % 26) as u8) as char);
+        n /= 26;
+        if n == 0 {
+            return s;
+        }
+    }
+}
+
+/// A text of about 300 bytes of words.
+fn text(rng: &mut fastrand::Rng) -> String {
+    let mut s = String::with_capacity(320);
+    while s.len() < 300 {
+        // Skewed towards the first ranks: rank = VOCABULARY^u for a uniform u.
+        let rank = (VOCABULARY as f64).powf(rng.f64()) as usize - 1;
+        if !s.is_empty() {
+            s.push(' ');
+        }
+        s.push_str(&word(rank.min(VOCABULARY - 1)));
+    }
+    s
+}
+
+/// A store to measure: its process and, for PostgreSQL, the server behind it.
+struct Running {
+    store: Store,
+    _pg: Option<Postgres>,
+}
+
+fn start(binary: &Path, part: Part, dir: &Path, indexed: bool) -> anyhow::Result<Running> {
+    let mut extra = vec![];
+    if !indexed {
+        extra.push("--no-search-index");
+    }
+    match part {
+        Part::Local => {
+            let _ = std::fs::remove_dir_all(dir);
+            std::fs::create_dir_all(dir)?;
+            let store = Store::start_backed(
+                binary,
+                Backing::Dir(dir.to_path_buf()),
+                "127.0.0.1:0",
+                &extra,
+            )?;
+            Ok(Running { store, _pg: None })
+        }
+        Part::Postgres => {
+            let pg = Postgres::start()?;
+            let url = pg.create_database()?;
+            extra.extend(["--database-pool-size", "64"]);
+            let store =
+                Store::start_backed(binary, Backing::Database(url, None), "127.0.0.1:0", &extra)?;
+            Ok(Running {
+                store,
+                _pg: Some(pg),
+            })
+        }
+    }
+}
+
+/// Appends/s and p99 of `clients` closed-loop AppendStream clients, and (`probe`) the
+/// freshness of a probe's words meanwhile (ms from acknowledgement to found).
+async fn load(
+    url: &str,
+    clients: usize,
+    secs: u64,
+    probe: bool,
+) -> anyhow::Result<(f64, f64, Vec<f64>)> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for c in 0..clients {
+        let mut appender = AgentlogStreamAppender::connect(url, format!("load-{c:03}")).await?;
+        let stop = stop.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut rng = fastrand::Rng::with_seed(c as u64);
+            let mut times = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                let request = AppendRequest {
+                    session_id: format!("load-{c:03}"),
+                    events: vec![user_event(text(&mut rng))],
+                    ..Default::default()
+                };
+                let sent = Instant::now();
+                appender.send(request).await?;
+                times.push((sent, Instant::now()));
+            }
+            anyhow::Ok(times)
+        }));
+    }
+    let from = Instant::now() + Duration::from_secs(1);
+    let to = from + Duration::from_secs(secs);
+    let prober = probe.then(|| {
+        let url = url.to_string();
+        tokio::spawn(async move {
+            let mut client = EventStoreClient::connect(url).await?;
+            let mut fresh = Vec::new();
+            let mut n = 0u64;
+            while Instant::now() < to {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                n += 1;
+                let word = format!("probe{n}x");
+                client
+                    .append(AppendRequest {
+                        session_id: "probe".into(),
+                        events: vec![user_event(format!("the probe word {word}"))],
+                        ..Default::default()
+                    })
+                    .await?;
+                let acked = Instant::now();
+                loop {
+                    let found = client
+                        .search_sessions(SearchSessionsRequest {
+                            query: word.clone(),
+                            page_size: 1,
+                            page_token: String::new(),
+                        })
+                        .await?
+                        .into_inner();
+                    if !found.hits.is_empty() {
+                        fresh.push(acked.elapsed().as_secs_f64() * 1e3);
+                        break;
+                    }
+                    anyhow::ensure!(
+                        acked.elapsed() < Duration::from_secs(30),
+                        "{word} never found"
+                    );
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            }
+            anyhow::Ok(fresh)
+        })
+    });
+    tokio::time::sleep_until(to.into()).await;
+    stop.store(true, Ordering::Relaxed);
+    let mut latencies = Vec::new();
+    for task in tasks {
+        for (sent, acked) in task.await?? {
+            if sent >= from && acked <= to {
+                latencies.push((acked - sent).as_secs_f64() * 1e3);
+            }
+        }
+    }
+    let fresh = match prober {
+        Some(p) => p.await??,
+        None => Vec::new(),
+    };
+    Ok((
+        latencies.len() as f64 / secs as f64,
+        percentile_f64(&latencies, 0.99),
+        fresh,
+    ))
+}
+
+/// Fills the store with `events` events in 1,000 sessions, 100 events an append, then waits
+/// until the last is found.
+async fn fill(url: &str, events: usize) -> anyhow::Result<f64> {
+    let started = Instant::now();
+    let writers = 16;
+    let mut tasks = Vec::new();
+    for w in 0..writers {
+        let url = url.to_string();
+        tasks.push(tokio::spawn(async move {
+            let mut client = EventStoreClient::connect(url).await?;
+            let mut rng = fastrand::Rng::with_seed(1000 + w as u64);
+            let mut i = w;
+            while i * 100 < events {
+                let count = 100.min(events - i * 100);
+                client
+                    .append(AppendRequest {
+                        session_id: format!("filled-{:04}", i % 1000),
+                        events: (0..count).map(|_| user_event(text(&mut rng))).collect(),
+                        ..Default::default()
+                    })
+                    .await?;
+                i += writers;
+            }
+            anyhow::Ok(())
+        }));
+    }
+    for task in tasks {
+        task.await??;
+    }
+    let mut client = EventStoreClient::connect(url.to_string()).await?;
+    client
+        .append(AppendRequest {
+            session_id: "filled-last".into(),
+            events: vec![user_event("the lastfilledword".into())],
+            ..Default::default()
+        })
+        .await?;
+    while client
+        .search_sessions(SearchSessionsRequest {
+            query: "lastfilledword".into(),
+            page_size: 1,
+            page_token: String::new(),
+        })
+        .await?
+        .into_inner()
+        .hits
+        .is_empty()
+    {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(started.elapsed().as_secs_f64())
+}
+
+/// Makes one query of a kind.
+type MakeQuery = Box<dyn FnMut(&mut fastrand::Rng) -> String>;
+
+/// p50 and p99 (ms) of `n` queries made by `make`, one after another.
+async fn time_queries(
+    url: &str,
+    n: usize,
+    mut make: impl FnMut(&mut fastrand::Rng) -> String,
+) -> anyhow::Result<(f64, f64, f64)> {
+    let mut client = EventStoreClient::connect(url.to_string()).await?;
+    let mut rng = fastrand::Rng::with_seed(7);
+    let mut times = Vec::with_capacity(n);
+    let mut hits = 0usize;
+    for _ in 0..n {
+        let query = make(&mut rng);
+        let sent = Instant::now();
+        let page = client
+            .search_sessions(SearchSessionsRequest {
+                query,
+                page_size: 20,
+                page_token: String::new(),
+            })
+            .await?
+            .into_inner();
+        times.push(sent.elapsed().as_secs_f64() * 1e3);
+        hits += page.hits.len();
+    }
+    Ok((
+        percentile_f64(&times, 0.5),
+        percentile_f64(&times, 0.99),
+        hits as f64 / n as f64,
+    ))
+}
+
+fn dir_bytes(dir: &Path) -> u64 {
+    let mut total = 0;
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            match e.metadata() {
+                Ok(m) if m.is_dir() => stack.push(e.path()),
+                Ok(m) => total += m.len(),
+                Err(_) => {}
+            }
+        }
+    }
+    total
+}
+
+async fn part(args: &Args, binary: &Path, part: Part) -> anyhow::Result<()> {
+    let name = match part {
+        Part::Local => "local log",
+        Part::Postgres => "PostgreSQL",
+    };
+    let dir = args.dir.join(match part {
+        Part::Local => "local",
+        Part::Postgres => "pg",
+    });
+    println!(
+        "\n### {name}: {} clients appending (AppendStream, SYNC, ~300 B of words), with the index and without\n",
+        args.clients
+    );
+    println!("| run | index | appends/s | p99 ms | freshness p50 ms | freshness p99 ms | probes |");
+    println!("|---|---|---:|---:|---:|---:|---:|");
+    let (mut with, mut without) = (stats::Runs::default(), stats::Runs::default());
+    let mut fresh_all = Vec::new();
+    for run in 0..args.runs {
+        for indexed in [run % 2 == 0, run % 2 != 0] {
+            let running = tokio::task::block_in_place(|| start(binary, part, &dir, indexed))?;
+            let (rate, p99, fresh) =
+                load(&running.store.url(), args.clients, args.secs, indexed).await?;
+            drop(running);
+            let (f50, f99) = if fresh.is_empty() {
+                ("–".to_string(), "–".to_string())
+            } else {
+                (
+                    format!("{:.0}", percentile_f64(&fresh, 0.5)),
+                    format!("{:.0}", percentile_f64(&fresh, 0.99)),
+                )
+            };
+            println!(
+                "| {run} | {} | {} | {:.1} | {f50} | {f99} | {} |",
+                if indexed { "on" } else { "off" },
+                fmt_num(rate),
+                p99,
+                fresh.len()
+            );
+            if indexed {
+                with.push(rate);
+                fresh_all.extend(fresh);
+            } else {
+                without.push(rate);
+            }
+        }
+    }
+    println!(
+        "\nappends/s with the index ÷ without (medians): **{}**; freshness over every run: p50 {:.0} ms, p99 {:.0} ms, max {:.0} ms ({} probes)",
+        fmt_ratio(with.median() / without.median()),
+        percentile_f64(&fresh_all, 0.5),
+        percentile_f64(&fresh_all, 0.99),
+        fresh_all.iter().cloned().fold(0.0, f64::max),
+        fresh_all.len()
+    );
+
+    println!(
+        "\n### {name}: queries at {} events (pages of 20, one query at a time)\n",
+        fmt_num(args.events as f64)
+    );
+    let running = tokio::task::block_in_place(|| start(binary, part, &dir, true))?;
+    let url = running.store.url();
+    let filled = fill(&url, args.events).await?;
+    println!("filled and indexed in {filled:.1} s\n");
+    println!("| query | p50 ms | p99 ms | hits a page |");
+    println!("|---|---:|---:|---:|");
+    let kinds: [(&str, MakeQuery); 5] = [
+        (
+            "a rare word (rank 10,000–20,000)",
+            Box::new(|r| word(r.usize(10_000..VOCABULARY))),
+        ),
+        (
+            "a common word (rank 0–10)",
+            Box::new(|r| word(r.usize(0..10))),
+        ),
+        (
+            "two words (ranks 0–100)",
+            Box::new(|r| format!("{} {}", word(r.usize(0..100)), word(r.usize(0..100)))),
+        ),
+        (
+            "a phrase of two words (ranks 0–20)",
+            Box::new(|r| format!("\"{} {}\"", word(r.usize(0..20)), word(r.usize(0..20)))),
+        ),
+        (
+            "a prefix (`wa*`…`wz*`)",
+            Box::new(|r| format!("w{}*", (b'a' + r.u8(0..26)) as char)),
+        ),
+    ];
+    for (kind, make) in kinds {
+        let (p50, p99, hits) = time_queries(&url, args.queries, make).await?;
+        println!("| {kind} | {p50:.1} | {p99:.1} | {hits:.1} |");
+    }
+
+    match (running.store.backing.clone(), part) {
+        (Backing::Dir(d), Part::Local) => {
+            let (log, index) = (dir_bytes(&d.join("log")), dir_bytes(&d.join("search")));
+            println!(
+                "\nindex bytes per log byte: {} MiB of `search/` ÷ {} MiB of `log/` = **{:.2}**",
+                fmt_num(index as f64 / 1048576.0),
+                fmt_num(log as f64 / 1048576.0),
+                index as f64 / log as f64
+            );
+            let mut store = running.store;
+            let _ = store.terminate();
+            let warm = Instant::now();
+            let mut again =
+                Store::start_backed(binary, Backing::Dir(d.clone()), "127.0.0.1:0", &[])?;
+            let warm = warm.elapsed().as_secs_f64();
+            let _ = again.terminate();
+            std::fs::remove_dir_all(d.join("search"))?;
+            let cold = Instant::now();
+            let mut rebuilt =
+                Store::start_backed(binary, Backing::Dir(d.clone()), "127.0.0.1:0", &[])?;
+            let cold = cold.elapsed().as_secs_f64();
+            let _ = rebuilt.terminate();
+            println!(
+                "\nthe index rebuilt from scratch: a start without `search/` took {cold:.1} s ({} events/s) against {warm:.2} s with it in place",
+                fmt_num(args.events as f64 / cold)
+            );
+        }
+        (Backing::Database(url, _), Part::Postgres) => {
+            let pg = running._pg.as_ref().expect("the server");
+            let db = url.rsplit('/').next().unwrap_or_default();
+            let sizes = tokio::task::block_in_place(|| {
+                pg.psql(
+                    db,
+                    "SELECT pg_total_relation_size('agentlog_search') || ' ' || \
+                     pg_total_relation_size('agentlog_events')",
+                )
+            })?;
+            let mut parts = sizes
+                .split_whitespace()
+                .map(|s| s.parse::<f64>().unwrap_or(0.0));
+            let (search, events) = (parts.next().unwrap_or(0.0), parts.next().unwrap_or(1.0));
+            println!(
+                "\nsearch bytes per event byte: {} MiB of `agentlog_search` ÷ {} MiB of `agentlog_events` (indexes and TOAST included) = **{:.2}**",
+                fmt_num(search / 1048576.0),
+                fmt_num(events / 1048576.0),
+                search / events
+            );
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+/// The fixed text of the shared appenders (unused here: every append draws its words).
+fn event_text() -> String {
+    text(&mut fastrand::Rng::with_seed(0))
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let binary = args
+        .store_binary
+        .clone()
+        .unwrap_or_else(|| testkit::bin_path("event-store"));
+    std::fs::create_dir_all(&args.dir)?;
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    println!("load average before: {}", load.trim());
+    if args.only != Some(Part::Postgres) {
+        part(&args, &binary, Part::Local).await?;
+    }
+    if args.only != Some(Part::Local) {
+        part(&args, &binary, Part::Postgres).await?;
+    }
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    println!("\nload average after: {}", load.trim());
+    Ok(())
+}

@@ -1,0 +1,711 @@
+//! The local backend's full-text index: `<data-dir>/search/`, a tantivy index derived from
+//! the log, never its truth. tantivy because it is the full-text library made for this in
+//! Rust and well kept (quickwit's, in production there): an inverted index with positions
+//! (phrases), term-dictionary prefixes, deletes by term, merges that rewrite segments
+//! without deleted documents, and commits that are atomic on disk (a `meta.json` written
+//! and fsync'd last) carrying a payload of ours. Built without its stemmers and stop words;
+//! its words are [`crate::search::text::words`], the same rule PostgreSQL's index and
+//! every query's check use.
+//!
+//! **How it follows the log.** The indexer (a thread of its own) reads the log in order
+//! ([`LogReader::scan`]) from the offset its last commit recorded, up to where the log is
+//! durable (the writer says so after each fsync), and commits at most every
+//! [`COMMIT_EVERY`], with the offset it has read up to as the commit's payload. So an event
+//! is searchable about that long after its acknowledgement, whatever the load, and the
+//! index only ever holds what is durable (no phantom after a crash: recovery keeps every
+//! durable record). The appends themselves never wait for it.
+//!
+//! **After a crash** (`kill -9`, power loss) the index holds its last commit: everything
+//! before its offset, nothing after. [`SearchIndex::open`] reads the log from that offset
+//! to its end before the store serves, so nothing is missing; a record read twice is
+//! indexed once (a commit covers whole appends, and the offset moves with it). An index
+//! ahead of the log (a log restored from an older backup), unreadable, or of another
+//! layout is rebuilt from the whole log.
+//!
+//! **How it forgets a deleted session.** A search never shows a deleted session: every
+//! candidate is checked against the session's state (a tombstone from the moment
+//! `DeleteSession` returns) and read back from the log before it is shown. The words leave
+//! the files when the indexer reaches the tombstone in the log: it deletes the session's
+//! documents, commits, and then merges every segment holding deleted documents into one
+//! without them (a merge writes only terms some live document still has) and removes the
+//! old files. A crash before the delete's commit leaves the tombstone after the committed
+//! offset: it is read again at open. A crash after it and before the merge's end leaves
+//! segments with deleted documents: the indexer merges them at its next look, after a
+//! restart too. So the words are gone within about a second of the tombstone reaching
+//! the indexer, well within [`super::reclaim::ReclaimConfig::after`], and nothing brings
+//! them back.
+//!
+//! A fork that shares its parent's prefix is indexed as its own: at its fork record the
+//! indexer reads its seqs up to the fork point (through its base) and indexes them under
+//! the fork's id. A prefix made the fork's own later ([`Record::Placed`]) replaces the
+//! documents of those seqs.
+
+use std::ops::Bound;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use agentlog_proto::v1::{Event, SearchSessionsResponse};
+use tantivy::collector::TopDocs;
+use tantivy::directory::MmapDirectory;
+use tantivy::query::{BooleanQuery, Occur, PhraseQuery, RangeQuery, RegexQuery, TermQuery};
+use tantivy::schema::{
+    Field, IndexRecordOption, Schema, TextFieldIndexing, TextOptions, Value, FAST, INDEXED, STORED,
+    STRING,
+};
+use tantivy::tokenizer::{Token, TokenStream, Tokenizer};
+use tantivy::{doc, Index, IndexReader, IndexWriter, Order, ReloadPolicy, TantivyDocument, Term};
+
+use super::background::Signal;
+use super::index::is_staging;
+use super::log::{LogReader, Position, Record};
+use super::subscriptions::{position_of, read_up_to, Source};
+use crate::backend::SearchOp;
+use crate::error::StoreError;
+use crate::scope::Scope;
+use crate::search::{self, text, Clause};
+
+/// The indexer commits at most this often: what an event waits, at most about, before a
+/// search finds it.
+pub const COMMIT_EVERY: Duration = Duration::from_millis(200);
+/// The writer's memory for documents between commits (tantivy's minimum is 15 MB).
+const WRITER_MEMORY: usize = 48 << 20;
+/// The tokenizer's name in the index's schema.
+const WORDS: &str = "agentlog_words";
+/// The layout of the documents; a different one in the payload rebuilds the index.
+const LAYOUT: &str = "agentlog-search-1";
+/// Fork seqs read per step while indexing a shared prefix.
+const PREFIX_CHUNK: u64 = 512;
+
+#[derive(Debug, thiserror::Error)]
+pub enum SearchError {
+    #[error("search index: {0}")]
+    Tantivy(#[from] tantivy::TantivyError),
+    #[error("search index directory {0}: {1}")]
+    Dir(String, String),
+    #[error("search index: reading the log: {0}")]
+    Log(#[from] super::log::LogError),
+    #[error("search index: {0}")]
+    Store(#[from] StoreError),
+}
+
+impl From<SearchError> for StoreError {
+    fn from(e: SearchError) -> StoreError {
+        match e {
+            SearchError::Store(e) => e,
+            other => StoreError::Internal(other.to_string()),
+        }
+    }
+}
+
+/// The index's fields.
+#[derive(Clone, Copy)]
+struct Fields {
+    /// The session id, untokenized: deletes and tenants' scopes go by it.
+    session: Field,
+    seq: Field,
+    /// Newest first: the log offset of the record the document came from, shifted, plus
+    /// the seq for a fork's shared prefix (indexed at its fork record). Unique, and
+    /// growing with the log.
+    order: Field,
+    words: Field,
+}
+
+fn schema() -> (Schema, Fields) {
+    let mut builder = Schema::builder();
+    let session = builder.add_text_field("session", STRING | STORED);
+    let seq = builder.add_u64_field("seq", INDEXED | STORED);
+    let order = builder.add_u64_field("order", INDEXED | FAST);
+    let words = builder.add_text_field(
+        "words",
+        TextOptions::default().set_indexing_options(
+            TextFieldIndexing::default()
+                .set_tokenizer(WORDS)
+                .set_index_option(IndexRecordOption::WithFreqsAndPositions),
+        ),
+    );
+    (
+        builder.build(),
+        Fields {
+            session,
+            seq,
+            order,
+            words,
+        },
+    )
+}
+
+/// [`text::words`] as a tantivy tokenizer.
+#[derive(Clone)]
+struct WordTokenizer;
+
+struct WordStream {
+    words: std::vec::IntoIter<text::Word>,
+    token: Token,
+    position: usize,
+}
+
+impl Tokenizer for WordTokenizer {
+    type TokenStream<'a> = WordStream;
+    fn token_stream<'a>(&'a mut self, text: &'a str) -> WordStream {
+        WordStream {
+            words: text::words(text).collect::<Vec<_>>().into_iter(),
+            token: Token::default(),
+            position: 0,
+        }
+    }
+}
+
+impl TokenStream for WordStream {
+    fn advance(&mut self) -> bool {
+        let Some(word) = self.words.next() else {
+            return false;
+        };
+        self.token = Token {
+            offset_from: word.start,
+            offset_to: word.end,
+            position: self.position,
+            text: word.text,
+            position_length: 1,
+        };
+        self.position += 1;
+        true
+    }
+    fn token(&self) -> &Token {
+        &self.token
+    }
+    fn token_mut(&mut self) -> &mut Token {
+        &mut self.token
+    }
+}
+
+/// What a commit records: the layout and the log offset read up to.
+fn payload(offset: u64) -> String {
+    format!("{LAYOUT} {offset}")
+}
+
+fn offset_of(payload: Option<&str>) -> Option<u64> {
+    payload?.strip_prefix(LAYOUT)?.trim().parse().ok()
+}
+
+/// The index, searched by the store's calls; fed by [`Indexer`].
+pub struct SearchIndex {
+    reader: IndexReader,
+    fields: Fields,
+    source: Source,
+}
+
+/// The single writer of the index: what it has read of the log, and its erasures.
+pub struct Indexer {
+    writer: IndexWriter,
+    reader: IndexReader,
+    fields: Fields,
+    source: Source,
+    /// The log offset read up to (what the next commit records).
+    offset: u64,
+    /// Documents added or deleted since the last commit.
+    dirty: bool,
+    committed: Instant,
+    /// A merge that drops deleted documents, under way (its end is told on the channel).
+    erasing: Option<std::sync::mpsc::Receiver<()>>,
+}
+
+impl SearchIndex {
+    /// Opens the index in `dir` (creating it if need be) and brings it up to the durable
+    /// end of the log before returning (see the module head).
+    pub fn open(dir: &Path, source: Source) -> Result<(Arc<SearchIndex>, Indexer), SearchError> {
+        let (schema, fields) = schema();
+        let index = match open_index(dir, &schema) {
+            Ok(index) => index,
+            Err(e) => {
+                tracing::warn!(error = %e, dir = %dir.display(), "the search index cannot be opened as it is; rebuilding it from the log");
+                std::fs::remove_dir_all(dir)
+                    .map_err(|e| SearchError::Dir(dir.display().to_string(), e.to_string()))?;
+                open_index(dir, &schema)?
+            }
+        };
+        let reader = index
+            .reader_builder()
+            .reload_policy(ReloadPolicy::Manual)
+            .try_into()?;
+        let writer: IndexWriter = index.writer_with_num_threads(1, WRITER_MEMORY)?;
+        let durable = source.shared.durable();
+        let offset = match offset_of(index.load_metas()?.payload.as_deref()) {
+            Some(offset) if offset <= durable => offset,
+            found => {
+                if found.is_some() {
+                    tracing::warn!(
+                        indexed = found,
+                        log_end = durable,
+                        "the search index is ahead of the log (was the log restored from an older backup?); rebuilding it"
+                    );
+                }
+                0
+            }
+        };
+        if offset == 0 {
+            // Nothing of the log is in the index: any document left is from another log.
+            writer.delete_all_documents()?;
+        }
+        let mut indexer = Indexer {
+            writer,
+            reader: reader.clone(),
+            fields,
+            source: source.clone(),
+            offset,
+            dirty: true,
+            committed: Instant::now(),
+            erasing: None,
+        };
+        let started = Instant::now();
+        let from = indexer.offset;
+        indexer.catch_up()?;
+        indexer.commit()?;
+        if indexer.offset > from {
+            tracing::info!(
+                bytes = indexer.offset - from,
+                ms = started.elapsed().as_millis() as u64,
+                "the search index caught up with the log"
+            );
+        }
+        indexer.erase_deleted()?;
+        Ok((
+            Arc::new(SearchIndex {
+                reader,
+                fields,
+                source,
+            }),
+            indexer,
+        ))
+    }
+
+    /// One page of hits for `op` in `scope`, newest first (blocking: call it off the
+    /// runtime).
+    pub fn search(
+        &self,
+        op: &SearchOp,
+        scope: &Scope,
+    ) -> Result<SearchSessionsResponse, StoreError> {
+        let mut before = match op.page_token.as_str() {
+            "" => None,
+            token => Some(
+                token
+                    .strip_prefix('l')
+                    .and_then(|t| t.parse::<u64>().ok())
+                    .ok_or_else(|| {
+                        StoreError::InvalidArgument(
+                            "page_token: not a token from a previous SearchSessions response"
+                                .into(),
+                        )
+                    })?,
+            ),
+        };
+        let Some(filter) = self.scope_filter(scope) else {
+            return Ok(SearchSessionsResponse::default());
+        };
+        let searcher = self.reader.searcher();
+        let mut hits = Vec::new();
+        let mut looked = 0;
+        let mut round = 0;
+        loop {
+            let wanted = search::batch_for(op.page_size - hits.len(), round);
+            round += 1;
+            let mut clauses = self.clauses(&op.query);
+            clauses.extend(filter.iter().map(|q| (Occur::Must, q.box_clone())));
+            if let Some(before) = before {
+                clauses.push((
+                    Occur::Must,
+                    Box::new(RangeQuery::new(
+                        Bound::Unbounded,
+                        Bound::Excluded(Term::from_field_u64(self.fields.order, before)),
+                    )),
+                ));
+            }
+            let query = BooleanQuery::new(clauses);
+            let found: Vec<(Option<u64>, tantivy::DocAddress)> = searcher
+                .search(
+                    &query,
+                    &TopDocs::with_limit(wanted).order_by_fast_field::<u64>("order", Order::Desc),
+                )
+                .map_err(SearchError::from)?;
+            let mut exhausted = found.len() < wanted;
+            let count = found.len();
+            for (i, (order, address)) in found.into_iter().enumerate() {
+                let order = order.unwrap_or(0);
+                before = Some(order);
+                looked += 1;
+                let doc: TantivyDocument = searcher.doc(address).map_err(SearchError::from)?;
+                let session = doc.get_first(self.fields.session).and_then(|v| v.as_str());
+                let seq = doc.get_first(self.fields.seq).and_then(|v| v.as_u64());
+                let (Some(session), Some(seq)) = (session, seq) else {
+                    continue;
+                };
+                if let Some(hit) = self.check(&op.query, session, seq)? {
+                    hits.push(hit);
+                    if hits.len() == op.page_size {
+                        // More only if candidates are left after this one.
+                        exhausted &= i + 1 == count;
+                        break;
+                    }
+                }
+            }
+            let full = hits.len() == op.page_size;
+            if exhausted || full || looked >= search::MAX_CANDIDATES_PER_PAGE {
+                let more = !exhausted;
+                return Ok(SearchSessionsResponse {
+                    hits,
+                    next_page_token: match (more, before) {
+                        (true, Some(order)) => format!("l{order}"),
+                        _ => String::new(),
+                    },
+                });
+            }
+        }
+    }
+
+    /// The candidate as a hit, if its session is live and its event, read from the log,
+    /// matches.
+    fn check(
+        &self,
+        query: &search::Query,
+        session_id: &str,
+        seq: u64,
+    ) -> Result<Option<agentlog_proto::v1::SearchHit>, StoreError> {
+        if self
+            .source
+            .shared
+            .get(session_id)?
+            .is_none_or(|m| m.is_deleted())
+        {
+            return Ok(None);
+        }
+        let Some(position) = position_of(&self.source, session_id, seq)? else {
+            return Ok(None);
+        };
+        let event = match self.source.log.read(position) {
+            Ok(Record::Event(event)) => event,
+            Ok(Record::Placed(copied)) => copied
+                .decode()
+                .map_err(|e| StoreError::Internal(format!("{session_id}/{seq}: {e}")))?,
+            // The records went with a deletion between the look at the state and the read.
+            Ok(_) | Err(_) if self.source.shared.is_deleted(session_id)? => return Ok(None),
+            Ok(_) => return Ok(None),
+            Err(e) => return Err(e.into()),
+        };
+        Ok(text::searchable(&event).and_then(|s| {
+            search::hit(
+                query,
+                search::Candidate {
+                    session_id,
+                    seq,
+                    ts_unix_ms: event.ts_unix_ms,
+                    kind: s.kind,
+                    text: &s.text,
+                },
+            )
+        }))
+    }
+
+    fn clauses(&self, query: &search::Query) -> Vec<(Occur, Box<dyn tantivy::query::Query>)> {
+        let words = self.fields.words;
+        let term = |w: &str| Term::from_field_text(words, w);
+        query
+            .clauses
+            .iter()
+            .map(|clause| -> (Occur, Box<dyn tantivy::query::Query>) {
+                let query: Box<dyn tantivy::query::Query> = match clause {
+                    Clause::Word(w) => Box::new(TermQuery::new(term(w), IndexRecordOption::Basic)),
+                    // A word is letters and digits only: nothing in it is a regex operator.
+                    Clause::Prefix(p) => match RegexQuery::from_pattern(&format!("{p}.*"), words) {
+                        Ok(q) => Box::new(q),
+                        Err(_) => Box::new(tantivy::query::EmptyQuery),
+                    },
+                    Clause::Phrase(ws) => {
+                        Box::new(PhraseQuery::new(ws.iter().map(|w| term(w)).collect()))
+                    }
+                };
+                (Occur::Must, query)
+            })
+            .collect()
+    }
+
+    /// The scope as a query on session ids (`Some(vec![])`: every session; `None`: none).
+    fn scope_filter(&self, scope: &Scope) -> Option<Vec<Box<dyn tantivy::query::Query>>> {
+        let Some(prefixes) = scope.prefix_list() else {
+            return Some(Vec::new());
+        };
+        if prefixes.is_empty() {
+            return None;
+        }
+        let session = self.fields.session;
+        let ranges = prefixes
+            .iter()
+            .map(|p| -> (Occur, Box<dyn tantivy::query::Query>) {
+                // Session ids are ASCII below DEL: every id that starts with `p` sorts
+                // between `p` and `p` + DEL.
+                let upper = format!("{p}\u{7f}");
+                (
+                    Occur::Should,
+                    Box::new(RangeQuery::new(
+                        Bound::Included(Term::from_field_text(session, p)),
+                        Bound::Excluded(Term::from_field_text(session, &upper)),
+                    )),
+                )
+            })
+            .collect();
+        Some(vec![Box::new(BooleanQuery::new(ranges))])
+    }
+}
+
+fn open_index(dir: &Path, schema: &Schema) -> Result<Index, SearchError> {
+    std::fs::create_dir_all(dir)
+        .map_err(|e| SearchError::Dir(dir.display().to_string(), e.to_string()))?;
+    let directory = MmapDirectory::open(dir)
+        .map_err(|e| SearchError::Dir(dir.display().to_string(), e.to_string()))?;
+    let index = Index::open_or_create(directory, schema.clone())?;
+    index.tokenizers().register(WORDS, WordTokenizer);
+    Ok(index)
+}
+
+impl Indexer {
+    /// Follows the log until `stop` fires (see the module head).
+    pub fn run(mut self, stop: Signal) {
+        loop {
+            if let Err(e) = self.step() {
+                // The offset did not move: what failed is read again at the next look.
+                tracing::error!(error = %e, "the search index could not follow the log; trying again");
+                self.retry_later();
+                if stop.rest(Duration::from_secs(1)) {
+                    break;
+                }
+                continue;
+            }
+            // With documents waiting, the next look is the next commit's: the writer's
+            // wake-up after every fsync is not followed (under load that would be a read of
+            // the log per fsync); idle, the first append after the pause is read at once.
+            let stopping = if self.dirty {
+                stop.rest(COMMIT_EVERY.saturating_sub(self.committed.elapsed()))
+            } else {
+                stop.wait(COMMIT_EVERY)
+            };
+            if stopping {
+                break;
+            }
+        }
+        if let Err(e) = self.catch_up().and_then(|()| self.commit()) {
+            tracing::warn!(error = %e, "the search index's last commit failed; it catches up at the next open");
+        }
+        if let Some(erasing) = self.erasing.take() {
+            let _ = erasing.recv();
+        }
+    }
+
+    /// Reads what is new, commits when due, erases what deletions left.
+    fn step(&mut self) -> Result<(), SearchError> {
+        self.catch_up()?;
+        if self.dirty && self.committed.elapsed() >= COMMIT_EVERY {
+            self.commit()?;
+        }
+        self.erase_deleted()
+    }
+
+    /// A failed step's documents are dropped: they are read again from the offset of the
+    /// last commit.
+    fn retry_later(&mut self) {
+        if let Err(e) = self.writer.rollback() {
+            tracing::error!(error = %e, "the search index could not roll back");
+        }
+        if let Ok(metas) = self.reader.searcher().index().load_metas() {
+            if let Some(offset) = offset_of(metas.payload.as_deref()) {
+                self.offset = offset;
+            }
+        }
+    }
+
+    /// Indexes the log from the offset read up to its durable end.
+    fn catch_up(&mut self) -> Result<(), SearchError> {
+        let to = self.source.shared.durable();
+        if to <= self.offset {
+            return Ok(());
+        }
+        let log: Arc<LogReader> = self.source.log.clone();
+        let mut failure: Option<SearchError> = None;
+        log.scan(self.offset, to, &mut |append: &[(Position, Record)]| {
+            if failure.is_some() {
+                return;
+            }
+            for (position, record) in append {
+                if let Err(e) = self.absorb(*position, record) {
+                    failure = Some(e);
+                    return;
+                }
+            }
+        })?;
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        self.offset = to;
+        Ok(())
+    }
+
+    fn absorb(&mut self, position: Position, record: &Record) -> Result<(), SearchError> {
+        let order = position.offset << 20;
+        match record {
+            // An import's staging session is never shown: its events are indexed under the
+            // session its commit (a fork-like start) makes visible.
+            Record::Event(event) if is_staging(&event.session_id) => {}
+            Record::Event(event) => self.add(&event.session_id, event, order)?,
+            Record::Placed(copied) => {
+                let event = copied
+                    .decode()
+                    .map_err(|e| StoreError::Internal(format!("a placed record: {e}")))?;
+                self.forget(&copied.session_id, Some(copied.seq))?;
+                self.add(&copied.session_id, &event, order)?;
+            }
+            Record::Fork(fork) => self.add_prefix(&fork.session_id, fork.seq, order)?,
+            Record::Tombstone(tombstone) => self.forget(&tombstone.session_id, None)?,
+            Record::Lease(_) | Record::Pin(_) => {}
+        }
+        Ok(())
+    }
+
+    fn add(&mut self, session_id: &str, event: &Event, order: u64) -> Result<(), SearchError> {
+        let Some(searchable) = text::searchable(event) else {
+            return Ok(());
+        };
+        let f = self.fields;
+        self.writer.add_document(doc!(
+            f.session => session_id,
+            f.seq => event.seq,
+            f.order => order,
+            f.words => searchable.text,
+        ))?;
+        self.dirty = true;
+        Ok(())
+    }
+
+    /// A fork's seqs `1..=up_to`, read through its base, indexed as its own.
+    fn add_prefix(&mut self, fork: &str, up_to: u64, order: u64) -> Result<(), SearchError> {
+        let mut from = 1;
+        while from <= up_to {
+            let read = read_up_to(&self.source, fork, from, up_to.min(from + PREFIX_CHUNK - 1));
+            let pieces = match read {
+                Ok((pieces, _, _)) => pieces,
+                // A fork deleted since, or whose base went after its prefix was made its own:
+                // a tombstone, or the placed records, follow in the log.
+                Err(_) if self.prefix_follows(fork)? => return Ok(()),
+                Err(e) => return Err(e.into()),
+            };
+            let mut read_any = false;
+            for piece in pieces {
+                for event in piece.decode()? {
+                    read_any = true;
+                    from = from.max(event.seq + 1);
+                    if event.seq <= up_to {
+                        self.add(fork, &event, order | event.seq.min((1 << 20) - 1))?;
+                    }
+                }
+            }
+            if !read_any {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether a fork's prefix, unreadable through its base, comes later in the log: it
+    /// was deleted, or its prefix was made its own.
+    fn prefix_follows(&self, fork: &str) -> Result<bool, SearchError> {
+        Ok(self
+            .source
+            .shared
+            .get(fork)?
+            .is_none_or(|m| m.is_deleted() || m.base_session.is_empty()))
+    }
+
+    /// Deletes the documents of a session (of one seq of it, for `Some`).
+    fn forget(&mut self, session_id: &str, seq: Option<u64>) -> Result<(), SearchError> {
+        let f = self.fields;
+        let session = Term::from_field_text(f.session, session_id);
+        match seq {
+            None => {
+                self.writer.delete_term(session);
+            }
+            Some(seq) => {
+                self.writer.delete_query(Box::new(BooleanQuery::new(vec![
+                    (
+                        Occur::Must,
+                        Box::new(TermQuery::new(session, IndexRecordOption::Basic)),
+                    ),
+                    (
+                        Occur::Must,
+                        Box::new(TermQuery::new(
+                            Term::from_field_u64(f.seq, seq),
+                            IndexRecordOption::Basic,
+                        )),
+                    ),
+                ])))?;
+            }
+        }
+        self.dirty = true;
+        Ok(())
+    }
+
+    fn commit(&mut self) -> Result<(), SearchError> {
+        if !self.dirty {
+            return Ok(());
+        }
+        let mut commit = self.writer.prepare_commit()?;
+        commit.set_payload(&payload(self.offset));
+        commit.commit()?;
+        self.reader.reload()?;
+        self.dirty = false;
+        self.committed = Instant::now();
+        Ok(())
+    }
+
+    /// Merges the segments that hold deleted documents, so that their words leave the
+    /// files, and removes the files no commit needs.
+    fn erase_deleted(&mut self) -> Result<(), SearchError> {
+        if let Some(erasing) = &self.erasing {
+            match erasing.try_recv() {
+                Err(std::sync::mpsc::TryRecvError::Empty) => return Ok(()),
+                _ => {
+                    self.erasing = None;
+                    self.reader.reload()?;
+                    self.writer.garbage_collect_files().wait()?;
+                }
+            }
+        }
+        let metas = self.reader.searcher().index().load_metas()?;
+        let with_deletes: Vec<_> = metas
+            .segments
+            .iter()
+            .filter(|s| s.has_deletes())
+            .map(|s| s.id())
+            .collect();
+        if with_deletes.is_empty() {
+            return Ok(());
+        }
+        let merge = self.writer.merge(&with_deletes);
+        let (done, erasing) = std::sync::mpsc::channel();
+        let waiter = std::thread::Builder::new()
+            .name("search-erase".into())
+            .spawn(move || {
+                if let Err(e) = merge.wait() {
+                    // Another merge holds one of the segments: tried again at the next look.
+                    tracing::debug!(error = %e, "a search index merge did not run");
+                }
+                let _ = done.send(());
+            });
+        if waiter.is_ok() {
+            self.erasing = Some(erasing);
+        }
+        Ok(())
+    }
+}
+
+/// The index's directory in a data directory.
+pub fn dir_in(data_dir: &Path) -> PathBuf {
+    data_dir.join("search")
+}
