@@ -12,6 +12,8 @@
 //!   is found as soon as the restarted store answers, and no hit names an event its log
 //!   does not hold; an index removed whole is rebuilt from the log.
 //! - **Forks:** a fork's prefix is found in the fork, and stays found when its parent goes.
+//! - **Imports:** an imported session is found as it would be where it was written, under
+//!   its own id only (never under the staging session its events went through).
 //! - **Bad input** is `INVALID_ARGUMENT` saying which: an empty query, an unclosed quote, a
 //!   query over 1 KiB, a page size over 100, a token not ours.
 //!
@@ -23,8 +25,8 @@ use std::time::{Duration, Instant};
 use agentlog_proto::v1::event_store_client::EventStoreClient;
 use agentlog_proto::v1::{
     content_block, event, AcquireLeaseRequest, AppendRequest, AssistantDelta, AssistantMessage,
-    ContentBlock, DeleteSessionRequest, Event, ForkSessionRequest, SearchHit,
-    SearchSessionsRequest, TextBlock, ToolResult, ToolUseBlock,
+    ContentBlock, DeleteSessionRequest, Event, ExportRequest, ForkSessionRequest, ImportChunk,
+    ImportOutcome, SearchHit, SearchSessionsRequest, TextBlock, ToolResult, ToolUseBlock,
 };
 use anyhow::{ensure, Context, Result};
 use integration_tests::{read_log, test_backend_is_postgres, user_event, Backing, Store};
@@ -676,5 +678,51 @@ async fn a_kill_9_at_any_moment_of_an_erasure_brings_nothing_back() -> Result<()
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_imported_session_is_found_under_its_own_id_only() -> Result<()> {
+    let source = Store::start()?;
+    let mut from = source.client().await?;
+    append(
+        &mut from,
+        "moved",
+        vec![user_event("", "okapiword travelled here")],
+        None,
+    )
+    .await?;
+    let mut export = from
+        .export(ExportRequest {
+            session_ids: vec!["moved".into()],
+            all: false,
+        })
+        .await?
+        .into_inner();
+    let mut text = String::new();
+    while let Some(piece) = export.message().await? {
+        text.push_str(&piece.text);
+    }
+    let target = Store::start()?;
+    let mut to = target.client().await?;
+    let mut results = to
+        .import(tokio_stream::iter(vec![ImportChunk { text }]))
+        .await?
+        .into_inner();
+    let result = results.message().await?.context("an import result")?;
+    ensure!(
+        result.outcome == ImportOutcome::Imported as i32,
+        "imported: {result:?}"
+    );
+    eventually_found(&mut to, "okapiword", &[("moved", 1)]).await?;
+    // The indexer has passed the staging session's events by now: none of them is a hit.
+    append(
+        &mut to,
+        "after",
+        vec![user_event("", "okapiword later")],
+        None,
+    )
+    .await?;
+    eventually_found(&mut to, "okapiword", &[("after", 1), ("moved", 1)]).await?;
     Ok(())
 }
