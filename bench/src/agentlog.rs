@@ -124,6 +124,26 @@ pub async fn fan_out(
     crate::fanout::measure(followers, events, interval, spawn_follower, append).await
 }
 
+/// One loopback gRPC round trip that touches no disk: the p50 in ms of `Health/Check`
+/// calls to the store, one after the other for `secs`, on one HTTP/2 connection as the
+/// append figures' clients have.
+pub async fn round_trip_ms(url: &str, secs: Duration) -> anyhow::Result<f64> {
+    use tonic_health::pb::{health_client::HealthClient, HealthCheckRequest};
+    let mut client = HealthClient::new(
+        tonic::transport::Endpoint::from_shared(url.to_string())?
+            .connect()
+            .await?,
+    );
+    let mut latencies = Vec::new();
+    let end = Instant::now() + secs;
+    while Instant::now() < end {
+        let sent = Instant::now();
+        client.check(HealthCheckRequest::default()).await?;
+        latencies.push(sent.elapsed().as_secs_f64() * 1e3);
+    }
+    Ok(crate::stats::percentile_f64(&latencies, 0.5))
+}
+
 /// `to − from` in ms, negative when `to` came first.
 pub fn signed_ms(from: Instant, to: Instant) -> f64 {
     if to >= from {

@@ -7,6 +7,7 @@
 //! figure is the median of several runs with min and max; nothing here asserts a speed.
 #![forbid(unsafe_code)]
 
+mod ab;
 mod agentlog;
 mod appenders;
 mod baselines;
@@ -108,6 +109,17 @@ struct Args {
     /// footprint figures (to compare a change of the write path quickly).
     #[arg(long)]
     skip_slow: bool,
+    /// Only the same-run A/B of the write path: this build's store against the
+    /// `event-store` binary given here (`bash bench/run --against REV` builds REV's), in
+    /// turns, `--rounds` times; with a `perf` profile of each unless `--no-profile`.
+    #[arg(long)]
+    against_store: Option<PathBuf>,
+    /// What `--against-store` was built from, for the report.
+    #[arg(long, default_value = "the other build")]
+    against_label: String,
+    /// Rounds of the A/B (each measures every point on both builds).
+    #[arg(long, default_value_t = 9)]
+    rounds: usize,
     /// The command that ran this, for the report.
     #[arg(long, default_value = "")]
     command: String,
@@ -394,6 +406,9 @@ async fn run_suite(
     dir: &Path,
     report: &mut Report,
 ) -> anyhow::Result<()> {
+    if let Some(base) = &args.against_store {
+        return ab_section(args, plan, base, dir, report).await;
+    }
     if args.only_resume {
         return resume_section(plan, dir, report).await;
     }
@@ -474,6 +489,11 @@ async fn run_suite(
         }
     }
     report.loads = loads;
+    // What the 1-client latency goal adds to the raw fdatasync: one loopback round trip.
+    for _ in 0..plan.runs {
+        let p50 = agentlog::round_trip_ms(&systems.store.url(), plan.raw_secs).await?;
+        report.round_trip_ms.push(p50);
+    }
 
     // Where the time goes at 64 clients (or the largest count measured).
     if !args.quick && !args.no_profile {
@@ -568,6 +588,33 @@ async fn run_suite(
     let (sessions, per_session) = plan.footprint;
     report.footprint =
         Some(agentlog::footprint(&fresh_dir(dir, "footprint")?, sessions, per_session).await?);
+    Ok(())
+}
+
+/// The A/B of the write path, on two fresh stores of their own.
+async fn ab_section(
+    args: &Args,
+    plan: &Plan,
+    base: &Path,
+    dir: &Path,
+    report: &mut Report,
+) -> anyhow::Result<()> {
+    let candidate = Store::start_in(&fresh_dir(dir, "ab-candidate")?)?;
+    let base = Store::start_binary(base, &fresh_dir(dir, "ab-base")?)
+        .with_context(|| format!("start {}", base.display()))?;
+    let perf_dir = (!args.quick && !args.no_profile).then_some(dir);
+    let rounds = if args.quick { 1 } else { args.rounds.max(1) };
+    report.ab = Some(
+        ab::run(
+            &candidate,
+            &base,
+            &args.against_label,
+            rounds,
+            plan.window,
+            perf_dir,
+        )
+        .await?,
+    );
     Ok(())
 }
 

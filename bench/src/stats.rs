@@ -76,6 +76,22 @@ pub fn fmt_ratio(value: f64) -> String {
     }
 }
 
+/// "12,345 (11,000–13,000)".
+pub fn cell(runs: &Runs) -> String {
+    if runs.is_empty() {
+        return "–".into();
+    }
+    if runs.0.len() == 1 {
+        return fmt_num(runs.median());
+    }
+    format!(
+        "{} ({}–{})",
+        fmt_num(runs.median()),
+        fmt_num(runs.min()),
+        fmt_num(runs.max())
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

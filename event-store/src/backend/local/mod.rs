@@ -172,9 +172,10 @@ impl Store {
             index: index.clone(),
             log: log.reader(),
         };
-        // Brought up to the log's end before anything is served (see `search`).
+        // Brought up to the log's end before anything is served (see `search`), by the
+        // indexer's own thread.
         let search = match &config.search_dir {
-            Some(dir) => Some(search::SearchIndex::open(dir, source.clone())?),
+            Some(dir) => Some(search::start(dir, source.clone(), shared.indexer.clone())?),
             None => None,
         };
         let snapshots = Arc::new(snapshots::SnapshotDir::new(config.snapshot_dir.clone()));
@@ -216,13 +217,8 @@ impl Store {
             .spawn(move || reclaimer.run())
             .map_err(|e| OpenError::DataDir("reclaimer thread".into(), e))?];
         let search = match search {
-            Some((index, indexer)) => {
-                let stop = shared.indexer.clone();
-                background.push(stop.clone());
-                let thread = std::thread::Builder::new()
-                    .name("search-indexer".into())
-                    .spawn(move || indexer.run(stop))
-                    .map_err(|e| OpenError::DataDir("search indexer thread".into(), e))?;
+            Some((index, thread)) => {
+                background.push(shared.indexer.clone());
                 background_threads.push(thread);
                 Some(index)
             }

@@ -68,6 +68,11 @@ use crate::search::{self, text, Clause};
 /// The indexer commits at most this often: what an event waits, at most about, before a
 /// search finds it.
 pub const COMMIT_EVERY: Duration = Duration::from_millis(200);
+/// How much lower than the store's other threads the indexer and tantivy's threads run
+/// (nice values): when appends take every core, they go first and the index falls behind,
+/// to catch up as soon as the load leaves room. What gives way under a saturating load is
+/// a search's freshness, never an acknowledgement; the index's CPU is still spent, later.
+const NICE: i32 = 10;
 /// The writer's memory for documents between commits (tantivy's minimum is 15 MB).
 const WRITER_MEMORY: usize = 48 << 20;
 /// The tokenizer's name in the index's schema.
@@ -208,6 +213,58 @@ pub struct Indexer {
     committed: Instant,
     /// A merge that drops deleted documents, under way (its end is told on the channel).
     erasing: Option<std::sync::mpsc::Receiver<()>>,
+}
+
+/// Starts the indexer on a thread of its own at a lower CPU priority ([`NICE`]), which
+/// tantivy's threads, started from it, inherit; returns once the index has caught up with
+/// the log ([`SearchIndex::open`]). The indexer then follows the log until `stop` fires.
+pub fn start(
+    dir: &Path,
+    source: Source,
+    stop: Signal,
+) -> Result<(Arc<SearchIndex>, std::thread::JoinHandle<()>), SearchError> {
+    let (opened_tx, opened) = std::sync::mpsc::sync_channel(1);
+    let shown = dir.display().to_string();
+    let dir = dir.to_path_buf();
+    let thread = std::thread::Builder::new()
+        .name("search-indexer".into())
+        .spawn(move || {
+            lower_priority();
+            match SearchIndex::open(&dir, source) {
+                Ok((index, indexer)) => {
+                    if opened_tx.send(Ok(index)).is_ok() {
+                        indexer.run(stop);
+                    }
+                }
+                Err(e) => {
+                    let _ = opened_tx.send(Err(e));
+                }
+            }
+        })
+        .map_err(|e| SearchError::Dir(shown.clone(), format!("the indexer's thread: {e}")))?;
+    match opened.recv() {
+        Ok(Ok(index)) => Ok((index, thread)),
+        Ok(Err(e)) => {
+            let _ = thread.join();
+            Err(e)
+        }
+        Err(_) => Err(SearchError::Dir(
+            shown,
+            "the indexer's thread ended while opening the index".into(),
+        )),
+    }
+}
+
+/// Lowers the calling thread's CPU priority by [`NICE`] (on Linux a nice value belongs to
+/// a thread, and the threads it starts inherit it). Raising a nice value needs no
+/// privilege; where it fails anyway, the indexer runs at the store's priority.
+fn lower_priority() {
+    let tid = rustix::thread::gettid();
+    let lowered = rustix::process::getpriority_process(Some(tid))
+        .and_then(|now| rustix::process::setpriority_process(Some(tid), (now + NICE).min(19)));
+    if let Err(e) = lowered {
+        tracing::warn!(error = %e, "the search indexer runs at the store's CPU priority");
+    }
 }
 
 impl SearchIndex {
