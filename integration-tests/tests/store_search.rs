@@ -726,3 +726,102 @@ async fn an_imported_session_is_found_under_its_own_id_only() -> Result<()> {
     eventually_found(&mut to, "okapiword", &[("after", 1), ("moved", 1)]).await?;
     Ok(())
 }
+
+/// PostgreSQL only (the local index rebuilt from its log is tested above): a database
+/// migrated to the search schema (version 9) holds no search rows for the sessions written
+/// before it, only their names in `agentlog_search_backfill`. A store started on it writes
+/// their rows in the background: every event is found, one session longer than a backfill
+/// statement's read included, and a deleted session listed there never is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_written_before_the_search_schema_are_found_once_backfilled() -> Result<()> {
+    if !test_backend_is_postgres() {
+        return Ok(());
+    }
+    let mut store = Store::start()?;
+    let mut client = store.client().await?;
+    // 1,200 events: more than one backfill statement reads (1,000).
+    for batch in 0..12u64 {
+        let events = (1..=100u64)
+            .map(|i| {
+                let seq = batch * 100 + i;
+                let word = if seq == 1 || seq == 1_200 {
+                    " numbatword"
+                } else {
+                    ""
+                };
+                user_event("", &format!("event {seq}{word}"))
+            })
+            .collect();
+        append(&mut client, "long-before", events, None).await?;
+    }
+    append(
+        &mut client,
+        "tools-before",
+        vec![user_event("", "where is numbatword?")],
+        None,
+    )
+    .await?;
+    let epoch = lease(&mut client, "tools-before").await?;
+    append(
+        &mut client,
+        "tools-before",
+        vec![
+            reply("let me look", Some("grep -r numbatword .")),
+            tool_output("./notes: numbatword"),
+        ],
+        Some(epoch),
+    )
+    .await?;
+    append(
+        &mut client,
+        "gone-before",
+        vec![user_event("", "numbatword")],
+        None,
+    )
+    .await?;
+    client
+        .delete_session(DeleteSessionRequest {
+            session_id: "gone-before".into(),
+        })
+        .await?;
+    let want = [
+        ("tools-before", 3),
+        ("tools-before", 2),
+        ("tools-before", 1),
+        ("long-before", 1_200),
+        ("long-before", 1),
+    ];
+    eventually_found(&mut client, "numbatword", &want).await?;
+    store.terminate()?;
+
+    // What the migration to version 9 leaves of a database written before it, with the
+    // deleted session listed too (an older replica may delete one after the listing).
+    let Backing::Database(url, Some(pg)) = &store.backing else {
+        anyhow::bail!("a PostgreSQL-backed store without its server");
+    };
+    let db = url.rsplit('/').next().unwrap_or_default();
+    pg.psql(
+        db,
+        "DELETE FROM agentlog_search; \
+         INSERT INTO agentlog_search_backfill (session_id) \
+             SELECT session_id FROM agentlog_sessions ON CONFLICT DO NOTHING",
+    )?;
+    ensure!(pg.psql(db, "SELECT count(*) FROM agentlog_search_backfill")? == "3");
+
+    let store = store.restart()?;
+    let mut client = store.client().await?;
+    eventually_found(&mut client, "numbatword", &want).await?;
+    let deadline = Instant::now() + BOUND;
+    while pg.psql(db, "SELECT count(*) FROM agentlog_search_backfill")? != "0" {
+        ensure!(Instant::now() < deadline, "sessions are left to backfill");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    ensure!(
+        pg.psql(
+            db,
+            "SELECT count(*) FROM agentlog_search WHERE session_id = 'gone-before'"
+        )? == "0",
+        "a deleted session's rows were written back"
+    );
+    Ok(())
+}

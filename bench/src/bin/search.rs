@@ -22,6 +22,9 @@ mod appenders;
 #[path = "../load.rs"]
 #[allow(dead_code)]
 mod load;
+#[path = "../profile.rs"]
+#[allow(dead_code)]
+mod profile;
 #[path = "../stats.rs"]
 #[allow(dead_code)]
 mod stats;
@@ -107,7 +110,7 @@ fn text(rng: &mut fastrand::Rng) -> String {
 /// A store to measure: its process and, for PostgreSQL, the server behind it.
 struct Running {
     store: Store,
-    _pg: Option<Postgres>,
+    pg: Option<Postgres>,
 }
 
 fn start(binary: &Path, part: Part, dir: &Path, indexed: bool) -> anyhow::Result<Running> {
@@ -125,7 +128,7 @@ fn start(binary: &Path, part: Part, dir: &Path, indexed: bool) -> anyhow::Result
                 "127.0.0.1:0",
                 &extra,
             )?;
-            Ok(Running { store, _pg: None })
+            Ok(Running { store, pg: None })
         }
         Part::Postgres => {
             let pg = Postgres::start()?;
@@ -135,20 +138,45 @@ fn start(binary: &Path, part: Part, dir: &Path, indexed: bool) -> anyhow::Result
                 Store::start_backed(binary, Backing::Database(url, None), "127.0.0.1:0", &extra)?;
             Ok(Running {
                 store,
-                _pg: Some(pg),
+                pg: Some(pg),
             })
         }
     }
 }
 
-/// Appends/s and p99 of `clients` closed-loop AppendStream clients, and (`probe`) the
-/// freshness of a probe's words meanwhile (ms from acknowledgement to found).
+/// What a run of appends measured.
+struct Measured {
+    appends_per_s: f64,
+    p99_ms: f64,
+    /// CPU µs an append of the store (and of PostgreSQL, on that backend).
+    cpu_us: f64,
+    /// ms from a probe's acknowledgement to the first search that found it.
+    fresh: Vec<f64>,
+}
+
+impl Running {
+    /// CPU seconds used so far by the store, and by PostgreSQL's server and backends.
+    fn cpu_secs(&self) -> f64 {
+        let pg = self
+            .pg
+            .as_ref()
+            .and_then(|pg| pg.pid())
+            .map_or(0.0, |root| {
+                profile::tree_cpu_secs(root, &profile::with_children(root)[1..])
+            });
+        profile::cpu_secs(self.store.pid()) + pg
+    }
+}
+
+/// Appends/s, p99 and CPU of `clients` closed-loop AppendStream clients, and (`probe`) the
+/// freshness of a probe's words meanwhile.
 async fn load(
-    url: &str,
+    running: &Running,
     clients: usize,
     secs: u64,
     probe: bool,
-) -> anyhow::Result<(f64, f64, Vec<f64>)> {
+) -> anyhow::Result<Measured> {
+    let url = &running.store.url();
     let stop = Arc::new(AtomicBool::new(false));
     let mut tasks = Vec::new();
     for c in 0..clients {
@@ -213,7 +241,10 @@ async fn load(
             anyhow::Ok(fresh)
         })
     });
+    tokio::time::sleep_until(from.into()).await;
+    let cpu_from = running.cpu_secs();
     tokio::time::sleep_until(to.into()).await;
+    let cpu = running.cpu_secs() - cpu_from;
     stop.store(true, Ordering::Relaxed);
     let mut latencies = Vec::new();
     for task in tasks {
@@ -227,11 +258,12 @@ async fn load(
         Some(p) => p.await??,
         None => Vec::new(),
     };
-    Ok((
-        latencies.len() as f64 / secs as f64,
-        percentile_f64(&latencies, 0.99),
+    Ok(Measured {
+        appends_per_s: latencies.len() as f64 / secs as f64,
+        p99_ms: percentile_f64(&latencies, 0.99),
+        cpu_us: cpu * 1e6 / latencies.len().max(1) as f64,
         fresh,
-    ))
+    })
 }
 
 /// Fills the store with `events` events in 1,000 sessions, 100 events an append, then waits
@@ -352,15 +384,24 @@ async fn part(args: &Args, binary: &Path, part: Part) -> anyhow::Result<()> {
         "\n### {name}: {} clients appending (AppendStream, SYNC, ~300 B of words), with the index and without\n",
         args.clients
     );
-    println!("| run | index | appends/s | p99 ms | freshness p50 ms | freshness p99 ms | probes |");
-    println!("|---|---|---:|---:|---:|---:|---:|");
+    let cpu_of = match part {
+        Part::Local => "store CPU µs an append",
+        Part::Postgres => "store + PostgreSQL CPU µs an append",
+    };
+    println!("| run | index | appends/s | p99 ms | {cpu_of} | freshness p50 ms | freshness p99 ms | probes |");
+    println!("|---|---|---:|---:|---:|---:|---:|---:|");
     let (mut with, mut without) = (stats::Runs::default(), stats::Runs::default());
+    let (mut cpu_with, mut cpu_without) = (stats::Runs::default(), stats::Runs::default());
     let mut fresh_all = Vec::new();
     for run in 0..args.runs {
         for indexed in [run % 2 == 0, run % 2 != 0] {
             let running = tokio::task::block_in_place(|| start(binary, part, &dir, indexed))?;
-            let (rate, p99, fresh) =
-                load(&running.store.url(), args.clients, args.secs, indexed).await?;
+            let Measured {
+                appends_per_s: rate,
+                p99_ms: p99,
+                cpu_us,
+                fresh,
+            } = load(&running, args.clients, args.secs, indexed).await?;
             drop(running);
             let (f50, f99) = if fresh.is_empty() {
                 ("–".to_string(), "–".to_string())
@@ -371,7 +412,7 @@ async fn part(args: &Args, binary: &Path, part: Part) -> anyhow::Result<()> {
                 )
             };
             println!(
-                "| {run} | {} | {} | {:.1} | {f50} | {f99} | {} |",
+                "| {run} | {} | {} | {:.1} | {cpu_us:.1} | {f50} | {f99} | {} |",
                 if indexed { "on" } else { "off" },
                 fmt_num(rate),
                 p99,
@@ -379,21 +420,26 @@ async fn part(args: &Args, binary: &Path, part: Part) -> anyhow::Result<()> {
             );
             if indexed {
                 with.push(rate);
+                cpu_with.push(cpu_us);
                 fresh_all.extend(fresh);
             } else {
                 without.push(rate);
+                cpu_without.push(cpu_us);
             }
         }
     }
     println!(
-        "\nappends/s with the index ÷ without (medians): **{}**; freshness over every run: p50 {:.0} ms, p99 {:.0} ms, max {:.0} ms ({} probes)",
+        "\nappends/s with the index ÷ without (medians): **{}**; {cpu_of} with ÷ without: {}; freshness over every run: p50 {:.0} ms, p99 {:.0} ms, max {:.0} ms ({} probes)",
         fmt_ratio(with.median() / without.median()),
+        fmt_ratio(cpu_with.median() / cpu_without.median()),
         percentile_f64(&fresh_all, 0.5),
         percentile_f64(&fresh_all, 0.99),
         fresh_all.iter().cloned().fold(0.0, f64::max),
         fresh_all.len()
     );
 
+    // What indexing an event cost under that load.
+    let index_cpu_us = cpu_with.median() - cpu_without.median();
     println!(
         "\n### {name}: queries at {} events (pages of 20, one query at a time)\n",
         fmt_num(args.events as f64)
@@ -446,20 +492,27 @@ async fn part(args: &Args, binary: &Path, part: Part) -> anyhow::Result<()> {
             let mut again =
                 Store::start_backed(binary, Backing::Dir(d.clone()), "127.0.0.1:0", &[])?;
             let warm = warm.elapsed().as_secs_f64();
+            let warm_cpu = profile::cpu_secs(again.pid());
             let _ = again.terminate();
             std::fs::remove_dir_all(d.join("search"))?;
             let cold = Instant::now();
             let mut rebuilt =
                 Store::start_backed(binary, Backing::Dir(d.clone()), "127.0.0.1:0", &[])?;
             let cold = cold.elapsed().as_secs_f64();
+            let rebuild_cpu_us =
+                (profile::cpu_secs(rebuilt.pid()) - warm_cpu) * 1e6 / args.events as f64;
             let _ = rebuilt.terminate();
             println!(
-                "\nthe index rebuilt from scratch: a start without `search/` took {cold:.1} s ({} events/s) against {warm:.2} s with it in place",
+                "\nthe index rebuilt from scratch: a start without `search/` took {cold:.1} s ({} events/s, {rebuild_cpu_us:.1} µs of CPU an event) against {warm:.2} s with it in place",
                 fmt_num(args.events as f64 / cold)
+            );
+            println!(
+                "\nindexing an event under the append load (store CPU an append with the index − without, medians): {index_cpu_us:.1} µs = **{}** the rebuild's (tantivy's cost in bulk)",
+                fmt_ratio(index_cpu_us / rebuild_cpu_us)
             );
         }
         (Backing::Database(url, _), Part::Postgres) => {
-            let pg = running._pg.as_ref().expect("the server");
+            let pg = running.pg.as_ref().expect("the server");
             let db = url.rsplit('/').next().unwrap_or_default();
             let sizes = tokio::task::block_in_place(|| {
                 pg.psql(

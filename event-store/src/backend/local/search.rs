@@ -40,21 +40,26 @@
 //! the fork's id. A prefix made the fork's own later ([`Record::Placed`]) replaces the
 //! documents of those seqs.
 
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
 use std::ops::Bound;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use agentlog_proto::v1::{Event, SearchSessionsResponse};
-use tantivy::collector::TopDocs;
 use tantivy::directory::MmapDirectory;
-use tantivy::query::{BooleanQuery, Occur, PhraseQuery, RangeQuery, RegexQuery, TermQuery};
+use tantivy::query::{
+    BooleanQuery, EnableScoring, Occur, PhraseQuery, Query, RangeQuery, RegexQuery, TermQuery,
+};
 use tantivy::schema::{
     Field, IndexRecordOption, Schema, TextFieldIndexing, TextOptions, Value, FAST, INDEXED, STORED,
     STRING,
 };
 use tantivy::tokenizer::{Token, TokenStream, Tokenizer};
-use tantivy::{doc, Index, IndexReader, IndexWriter, Order, ReloadPolicy, TantivyDocument, Term};
+use tantivy::{
+    doc, DocAddress, Index, IndexReader, IndexWriter, ReloadPolicy, Searcher, TantivyDocument, Term,
+};
 
 use super::background::Signal;
 use super::index::is_staging;
@@ -379,16 +384,10 @@ impl SearchIndex {
                 ));
             }
             let query = BooleanQuery::new(clauses);
-            let found: Vec<(Option<u64>, tantivy::DocAddress)> = searcher
-                .search(
-                    &query,
-                    &TopDocs::with_limit(wanted).order_by_fast_field::<u64>("order", Order::Desc),
-                )
-                .map_err(SearchError::from)?;
+            let found = newest(&searcher, &query, wanted).map_err(SearchError::from)?;
             let mut exhausted = found.len() < wanted;
             let count = found.len();
             for (i, (order, address)) in found.into_iter().enumerate() {
-                let order = order.unwrap_or(0);
                 before = Some(order);
                 looked += 1;
                 let doc: TantivyDocument = searcher.doc(address).map_err(SearchError::from)?;
@@ -463,14 +462,14 @@ impl SearchIndex {
         }))
     }
 
-    fn clauses(&self, query: &search::Query) -> Vec<(Occur, Box<dyn tantivy::query::Query>)> {
+    fn clauses(&self, query: &search::Query) -> Vec<(Occur, Box<dyn Query>)> {
         let words = self.fields.words;
         let term = |w: &str| Term::from_field_text(words, w);
         query
             .clauses
             .iter()
-            .map(|clause| -> (Occur, Box<dyn tantivy::query::Query>) {
-                let query: Box<dyn tantivy::query::Query> = match clause {
+            .map(|clause| -> (Occur, Box<dyn Query>) {
+                let query: Box<dyn Query> = match clause {
                     Clause::Word(w) => Box::new(TermQuery::new(term(w), IndexRecordOption::Basic)),
                     // A word is letters and digits only: nothing in it is a regex operator.
                     Clause::Prefix(p) => match RegexQuery::from_pattern(&format!("{p}.*"), words) {
@@ -487,7 +486,7 @@ impl SearchIndex {
     }
 
     /// The scope as a query on session ids (`Some(vec![])`: every session; `None`: none).
-    fn scope_filter(&self, scope: &Scope) -> Option<Vec<Box<dyn tantivy::query::Query>>> {
+    fn scope_filter(&self, scope: &Scope) -> Option<Vec<Box<dyn Query>>> {
         let Some(prefixes) = scope.prefix_list() else {
             return Some(Vec::new());
         };
@@ -497,7 +496,7 @@ impl SearchIndex {
         let session = self.fields.session;
         let ranges = prefixes
             .iter()
-            .map(|p| -> (Occur, Box<dyn tantivy::query::Query>) {
+            .map(|p| -> (Occur, Box<dyn Query>) {
                 // Session ids are ASCII below DEL: every id that starts with `p` sorts
                 // between `p` and `p` + DEL.
                 let upper = format!("{p}\u{7f}");
@@ -512,6 +511,62 @@ impl SearchIndex {
             .collect();
         Some(vec![Box::new(BooleanQuery::new(ranges))])
     }
+}
+
+/// The `wanted` newest live documents matching `query`, newest first, with their order.
+///
+/// tantivy's `TopDocs` ordered by a fast field reads every match in every segment, which
+/// for a common word is most of the index. Here the segments are visited newest first (by
+/// the largest order each holds), and a segment whose newest document is older than the
+/// `wanted`-th found so far is never opened, nor any after it: a common word is answered
+/// from the newest segments, which are the small ones (the indexer commits the log in
+/// order, and merges join segments of like size, so of like age).
+fn newest(
+    searcher: &Searcher,
+    query: &dyn Query,
+    wanted: usize,
+) -> tantivy::Result<Vec<(u64, DocAddress)>> {
+    if wanted == 0 {
+        return Ok(Vec::new());
+    }
+    let weight = query.weight(EnableScoring::disabled_from_searcher(searcher))?;
+    let mut segments = Vec::new();
+    for (ord, reader) in searcher.segment_readers().iter().enumerate() {
+        let orders = reader.fast_fields().u64("order")?;
+        segments.push((orders.max_value(), ord as u32, reader, orders));
+    }
+    segments.sort_unstable_by_key(|s| Reverse(s.0));
+    // The best `wanted` so far; its least on top.
+    let mut top: BinaryHeap<Reverse<(u64, DocAddress)>> = BinaryHeap::with_capacity(wanted + 1);
+    for (newest_here, ord, reader, orders) in segments {
+        if top.len() == wanted
+            && top
+                .peek()
+                .is_some_and(|Reverse((least, _))| newest_here <= *least)
+        {
+            break;
+        }
+        let alive = reader.alive_bitset();
+        weight.for_each_no_score(reader, &mut |docs| {
+            for &doc in docs {
+                if alive.is_some_and(|a| !a.is_alive(doc)) {
+                    continue;
+                }
+                let Some(order) = orders.first(doc) else {
+                    continue;
+                };
+                if top.len() < wanted {
+                    top.push(Reverse((order, DocAddress::new(ord, doc))));
+                } else if top.peek().is_some_and(|Reverse((least, _))| order > *least) {
+                    top.pop();
+                    top.push(Reverse((order, DocAddress::new(ord, doc))));
+                }
+            }
+        })?;
+    }
+    let mut found: Vec<(u64, DocAddress)> = top.into_iter().map(|Reverse(d)| d).collect();
+    found.sort_unstable_by_key(|d| Reverse(d.0));
+    Ok(found)
 }
 
 fn open_index(dir: &Path, schema: &Schema) -> Result<Index, SearchError> {
@@ -765,4 +820,71 @@ impl Indexer {
 /// The index's directory in a data directory.
 pub fn dir_in(data_dir: &Path) -> PathBuf {
     data_dir.join("search")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Segments of every age and size, out of order as merges leave them, with deleted
+    /// documents: [`newest`] answers what reading every match would, for every page size.
+    #[test]
+    fn newest_skips_old_segments_and_finds_what_reading_every_match_finds() {
+        let (schema, fields) = schema();
+        let index = Index::create_in_ram(schema);
+        index.tokenizers().register(WORDS, WordTokenizer);
+        let mut writer: IndexWriter = index.writer_with_num_threads(1, 15_000_000).unwrap();
+        // Batches of orders, each one commit (one segment): a big old one, then smaller
+        // newer ones, and one committed late that holds old orders.
+        let batches: [std::ops::Range<u64>; 5] = [
+            0..4_000,
+            4_000..4_500,
+            9_000..9_040,
+            4_500..9_000,
+            9_040..9_050,
+        ];
+        for batch in batches {
+            for order in batch {
+                let text = if order % 3 == 0 {
+                    "common rare"
+                } else {
+                    "common"
+                };
+                writer
+                    .add_document(doc!(
+                        fields.session => format!("s{}", order % 7),
+                        fields.seq => order,
+                        fields.order => order,
+                        fields.words => text,
+                    ))
+                    .unwrap();
+            }
+            writer.commit().unwrap();
+        }
+        // Deleted: a whole session's documents, the newest among them.
+        writer.delete_term(Term::from_field_text(fields.session, "s1"));
+        writer.commit().unwrap();
+        let reader = index.reader().unwrap();
+        let searcher = reader.searcher();
+        assert!(searcher.segment_readers().len() >= 2);
+        for word in ["common", "rare"] {
+            let query = TermQuery::new(
+                Term::from_field_text(fields.words, word),
+                IndexRecordOption::Basic,
+            );
+            let mut every: Vec<u64> = (0..9_050)
+                .filter(|o| o % 7 != 1 && (word == "common" || o % 3 == 0))
+                .collect();
+            every.reverse();
+            for wanted in [0, 1, 20, 41, 500, 20_000] {
+                let found: Vec<u64> = newest(&searcher, &query, wanted)
+                    .unwrap()
+                    .into_iter()
+                    .map(|(order, _)| order)
+                    .collect();
+                let expected: Vec<u64> = every.iter().copied().take(wanted).collect();
+                assert_eq!(found, expected, "{word}, {wanted} wanted");
+            }
+        }
+    }
 }
