@@ -3,7 +3,7 @@
 //! users would otherwise pick, all measured in one run on one disk (`bench/RESULTS.md`).
 //!
 //! `bash bench/run` builds the release binaries, installs and starts the baselines and
-//! writes `bench/RESULTS.md`; `--quick` only checks that every path still runs (CI). Every
+//! writes `bench/RESULTS.md` (keeping its hand-run sections); `--quick` only checks that every path still runs (CI). Every
 //! figure is the median of several runs with min and max; nothing here asserts a speed.
 #![forbid(unsafe_code)]
 
@@ -388,6 +388,19 @@ fn main() -> anyhow::Result<()> {
     let text = report.render();
     match &args.out {
         Some(path) => {
+            let kept = std::fs::read_to_string(path)
+                .map(|previous| report::hand_run_sections(&previous))
+                .unwrap_or_default();
+            let text = if kept.is_empty() {
+                text
+            } else {
+                format!(
+                    "{}
+
+{kept}",
+                    text.trim_end()
+                )
+            };
             std::fs::write(path, &text).with_context(|| format!("write {}", path.display()))?;
             eprintln!("wrote {}", path.display());
         }

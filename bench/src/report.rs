@@ -962,3 +962,39 @@ fn cell_ms(runs: &Runs) -> String {
     }
     format!("{} ({}–{})", f(runs.median()), f(runs.min()), f(runs.max()))
 }
+
+/// The sections of a previous bench/RESULTS.md that `bench/run` does not write (their
+/// headings say "hand-run"), in their order: kept after a new report, so that a full run
+/// does not erase the figures of the hand-run benches.
+pub fn hand_run_sections(previous: &str) -> String {
+    let mut kept = String::new();
+    let mut keeping = false;
+    for line in previous.split_inclusive('\n') {
+        if line.starts_with("## ") {
+            keeping = line.contains("(hand-run");
+        }
+        if keeping {
+            kept.push_str(line);
+        }
+    }
+    kept
+}
+
+#[cfg(test)]
+mod tests {
+    use super::hand_run_sections;
+
+    #[test]
+    fn only_the_hand_run_sections_are_kept_whole_and_in_order() {
+        let previous = "# results\n\n## Machine and run\n\nfigures\n\n\
+            ## Replay (hand-run; `x`)\n\nkept 1\n### sub\n\nkept 2\n\n\
+            ## How each system is driven\n\ngone\n\n\
+            ## Search (hand-run; `y`)\n\nkept 3\n";
+        assert_eq!(
+            hand_run_sections(previous),
+            "## Replay (hand-run; `x`)\n\nkept 1\n### sub\n\nkept 2\n\n\
+             ## Search (hand-run; `y`)\n\nkept 3\n"
+        );
+        assert_eq!(hand_run_sections("# results\n\n## 1. Limits\n"), "");
+    }
+}
