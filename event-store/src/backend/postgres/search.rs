@@ -222,49 +222,64 @@ async fn backfill_one(connector: &Connector) -> Result<bool, String> {
         return Ok(false);
     };
     let session_id: String = row.get(0);
+    // A deleted session gets no rows: its erasure, which follows its tombstone, would only
+    // delete them again. (Deleted between this look and the commit, its rows are deleted
+    // by that erasure, which waits for this transaction's lock on the backfill entry.)
+    let live = timed(
+        "search_backfill",
+        tx.query_opt(
+            "SELECT 1 FROM agentlog_sessions WHERE session_id = $1 AND deleted_unix_ms = 0",
+            &[&session_id],
+        ),
+    )
+    .await
+    .map_err(failed)?
+    .is_some();
     let mut from = 1i64;
-    loop {
-        let rows = timed(
-            "search_backfill",
-            tx.query(
-                concat!(
-                    line_cte!(),
-                    "SELECT e.seq, e.body FROM line l CROSS JOIN LATERAL (\
+    if live {
+        loop {
+            let rows = timed(
+                "search_backfill",
+                tx.query(
+                    concat!(
+                        line_cte!(),
+                        "SELECT e.seq, e.body FROM line l CROSS JOIN LATERAL (\
                      SELECT seq, body FROM agentlog_events WHERE session_id = l.sid \
                      AND seq >= $2 AND seq <= l.hi ORDER BY seq LIMIT $3) e \
                      ORDER BY e.seq LIMIT $3"
+                    ),
+                    &[&session_id, &from, &BACKFILL_BATCH],
                 ),
-                &[&session_id, &from, &BACKFILL_BATCH],
-            ),
-        )
-        .await
-        .map_err(failed)?;
-        let mut searched = SearchRows::default();
-        for row in &rows {
-            let seq: i64 = row.get(0);
-            from = seq + 1;
-            let body: &[u8] = row.get(1);
-            let event = Event::decode(body).map_err(|e| format!("{session_id}/{seq}: {e}"))?;
-            searched.add(&session_id, &event);
-        }
-        timed(
-            "search_backfill",
-            tx.execute(
-                INSERT_ROWS,
-                &[
-                    &searched.sessions,
-                    &searched.seqs,
-                    &searched.times,
-                    &searched.kinds,
-                    &searched.bodies,
-                    &searched.words,
-                ],
-            ),
-        )
-        .await
-        .map_err(failed)?;
-        if (rows.len() as i64) < BACKFILL_BATCH {
-            break;
+            )
+            .await
+            .map_err(failed)?;
+            let mut searched = SearchRows::default();
+            for row in &rows {
+                let seq: i64 = row.get(0);
+                from = seq + 1;
+                let body: &[u8] = row.get(1);
+                let event = Event::decode(body).map_err(|e| format!("{session_id}/{seq}: {e}"))?;
+                searched.add(&session_id, &event);
+            }
+            timed(
+                "search_backfill",
+                tx.execute(
+                    INSERT_ROWS,
+                    &[
+                        &searched.sessions,
+                        &searched.seqs,
+                        &searched.times,
+                        &searched.kinds,
+                        &searched.bodies,
+                        &searched.words,
+                    ],
+                ),
+            )
+            .await
+            .map_err(failed)?;
+            if (rows.len() as i64) < BACKFILL_BATCH {
+                break;
+            }
         }
     }
     timed(
