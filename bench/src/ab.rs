@@ -9,7 +9,10 @@
 //! ratio candidate ÷ base: two loads seconds apart. The report gives the median of the
 //! rounds' ratios with an interval that holds it whatever the distribution (two order
 //! statistics of the ratios, with their coverage), the rounds the candidate was ahead in,
-//! each build's own median and range, and its store CPU per append.
+//! each build's own median and range, and its store CPU per append. After each load the
+//! store is left to settle (its CPU back near zero) before the next one starts: work a load
+//! defers, such as indexing what it appended, is counted as its own and never runs in the
+//! other build's turn.
 
 use std::path::Path;
 use std::time::Duration;
@@ -77,7 +80,8 @@ impl AbResult {
              loads seconds apart. SYNC appends of one 300-byte event, each sent once the \
              previous one is acknowledged, one session per client. \"interval\": two order \
              statistics of the rounds' ratios that hold their median with the probability \
-             given, whatever their distribution.\n",
+             given, whatever their distribution. Store CPU per append counts until the store is \
+             idle again after the load (what it deferred, such as indexing, included).\n",
             self.rounds,
             self.window.measure.as_secs_f64(),
             self.window.warmup.as_secs_f64(),
@@ -245,7 +249,8 @@ pub async fn run(
 }
 
 /// One closed-loop load of `clients` clients on `target`'s path: acknowledged appends per
-/// second, and the store's CPU µs per append over the whole load.
+/// second, and the store's CPU µs per append over the whole load and until the store has
+/// settled (work an append defers, such as indexing it, is the append's cost).
 async fn load(
     store: &Store,
     target: Target,
@@ -266,8 +271,32 @@ async fn load(
         closed_loop(appenders, window).await?
     };
     let wall = started.elapsed().as_secs_f64();
+    settle(store).await;
     let cpu = profile::cpu_secs(store.pid()) - cpu_before;
     Ok((result.rate, cpu * 1e6 / (result.rate * wall)))
+}
+
+/// A store is settled once it spends less than this share of a core over a
+/// [`SETTLE_LOOK`]: what a load left it (the search index catching up, its merges) is done.
+const SETTLED_CORES: f64 = 0.05;
+const SETTLE_LOOK: Duration = Duration::from_millis(200);
+/// A store still busy after this long is left busy: the next turn starts anyway.
+const SETTLE_AT_MOST: Duration = Duration::from_secs(20);
+
+/// Waits until the store has done what the load left it to do, so that none of it falls
+/// into the other build's turn; the CPU it spends meanwhile counts as the load's (the
+/// caller reads the CPU after this).
+async fn settle(store: &Store) {
+    let since = std::time::Instant::now();
+    let mut before = profile::cpu_secs(store.pid());
+    while since.elapsed() < SETTLE_AT_MOST {
+        tokio::time::sleep(SETTLE_LOOK).await;
+        let now = profile::cpu_secs(store.pid());
+        if now - before < SETTLED_CORES * SETTLE_LOOK.as_secs_f64() {
+            return;
+        }
+        before = now;
+    }
 }
 
 async fn stream_appenders(

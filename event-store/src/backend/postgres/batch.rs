@@ -378,6 +378,7 @@ async fn write_batch(
     crate::metrics::pg_batch(writes.len());
     let result = timed("append", async {
         let stmt = client.prepare_cached(statement).await?;
+        let [s0, s1, s2, s3, s4, s5] = searched.params();
         let params: [&(dyn tokio_postgres::types::ToSql + Sync); 19] = [
             &sessions,
             &versions,
@@ -391,12 +392,12 @@ async fn write_batch(
             &seqs,
             &event_ids,
             &bodies,
-            &searched.sessions,
-            &searched.seqs,
-            &searched.times,
-            &searched.kinds,
-            &searched.bodies,
-            &searched.words,
+            s0,
+            s1,
+            s2,
+            s3,
+            s4,
+            s5,
             &forks,
         ];
         let taken = if forks.is_empty() { 18 } else { 19 };

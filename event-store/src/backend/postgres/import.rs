@@ -237,18 +237,8 @@ impl Staging for PgStaging {
         for event in &events {
             searched.add(&self.session_id, event);
         }
-        self.run(
-            super::search::INSERT_ROWS,
-            &[
-                &searched.sessions,
-                &searched.seqs,
-                &searched.times,
-                &searched.kinds,
-                &searched.bodies,
-                &searched.words,
-            ],
-        )
-        .await?;
+        self.run(super::search::INSERT_ROWS, &searched.params())
+            .await?;
         for event in &events {
             self.meta.apply_event(event);
         }

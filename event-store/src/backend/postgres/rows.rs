@@ -134,4 +134,17 @@ impl SearchRows {
         self.bodies.push(searchable.text.replace('\0', " "));
         self.words.push(literal);
     }
+
+    /// The six arrays as statement parameters, in the order of the column list
+    /// `(session_id, seq, ts_unix_ms, kind, body, words)`.
+    pub(super) fn params(&self) -> [&(dyn tokio_postgres::types::ToSql + Sync); 6] {
+        [
+            &self.sessions,
+            &self.seqs,
+            &self.times,
+            &self.kinds,
+            &self.bodies,
+            &self.words,
+        ]
+    }
 }

@@ -235,8 +235,8 @@ async fn backfill_one(connector: &Connector) -> Result<bool, String> {
     .await
     .map_err(failed)?
     .is_some();
-    let mut from = 1i64;
     if live {
+        let mut from = 1i64;
         loop {
             let rows = timed(
                 "search_backfill",
@@ -263,17 +263,7 @@ async fn backfill_one(connector: &Connector) -> Result<bool, String> {
             }
             timed(
                 "search_backfill",
-                tx.execute(
-                    INSERT_ROWS,
-                    &[
-                        &searched.sessions,
-                        &searched.seqs,
-                        &searched.times,
-                        &searched.kinds,
-                        &searched.bodies,
-                        &searched.words,
-                    ],
-                ),
+                tx.execute(INSERT_ROWS, &searched.params()),
             )
             .await
             .map_err(failed)?;
