@@ -3,8 +3,9 @@
 //! users would otherwise pick, all measured in one run on one disk (`bench/RESULTS.md`).
 //!
 //! `bash bench/run` builds the release binaries, installs and starts the baselines and
-//! writes `bench/RESULTS.md` (keeping its hand-run sections); `--quick` only checks that every path still runs (CI). Every
-//! figure is the median of several runs with min and max; nothing here asserts a speed.
+//! writes `bench/RESULTS.md` (keeping its hand-run sections); `--quick` only checks that
+//! every path still runs (CI). Every figure is the median of several runs with min and
+//! max; nothing here asserts a speed.
 #![forbid(unsafe_code)]
 
 mod ab;
@@ -394,12 +395,7 @@ fn main() -> anyhow::Result<()> {
             let text = if kept.is_empty() {
                 text
             } else {
-                format!(
-                    "{}
-
-{kept}",
-                    text.trim_end()
-                )
+                format!("{}\n\n{kept}", text.trim_end())
             };
             std::fs::write(path, &text).with_context(|| format!("write {}", path.display()))?;
             eprintln!("wrote {}", path.display());

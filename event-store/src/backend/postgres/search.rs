@@ -199,12 +199,16 @@ pub(super) async fn backfill(connector: std::sync::Arc<Connector>, stop: Cancell
     }
 }
 
-/// Backfills one session; whether there was one.
-async fn backfill_one(connector: &Connector) -> Result<bool, String> {
-    let failed = |e: Timed| match e {
+/// A backfill step's error, as the task logs it.
+fn failed(e: Timed) -> String {
+    match e {
         Timed::Db(e) => e.to_string(),
         Timed::Elapsed => "the database did not answer".to_string(),
-    };
+    }
+}
+
+/// Backfills one session; whether there was one.
+async fn backfill_one(connector: &Connector) -> Result<bool, String> {
     let mut client = connector.pool.get().await.map_err(|e| e.to_string())?;
     let tx = timed("search_backfill", client.transaction())
         .await
@@ -236,41 +240,7 @@ async fn backfill_one(connector: &Connector) -> Result<bool, String> {
     .map_err(failed)?
     .is_some();
     if live {
-        let mut from = 1i64;
-        loop {
-            let rows = timed(
-                "search_backfill",
-                tx.query(
-                    concat!(
-                        line_cte!(),
-                        "SELECT e.seq, e.body FROM line l CROSS JOIN LATERAL (\
-                     SELECT seq, body FROM agentlog_events WHERE session_id = l.sid \
-                     AND seq >= $2 AND seq <= l.hi ORDER BY seq LIMIT $3) e \
-                     ORDER BY e.seq LIMIT $3"
-                    ),
-                    &[&session_id, &from, &BACKFILL_BATCH],
-                ),
-            )
-            .await
-            .map_err(failed)?;
-            let mut searched = SearchRows::default();
-            for row in &rows {
-                let seq: i64 = row.get(0);
-                from = seq + 1;
-                let body: &[u8] = row.get(1);
-                let event = Event::decode(body).map_err(|e| format!("{session_id}/{seq}: {e}"))?;
-                searched.add(&session_id, &event);
-            }
-            timed(
-                "search_backfill",
-                tx.execute(INSERT_ROWS, &searched.params()),
-            )
-            .await
-            .map_err(failed)?;
-            if (rows.len() as i64) < BACKFILL_BATCH {
-                break;
-            }
-        }
+        write_rows(&tx, &session_id).await?;
     }
     timed(
         "search_backfill",
@@ -285,4 +255,44 @@ async fn backfill_one(connector: &Connector) -> Result<bool, String> {
         .await
         .map_err(failed)?;
     Ok(true)
+}
+
+/// Writes the search rows of a session's whole line (a fork's shared prefix included),
+/// [`BACKFILL_BATCH`] events at a time.
+async fn write_rows(tx: &tokio_postgres::Transaction<'_>, session_id: &str) -> Result<(), String> {
+    let mut from = 1i64;
+    loop {
+        let rows = timed(
+            "search_backfill",
+            tx.query(
+                concat!(
+                    line_cte!(),
+                    "SELECT e.seq, e.body FROM line l CROSS JOIN LATERAL (\
+                     SELECT seq, body FROM agentlog_events WHERE session_id = l.sid \
+                     AND seq >= $2 AND seq <= l.hi ORDER BY seq LIMIT $3) e \
+                     ORDER BY e.seq LIMIT $3"
+                ),
+                &[&session_id, &from, &BACKFILL_BATCH],
+            ),
+        )
+        .await
+        .map_err(failed)?;
+        let mut searched = SearchRows::default();
+        for row in &rows {
+            let seq: i64 = row.get(0);
+            from = seq + 1;
+            let body: &[u8] = row.get(1);
+            let event = Event::decode(body).map_err(|e| format!("{session_id}/{seq}: {e}"))?;
+            searched.add(session_id, &event);
+        }
+        timed(
+            "search_backfill",
+            tx.execute(INSERT_ROWS, &searched.params()),
+        )
+        .await
+        .map_err(failed)?;
+        if (rows.len() as i64) < BACKFILL_BATCH {
+            return Ok(());
+        }
+    }
 }
