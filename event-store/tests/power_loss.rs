@@ -13,6 +13,7 @@ mod common;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use agentlog_proto::v1::Durability;
 use common::{append_op, history, open_store_with};
@@ -120,6 +121,11 @@ impl Cut {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acknowledged_appends_survive_power_loss_at_any_moment() {
+    // A few seconds alone, under a minute beside the other suites on two cores.
+    let _watchdog = testkit::watchdog(
+        "acknowledged_appends_survive_power_loss_at_any_moment",
+        Duration::from_secs(300),
+    );
     let seed = std::env::var("POWER_LOSS_SEED")
         .ok()
         .and_then(|s| s.parse().ok())

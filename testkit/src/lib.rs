@@ -1,6 +1,7 @@
 //! The kit for starting the real agentlog binaries as users start them (a free port, a temp
 //! data dir or a fresh database), shared by the integration tests and the bench: where the
-//! binaries are, the event store process, signals, and a private PostgreSQL (`pg`).
+//! binaries are, the event store process, signals, a private PostgreSQL (`pg`), and a
+//! watchdog that turns a hung test into its threads' stacks (`watchdog`).
 //!
 //! Binaries are taken from the cargo target directory the caller was built into; build them
 //! first (`cargo build --workspace --bins`, which `.ci/run` does).
@@ -9,6 +10,9 @@
 pub mod docker;
 pub mod netns;
 pub mod pg;
+mod watchdog;
+
+pub use watchdog::{watchdog, Watchdog};
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;

@@ -29,7 +29,9 @@
 //!   readers see the tombstone, and live subscribers are ended, only after that fsync;
 //! - any other I/O error on the log stops the writer for good: after a failed fsync the
 //!   kernel may have dropped the dirty pages, so nothing more may be acknowledged (the
-//!   process exits and recovery re-reads what is really on disk).
+//!   process exits and recovery re-reads what is really on disk);
+//! - once the writer stops, for whatever reason, every op queued or on its way to the queue
+//!   is answered (its reply dropped: `UNAVAILABLE` to its caller); none is left waiting.
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, LazyLock};
@@ -302,6 +304,19 @@ fn next_op(queue: &mut mpsc::Receiver<Op>, linger: Duration) -> Option<Op> {
     queue.blocking_recv()
 }
 
+/// Closes the queue of a writer that stopped and answers every op still in it, or still on
+/// its way: a caller that had its place in the queue before the close puts its op in after
+/// it (tokio's `send` takes the place, then puts the op), and a receiver merely dropped would
+/// leave that op in the channel, its caller waiting for good. `recv` after `close` ends only
+/// once no place is held, so each such op arrives here; dropping it drops its reply, which
+/// its caller reads as `UNAVAILABLE`.
+fn drain(mut queue: mpsc::Receiver<Op>) {
+    queue.close();
+    while let Some(op) = queue.blocking_recv() {
+        drop(op);
+    }
+}
+
 impl Writer {
     /// `cache_bytes`: the budget of the sessions' states kept in memory
     /// ([`Sessions`]). The runnable sessions are read from the index's listing.
@@ -330,8 +345,15 @@ impl Writer {
         })
     }
 
-    /// Runs until every sender of the queue is gone (shutdown) or the log fails.
-    pub fn run(mut self, mut queue: mpsc::Receiver<Op>) -> Result<(), StoreError> {
+    /// Runs until every sender of the queue is gone (shutdown) or the log fails, then
+    /// answers whatever is still on its way ([`drain`]).
+    pub fn run(self, mut queue: mpsc::Receiver<Op>) -> Result<(), StoreError> {
+        let result = self.serve(&mut queue);
+        drain(queue);
+        result
+    }
+
+    fn serve(mut self, queue: &mut mpsc::Receiver<Op>) -> Result<(), StoreError> {
         let mut linger = LINGER;
         loop {
             let first = match queue.try_recv() {
@@ -343,7 +365,7 @@ impl Writer {
                         self.absorb()?;
                         continue;
                     }
-                    match next_op(&mut queue, linger) {
+                    match next_op(queue, linger) {
                         Some(op) => op,
                         None => break,
                     }
@@ -1443,7 +1465,41 @@ fn fenced(error: &StoreError, op: &'static str) {
 
 #[cfg(test)]
 mod tests {
-    use super::looks_again_on;
+    use std::time::Duration;
+
+    use tokio::sync::{mpsc, oneshot};
+
+    use super::{drain, looks_again_on, Op};
+
+    /// The race a stopping writer meets: a caller holds its place in the queue (between the
+    /// two steps of `send`) when the writer stops, and puts its op in afterwards.
+    #[test]
+    fn an_op_on_its_way_when_the_writer_stops_is_answered() {
+        let (queue, rx) = mpsc::channel(4);
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime");
+        let place = runtime.block_on(queue.reserve()).expect("a place");
+        let stopped = std::thread::spawn(move || drain(rx));
+        // The drain has closed the queue and waits (if it has not yet, the op is merely
+        // queued before the close: answered all the same).
+        std::thread::sleep(Duration::from_millis(20));
+        let (reply, mut answer) = oneshot::channel();
+        place.send(Op::Room(reply));
+        stopped
+            .join()
+            .expect("the drain ends once no place is held");
+        assert_eq!(
+            answer.try_recv(),
+            Err(oneshot::error::TryRecvError::Closed),
+            "the op's reply is dropped (UNAVAILABLE to its caller), not left waiting"
+        );
+        let (reply, _answer) = oneshot::channel();
+        assert!(
+            queue.try_send(Op::Room(reply)).is_err(),
+            "a stopped writer's queue takes nothing more"
+        );
+    }
 
     #[test]
     fn waiting_threads_look_again_only_with_a_core_to_spare() {

@@ -246,11 +246,28 @@ pub(super) fn start(
     tx
 }
 
+/// Writes batches until the store stops, then answers every write still queued or on its
+/// way (each dropped: its caller reads `UNAVAILABLE`). A receiver merely dropped would keep
+/// a write sent while it went away, and leave its caller waiting for good; `recv` after
+/// `close` ends only once every send under way has put its write in.
 async fn run(
     connector: Arc<Connector>,
     health: Arc<Health>,
     in_flight: usize,
     mut queue: mpsc::UnboundedReceiver<Write>,
+    stop: CancellationToken,
+    index_search: bool,
+) {
+    serve(connector, health, in_flight, &mut queue, stop, index_search).await;
+    queue.close();
+    while queue.recv().await.is_some() {}
+}
+
+async fn serve(
+    connector: Arc<Connector>,
+    health: Arc<Health>,
+    in_flight: usize,
+    queue: &mut mpsc::UnboundedReceiver<Write>,
     stop: CancellationToken,
     index_search: bool,
 ) {
