@@ -13,6 +13,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 /// One segment file. Every method takes `&self`: the writer appends while subscribers read.
 pub trait SegmentFile: Send + Sync {
@@ -148,10 +149,22 @@ pub struct FsStorage {
     dir: PathBuf,
     /// The reserve's size (0: none kept) and whether its file is in place.
     reserve: Mutex<(u64, bool)>,
+    /// The last look at the volume for [`Storage::low_space`]: when, its free bytes and
+    /// what is kept free.
+    looked: Mutex<Option<(Instant, u64, u64)>>,
 }
 
 /// The reserve's file in the log directory.
 const RESERVE_FILE: &str = "reserve";
+
+/// [`Storage::low_space`] is asked before every batch the log writes; a `statvfs` costs
+/// ~2 µs on that path. A look at most this old answers it while the volume had more than
+/// [`ROOM_MARGIN`] to spare above what is kept free: the log cannot write that much in
+/// this time, and whoever else fills the volume meanwhile meets the same `fallocate`
+/// (`StorageFull`) that a look just before would have raced. Nearer the line, every call
+/// looks again.
+const ROOM_FRESH: Duration = Duration::from_millis(10);
+const ROOM_MARGIN: u64 = 256 << 20;
 
 impl FsStorage {
     pub fn open_dir(dir: &Path) -> io::Result<FsStorage> {
@@ -159,6 +172,7 @@ impl FsStorage {
         Ok(FsStorage {
             dir: dir.to_path_buf(),
             reserve: Mutex::new((0, false)),
+            looked: Mutex::new(None),
         })
     }
 
@@ -174,6 +188,20 @@ impl FsStorage {
         let volume = stat.blocks() as u64 * unit;
         let free = stat.blocks_available() as u64 * unit;
         Ok((free, headroom(volume), volume))
+    }
+
+    /// [`FsStorage::room`]'s free and kept bytes, from a recent look if it is good enough
+    /// ([`ROOM_FRESH`]).
+    fn recent_room(&self) -> io::Result<(u64, u64)> {
+        let mut looked = lock(&self.looked);
+        if let Some((at, free, keep)) = *looked {
+            if free >= keep.saturating_add(ROOM_MARGIN) && at.elapsed() < ROOM_FRESH {
+                return Ok((free, keep));
+            }
+        }
+        let (free, keep, _) = self.room()?;
+        *looked = Some((Instant::now(), free, keep));
+        Ok((free, keep))
     }
 
     fn path(&self, base: u64) -> PathBuf {
@@ -264,7 +292,7 @@ impl Storage for FsStorage {
     }
 
     fn low_space(&self) -> io::Result<Option<String>> {
-        let (free, keep, _) = self.room()?;
+        let (free, keep) = self.recent_room()?;
         let (reserve, in_place) = *lock(&self.reserve);
         if reserve > 0 && !in_place {
             return Ok(Some(format!(
