@@ -26,6 +26,10 @@ use crate::stats::{cell, fmt_ratio, Runs};
 use crate::Target;
 
 /// The load points of an A/B: the 64-client goal on both paths, and one client.
+/// How many times a profile is recorded before the report says why there is none
+/// ([`profile::Recording::finish`]).
+const PROFILE_ATTEMPTS: usize = 3;
+
 pub const POINTS: [(Target, usize); 4] = [
     (Target::AgentlogStream, 64),
     (Target::Agentlog, 64),
@@ -52,8 +56,8 @@ pub struct AbPoint {
 #[derive(Debug, Clone)]
 pub struct AbProfile {
     pub clients: usize,
-    pub candidate: (String, String, String),
-    pub base: (String, String, String),
+    pub candidate: profile::Views,
+    pub base: profile::Views,
 }
 
 #[derive(Debug, Clone)]
@@ -216,18 +220,34 @@ pub async fn run(
             };
             let mut recorded = Vec::new();
             for (store, name) in [(candidate, "candidate"), (base, "base")] {
-                crate::progress(&format!("A/B profile: {name}"));
-                let appenders =
-                    stream_appenders(store, clients, &format!("ab-perf-{name}")).await?;
-                let load = tokio::spawn(closed_loop(appenders, window));
-                tokio::time::sleep(window.warmup).await;
-                let recording = profile::Recording::start(
-                    store.pid(),
-                    &dir.join(format!("ab-{name}.perf.data")),
-                    window.measure.as_secs_f64(),
-                )?;
-                load.await??;
-                recorded.push(tokio::task::block_in_place(|| recording.finish())?);
+                let mut views = None;
+                for attempt in 1..=PROFILE_ATTEMPTS {
+                    crate::progress(&format!("A/B profile: {name}"));
+                    let appenders =
+                        stream_appenders(store, clients, &format!("ab-perf-{name}-{attempt}"))
+                            .await?;
+                    let load = tokio::spawn(closed_loop(appenders, window));
+                    tokio::time::sleep(window.warmup).await;
+                    let recording = profile::Recording::start(
+                        store.pid(),
+                        &dir.join(format!("ab-{name}.perf.data")),
+                        window.measure.as_secs_f64(),
+                    )?;
+                    load.await??;
+                    match tokio::task::block_in_place(|| recording.finish()) {
+                        Ok(done) => {
+                            views = Some(done);
+                            break;
+                        }
+                        Err(e) => {
+                            crate::progress(&format!("A/B profile: {name}: {e:#}"));
+                            if attempt == PROFILE_ATTEMPTS {
+                                views = Some(profile::unrecorded(&e));
+                            }
+                        }
+                    }
+                }
+                recorded.push(views.expect("set by the last attempt"));
             }
             let base = recorded.pop().expect("two recordings");
             let candidate = recorded.pop().expect("two recordings");

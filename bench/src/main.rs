@@ -941,7 +941,8 @@ async fn profile_appends(
             None => None,
         };
         if let Some(r) = record {
-            recording = Some(tokio::task::block_in_place(|| r.finish())?);
+            let views = tokio::task::block_in_place(|| r.finish());
+            recording = Some(views.unwrap_or_else(|e| profile::unrecorded(&e)));
         }
         rows.push(report::ProfileRow {
             target,

@@ -111,31 +111,55 @@ impl SyscallCount {
     }
 }
 
+/// What a recording shows: CPU by thread, the hottest symbols (self time), and where the
+/// log-writer thread spends its CPU.
+pub type Views = (String, String, String);
+
+/// The views of a recording that could not be made, saying why.
+pub fn unrecorded(why: &anyhow::Error) -> Views {
+    (format!("no profile: {why:#}"), String::new(), String::new())
+}
+
 /// `perf record` of one process for a while.
 pub struct Recording {
     child: Child,
     data: std::path::PathBuf,
+    log: std::path::PathBuf,
 }
 
 impl Recording {
     pub fn start(pid: u32, data: &Path, secs: f64) -> anyhow::Result<Recording> {
+        let log = data.with_extension("log");
         let child = Command::new("perf")
             .args(["record", "-e", "cpu-clock", "-F", "999", "-g", "-o"])
             .arg(data)
             .args(["-p", &pid.to_string(), "--", "sleep", &format!("{secs:.2}")])
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(std::fs::File::create(&log)?)
             .spawn()?;
         Ok(Recording {
             child,
             data: data.to_path_buf(),
+            log,
         })
     }
 
     /// Waits for the recording to end and returns three views: CPU by thread, the
     /// hottest symbols, and where the log-writer thread spends its CPU (self time).
-    pub fn finish(mut self) -> anyhow::Result<(String, String, String)> {
-        self.child.wait()?;
+    /// A `perf record` that failed is an error with perf's last words: attaching to every
+    /// thread of a process races with threads that end meanwhile (tantivy's merge threads
+    /// come and go), and then perf gives up; the caller may record again.
+    pub fn finish(mut self) -> anyhow::Result<Views> {
+        let status = self.child.wait()?;
+        if !status.success() {
+            let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+            let last = log
+                .lines()
+                .rev()
+                .find(|l| !l.trim().is_empty())
+                .unwrap_or("");
+            anyhow::bail!("perf record exited with {status}: {last}");
+        }
         let report = |args: &[&str]| -> anyhow::Result<String> {
             let out = Command::new("perf")
                 .args(["report", "--stdio", "-g", "none"])

@@ -25,7 +25,7 @@ pub struct Profile {
     pub clients: usize,
     pub rows: Vec<ProfileRow>,
     /// perf report by thread, by symbol, and the log writer's inclusive profile.
-    pub perf: Option<(String, String, String)>,
+    pub perf: Option<crate::profile::Views>,
 }
 
 /// One reader of the catch-up figure.
