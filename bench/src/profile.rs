@@ -147,8 +147,9 @@ impl Recording {
     /// Waits for the recording to end and returns three views: CPU by thread, the
     /// hottest symbols, and where the log-writer thread spends its CPU (self time).
     /// A `perf record` that failed is an error with perf's last words: attaching to every
-    /// thread of a process races with threads that end meanwhile (tantivy's merge threads
-    /// come and go), and then perf gives up; the caller may record again.
+    /// thread of a process races with threads that end meanwhile (tantivy starts its
+    /// indexing threads anew after each commit of the search index), and then perf gives
+    /// up; the caller may record again.
     pub fn finish(mut self) -> anyhow::Result<Views> {
         let status = self.child.wait()?;
         if !status.success() {
