@@ -25,11 +25,11 @@ use crate::profile;
 use crate::stats::{cell, fmt_ratio, Runs};
 use crate::Target;
 
-/// The load points of an A/B: the 64-client goal on both paths, and one client.
 /// How many times a profile is recorded before the report says why there is none
 /// ([`profile::Recording::finish`]).
 const PROFILE_ATTEMPTS: usize = 3;
 
+/// The load points of an A/B: the 64-client goal on both paths, and one client.
 pub const POINTS: [(Target, usize); 4] = [
     (Target::AgentlogStream, 64),
     (Target::Agentlog, 64),
@@ -220,8 +220,8 @@ pub async fn run(
             };
             let mut recorded = Vec::new();
             for (store, name) in [(candidate, "candidate"), (base, "base")] {
-                let mut views = None;
-                for attempt in 1..=PROFILE_ATTEMPTS {
+                let mut attempt = 1;
+                let views = loop {
                     crate::progress(&format!("A/B profile: {name}"));
                     let appenders =
                         stream_appenders(store, clients, &format!("ab-perf-{name}-{attempt}"))
@@ -235,19 +235,17 @@ pub async fn run(
                     )?;
                     load.await??;
                     match tokio::task::block_in_place(|| recording.finish()) {
-                        Ok(done) => {
-                            views = Some(done);
-                            break;
-                        }
+                        Ok(done) => break done,
                         Err(e) => {
                             crate::progress(&format!("A/B profile: {name}: {e:#}"));
                             if attempt == PROFILE_ATTEMPTS {
-                                views = Some(profile::unrecorded(&e));
+                                break profile::unrecorded(&e);
                             }
+                            attempt += 1;
                         }
                     }
-                }
-                recorded.push(views.expect("set by the last attempt"));
+                };
+                recorded.push(views);
             }
             let base = recorded.pop().expect("two recordings");
             let candidate = recorded.pop().expect("two recordings");

@@ -242,14 +242,7 @@ async fn a_query_walks_a_bounded_stretch_per_call_and_pages_through_the_rest() {
         !first.next_page_token.is_empty(),
         "the first call stops at its budget with a token: {first:?}"
     );
-    let all = all_pages(
-        &store,
-        ListSessionsRequest {
-            page_size: 50,
-            query: "needle".into(),
-            ..Default::default()
-        },
-    );
+    let all = all_pages(&store, needles);
     let mut ids: Vec<String> = all.into_iter().map(|(id, ..)| id).collect();
     ids.sort();
     assert_eq!(
