@@ -25,10 +25,6 @@ use crate::profile;
 use crate::stats::{cell, fmt_ratio, Runs};
 use crate::Target;
 
-/// How many times a profile is recorded before the report says why there is none
-/// ([`profile::Recording::finish`]).
-const PROFILE_ATTEMPTS: usize = 3;
-
 /// The load points of an A/B: the 64-client goal on both paths, and one client.
 pub const POINTS: [(Target, usize); 4] = [
     (Target::AgentlogStream, 64),
@@ -127,7 +123,7 @@ impl AbResult {
         if let Some(profile) = &self.profile {
             writeln!(
                 md,
-                "`perf record -e cpu-clock -g` of each store under {} clients on AppendStream, \
+                "`perf record -e cpu-clock -a`, the samples of each store under {} clients on AppendStream, \
                  one after the other:\n",
                 profile.clients
             )?;
@@ -220,31 +216,19 @@ pub async fn run(
             };
             let mut recorded = Vec::new();
             for (store, name) in [(candidate, "candidate"), (base, "base")] {
-                let mut attempt = 1;
-                let views = loop {
-                    crate::progress(&format!("A/B profile: {name}"));
-                    let appenders =
-                        stream_appenders(store, clients, &format!("ab-perf-{name}-{attempt}"))
-                            .await?;
-                    let load = tokio::spawn(closed_loop(appenders, window));
-                    tokio::time::sleep(window.warmup).await;
-                    let recording = profile::Recording::start(
-                        store.pid(),
-                        &dir.join(format!("ab-{name}.perf.data")),
-                        window.measure.as_secs_f64(),
-                    )?;
-                    load.await??;
-                    match tokio::task::block_in_place(|| recording.finish()) {
-                        Ok(done) => break done,
-                        Err(e) => {
-                            crate::progress(&format!("A/B profile: {name}: {e:#}"));
-                            if attempt == PROFILE_ATTEMPTS {
-                                break profile::unrecorded(&e);
-                            }
-                            attempt += 1;
-                        }
-                    }
-                };
+                crate::progress(&format!("A/B profile: {name}"));
+                let appenders =
+                    stream_appenders(store, clients, &format!("ab-perf-{name}")).await?;
+                let load = tokio::spawn(closed_loop(appenders, window));
+                tokio::time::sleep(window.warmup).await;
+                let recording = profile::Recording::start(
+                    store.pid(),
+                    &dir.join(format!("ab-{name}.perf.data")),
+                    window.measure.as_secs_f64(),
+                )?;
+                load.await??;
+                let views = tokio::task::block_in_place(|| recording.finish())
+                    .unwrap_or_else(|e| profile::unrecorded(&e));
                 recorded.push(views);
             }
             let base = recorded.pop().expect("two recordings");
@@ -289,32 +273,10 @@ async fn load(
         closed_loop(appenders, window).await?
     };
     let wall = started.elapsed().as_secs_f64();
-    settle(store).await;
+    // What the load left the store to do falls in this turn, not the other build's.
+    profile::settle(|| profile::cpu_secs(store.pid())).await;
     let cpu = profile::cpu_secs(store.pid()) - cpu_before;
     Ok((result.rate, cpu * 1e6 / (result.rate * wall)))
-}
-
-/// A store is settled once it spends less than this share of a core over a
-/// [`SETTLE_LOOK`]: what a load left it (the search index catching up, its merges) is done.
-const SETTLED_CORES: f64 = 0.05;
-const SETTLE_LOOK: Duration = Duration::from_millis(200);
-/// A store still busy after this long is left busy: the next turn starts anyway.
-const SETTLE_AT_MOST: Duration = Duration::from_secs(20);
-
-/// Waits until the store has done what the load left it to do, so that none of it falls
-/// into the other build's turn; the CPU it spends meanwhile counts as the load's (the
-/// caller reads the CPU after this).
-async fn settle(store: &Store) {
-    let since = std::time::Instant::now();
-    let mut before = profile::cpu_secs(store.pid());
-    while since.elapsed() < SETTLE_AT_MOST {
-        tokio::time::sleep(SETTLE_LOOK).await;
-        let now = profile::cpu_secs(store.pid());
-        if now - before < SETTLED_CORES * SETTLE_LOOK.as_secs_f64() {
-            return;
-        }
-        before = now;
-    }
 }
 
 async fn stream_appenders(

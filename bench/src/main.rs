@@ -225,6 +225,10 @@ pub enum Target {
     CeilingOneSession,
     /// agentlog with fsync skipped, through `AppendStream`, one session per client.
     CeilingStream,
+    /// The gRPC floor (`agentlog-bench-floor`): unary `Append` answered from memory.
+    Floor,
+    /// The gRPC floor through `AppendStream`.
+    FloorStream,
     Naive,
     Postgres,
     Redis,
@@ -233,13 +237,15 @@ pub enum Target {
 
 impl Target {
     /// Every system, in the order the tables list them.
-    pub const ALL: [Target; 10] = [
+    pub const ALL: [Target; 12] = [
         Target::Agentlog,
         Target::AgentlogOneSession,
         Target::AgentlogStream,
         Target::Ceiling,
         Target::CeilingOneSession,
         Target::CeilingStream,
+        Target::Floor,
+        Target::FloorStream,
         Target::Naive,
         Target::Postgres,
         Target::Redis,
@@ -256,6 +262,10 @@ impl Target {
             Target::CeilingStream => {
                 "agentlog AppendStream, fsync skipped (ceiling), one session per client"
             }
+            Target::Floor => "the gRPC floor: Append answered from memory, nothing stored",
+            Target::FloorStream => {
+                "the gRPC floor: AppendStream answered from memory, nothing stored"
+            }
             Target::Naive => "naive JSONL + fsync per event (one process)",
             Target::Postgres => "PostgreSQL 15, INSERT per event, synchronous_commit=on",
             Target::Redis => "Redis Streams XADD, appendfsync always",
@@ -268,6 +278,8 @@ impl Target {
 struct Systems {
     store: Store,
     ceiling: Option<Store>,
+    /// `agentlog-bench-floor`: the store's transport, answering appends from memory.
+    floor: Option<Store>,
     postgres: Option<Postgres>,
     redis: Option<Redis>,
     etcd: Option<Etcd>,
@@ -297,6 +309,23 @@ impl Appender for AnyAppender {
 }
 
 impl Systems {
+    /// The server process of `target`, if it runs as one.
+    fn pid(&self, target: Target) -> Option<u32> {
+        match target {
+            Target::Agentlog | Target::AgentlogOneSession | Target::AgentlogStream => {
+                Some(self.store.pid())
+            }
+            Target::Ceiling | Target::CeilingOneSession | Target::CeilingStream => {
+                self.ceiling.as_ref().map(Store::pid)
+            }
+            Target::Floor | Target::FloorStream => self.floor.as_ref().map(Store::pid),
+            Target::Naive => None,
+            Target::Postgres => self.postgres.as_ref().map(Postgres::pid),
+            Target::Redis => self.redis.as_ref().map(Redis::pid),
+            Target::Etcd => self.etcd.as_ref().map(Etcd::pid),
+        }
+    }
+
     /// The clients of one load point, or None where the target is not running (or, for
     /// the naive baseline, is one process by definition).
     async fn appenders(
@@ -339,6 +368,20 @@ impl Systems {
                         AgentlogStreamAppender::connect(&ceiling.url(), format!("{session}-s"))
                             .await?,
                     )
+                }
+                Target::Floor | Target::FloorStream => {
+                    let Some(floor) = &self.floor else {
+                        return Ok(None);
+                    };
+                    if target == Target::Floor {
+                        AnyAppender::Agentlog(
+                            AgentlogAppender::connect(&floor.url(), session).await?,
+                        )
+                    } else {
+                        AnyAppender::AgentlogStream(
+                            AgentlogStreamAppender::connect(&floor.url(), session).await?,
+                        )
+                    }
                 }
                 Target::Naive => {
                     if clients != 1 {
@@ -504,21 +547,47 @@ async fn run_suite(
         report.round_trip_ms.push(p50);
     }
 
-    // Where the time goes at 64 clients (or the largest count measured).
-    if !args.quick && !args.no_profile {
-        progress("profile");
-        let clients = if plan.clients.contains(&64) {
-            64
-        } else {
-            plan.clients.iter().copied().max().unwrap_or(1)
-        };
-        let window = Window {
+    // Where the time goes at 64 clients (or the largest count measured), over longer loads.
+    let clients = if plan.clients.contains(&64) {
+        64
+    } else {
+        plan.clients.iter().copied().max().unwrap_or(1)
+    };
+    let window = if args.quick {
+        plan.window
+    } else {
+        Window {
             warmup: plan.window.warmup,
             measure: plan.window.measure.max(Duration::from_secs(3)),
-        };
+        }
+    };
+    if !args.quick && !args.no_profile {
+        progress("profile");
         match profile_appends(&systems, clients, window, dir).await {
             Ok(p) => report.profile = Some(p),
             Err(e) => report.note(format!("No profile: {e:#}")),
+        }
+    }
+    // CPU per append with every system at one rate: a little below the slower of the store
+    // and Redis (the store's alone without the baselines).
+    if !args.no_profile {
+        let slower = [Target::AgentlogStream, Target::Redis]
+            .into_iter()
+            .filter_map(|target| report.rate(target, clients).map(|runs| runs.median()))
+            .reduce(f64::min);
+        if let Some(slower) = slower {
+            let rate = (SAME_RATE_SHARE * slower).round();
+            progress(&format!("one rate for all: {rate} appends/s"));
+            match same_rate(&systems, clients, rate, window).await {
+                Ok(rows) => {
+                    report.same_rate = Some(report::SameRate {
+                        clients,
+                        rate,
+                        rows,
+                    })
+                }
+                Err(e) => report.note(format!("No figure at one rate: {e:#}")),
+            }
         }
     }
 
@@ -700,9 +769,9 @@ async fn only_catch_up(
 }
 
 /// Starts the systems a run compares, each in a fresh directory under `dir`: agentlog and,
-/// unless `--quick` or `--no-baselines`, PostgreSQL; with `all`, also the fsync-skipped
-/// ceiling (unless `--quick`), Redis and etcd. A baseline that does not start is noted in
-/// the report and left out.
+/// unless `--quick` or `--no-baselines`, PostgreSQL; with `all`, also the gRPC floor, the
+/// fsync-skipped ceiling (unless `--quick`), Redis and etcd. A baseline that does not start
+/// is noted in the report and left out.
 async fn start_systems(
     args: &Args,
     dir: &Path,
@@ -726,6 +795,16 @@ async fn start_systems(
             });
             None
         }
+    };
+    let floor = if all {
+        let binary = testkit::bin_path("agentlog-bench-floor");
+        start_or_note(
+            report,
+            "The gRPC floor",
+            Store::start_binary(&binary, &fresh("floor")?),
+        )
+    } else {
+        None
     };
     let baselines = !args.quick && !args.no_baselines;
     let postgres = if baselines {
@@ -757,6 +836,7 @@ async fn start_systems(
     Ok(Systems {
         store,
         ceiling,
+        floor,
         postgres,
         redis,
         etcd,
@@ -882,6 +962,48 @@ fn start_or_note<T>(report: &mut Report, name: &str, started: anyhow::Result<T>)
     }
 }
 
+/// The share of the slower closed-loop rate (the store's AppendStream or Redis) at which
+/// [`same_rate`] paces every system: below what either sustains, so that each keeps up.
+pub const SAME_RATE_SHARE: f64 = 0.8;
+
+/// Server CPU per append of the store, the gRPC floor and Redis under the same paced load
+/// (`rate` appends/s from `clients` clients on one session each): CPU per append falls as
+/// the rate rises (more appends share each wake-up, read and fsync), so systems compared
+/// at their own closed-loop rates are not compared at the same work. Each load starts on
+/// an idle server and counts until it is idle again. Returns (target, rate kept up, µs).
+async fn same_rate(
+    systems: &Systems,
+    clients: usize,
+    rate: f64,
+    window: Window,
+) -> anyhow::Result<Vec<(Target, f64, f64)>> {
+    let mut rows = Vec::new();
+    for target in [
+        Target::AgentlogStream,
+        Target::CeilingStream,
+        Target::FloorStream,
+        Target::Redis,
+    ] {
+        let Some(pid) = systems.pid(target) else {
+            continue;
+        };
+        let Some(appenders) = systems.appenders(target, clients, 2000).await? else {
+            continue;
+        };
+        let pids = profile::with_children(pid);
+        let tree_cpu = || profile::tree_cpu_secs(pid, &pids[1..]);
+        profile::settle(tree_cpu).await;
+        let cpu_before = tree_cpu();
+        let started = std::time::Instant::now();
+        let result = load::paced(appenders, window, rate).await?;
+        let wall = started.elapsed().as_secs_f64();
+        profile::settle(tree_cpu).await;
+        let cpu = tree_cpu() - cpu_before;
+        rows.push((target, result.rate, cpu * 1e6 / (result.rate * wall)));
+    }
+    Ok(rows)
+}
+
 /// CPU use, fsync counts and a sampled profile of the store under `clients` clients, and
 /// fsync counts of the baselines under the same load.
 async fn profile_appends(
@@ -893,21 +1015,32 @@ async fn profile_appends(
     let perf = profile::perf_available();
     let mut rows = Vec::new();
     let targets = [
-        (Target::Agentlog, Some(systems.store.pid())),
-        (Target::AgentlogStream, Some(systems.store.pid())),
-        (Target::Postgres, systems.postgres.as_ref().map(|p| p.pid())),
-        (Target::Redis, systems.redis.as_ref().map(|r| r.pid())),
-        (Target::Etcd, systems.etcd.as_ref().map(|e| e.pid())),
+        Target::Agentlog,
+        Target::AgentlogStream,
+        Target::FloorStream,
+        Target::Floor,
+        Target::Postgres,
+        Target::Redis,
+        Target::Etcd,
     ];
     let mut recording = None;
-    for (target, pid) in targets {
-        let Some(pid) = pid else { continue };
+    for target in targets {
+        let Some(pid) = systems.pid(target) else {
+            continue;
+        };
         progress(&format!("profile: {}", target.label()));
         let Some(appenders) = systems.appenders(target, clients, 1000).await? else {
             continue;
         };
         let pids = profile::with_children(pid);
-        // Load for the whole window; count and sample over the measured part only.
+        let tree_cpu = || profile::tree_cpu_secs(pid, &pids[1..]);
+        // What the loads before left this server to do is not this load's.
+        profile::settle(tree_cpu).await;
+        // Load for the whole window; count and sample over the measured part only; the CPU
+        // per append over the whole load and until the server has settled (what an append
+        // defers, such as indexing it, is its cost).
+        let load_cpu_before = tree_cpu();
+        let load_started = std::time::Instant::now();
         let load = tokio::spawn(closed_loop(appenders, window));
         tokio::time::sleep(window.warmup).await;
         let secs = window.measure.as_secs_f64();
@@ -920,7 +1053,7 @@ async fn profile_appends(
         } else {
             None
         };
-        let record = if perf && target == Target::Agentlog {
+        let record = if perf && target == Target::AgentlogStream {
             Some(profile::Recording::start(
                 pid,
                 &dir.join("perf.data"),
@@ -929,13 +1062,16 @@ async fn profile_appends(
         } else {
             None
         };
-        let server_cpu_before = profile::tree_cpu_secs(pid, &pids[1..]);
+        let server_cpu_before = tree_cpu();
         let bench_cpu_before = profile::cpu_secs(std::process::id());
         let started = std::time::Instant::now();
         let result = load.await??;
         let wall = started.elapsed().as_secs_f64();
-        let server_cpu = profile::tree_cpu_secs(pid, &pids[1..]) - server_cpu_before;
+        let load_wall = load_started.elapsed().as_secs_f64();
+        let server_cpu = tree_cpu() - server_cpu_before;
         let bench_cpu = profile::cpu_secs(std::process::id()) - bench_cpu_before;
+        profile::settle(tree_cpu).await;
+        let load_cpu = tree_cpu() - load_cpu_before;
         let syncs = match counter {
             Some(c) => Some(tokio::task::block_in_place(|| c.finish())?),
             None => None,
@@ -949,9 +1085,11 @@ async fn profile_appends(
             rate: result.rate,
             server_cores: server_cpu / wall,
             bench_cores: bench_cpu / wall,
-            server_cpu_us_per_append: server_cpu * 1e6 / (result.rate * wall),
+            server_cpu_us_per_append: load_cpu * 1e6 / (result.rate * load_wall),
             syncs_per_s: syncs.map(|s| s as f64 / secs),
-            appends_per_sync: syncs.map(|s| result.rate * secs / (s as f64).max(1.0)),
+            appends_per_sync: syncs
+                .filter(|&s| s > 0)
+                .map(|s| result.rate * secs / s as f64),
         });
     }
     Ok(report::Profile {

@@ -4,6 +4,7 @@
 
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
+use std::time::Duration;
 
 /// User + system CPU seconds a process (all its threads) has used so far.
 pub fn cpu_secs(pid: u32) -> f64 {
@@ -111,6 +112,29 @@ impl SyscallCount {
     }
 }
 
+/// A server is settled once it spends less than this share of a core over a
+/// [`SETTLE_LOOK`]: what a load left it (the search index catching up, its merges) is done.
+const SETTLED_CORES: f64 = 0.05;
+const SETTLE_LOOK: Duration = Duration::from_millis(200);
+/// A server still busy after this long is left busy: the next load starts anyway.
+const SETTLE_AT_MOST: Duration = Duration::from_secs(20);
+
+/// Waits until a server has done what a load left it to do (`cpu`: its CPU seconds so
+/// far), so that none of it falls into the next load; a caller that reads the CPU after
+/// this counts it as the load's.
+pub async fn settle(cpu: impl Fn() -> f64) {
+    let since = std::time::Instant::now();
+    let mut before = cpu();
+    while since.elapsed() < SETTLE_AT_MOST {
+        tokio::time::sleep(SETTLE_LOOK).await;
+        let now = cpu();
+        if now - before < SETTLED_CORES * SETTLE_LOOK.as_secs_f64() {
+            return;
+        }
+        before = now;
+    }
+}
+
 /// What a recording shows: CPU by thread, the hottest symbols (self time), and where the
 /// log-writer thread spends its CPU.
 pub type Views = (String, String, String);
@@ -120,9 +144,16 @@ pub fn unrecorded(why: &anyhow::Error) -> Views {
     (format!("no profile: {why:#}"), String::new(), String::new())
 }
 
-/// `perf record` of one process for a while.
+/// `perf record` of one process for a while. The whole machine is sampled and the views
+/// keep the samples whose process is this one: attaching to the process's threads instead
+/// (`-p`) races with threads that end meanwhile (tantivy starts its indexing threads anew
+/// after each commit of the search index), and perf then gives up; and `perf report`'s
+/// `--pid` filters whole merged entries (a `tokio-rt-worker` entry is the bench's or the
+/// store's by whichever thread made it first), so the views count the samples themselves.
+/// Self time only, as a cpu-clock profile without frame pointers gives it.
 pub struct Recording {
     child: Child,
+    pid: u32,
     data: std::path::PathBuf,
     log: std::path::PathBuf,
 }
@@ -131,25 +162,24 @@ impl Recording {
     pub fn start(pid: u32, data: &Path, secs: f64) -> anyhow::Result<Recording> {
         let log = data.with_extension("log");
         let child = Command::new("perf")
-            .args(["record", "-e", "cpu-clock", "-F", "999", "-g", "-o"])
+            .args(["record", "-e", "cpu-clock", "-F", "999", "-a", "-o"])
             .arg(data)
-            .args(["-p", &pid.to_string(), "--", "sleep", &format!("{secs:.2}")])
+            .args(["--", "sleep", &format!("{secs:.2}")])
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log)?)
             .spawn()?;
         Ok(Recording {
             child,
+            pid,
             data: data.to_path_buf(),
             log,
         })
     }
 
-    /// Waits for the recording to end and returns three views: CPU by thread, the
-    /// hottest symbols, and where the log-writer thread spends its CPU (self time).
-    /// A `perf record` that failed is an error with perf's last words: attaching to every
-    /// thread of a process races with threads that end meanwhile (tantivy starts its
-    /// indexing threads anew after each commit of the search index), and then perf gives
-    /// up; the caller may record again.
+    /// Waits for the recording to end and returns three views of the process: CPU by
+    /// thread, the hottest symbols, and where the log-writer thread spends its CPU, each
+    /// relative to what it shows. A `perf record` that failed is an error with perf's last
+    /// words.
     pub fn finish(mut self) -> anyhow::Result<Views> {
         let status = self.child.wait()?;
         if !status.success() {
@@ -161,41 +191,125 @@ impl Recording {
                 .unwrap_or("");
             anyhow::bail!("perf record exited with {status}: {last}");
         }
-        let report = |args: &[&str]| -> anyhow::Result<String> {
-            let out = Command::new("perf")
-                .args(["report", "--stdio", "-g", "none"])
-                .args(args)
-                .arg("-i")
-                .arg(&self.data)
-                .stderr(Stdio::null())
-                .output()?;
-            Ok(String::from_utf8_lossy(&out.stdout)
-                .lines()
-                .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
-                .take(25)
-                .collect::<Vec<_>>()
-                .join("\n"))
-        };
+        let out = Command::new("perf")
+            .args(["script", "-F", "comm,pid,tid,ip,sym,dso", "-i"])
+            .arg(&self.data)
+            .stderr(Stdio::null())
+            .output()?;
+        anyhow::ensure!(
+            out.status.success(),
+            "perf script exited with {}",
+            out.status
+        );
+        let text = String::from_utf8_lossy(&out.stdout);
+        let samples: Vec<Sample> = text
+            .lines()
+            .filter_map(Sample::parse)
+            .filter(|s| s.pid == self.pid)
+            .collect();
+        anyhow::ensure!(!samples.is_empty(), "no sample of process {}", self.pid);
+        let writer: Vec<&Sample> = samples.iter().filter(|s| s.comm == "log-writer").collect();
         Ok((
-            report(&["--no-children", "--sort", "comm", "--percent-limit", "1"])?,
-            report(&[
-                "--no-children",
-                "--sort",
-                "dso,sym",
-                "--percent-limit",
-                "1.5",
-            ])?,
-            report(&[
-                "--no-children",
-                "--comm",
-                "log-writer",
-                "--percentage",
-                "relative",
-                "--sort",
-                "dso,sym",
-                "--percent-limit",
-                "2",
-            ])?,
+            shares(samples.iter().map(|s| s.comm.clone()), 1.0),
+            shares(samples.iter().map(Sample::symbol), 1.5),
+            shares(writer.iter().map(|s| s.symbol()), 2.0),
         ))
+    }
+}
+
+/// One line of `perf script -F comm,pid,tid,ip,sym,dso`:
+/// `<comm> <pid>/<tid> <ip> <symbol> (<dso path>)`; a thread name and a symbol may hold
+/// spaces.
+struct Sample {
+    pid: u32,
+    comm: String,
+    dso: String,
+    sym: String,
+}
+
+impl Sample {
+    fn parse(line: &str) -> Option<Sample> {
+        let (head, dso) = line.trim_end().rsplit_once(" (")?;
+        let dso = dso.strip_suffix(')')?;
+        let tokens: Vec<&str> = head.split_whitespace().collect();
+        let at = tokens.iter().position(|t| {
+            t.split_once('/')
+                .is_some_and(|(p, t)| p.parse::<u32>().is_ok() && t.parse::<u32>().is_ok())
+        })?;
+        let pid = tokens[at].split_once('/')?.0.parse().ok()?;
+        Some(Sample {
+            pid,
+            comm: tokens[..at].join(" "),
+            dso: dso.rsplit('/').next().unwrap_or(dso).to_string(),
+            sym: tokens.get(at + 2..)?.join(" "),
+        })
+    }
+
+    /// `dso  [k] symbol` (kernel) or `dso  [.] symbol`, as `perf report` shows it.
+    fn symbol(&self) -> String {
+        let space = if self.dso.starts_with("[kernel") {
+            "[k]"
+        } else {
+            "[.]"
+        };
+        format!("{}  {space} {}", self.dso, self.sym)
+    }
+}
+
+/// Each distinct key's share of all keys, largest first, those of at least `min_percent`,
+/// at most 25 lines.
+fn shares(keys: impl Iterator<Item = String>, min_percent: f64) -> String {
+    let mut counts: std::collections::HashMap<String, usize> = Default::default();
+    let mut total = 0usize;
+    for key in keys {
+        *counts.entry(key).or_default() += 1;
+        total += 1;
+    }
+    let mut counts: Vec<(String, usize)> = counts.into_iter().collect();
+    counts.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    counts
+        .into_iter()
+        .map(|(key, n)| (key, 100.0 * n as f64 / total.max(1) as f64))
+        .filter(|(_, percent)| *percent >= min_percent)
+        .take(25)
+        .map(|(key, percent)| format!("{percent:>9.2}%  {key}"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_sample_line_keeps_spaces_in_thread_names_and_symbols() {
+        let line = "  my worker 1 15460/15464      55d08f38ae70 <core::hash::sip::Hasher<S> as \
+                    core::hash::Hasher>::write (/work/target/release/event-store)";
+        let s = Sample::parse(line).expect("a sample");
+        assert_eq!(s.pid, 15460);
+        assert_eq!(s.comm, "my worker 1");
+        assert_eq!(s.dso, "event-store");
+        assert_eq!(
+            s.symbol(),
+            "event-store  [.] <core::hash::sip::Hasher<S> as core::hash::Hasher>::write"
+        );
+        let kernel = Sample::parse(
+            "     log-writer 15460/15464 ffffffff8224f5f9 iowrite16 ([kernel.kallsyms])",
+        )
+        .expect("a sample");
+        assert_eq!(kernel.symbol(), "[kernel.kallsyms]  [k] iowrite16");
+        assert!(Sample::parse("\tffffffff815fe9ed unmap_page_range").is_none());
+    }
+
+    #[test]
+    fn shares_are_largest_first_and_cut_below_the_limit() {
+        let keys = ["a", "b", "a", "c", "a", "b"]
+            .into_iter()
+            .chain(std::iter::repeat_n("d", 94))
+            .map(String::from);
+        assert_eq!(
+            shares(keys, 2.0),
+            "    94.00%  d\n     3.00%  a\n     2.00%  b"
+        );
     }
 }

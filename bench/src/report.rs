@@ -21,10 +21,19 @@ pub struct ProfileRow {
     pub appends_per_sync: Option<f64>,
 }
 
+/// CPU per append with every system paced at one rate.
+pub struct SameRate {
+    pub clients: usize,
+    /// Appends/s every system was paced at.
+    pub rate: f64,
+    /// Per system: the rate it kept up and its server CPU µs per append.
+    pub rows: Vec<(Target, f64, f64)>,
+}
+
 pub struct Profile {
     pub clients: usize,
     pub rows: Vec<ProfileRow>,
-    /// perf report by thread, by symbol, and the log writer's inclusive profile.
+    /// The recording by thread, by symbol, and the log writer by symbol (self time).
     pub perf: Option<crate::profile::Views>,
 }
 
@@ -59,6 +68,7 @@ pub struct Report {
     /// p50 of a loopback `Health/Check` to the store, one per run.
     pub round_trip_ms: Runs,
     pub profile: Option<Profile>,
+    pub same_rate: Option<SameRate>,
     pub catch_up: (usize, Vec<CatchUpRow>),
     pub fan_out: (usize, Duration, FanOutRows),
     pub followers: Option<crate::followers::FollowersResult>,
@@ -115,7 +125,39 @@ impl Report {
         self.loads.get(&(target, clients))
     }
 
-    fn rate(&self, target: Target, clients: usize) -> Option<Runs> {
+    /// The CPU goal's figures with every system at the same rate (see
+    /// [`Report::render_same_rate`]), for the goal row.
+    fn same_rate_cpu(&self) -> String {
+        let Some(SameRate { rate, rows, .. }) = &self.same_rate else {
+            return String::new();
+        };
+        let us = |target: Target| {
+            rows.iter()
+                .find(|(t, _, _)| *t == target)
+                .map(|(_, _, us)| *us)
+        };
+        match (
+            us(Target::AgentlogStream),
+            us(Target::Redis),
+            us(Target::FloorStream),
+        ) {
+            (Some(ours), Some(redis), floor) => format!(
+                ". All at {} appends/s: AppendStream {ours:.1} µs vs Redis {redis:.1} µs = \
+                 **{}**{}",
+                fmt_num(*rate),
+                fmt_ratio(ours / redis),
+                floor.map_or(String::new(), |f| format!(
+                    ", the floor {f:.1} µs = {} Redis's, the store {:.1} µs over it",
+                    fmt_ratio(f / redis),
+                    ours - f
+                ))
+            ),
+            _ => String::new(),
+        }
+    }
+
+    /// Appends/s of `target` at `clients` clients, one per run.
+    pub fn rate(&self, target: Target, clients: usize) -> Option<Runs> {
         self.load(target, clients)
             .map(|runs| Runs(runs.iter().map(|r| r.rate).collect()))
     }
@@ -166,6 +208,7 @@ impl Report {
             self.render_limits(md)?;
             self.render_appends(md)?;
             self.render_profile(md)?;
+            self.render_same_rate(md)?;
             self.render_subscribe(md)?;
             self.render_resume(md)?;
             self.render_footprint(md)?;
@@ -303,6 +346,12 @@ impl Report {
             .filter_map(cpu_of)
             .map(|(_, us)| us)
             .reduce(f64::min);
+        // What the contract's transport alone costs, on its best path: the floor.
+        let floor_cpu = [Target::FloorStream, Target::Floor]
+            .into_iter()
+            .filter_map(cpu_of)
+            .map(|(_, us)| us)
+            .reduce(f64::min);
         let (measured, ok) = match (ours_cpu, cpu_of(Target::Redis)) {
             (Some(ours), Some((clients, redis))) => {
                 let paths = [
@@ -313,10 +362,21 @@ impl Report {
                 .filter_map(|(t, name)| cpu_of(t).map(|(_, us)| format!("{us:.1} µs ({name})")))
                 .collect::<Vec<_>>()
                 .join(", ");
+                let floor = floor_cpu
+                    .map(|f| {
+                        format!(
+                            "; the gRPC floor alone (appends answered from memory) {f:.1} µs = {} \
+                             Redis's, the store {:.1} µs over it",
+                            fmt_ratio(f / redis),
+                            ours - f
+                        )
+                    })
+                    .unwrap_or_default();
                 (
                     format!(
-                        "{paths} vs Redis {redis:.1} µs, at {clients} clients = **{}**",
-                        fmt_ratio(ours / redis)
+                        "{paths} vs Redis {redis:.1} µs, at {clients} clients = **{}**{floor}{}",
+                        fmt_ratio(ours / redis),
+                        self.same_rate_cpu()
                     ),
                     met(ours / redis <= 1.2),
                 )
@@ -522,6 +582,49 @@ impl Report {
         Ok(())
     }
 
+    /// CPU per append with every system paced at one rate ([`Report::same_rate`]).
+    fn render_same_rate(&self, md: &mut String) -> std::fmt::Result {
+        let Some(SameRate {
+            clients,
+            rate,
+            rows,
+        }) = &self.same_rate
+        else {
+            return Ok(());
+        };
+        writeln!(md, "### CPU per append at one rate\n")?;
+        writeln!(
+            md,
+            "{clients} clients together paced at {} appends/s ({:.0}% of the slower of the \
+             store's AppendStream and Redis in the closed loop above), each system in turn, \
+             server CPU from the load's start until the server is idle again. CPU per append \
+             falls as the rate rises (more appends share each wake-up, read and fsync), so \
+             systems at their own closed-loop rates are not doing the same work; here they \
+             are:\n",
+            fmt_num(*rate),
+            crate::SAME_RATE_SHARE * 100.0
+        )?;
+        let redis = rows
+            .iter()
+            .find(|(t, _, _)| *t == Target::Redis)
+            .map(|(_, _, us)| *us);
+        writeln!(
+            md,
+            "| system | appends/s kept | server CPU µs/append | × Redis's |\n|---|---|---|---|"
+        )?;
+        for (target, kept, us) in rows {
+            writeln!(
+                md,
+                "| {} | {} | {us:.1} | {} |",
+                target.label(),
+                fmt_num(*kept),
+                redis.map_or("–".into(), |r| fmt_ratio(us / r)),
+            )?;
+        }
+        writeln!(md)?;
+        Ok(())
+    }
+
     fn render_profile(&self, md: &mut String) -> std::fmt::Result {
         let Some(p) = &self.profile else {
             return Ok(());
@@ -530,8 +633,14 @@ impl Report {
         writeln!(
             md,
             "One more run per system with its server's CPU time (/proc, all threads and child \
-             processes) and its fdatasync/fsync calls counted by `perf stat` tracepoints. \
-             \"appends per sync\" is the group-commit batch.\n"
+             processes) and its fdatasync/fsync calls counted by `perf stat` tracepoints. Each \
+             run starts once the server is idle (under 5% of a core); its CPU per append \
+             counts from the load's start until the server is idle again, so what an append \
+             defers (the store's search indexing) is its cost and never the next system's. \
+             \"appends per sync\" is the group-commit batch. The gRPC floor is tonic serving \
+             the store's service, answering each append at once from memory \
+             (`agentlog-bench-floor`): what the contract's transport costs before the store \
+             does anything.\n"
         )?;
         writeln!(
             md,
@@ -556,7 +665,8 @@ impl Report {
         if let Some((threads, symbols, writer)) = &p.perf {
             writeln!(
                 md,
-                "`perf record -e cpu-clock -g` of the store, CPU by thread:\n"
+                "`perf record -e cpu-clock -a` (the whole machine) during the AppendStream run, the \
+                 store's samples, CPU by thread:\n"
             )?;
             writeln!(md, "```\n{threads}\n```\n")?;
             writeln!(md, "Hottest symbols (self time):\n")?;
@@ -890,7 +1000,10 @@ impl Report {
              per client. The ceiling is the same binary built with `--features unsafe-skip-fsync` into its own target dir \
              (`LogWriter::sync` does nothing), started beside it and driven both ways, unary and \
              `AppendStream`; the ceiling goal compares the best durable path with the best \
-             fsync-skipped one, both in this run.\n\
+             fsync-skipped one, both in this run. The gRPC floor (`agentlog-bench-floor`) is \
+             tonic serving the same generated `EventStore` server, `TCP_NODELAY` as the store, \
+             answering each `Append` or `AppendStream` request at once from memory (no layers, \
+             no validation, nothing stored), driven by the same clients.\n\
              - **naive**: one process appends a JSON line to a file and calls `fsync` per event \
              (what most agent harnesses do).\n\
              - **PostgreSQL 15**: a private cluster (initdb in the bench dir, 127.0.0.1, \

@@ -24,6 +24,7 @@
 #[path = "../appenders.rs"]
 mod appenders;
 #[path = "../load.rs"]
+#[allow(dead_code)]
 mod load;
 #[path = "../stats.rs"]
 #[allow(dead_code)]
