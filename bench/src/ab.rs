@@ -260,23 +260,22 @@ async fn load(
     session: &str,
     window: Window,
 ) -> anyhow::Result<(f64, f64)> {
-    let cpu_before = profile::cpu_secs(store.pid());
-    let started = std::time::Instant::now();
-    let result = if target == Target::AgentlogStream {
-        closed_loop(stream_appenders(store, clients, session).await?, window).await?
-    } else {
-        let mut appenders = Vec::with_capacity(clients);
-        for c in 0..clients {
-            appenders
-                .push(AgentlogAppender::connect(&store.url(), format!("{session}-u{c}")).await?);
-        }
-        closed_loop(appenders, window).await?
-    };
-    let wall = started.elapsed().as_secs_f64();
     // What the load left the store to do falls in this turn, not the other build's.
-    profile::settle(|| profile::cpu_secs(store.pid())).await;
-    let cpu = profile::cpu_secs(store.pid()) - cpu_before;
-    Ok((result.rate, cpu * 1e6 / (result.rate * wall)))
+    let load = async {
+        if target == Target::AgentlogStream {
+            closed_loop(stream_appenders(store, clients, session).await?, window).await
+        } else {
+            let mut appenders = Vec::with_capacity(clients);
+            for c in 0..clients {
+                appenders.push(
+                    AgentlogAppender::connect(&store.url(), format!("{session}-u{c}")).await?,
+                );
+            }
+            closed_loop(appenders, window).await
+        }
+    };
+    let (result, us) = profile::cpu_per_append(|| profile::cpu_secs(store.pid()), load).await?;
+    Ok((result.rate, us))
 }
 
 async fn stream_appenders(

@@ -993,13 +993,9 @@ async fn same_rate(
         let pids = profile::with_children(pid);
         let tree_cpu = || profile::tree_cpu_secs(pid, &pids[1..]);
         profile::settle(tree_cpu).await;
-        let cpu_before = tree_cpu();
-        let started = std::time::Instant::now();
-        let result = load::paced(appenders, window, rate).await?;
-        let wall = started.elapsed().as_secs_f64();
-        profile::settle(tree_cpu).await;
-        let cpu = tree_cpu() - cpu_before;
-        rows.push((target, result.rate, cpu * 1e6 / (result.rate * wall)));
+        let (result, us) =
+            profile::cpu_per_append(tree_cpu, load::paced(appenders, window, rate)).await?;
+        rows.push((target, result.rate, us));
     }
     Ok(rows)
 }

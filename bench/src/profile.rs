@@ -6,6 +6,8 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use crate::load::LoadRun;
+
 /// User + system CPU seconds a process (all its threads) has used so far.
 pub fn cpu_secs(pid: u32) -> f64 {
     stat_secs(pid, &[11, 12])
@@ -135,6 +137,21 @@ pub async fn settle(cpu: impl Fn() -> f64) {
     }
 }
 
+/// Server CPU µs per append of `load`, from its start until the server is idle again
+/// ([`settle`]): what an append defers, such as indexing it, is its cost. `cpu` reads the
+/// server's CPU seconds; the appends are the load's measured rate over its whole wall time.
+pub async fn cpu_per_append(
+    cpu: impl Fn() -> f64,
+    load: impl std::future::Future<Output = anyhow::Result<LoadRun>>,
+) -> anyhow::Result<(LoadRun, f64)> {
+    let before = cpu();
+    let started = std::time::Instant::now();
+    let result = load.await?;
+    let wall = started.elapsed().as_secs_f64();
+    settle(&cpu).await;
+    Ok((result, (cpu() - before) * 1e6 / (result.rate * wall)))
+}
+
 /// What a recording shows: CPU by thread, the hottest symbols (self time), and where the
 /// log-writer thread spends its CPU.
 pub type Views = (String, String, String);
@@ -208,11 +225,11 @@ impl Recording {
             .filter(|s| s.pid == self.pid)
             .collect();
         anyhow::ensure!(!samples.is_empty(), "no sample of process {}", self.pid);
-        let writer: Vec<&Sample> = samples.iter().filter(|s| s.comm == "log-writer").collect();
+        let writer = samples.iter().filter(|s| s.comm == "log-writer");
         Ok((
             shares(samples.iter().map(|s| s.comm.clone()), 1.0),
             shares(samples.iter().map(Sample::symbol), 1.5),
-            shares(writer.iter().map(|s| s.symbol()), 2.0),
+            shares(writer.map(Sample::symbol), 2.0),
         ))
     }
 }
@@ -232,11 +249,12 @@ impl Sample {
         let (head, dso) = line.trim_end().rsplit_once(" (")?;
         let dso = dso.strip_suffix(')')?;
         let tokens: Vec<&str> = head.split_whitespace().collect();
-        let at = tokens.iter().position(|t| {
-            t.split_once('/')
-                .is_some_and(|(p, t)| p.parse::<u32>().is_ok() && t.parse::<u32>().is_ok())
+        // The first `<pid>/<tid>` token ends the thread name.
+        let (at, pid) = tokens.iter().enumerate().find_map(|(at, token)| {
+            let (pid, tid) = token.split_once('/')?;
+            tid.parse::<u32>().ok()?;
+            Some((at, pid.parse::<u32>().ok()?))
         })?;
-        let pid = tokens[at].split_once('/')?.0.parse().ok()?;
         Some(Sample {
             pid,
             comm: tokens[..at].join(" "),
