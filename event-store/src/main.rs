@@ -130,6 +130,17 @@ struct Args {
     /// what the index costs appends, measured by the bench.
     #[arg(long, env = "AGENTLOG_NO_SEARCH_INDEX")]
     no_search_index: bool,
+    /// The local backend: the least time between two commits of the search index (what an
+    /// event waits, about, before a search finds it; less costs more CPU an append). For
+    /// the search bench's sweep of it: SearchSessions promises 1 s only at the default.
+    #[arg(
+        long,
+        env = "AGENTLOG_SEARCH_COMMIT_EVERY",
+        value_parser = retention::parse_duration,
+        conflicts_with_all = ["database_url", "no_search_index"],
+        hide = true
+    )]
+    search_commit_every: Option<Duration>,
     /// The local backend: roll to a new segment file once the current one holds this many
     /// bytes (for tests that want many segments). Default: a sixteenth of the data volume,
     /// between 1 MiB and 64 MiB, so that a full volume comes back whatever its size.
@@ -272,6 +283,9 @@ async fn open_backend(args: &Args) -> anyhow::Result<Opened> {
     };
     if args.no_search_index {
         config.search_dir = None;
+    }
+    if let Some(every) = args.search_commit_every {
+        config.search_commit_every = every;
     }
     if let Some(segment_bytes) = args.segment_bytes {
         anyhow::ensure!(

@@ -15,7 +15,9 @@
 //! - **Imports:** an imported session is found as it would be where it was written, under
 //!   its own id only (never under the staging session its events went through).
 //! - **Bad input** is `INVALID_ARGUMENT` saying which: an empty query, an unclosed quote, a
-//!   query over 1 KiB, a page size over 100, a token not ours.
+//!   query over 1 KiB, a page size over 100, a token not ours. The store refuses to start
+//!   with a commit period of the index (the bench's `--search-commit-every`) of no time, or
+//!   where there is no local index to commit.
 //!
 //! Tenancy (a token sees only its scope's hits) is in `security_tenants.rs`.
 
@@ -29,7 +31,7 @@ use agentlog_proto::v1::{
     ImportOutcome, SearchHit, SearchSessionsRequest, TextBlock, ToolResult, ToolUseBlock,
 };
 use anyhow::{ensure, Context, Result};
-use integration_tests::{read_log, test_backend_is_postgres, user_event, Backing, Store};
+use integration_tests::{bin_path, read_log, test_backend_is_postgres, user_event, Backing, Store};
 use tonic::transport::Channel;
 use tonic::Code;
 
@@ -359,6 +361,49 @@ async fn bad_queries_are_invalid_argument_saying_which() -> Result<()> {
 
 /// The words of `text` that must be gone from the store's files (local) or rows
 /// (PostgreSQL) once `session_id` is erased.
+#[test]
+fn a_commit_period_of_no_time_or_without_a_local_index_is_refused_at_start() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().to_str().expect("utf-8");
+    for (args, says) in [
+        (
+            vec!["--data-dir", data, "--search-commit-every", "0ms"],
+            "no time at all",
+        ),
+        (
+            vec![
+                "--data-dir",
+                data,
+                "--search-commit-every",
+                "1s",
+                "--no-search-index",
+            ],
+            "cannot be used with",
+        ),
+        (
+            vec![
+                "--database-url",
+                "postgres://u@h/db",
+                "--search-commit-every",
+                "1s",
+            ],
+            "cannot be used with",
+        ),
+    ] {
+        let out = std::process::Command::new(bin_path("event-store"))
+            .args(&args)
+            .stdin(std::process::Stdio::null())
+            .output()
+            .expect("run event-store");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "it started with {args:?}");
+        assert!(
+            stderr.contains("--search-commit-every") && stderr.contains(says),
+            "{args:?}: {stderr}"
+        );
+    }
+}
+
 async fn words_left(store: &Store, session_id: &str, word: &str) -> Result<Vec<String>> {
     Ok(match &store.backing {
         Backing::Dir(dir) => holding(dir, word),

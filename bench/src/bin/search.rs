@@ -4,8 +4,10 @@
 //! - appends at N clients (`AppendStream`, SYNC, one session each, ~300-byte texts of words)
 //!   on a store with its index against the same load on a store started with
 //!   `--no-search-index`, the two alternating run by run;
-//! - freshness under that load: a probe appends a word of its own every 200 ms and searches
-//!   for it until it is found (acknowledgement → first search that finds it);
+//! - freshness under that load: a probe appends a word of its own every 200 ms on average
+//!   (at exponential intervals, so that its words land at every phase of the indexer's
+//!   commit cycle) and searches for each until it is found (acknowledgement → first search
+//!   that finds it);
 //! - queries at `--events` events (p50, p99; pages of 20): a rare word, a common word, two
 //!   words, a phrase, a prefix;
 //! - index bytes per log byte (local: `search/` against `log/`; PostgreSQL:
@@ -68,6 +70,12 @@ struct Args {
     /// The event-store binary (default: the one next to this program).
     #[arg(long)]
     store_binary: Option<PathBuf>,
+    /// Instead of the figures above: the local index's commit period swept over these
+    /// spans (e.g. `200ms,400ms,600ms`), each under the append load with the probe, in a
+    /// rotating order, `--runs` times; what each costs an append and how fresh it keeps
+    /// the index.
+    #[arg(long, value_delimiter = ',')]
+    commit_periods: Vec<String>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -113,10 +121,21 @@ struct Running {
     pg: Option<Postgres>,
 }
 
-fn start(binary: &Path, part: Part, dir: &Path, indexed: bool) -> anyhow::Result<Running> {
+/// Starts a store on fresh data: with its index or without (`indexed`), the index
+/// committing at its default period or every `commit_every`.
+fn start(
+    binary: &Path,
+    part: Part,
+    dir: &Path,
+    indexed: bool,
+    commit_every: Option<&str>,
+) -> anyhow::Result<Running> {
     let mut extra = vec![];
     if !indexed {
         extra.push("--no-search-index");
+    }
+    if let Some(every) = commit_every {
+        extra.extend(["--search-commit-every", every]);
     }
     match part {
         Part::Local => {
@@ -168,6 +187,9 @@ impl Running {
     }
 }
 
+/// The probe's mean interval between two appends of a word of its own.
+const PROBE_EVERY: Duration = Duration::from_millis(200);
+
 /// Appends/s, p99 and CPU of `clients` closed-loop AppendStream clients, and (`probe`) the
 /// freshness of a probe's words meanwhile.
 async fn load(
@@ -203,13 +225,20 @@ async fn load(
     let prober = probe.then(|| {
         let url = url.to_string();
         tokio::spawn(async move {
-            let mut client = EventStoreClient::connect(url).await?;
-            let mut fresh = Vec::new();
+            let client = EventStoreClient::connect(url).await?;
+            let mut finds = tokio::task::JoinSet::new();
             let mut n = 0u64;
+            let mut rng = fastrand::Rng::with_seed(99);
             while Instant::now() < to {
-                tokio::time::sleep(Duration::from_millis(200)).await;
+                // Probes at exponential intervals (a Poisson stream), each searched for by a
+                // task of its own: their moments owe nothing to the indexer's commits, so
+                // they land at every phase of its cycle, as events do. (A pause after each
+                // find, which comes just after a commit, would land every probe at one.)
+                let pause = -PROBE_EVERY.as_secs_f64() * (1.0 - rng.f64()).ln();
+                tokio::time::sleep(Duration::from_secs_f64(pause)).await;
                 n += 1;
                 let word = format!("probe{n}x");
+                let mut client = client.clone();
                 client
                     .append(AppendRequest {
                         session_id: "probe".into(),
@@ -218,25 +247,30 @@ async fn load(
                     })
                     .await?;
                 let acked = Instant::now();
-                loop {
-                    let found = client
-                        .search_sessions(SearchSessionsRequest {
-                            query: word.clone(),
-                            page_size: 1,
-                            page_token: String::new(),
-                        })
-                        .await?
-                        .into_inner();
-                    if !found.hits.is_empty() {
-                        fresh.push(acked.elapsed().as_secs_f64() * 1e3);
-                        break;
+                finds.spawn(async move {
+                    loop {
+                        let found = client
+                            .search_sessions(SearchSessionsRequest {
+                                query: word.clone(),
+                                page_size: 1,
+                                page_token: String::new(),
+                            })
+                            .await?
+                            .into_inner();
+                        if !found.hits.is_empty() {
+                            return anyhow::Ok(acked.elapsed().as_secs_f64() * 1e3);
+                        }
+                        anyhow::ensure!(
+                            acked.elapsed() < Duration::from_secs(30),
+                            "{word} never found"
+                        );
+                        tokio::time::sleep(Duration::from_millis(5)).await;
                     }
-                    anyhow::ensure!(
-                        acked.elapsed() < Duration::from_secs(30),
-                        "{word} never found"
-                    );
-                    tokio::time::sleep(Duration::from_millis(5)).await;
-                }
+                });
+            }
+            let mut fresh = Vec::new();
+            while let Some(found) = finds.join_next().await {
+                fresh.push(found??);
             }
             anyhow::Ok(fresh)
         })
@@ -395,7 +429,7 @@ async fn part(args: &Args, binary: &Path, part: Part) -> anyhow::Result<()> {
     let mut fresh_all = Vec::new();
     for run in 0..args.runs {
         for indexed in [run % 2 == 0, run % 2 != 0] {
-            let running = tokio::task::block_in_place(|| start(binary, part, &dir, indexed))?;
+            let running = tokio::task::block_in_place(|| start(binary, part, &dir, indexed, None))?;
             let Measured {
                 appends_per_s: rate,
                 p99_ms: p99,
@@ -444,7 +478,7 @@ async fn part(args: &Args, binary: &Path, part: Part) -> anyhow::Result<()> {
         "\n### {name}: queries at {} events (pages of 20, one query at a time)\n",
         fmt_num(args.events as f64)
     );
-    let running = tokio::task::block_in_place(|| start(binary, part, &dir, true))?;
+    let running = tokio::task::block_in_place(|| start(binary, part, &dir, true, None))?;
     let url = running.store.url();
     let filled = fill(&url, args.events).await?;
     println!("filled and indexed in {filled:.1} s\n");
@@ -542,6 +576,63 @@ fn event_text() -> String {
     text(&mut fastrand::Rng::with_seed(0))
 }
 
+/// The local index's commit periods of `--commit-periods`, each run `--runs` times under
+/// the append load with the probe (the order rotating run by run, so that no period always
+/// follows another); medians of appends/s and CPU an append, each against the first
+/// period's, and freshness over every run.
+async fn sweep(args: &Args, binary: &Path) -> anyhow::Result<()> {
+    let periods = &args.commit_periods;
+    let dir = args.dir.join("sweep");
+    println!(
+        "\n### local log: the index's commit period, {} clients appending (AppendStream, SYNC, ~300 B of words)\n",
+        args.clients
+    );
+    println!("| run | commit every | appends/s | p99 ms | store CPU µs an append | freshness p50 ms | freshness p99 ms | probes |");
+    println!("|---|---|---:|---:|---:|---:|---:|---:|");
+    let mut rates = vec![stats::Runs::default(); periods.len()];
+    let mut cpus = vec![stats::Runs::default(); periods.len()];
+    let mut fresh_all = vec![Vec::new(); periods.len()];
+    for run in 0..args.runs {
+        for k in 0..periods.len() {
+            let i = (k + run) % periods.len();
+            let running = tokio::task::block_in_place(|| {
+                start(binary, Part::Local, &dir, true, Some(&periods[i]))
+            })?;
+            let measured = load(&running, args.clients, args.secs, true).await?;
+            drop(running);
+            println!(
+                "| {run} | {} | {} | {:.1} | {:.1} | {:.0} | {:.0} | {} |",
+                periods[i],
+                fmt_num(measured.appends_per_s),
+                measured.p99_ms,
+                measured.cpu_us,
+                percentile_f64(&measured.fresh, 0.5),
+                percentile_f64(&measured.fresh, 0.99),
+                measured.fresh.len()
+            );
+            rates[i].push(measured.appends_per_s);
+            cpus[i].push(measured.cpu_us);
+            fresh_all[i].extend(measured.fresh);
+        }
+    }
+    println!("\n| commit every | appends/s (median) | ÷ {0} | CPU µs an append (median) | ÷ {0} | freshness p50 / p99 / max ms |", periods[0]);
+    println!("|---|---:|---:|---:|---:|---|");
+    for (i, period) in periods.iter().enumerate() {
+        let fresh = &fresh_all[i];
+        println!(
+            "| {period} | {} | {} | {:.1} | {} | {:.0} / {:.0} / {:.0} |",
+            fmt_num(rates[i].median()),
+            fmt_ratio(rates[i].median() / rates[0].median()),
+            cpus[i].median(),
+            fmt_ratio(cpus[i].median() / cpus[0].median()),
+            percentile_f64(fresh, 0.5),
+            percentile_f64(fresh, 0.99),
+            fresh.iter().cloned().fold(0.0, f64::max),
+        );
+    }
+    Ok(())
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
@@ -552,10 +643,12 @@ async fn main() -> anyhow::Result<()> {
     std::fs::create_dir_all(&args.dir)?;
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     println!("load average before: {}", load.trim());
-    if args.only != Some(Part::Postgres) {
+    if !args.commit_periods.is_empty() {
+        sweep(&args, &binary).await?;
+    } else if args.only != Some(Part::Postgres) {
         part(&args, &binary, Part::Local).await?;
     }
-    if args.only != Some(Part::Local) {
+    if args.commit_periods.is_empty() && args.only != Some(Part::Local) {
         part(&args, &binary, Part::Postgres).await?;
     }
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();

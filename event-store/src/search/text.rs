@@ -80,26 +80,62 @@ pub struct Word {
 
 /// The words of `text`, in order.
 pub fn words(text: &str) -> impl Iterator<Item = Word> + '_ {
-    let mut chars = text.char_indices().peekable();
-    std::iter::from_fn(move || loop {
-        let (start, _) = chars.find(|(_, c)| c.is_alphanumeric())?;
-        let mut end = text.len();
-        while let Some(&(i, c)) = chars.peek() {
-            if !c.is_alphanumeric() {
-                end = i;
-                break;
-            }
-            chars.next();
-        }
-        if end - start > MAX_WORD_BYTES {
-            continue;
-        }
-        return Some(Word {
+    Spans::new(text).map(|(start, end)| {
+        let mut lowered = String::with_capacity(end - start);
+        lowercase_into(&text[start..end], &mut lowered);
+        Word {
             start,
             end,
-            text: text[start..end].to_lowercase(),
-        });
+            text: lowered,
+        }
     })
+}
+
+/// Where the words of a text are (byte offsets, in order), for a caller that lowercases
+/// each into a buffer of its own ([`lowercase_into`]) rather than allocate a [`Word`].
+pub struct Spans<'a> {
+    text: &'a str,
+    chars: std::iter::Peekable<std::str::CharIndices<'a>>,
+}
+
+impl<'a> Spans<'a> {
+    pub fn new(text: &'a str) -> Spans<'a> {
+        Spans {
+            text,
+            chars: text.char_indices().peekable(),
+        }
+    }
+}
+
+impl Iterator for Spans<'_> {
+    type Item = (usize, usize);
+
+    fn next(&mut self) -> Option<(usize, usize)> {
+        loop {
+            let (start, _) = self.chars.find(|(_, c)| c.is_alphanumeric())?;
+            let mut end = self.text.len();
+            while let Some(&(i, c)) = self.chars.peek() {
+                if !c.is_alphanumeric() {
+                    end = i;
+                    break;
+                }
+                self.chars.next();
+            }
+            if end - start <= MAX_WORD_BYTES {
+                return Some((start, end));
+            }
+        }
+    }
+}
+
+/// Appends `word` lowercased to `out` (Unicode's rule, as `str::to_lowercase`; without an
+/// allocation for ASCII).
+pub fn lowercase_into(word: &str, out: &mut String) {
+    if word.is_ascii() {
+        out.extend(word.bytes().map(|b| b.to_ascii_lowercase() as char));
+    } else {
+        out.push_str(&word.to_lowercase());
+    }
 }
 
 #[cfg(test)]
@@ -135,6 +171,16 @@ mod tests {
         assert_eq!(texts(&format!("x {long} y")), ["x", "y"]);
         let w: Vec<Word> = words("ab, cd").collect();
         assert_eq!((w[1].start, w[1].end), (4, 6));
+    }
+
+    #[test]
+    fn lowercasing_into_a_buffer_is_unicodes_rule() {
+        // Final sigma and dotted capital I are where a character-by-character rule differs.
+        for word in ["ΟΔΟΣ", "İstanbul", "MiXeD42", "ǅemal", "東京", ""] {
+            let mut out = String::from("kept ");
+            lowercase_into(word, &mut out);
+            assert_eq!(out, format!("kept {}", word.to_lowercase()), "{word}");
+        }
     }
 
     #[test]

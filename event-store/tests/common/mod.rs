@@ -107,6 +107,7 @@ fn try_open_store_caching(
             reclaim,
             session_cache_bytes,
             search_dir: None,
+            search_commit_every: event_store::backend::local::search::COMMIT_EVERY,
         });
         match result {
             Err(e)

@@ -97,8 +97,11 @@ pub struct StoreConfig {
     /// `--session-cache`: bytes of sessions' states the writer keeps in memory.
     pub session_cache_bytes: usize,
     /// The full-text index's directory ([`search`]); `None`: no index, and
-    /// `SearchSessions` is `UNAVAILABLE` (`--search-index off`).
+    /// `SearchSessions` is `UNAVAILABLE` (`--no-search-index`).
     pub search_dir: Option<std::path::PathBuf>,
+    /// The least time between two commits of the full-text index
+    /// ([`search::COMMIT_EVERY`] by default).
+    pub search_commit_every: std::time::Duration,
 }
 
 impl StoreConfig {
@@ -118,6 +121,7 @@ impl StoreConfig {
             reclaim: ReclaimConfig::for_segments(log_config.segment_bytes),
             session_cache_bytes: sessions::DEFAULT_CACHE_BYTES,
             search_dir: Some(search::dir_in(data_dir)),
+            search_commit_every: search::COMMIT_EVERY,
         })
     }
 }
@@ -175,7 +179,12 @@ impl Store {
         // Brought up to the log's end before anything is served (see `search`), by the
         // indexer's own thread.
         let search = match &config.search_dir {
-            Some(dir) => Some(search::start(dir, source.clone(), shared.indexer.clone())?),
+            Some(dir) => Some(search::start(
+                dir,
+                config.search_commit_every,
+                source.clone(),
+                shared.indexer.clone(),
+            )?),
             None => None,
         };
         let snapshots = Arc::new(snapshots::SnapshotDir::new(config.snapshot_dir.clone()));
@@ -482,7 +491,7 @@ impl Store {
     ) -> Result<agentlog_proto::v1::SearchSessionsResponse, StoreError> {
         let index = self.search.clone().ok_or_else(|| {
             StoreError::Unavailable(
-                "this store runs without its search index (--search-index off)".into(),
+                "this store runs without its search index (--no-search-index)".into(),
             )
         })?;
         let scope = scope.clone();

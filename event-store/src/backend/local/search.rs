@@ -11,9 +11,11 @@
 //! ([`LogReader::scan`]) from the offset its last commit recorded, up to where the log is
 //! durable (the writer says so after each fsync), and commits at most every
 //! [`COMMIT_EVERY`], with the offset it has read up to as the commit's payload. So an event
-//! is searchable about that long after its acknowledgement, whatever the load, and the
-//! index only ever holds what is durable (no phantom after a crash: recovery keeps every
-//! durable record). The appends themselves never wait for it.
+//! is searchable at most about that long after its acknowledgement, plus the commit's own
+//! time (which grows with the documents a commit holds and with the load the indexer's
+//! lower priority yields to), and the index only ever holds what is durable (no phantom
+//! after a crash: recovery keeps every durable record). The appends themselves never wait
+//! for it.
 //!
 //! **After a crash** (`kill -9`, power loss) the index holds its last commit: everything
 //! before its offset, nothing after. [`SearchIndex::open`] reads the log from that offset
@@ -70,8 +72,12 @@ use crate::error::StoreError;
 use crate::scope::Scope;
 use crate::search::{self, text, Clause};
 
-/// The indexer commits at most this often: what an event waits, at most about, before a
-/// search finds it.
+/// The indexer commits at most this often by default: what an event waits, at most about,
+/// before the commit that makes it found begins. Each commit writes a segment, syncs it and
+/// feeds the merges, so a longer period costs less CPU an append, but not much: at 400 ms,
+/// 3% less under a saturating load on two cores, where the worst freshness passed the
+/// contract's 1 s (1.25 s; 0.7 s at this period). `agentlog-bench-search --commit-periods`
+/// measures both (bench/RESULTS.md, "Search").
 pub const COMMIT_EVERY: Duration = Duration::from_millis(200);
 /// How much lower than the store's other threads the indexer and tantivy's threads run
 /// (nice values): when appends take every core, they go first and the index falls behind,
@@ -149,36 +155,34 @@ fn schema() -> (Schema, Fields) {
 #[derive(Clone)]
 struct WordTokenizer;
 
-struct WordStream {
-    words: std::vec::IntoIter<text::Word>,
+struct WordStream<'a> {
+    text: &'a str,
+    spans: text::Spans<'a>,
     token: Token,
-    position: usize,
 }
 
 impl Tokenizer for WordTokenizer {
-    type TokenStream<'a> = WordStream;
-    fn token_stream<'a>(&'a mut self, text: &'a str) -> WordStream {
+    type TokenStream<'a> = WordStream<'a>;
+    fn token_stream<'a>(&'a mut self, text: &'a str) -> WordStream<'a> {
         WordStream {
-            words: text::words(text).collect::<Vec<_>>().into_iter(),
+            text,
+            spans: text::Spans::new(text),
+            // Its position starts at `usize::MAX`: the first `advance` wraps it to 0.
             token: Token::default(),
-            position: 0,
         }
     }
 }
 
-impl TokenStream for WordStream {
+impl TokenStream for WordStream<'_> {
     fn advance(&mut self) -> bool {
-        let Some(word) = self.words.next() else {
+        let Some((start, end)) = self.spans.next() else {
             return false;
         };
-        self.token = Token {
-            offset_from: word.start,
-            offset_to: word.end,
-            position: self.position,
-            text: word.text,
-            position_length: 1,
-        };
-        self.position += 1;
+        self.token.offset_from = start;
+        self.token.offset_to = end;
+        self.token.position = self.token.position.wrapping_add(1);
+        self.token.text.clear();
+        text::lowercase_into(&self.text[start..end], &mut self.token.text);
         true
     }
     fn token(&self) -> &Token {
@@ -216,6 +220,8 @@ pub struct Indexer {
     /// Documents added or deleted since the last commit.
     dirty: bool,
     committed: Instant,
+    /// The least time between two commits ([`COMMIT_EVERY`] unless told otherwise).
+    commit_every: Duration,
     /// A merge that drops deleted documents, under way (its end is told on the channel).
     erasing: Option<std::sync::mpsc::Receiver<()>>,
 }
@@ -225,6 +231,7 @@ pub struct Indexer {
 /// the log ([`SearchIndex::open`]). The indexer then follows the log until `stop` fires.
 pub fn start(
     dir: &Path,
+    commit_every: Duration,
     source: Source,
     stop: Signal,
 ) -> Result<(Arc<SearchIndex>, std::thread::JoinHandle<()>), SearchError> {
@@ -235,7 +242,7 @@ pub fn start(
         .name("search-indexer".into())
         .spawn(move || {
             lower_priority();
-            match SearchIndex::open(&dir, source) {
+            match SearchIndex::open(&dir, commit_every, source) {
                 Ok((index, indexer)) => {
                     if opened_tx.send(Ok(index)).is_ok() {
                         indexer.run(stop);
@@ -275,7 +282,11 @@ fn lower_priority() {
 impl SearchIndex {
     /// Opens the index in `dir` (creating it if need be) and brings it up to the durable
     /// end of the log before returning (see the module head).
-    pub fn open(dir: &Path, source: Source) -> Result<(Arc<SearchIndex>, Indexer), SearchError> {
+    pub fn open(
+        dir: &Path,
+        commit_every: Duration,
+        source: Source,
+    ) -> Result<(Arc<SearchIndex>, Indexer), SearchError> {
         let (schema, fields) = schema();
         let index = match open_index(dir, &schema) {
             Ok(index) => index,
@@ -317,6 +328,7 @@ impl SearchIndex {
             offset,
             dirty: true,
             committed: Instant::now(),
+            commit_every,
             erasing: None,
         };
         let started = Instant::now();
@@ -596,9 +608,9 @@ impl Indexer {
             // wake-up after every fsync is not followed (under load that would be a read of
             // the log per fsync); idle, the first append after the pause is read at once.
             let stopping = if self.dirty {
-                stop.rest(COMMIT_EVERY.saturating_sub(self.committed.elapsed()))
+                stop.rest(self.commit_every.saturating_sub(self.committed.elapsed()))
             } else {
-                stop.wait(COMMIT_EVERY)
+                stop.wait(self.commit_every)
             };
             if stopping {
                 break;
@@ -615,7 +627,7 @@ impl Indexer {
     /// Reads what is new, commits when due, erases what deletions left.
     fn step(&mut self) -> Result<(), SearchError> {
         self.catch_up()?;
-        if self.dirty && self.committed.elapsed() >= COMMIT_EVERY {
+        if self.dirty && self.committed.elapsed() >= self.commit_every {
             self.commit()?;
         }
         self.erase_deleted()
@@ -828,6 +840,23 @@ mod tests {
 
     /// Segments of every age and size, out of order as merges leave them, with deleted
     /// documents: [`newest`] answers what reading every match would, for every page size.
+    #[test]
+    fn the_tokenizer_yields_the_words_of_the_text_with_their_positions() {
+        let text = "Ran `terraform destroy` in /srv/ΟΔΟΣ, then Ran again";
+        let mut tokenizer = WordTokenizer;
+        let mut stream = tokenizer.token_stream(text);
+        let mut tokens = Vec::new();
+        while stream.advance() {
+            let t = stream.token();
+            tokens.push((t.position, t.offset_from, t.offset_to, t.text.clone()));
+        }
+        let expected: Vec<_> = text::words(text)
+            .enumerate()
+            .map(|(i, w)| (i, w.start, w.end, w.text))
+            .collect();
+        assert_eq!(tokens, expected);
+    }
+
     #[test]
     fn newest_skips_old_segments_and_finds_what_reading_every_match_finds() {
         let (schema, fields) = schema();
