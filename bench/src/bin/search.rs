@@ -187,6 +187,17 @@ impl Running {
     }
 }
 
+/// A run's freshness p50 and p99 (ms) as table cells; "–" without probes.
+fn freshness_cells(fresh: &[f64]) -> (String, String) {
+    if fresh.is_empty() {
+        return ("–".to_string(), "–".to_string());
+    }
+    (
+        format!("{:.0}", percentile_f64(fresh, 0.5)),
+        format!("{:.0}", percentile_f64(fresh, 0.99)),
+    )
+}
+
 /// The probe's mean interval between two appends of a word of its own.
 const PROBE_EVERY: Duration = Duration::from_millis(200);
 
@@ -437,14 +448,7 @@ async fn part(args: &Args, binary: &Path, part: Part) -> anyhow::Result<()> {
                 fresh,
             } = load(&running, args.clients, args.secs, indexed).await?;
             drop(running);
-            let (f50, f99) = if fresh.is_empty() {
-                ("–".to_string(), "–".to_string())
-            } else {
-                (
-                    format!("{:.0}", percentile_f64(&fresh, 0.5)),
-                    format!("{:.0}", percentile_f64(&fresh, 0.99)),
-                )
-            };
+            let (f50, f99) = freshness_cells(&fresh);
             println!(
                 "| {run} | {} | {} | {:.1} | {cpu_us:.1} | {f50} | {f99} | {} |",
                 if indexed { "on" } else { "off" },
@@ -600,14 +604,13 @@ async fn sweep(args: &Args, binary: &Path) -> anyhow::Result<()> {
             })?;
             let measured = load(&running, args.clients, args.secs, true).await?;
             drop(running);
+            let (f50, f99) = freshness_cells(&measured.fresh);
             println!(
-                "| {run} | {} | {} | {:.1} | {:.1} | {:.0} | {:.0} | {} |",
+                "| {run} | {} | {} | {:.1} | {:.1} | {f50} | {f99} | {} |",
                 periods[i],
                 fmt_num(measured.appends_per_s),
                 measured.p99_ms,
                 measured.cpu_us,
-                percentile_f64(&measured.fresh, 0.5),
-                percentile_f64(&measured.fresh, 0.99),
                 measured.fresh.len()
             );
             rates[i].push(measured.appends_per_s);
