@@ -10,7 +10,8 @@
 //!   (local: no file of the data directory holds them; PostgreSQL: no row of it is left).
 //! - **Crash-proof:** after a `kill -9` in the middle of appends, every acknowledged event
 //!   is found as soon as the restarted store answers, and no hit names an event its log
-//!   does not hold; an index removed whole is rebuilt from the log.
+//!   does not hold; an index removed whole is rebuilt from the log (on every core: what a
+//!   session deleted in it held is forgotten there too).
 //! - **Forks:** a fork's prefix is found in the fork, and stays found when its parent goes.
 //! - **Imports:** an imported session is found as it would be where it was written, under
 //!   its own id only (never under the staging session its events went through).
@@ -454,6 +455,20 @@ fn holding(dir: &std::path::Path, word: &str) -> Vec<String> {
     found
 }
 
+/// The documents the committed segments of a local index hold, and how many of them are
+/// marked deleted (read from tantivy's `meta.json`).
+fn documents_in(search_dir: &std::path::Path) -> Result<(u64, u64)> {
+    let meta: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(search_dir.join("meta.json"))?)?;
+    let segments = meta["segments"].as_array().context("meta.json: segments")?;
+    Ok(segments.iter().fold((0, 0), |(documents, deleted), s| {
+        (
+            documents + s["max_doc"].as_u64().unwrap_or(0),
+            deleted + s["deletes"]["num_deleted_docs"].as_u64().unwrap_or(0),
+        )
+    }))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deleted_session_is_never_found_again_and_its_words_leave_the_index() -> Result<()> {
     // The local log reclaims the session's records soon, so that only the index could
@@ -606,6 +621,88 @@ async fn after_a_kill_9_mid_appends_every_acknowledged_event_is_found_and_nothin
         let (word, (session, seq)) = acked.iter().next().expect("one acked");
         assert_eq!(found(&mut client, word).await?, [(session.clone(), *seq)]);
     }
+    Ok(())
+}
+
+/// A rebuild of a log over a MiB runs on every core (local), with its merges left to the
+/// writer that follows the log after it: it finds every event the log holds once, none of a
+/// session deleted in the middle of it (the tombstone among the others' appends, right
+/// after the session's own), whose words then leave the index's files, and what is appended
+/// after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rebuild_on_every_core_finds_the_log_and_forgets_what_was_deleted_in_it() -> Result<()> {
+    if test_backend_is_postgres() {
+        return Ok(());
+    }
+    let mut store = Store::start()?;
+    let mut client = store.client().await?;
+    // ~7 KB of words an event, over 400 events: ~3 MiB of log.
+    let filler = (0..1_000)
+        .map(|i| format!("filler{}", i % 97))
+        .collect::<Vec<_>>()
+        .join(" ");
+    let mut kept = Vec::new();
+    for i in 0..400 {
+        let session = format!("long-{}", i % 4);
+        let word = format!("longword{i}");
+        let text = format!("{word} {filler} everywhere");
+        let seq = append(&mut client, &session, vec![user_event("", &text)], None).await?;
+        kept.push((word, session, seq));
+        if i == 200 {
+            for _ in 0..3 {
+                let text = format!("gonewordqx {filler} everywhere");
+                append(&mut client, "gone", vec![user_event("", &text)], None).await?;
+            }
+            client
+                .delete_session(DeleteSessionRequest {
+                    session_id: "gone".into(),
+                })
+                .await?;
+        }
+    }
+    let dir = store.data_dir.clone();
+    store.kill9();
+    std::fs::remove_dir_all(dir.join("search")).context("removing the index")?;
+
+    let store = store.restart()?;
+    let mut client = store.client().await?;
+    for (word, session, seq) in kept.iter().step_by(7) {
+        assert_eq!(
+            found(&mut client, word).await?,
+            [(session.clone(), *seq)],
+            "{word}"
+        );
+    }
+    assert_eq!(found(&mut client, "gonewordqx").await?, []);
+    assert_eq!(
+        search_all(&mut client, "everywhere", 100).await?.len(),
+        kept.len(),
+        "every event of the log found once"
+    );
+    // The deleted session's documents leave the files: the index's segments hold the kept
+    // events and nothing else, none of them marked deleted.
+    let deadline = Instant::now() + BOUND;
+    loop {
+        let (documents, deleted) = documents_in(&dir.join("search"))?;
+        if (documents, deleted) == (kept.len() as u64, 0) {
+            break;
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "the index's segments hold {documents} documents, {deleted} of them deleted, \
+             not the {} kept events alone",
+            kept.len()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    append(
+        &mut client,
+        "long-0",
+        vec![user_event("", "afterwordqz everywhere")],
+        None,
+    )
+    .await?;
+    eventually_found(&mut client, "afterwordqz", &[("long-0", 101)]).await?;
     Ok(())
 }
 

@@ -132,7 +132,9 @@ impl Iterator for Spans<'_> {
 /// allocation for ASCII).
 pub fn lowercase_into(word: &str, out: &mut String) {
     if word.is_ascii() {
-        out.extend(word.bytes().map(|b| b.to_ascii_lowercase() as char));
+        let start = out.len();
+        out.push_str(word);
+        out[start..].make_ascii_lowercase();
     } else {
         out.push_str(&word.to_lowercase());
     }
