@@ -338,7 +338,7 @@ impl SearchIndex {
                 0
             }
         };
-        let indexer = |writer, offset| Indexer {
+        let indexer_with = |writer, offset| Indexer {
             writer,
             reader: reader.clone(),
             fields,
@@ -355,7 +355,7 @@ impl SearchIndex {
             behind if behind >= WIDE_CATCH_UP_BYTES => catch_up_threads(),
             _ => 1,
         };
-        let mut first = indexer(writer(&index, threads)?, offset);
+        let mut first = indexer_with(writer(&index, threads)?, offset);
         if threads > 1 {
             // Its segments are merged by the writer that follows it, while the store serves.
             first.writer.set_merge_policy(Box::new(NoMergePolicy));
@@ -370,9 +370,13 @@ impl SearchIndex {
             first
         } else {
             // Followed from here by one thread: a commit's documents make one segment.
-            let Indexer { writer, offset, .. } = first;
-            writer.wait_merging_threads()?;
-            indexer(self::writer(&index, 1)?, offset)
+            let Indexer {
+                writer: catching_up,
+                offset,
+                ..
+            } = first;
+            catching_up.wait_merging_threads()?;
+            indexer_with(writer(&index, 1)?, offset)
         };
         if indexer.offset > offset {
             tracing::info!(
