@@ -370,13 +370,9 @@ impl SearchIndex {
             first
         } else {
             // Followed from here by one thread: a commit's documents make one segment.
-            let Indexer {
-                writer: catching_up,
-                offset,
-                ..
-            } = first;
-            catching_up.wait_merging_threads()?;
-            indexer_with(writer(&index, 1)?, offset)
+            let caught_up = first.offset;
+            first.writer.wait_merging_threads()?;
+            indexer_with(writer(&index, 1)?, caught_up)
         };
         if indexer.offset > offset {
             tracing::info!(
