@@ -100,8 +100,8 @@ const WRITER_MEMORY: usize = 48 << 20;
 /// Log bytes behind from which the catch-up at open indexes on every core
 /// ([`catch_up_threads`]), the store not serving yet: a rebuild from scratch, or an index
 /// left behind by a load that took every core. Below it one thread takes tens of
-/// milliseconds. A log of 1,000,000 events is rebuilt on two cores in 0.65× the time of one
-/// (7.3 s against 11.2 s).
+/// milliseconds. A log of 1,000,000 events is rebuilt on two cores in about 0.7× the time
+/// of one (7.7–9.0 s against 11.1–11.3 s; bench/RESULTS.md, "Search").
 const WIDE_CATCH_UP_BYTES: u64 = 1 << 20;
 /// The tokenizer's name in the index's schema.
 const WORDS: &str = "agentlog_words";
