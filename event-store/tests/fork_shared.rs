@@ -9,7 +9,8 @@
 //!   forks' starts;
 //! - deleting a parent first makes its forks' prefixes their own, then takes its records
 //!   (its text too) off the disk: the forks read, dedup and append on, whole, and so does a
-//!   fork of a fork whose middle is deleted;
+//!   fork of a fork whose middle is deleted, and a fork deleted before the index took in
+//!   its prefix made its own leaves none of it behind;
 //! - the power cut at each step of that (the materialization written, durable, the
 //!   parent's segments rewritten, the index purged) leaves every fork whole, before and
 //!   after the reclamation finishes;
@@ -338,6 +339,43 @@ async fn deleting_a_parent_makes_its_forks_prefix_their_own_then_takes_its_text_
     })
     .await;
     assert_eq!(history(&store, "other").await.len(), 30);
+    store.close().unwrap();
+}
+
+/// A fork deleted right after its base's deletion made its prefix its own: that prefix
+/// is written after the fork's own events, and is still waiting for the index (which holds
+/// those, from before a restart) when the fork's dead records are counted. Every one of
+/// them leaves the disk all the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fork_deleted_before_the_index_took_its_prefix_in_leaves_none_of_it_behind() {
+    let disk = SimStorage::new();
+    let dir = tempfile::tempdir().unwrap();
+    let index_dir = dir.path().join("index");
+    let store = open_store_reclaiming(&disk, &index_dir, LOG, held());
+    make_line(&store).await;
+    // The index takes the line in at the close.
+    store.close().unwrap();
+    let store = open_store_reclaiming(&disk, &index_dir, LOG, reclaim_now());
+    // Past the segments of the line: the prefix is written into one of the others'.
+    for i in 0..LOG.segment_bytes / 200 {
+        let text = "o".repeat(200);
+        store
+            .append(op("other", vec![user(&format!("o-late{i}"), &text)]))
+            .await
+            .unwrap();
+    }
+    let g = history(&store, "g").await;
+    store.delete_session("p").await.unwrap();
+    wait_for("f's prefix its own", || {
+        placed(&disk, "f") == PREFIX as usize
+    })
+    .await;
+    store.delete_session("f").await.unwrap();
+    wait_for("p's and f's records gone", || {
+        !has_events(&disk, "p") && !has_events(&disk, "f")
+    })
+    .await;
+    assert_eq!(history(&store, "g").await, g);
     store.close().unwrap();
 }
 

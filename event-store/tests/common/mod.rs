@@ -168,7 +168,8 @@ pub fn read_log(disk: &SimStorage) -> Vec<Record> {
 }
 
 /// The log's records grouped by the atomic append they were written in, with the log
-/// offset each group ends at.
+/// offset each group ends at. Read from a snapshot of `disk`: opening the log repairs it,
+/// and a store may be writing to `disk` meanwhile.
 pub fn read_appends(disk: &SimStorage) -> Vec<Vec<Record>> {
     try_read_appends(disk).expect("the log is readable")
 }
@@ -176,7 +177,7 @@ pub fn read_appends(disk: &SimStorage) -> Vec<Vec<Record>> {
 fn try_read_appends(disk: &SimStorage) -> Result<Vec<Vec<Record>>, LogError> {
     let mut appends = Vec::new();
     LogWriter::open(
-        Arc::new(disk.clone()),
+        Arc::new(disk.snapshot()),
         LogConfig {
             segment_bytes: u64::MAX,
             preallocate_bytes: 0,

@@ -401,23 +401,30 @@ impl Reclaimer {
         }
         // The positions the index has not absorbed are read first: an absorb between the
         // two reads then moves them into the index before it is read, and none is missed
-        // (read the other way round, an absorb in between hid them from both).
+        // (read the other way round, an absorb in between hid them from both). Each is
+        // counted once, by offset, whichever holds it: both may (an absorb in between), and
+        // either may hold the lower seqs (a fork's prefix made its own is written after its
+        // newer events, and may be recent while they are indexed).
         let recent = self.shared.recent.positions(session_id, 1, usize::MAX);
-        let mut positions = self
+        let indexed = self
             .index
             .positions(session_id, 1, usize::MAX)
             .map_err(StoreError::from)?;
-        let after = positions.last().map_or(1, |(seq, _)| seq + 1);
-        positions.extend(recent.into_iter().filter(|(seq, _)| *seq >= after));
         let unindexed = self
             .index
             .dead_positions(session_id)
             .map_err(StoreError::from)?;
+        let records: HashMap<u64, u32> = recent
+            .into_iter()
+            .chain(indexed)
+            .map(|(_, p)| p)
+            .chain(unindexed)
+            .map(|p| (p.offset, p.len))
+            .collect();
         let mut by_segment: BTreeMap<u64, u64> = BTreeMap::new();
-        let all = positions.into_iter().map(|(_, p)| p).chain(unindexed);
-        for position in all {
-            if let Some(base) = self.reader.segment_of(position.offset) {
-                *by_segment.entry(base).or_default() += u64::from(position.len);
+        for (offset, len) in records {
+            if let Some(base) = self.reader.segment_of(offset) {
+                *by_segment.entry(base).or_default() += u64::from(len);
             }
         }
         let dead: Vec<(u64, u64)> = by_segment.into_iter().collect();

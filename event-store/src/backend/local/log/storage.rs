@@ -581,6 +581,39 @@ impl SimStorage {
         *lock(&self.crash_at) = Some((point, nth.max(1)));
     }
 
+    /// A disk of its own with a copy of every file as it is now, synced bytes and unsynced
+    /// alike: what a test opens to look at a live store's log. Opening a log repairs it (it
+    /// drops a torn tail, removes a rewrite in progress), which on the store's own disk
+    /// would cut the append it is writing or the rewrite it is making. Taken under the file
+    /// set's lock, so a rewrite is seen either in place or not at all.
+    pub fn snapshot(&self) -> SimStorage {
+        let files = lock(&self.files);
+        let rewrites = lock(&self.rewrites);
+        let copy = SimStorage {
+            health: Arc::new(AtomicU8::new(self.health.load(Ordering::SeqCst))),
+            full: Arc::new(AtomicBool::new(self.full.load(Ordering::SeqCst))),
+            ..SimStorage::default()
+        };
+        let copy_of = |segments: &BTreeMap<u64, Arc<SimSegment>>| {
+            let segments = segments.iter().map(|(base, segment)| {
+                let bytes = lock(&segment.state);
+                let copied = SimSegment {
+                    state: Mutex::new(SimBytes {
+                        data: bytes.data.clone(),
+                        synced: bytes.synced,
+                    }),
+                    health: copy.health.clone(),
+                    full: copy.full.clone(),
+                };
+                (*base, Arc::new(copied))
+            });
+            segments.collect::<BTreeMap<_, _>>()
+        };
+        *lock(&copy.files) = copy_of(&files);
+        *lock(&copy.rewrites) = copy_of(&rewrites);
+        copy
+    }
+
     /// Every byte of every file, segments and rewrites alike (to look for what must be gone).
     pub fn all_bytes(&self) -> Vec<u8> {
         let files = lock(&self.files);
