@@ -47,9 +47,9 @@
 //! - [`CrashPoint::Purged`]: the index without the sessions' entries but still marking
 //!   them: the next pass finds nothing to rewrite and removes the marks.
 //!
-//! `event-store/tests/reclaim_crash.rs` cuts the power at each of these points and after
-//! every step of a pass, and `integration-tests/tests/store_reclaim.rs` kills the real
-//! binary while it rewrites.
+//! `event-store/tests/reclaim.rs` and `event-store/tests/fork_shared.rs` cut the power at
+//! each of these points and after steps of a pass, and
+//! `integration-tests/tests/store_reclaim.rs` kills the real binary while it rewrites.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;

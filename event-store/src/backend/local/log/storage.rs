@@ -597,21 +597,26 @@ impl SimStorage {
         let copy_of = |segments: &BTreeMap<u64, Arc<SimSegment>>| {
             let segments = segments.iter().map(|(base, segment)| {
                 let bytes = lock(&segment.state);
-                let copied = SimSegment {
-                    state: Mutex::new(SimBytes {
-                        data: bytes.data.clone(),
-                        synced: bytes.synced,
-                    }),
-                    health: copy.health.clone(),
-                    full: copy.full.clone(),
+                let bytes = SimBytes {
+                    data: bytes.data.clone(),
+                    synced: bytes.synced,
                 };
-                (*base, Arc::new(copied))
+                (*base, copy.new_segment(bytes))
             });
             segments.collect::<BTreeMap<_, _>>()
         };
         *lock(&copy.files) = copy_of(&files);
         *lock(&copy.rewrites) = copy_of(&rewrites);
         copy
+    }
+
+    /// A file of this disk holding `bytes`.
+    fn new_segment(&self, bytes: SimBytes) -> Arc<SimSegment> {
+        Arc::new(SimSegment {
+            state: Mutex::new(bytes),
+            health: self.health.clone(),
+            full: self.full.clone(),
+        })
     }
 
     /// Every byte of every file, segments and rewrites alike (to look for what must be gone).
@@ -690,11 +695,7 @@ impl Storage for SimStorage {
         if self.full.load(Ordering::SeqCst) {
             return Err(io::ErrorKind::StorageFull.into());
         }
-        let segment = Arc::new(SimSegment {
-            state: Mutex::default(),
-            health: self.health.clone(),
-            full: self.full.clone(),
-        });
+        let segment = self.new_segment(SimBytes::default());
         files.insert(base, segment.clone());
         Ok(segment)
     }
@@ -710,11 +711,7 @@ impl Storage for SimStorage {
         if self.full.load(Ordering::SeqCst) {
             return Err(io::ErrorKind::StorageFull.into());
         }
-        let segment = Arc::new(SimSegment {
-            state: Mutex::default(),
-            health: self.health.clone(),
-            full: self.full.clone(),
-        });
+        let segment = self.new_segment(SimBytes::default());
         rewrites.insert(base, segment.clone());
         Ok(segment)
     }
