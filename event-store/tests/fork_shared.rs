@@ -173,8 +173,8 @@ fn marks(disk: &SimStorage, what: &str) -> usize {
         .count()
 }
 
-/// Whether any event of `session` is left in the log (true while a rewrite is being put
-/// in place under the read: asked again).
+/// Whether any event of `session` is left in the log (true while the log cannot be read:
+/// asked again).
 fn has_events(disk: &SimStorage, session: &str) -> bool {
     let Ok(records) = common::try_read_log(disk) else {
         return true;

@@ -363,8 +363,8 @@ async fn a_forks_prefix_outlives_its_deleted_parent_and_goes_with_the_fork() {
     // The parent's records go; the fork's own copies of them (made before) stay, and read
     // back the same.
     // The parent's text is in the fork's records too once they are its own: the parent is
-    // gone when none of the text's records is the parent's (asked again while a rewrite is
-    // put in place under the read).
+    // gone when none of the text's records is the parent's (asked again while the log
+    // cannot be read).
     let parents_left = |d: &SimStorage| {
         let Ok(records) = common::try_read_log(d) else {
             return true;

@@ -156,8 +156,7 @@ pub async fn history(store: &Store, session_id: &str) -> Vec<Event> {
     events
 }
 
-/// Like [`read_log`], or the error of a read that met a rewrite being put in place (the
-/// reclaimer's, running beside the caller): to be asked again.
+/// Like [`read_log`], or its error: for a caller that asks again while a store runs.
 pub fn try_read_log(disk: &SimStorage) -> Result<Vec<Record>, LogError> {
     Ok(try_read_appends(disk)?.into_iter().flatten().collect())
 }
