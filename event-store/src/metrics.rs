@@ -341,8 +341,14 @@ impl AppendObserver {
         append: impl Future<Output = Result<AppendResponse, StoreError>>,
     ) -> Result<AppendResponse, StoreError> {
         let result = append.instrument(self.span.clone()).await;
+        self.finish(&result);
+        result
+    }
+
+    /// Counts and times the append's outcome, `result`, and records it in the span.
+    pub fn finish(self, result: &Result<AppendResponse, StoreError>) {
         let m = &*METRICS;
-        let outcome = outcome_label(&result);
+        let outcome = outcome_label(result);
         m.appends
             .get_or_create(&[("durability", self.durability), ("outcome", outcome)])
             .inc();
@@ -353,13 +359,12 @@ impl AppendObserver {
             .get_or_create(&[("durability", self.durability)])
             .observe(self.started.elapsed().as_secs_f64());
         self.span.record("outcome", outcome);
-        if let Ok(response) = &result {
+        if let Ok(response) = result {
             if let (Some(first), Some(last)) = (response.seqs.first(), response.seqs.last()) {
                 self.span.record("first_seq", first);
                 self.span.record("last_seq", last);
             }
         }
-        result
     }
 }
 

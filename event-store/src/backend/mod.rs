@@ -269,7 +269,8 @@ pub trait Backend: Send + Sync + 'static {
     /// session queued one after another are applied in that order, so the next may be
     /// queued before the previous one is answered (a stream's requests are read while the
     /// ones before them commit). Waits only for room in the backend's queue, never for a
-    /// commit.
+    /// commit. The append goes on whether or not its answer is polled: the answer only
+    /// receives the outcome.
     async fn enqueue_append(&self, op: AppendOp) -> Result<AppendAnswer, StoreError>;
 
     // Sessions that move: export, import, pin (see the module head).

@@ -1,8 +1,11 @@
 //! AppendStream: many appends on one call, each handled as Append handles it, answered in
 //! order.
 
+use std::collections::VecDeque;
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 
 use agentlog_proto::v1::{
     append_stream_response, AppendError, AppendRequest, AppendResponse, AppendStreamResponse,
@@ -29,27 +32,30 @@ const APPEND_STREAM_IN_FLIGHT: usize = 1024;
 /// read while those unanswered hold this much (one always is).
 const APPEND_STREAM_IN_FLIGHT_BYTES: usize = crate::wire::MAX_APPEND_BYTES;
 
-/// An answer to come, with the size of its request.
-type AnswerToCome =
-    Pin<Box<dyn std::future::Future<Output = (usize, Result<AppendResponse, Status>)> + Send>>;
-
 /// An AppendStream request on its way into the writer's queue, with its observer and
 /// size.
-type Queuing = Pin<
-    Box<
-        dyn std::future::Future<Output = (AppendObserver, usize, Result<AppendAnswer, StoreError>)>
-            + Send,
-    >,
->;
+type Queuing =
+    Pin<Box<dyn Future<Output = (AppendObserver, usize, Result<AppendAnswer, StoreError>)> + Send>>;
+
+/// A request read and not answered yet, with its size.
+enum InFlight {
+    /// Answered without the backend (refused): sent once those before it are.
+    Answered(usize, Result<AppendResponse, Status>),
+    /// Queued in the backend: its answer to come, counted by its observer when it does.
+    Queued(usize, AppendObserver, AppendAnswer),
+}
 
 /// The responses of one AppendStream. Requests are read, checked and queued for the writer
 /// as the response side is polled (so in order, and at most [`APPEND_STREAM_IN_FLIGHT`]
 /// and [`APPEND_STREAM_IN_FLIGHT_BYTES`] unanswered), and their answers are sent in that
 /// same order: one task per call, no channel between reading a request and sending its
-/// answer. A request that breaks the stream (a bad frame) ends it with that status after
-/// the answers before it; shutdown stops the reading, the answers already queued still go
-/// out, and the stream ends with `UNAVAILABLE` (a request the store did not read is the
-/// client's to send again). Each request is counted, timed and traced as a unary Append is
+/// answer. Only the oldest unanswered request's answer is polled: no later one can be sent
+/// before it, and a backend carries out a queued append whether or not its answer is
+/// polled ([`Backend::enqueue_append`]); so an answer wakes this task directly, once. A
+/// request that breaks the stream (a bad frame) ends it with that status after the answers
+/// before it; shutdown stops the reading, the answers already queued still go out, and the
+/// stream ends with `UNAVAILABLE` (a request the store did not read is the client's to send
+/// again). Each request is counted, timed and traced as a unary Append is
 /// ([`AppendObserver`]), its span a child of the call's.
 pub(super) struct AppendStreamAnswers {
     requests: tonic::Streaming<AppendRequest>,
@@ -61,7 +67,8 @@ pub(super) struct AppendStreamAnswers {
     shutdown: Pin<Box<tokio_util::sync::WaitForCancellationFutureOwned>>,
     /// A request being queued (waiting for room in the writer's queue).
     queuing: Option<Queuing>,
-    answers: futures::stream::FuturesOrdered<AnswerToCome>,
+    /// Oldest first.
+    answers: VecDeque<InFlight>,
     /// The encoded size of the requests read and not answered.
     in_flight_bytes: usize,
     /// Set once no more requests are read; the status to end with after the answers, if
@@ -85,15 +92,14 @@ impl AppendStreamAnswers {
             store,
             shutdown: Box::pin(shutdown.clone().cancelled_owned()),
             queuing: None,
-            answers: futures::stream::FuturesOrdered::new(),
+            answers: VecDeque::new(),
             in_flight_bytes: 0,
             reading_done: None,
         }
     }
 
     /// Reads and queues one request if one is ready and there is room; whether it did.
-    fn read_one(&mut self, cx: &mut std::task::Context<'_>) -> bool {
-        use std::task::Poll;
+    fn read_one(&mut self, cx: &mut Context<'_>) -> bool {
         if self.reading_done.is_some() {
             return false;
         }
@@ -101,16 +107,16 @@ impl AppendStreamAnswers {
             return match queuing.as_mut().poll(cx) {
                 Poll::Ready((observer, size, queued)) => {
                     self.queuing = None;
-                    self.answers.push_back(Box::pin(async move {
-                        let answer = observer.observe(async move { queued?.await });
-                        (size, answer.await.map_err(Status::from))
-                    }));
+                    self.answers.push_back(match queued {
+                        Ok(answer) => InFlight::Queued(size, observer, answer),
+                        Err(e) => refused(size, observer, e),
+                    });
                     true
                 }
                 Poll::Pending => false,
             };
         }
-        if std::future::Future::poll(self.shutdown.as_mut(), cx).is_ready() {
+        if self.shutdown.as_mut().poll(cx).is_ready() {
             self.reading_done = Some(Some(super::stopping_status("AppendStream")));
             return false;
         }
@@ -125,7 +131,7 @@ impl AppendStreamAnswers {
                 self.in_flight_bytes += size;
                 if let Err(status) = admit_streamed(&self.caller, self.budget.as_ref(), &req) {
                     self.answers
-                        .push_back(Box::pin(std::future::ready((size, Err(status)))));
+                        .push_back(InFlight::Answered(size, Err(status)));
                     return true;
                 }
                 let observer = self
@@ -140,10 +146,7 @@ impl AppendStreamAnswers {
                             (observer, size, queued)
                         }));
                     }
-                    Err(e) => self.answers.push_back(Box::pin(async move {
-                        let refused = observer.observe(std::future::ready(Err(e)));
-                        (size, refused.await.map_err(Status::from))
-                    })),
+                    Err(e) => self.answers.push_back(refused(size, observer, e)),
                 }
                 true
             }
@@ -158,20 +161,47 @@ impl AppendStreamAnswers {
             Poll::Pending => false,
         }
     }
+
+    /// The oldest request's answer, once it has one; `None` if no request is unanswered.
+    fn poll_oldest(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<(usize, Result<AppendResponse, Status>)>> {
+        let Some(oldest) = self.answers.pop_front() else {
+            return Poll::Ready(None);
+        };
+        match oldest {
+            InFlight::Answered(size, answer) => Poll::Ready(Some((size, answer))),
+            InFlight::Queued(size, observer, mut answer) => match answer.as_mut().poll(cx) {
+                Poll::Ready(result) => {
+                    observer.finish(&result);
+                    Poll::Ready(Some((size, result.map_err(Status::from))))
+                }
+                Poll::Pending => {
+                    self.answers
+                        .push_front(InFlight::Queued(size, observer, answer));
+                    Poll::Pending
+                }
+            },
+        }
+    }
+}
+
+/// A request the backend refused before queuing it, counted as refused.
+fn refused(size: usize, observer: AppendObserver, e: StoreError) -> InFlight {
+    let refusal = Err(e);
+    observer.finish(&refusal);
+    InFlight::Answered(size, refusal.map_err(Status::from))
 }
 
 impl Stream for AppendStreamAnswers {
     type Item = Result<AppendStreamResponse, Status>;
 
-    fn poll_next(
-        self: Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Self::Item>> {
-        use std::task::Poll;
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         let this = self.get_mut();
         loop {
             let read = this.read_one(cx);
-            match Pin::new(&mut this.answers).poll_next(cx) {
+            match this.poll_oldest(cx) {
                 Poll::Ready(Some((size, answer))) => {
                     this.in_flight_bytes -= size;
                     return Poll::Ready(Some(Ok(streamed(answer))));
