@@ -28,7 +28,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
-use testkit::Store;
+use testkit::{Backing, Store};
 
 use crate::appenders::{AgentlogAppender, AgentlogStreamAppender};
 use crate::baselines::{etcd::Etcd, postgres::Postgres, redis::Redis};
@@ -229,6 +229,9 @@ pub enum Target {
     Floor,
     /// The gRPC floor through `AppendStream`.
     FloorStream,
+    /// The durable floor (`agentlog-bench-floor --durable`) through `AppendStream`: each
+    /// append written and fdatasync'd in groups by one thread before its answer, nothing else.
+    DurableFloorStream,
     Naive,
     Postgres,
     Redis,
@@ -237,7 +240,7 @@ pub enum Target {
 
 impl Target {
     /// Every system, in the order the tables list them.
-    pub const ALL: [Target; 12] = [
+    pub const ALL: [Target; 13] = [
         Target::Agentlog,
         Target::AgentlogOneSession,
         Target::AgentlogStream,
@@ -246,6 +249,7 @@ impl Target {
         Target::CeilingStream,
         Target::Floor,
         Target::FloorStream,
+        Target::DurableFloorStream,
         Target::Naive,
         Target::Postgres,
         Target::Redis,
@@ -266,6 +270,9 @@ impl Target {
             Target::FloorStream => {
                 "the gRPC floor: AppendStream answered from memory, nothing stored"
             }
+            Target::DurableFloorStream => {
+                "the durable floor: AppendStream written and fdatasync'd in groups, nothing else"
+            }
             Target::Naive => "naive JSONL + fsync per event (one process)",
             Target::Postgres => "PostgreSQL 15, INSERT per event, synchronous_commit=on",
             Target::Redis => "Redis Streams XADD, appendfsync always",
@@ -280,6 +287,8 @@ struct Systems {
     ceiling: Option<Store>,
     /// `agentlog-bench-floor`: the store's transport, answering appends from memory.
     floor: Option<Store>,
+    /// `agentlog-bench-floor --durable`: the transport and a group-committed fdatasync.
+    durable_floor: Option<Store>,
     postgres: Option<Postgres>,
     redis: Option<Redis>,
     etcd: Option<Etcd>,
@@ -319,6 +328,7 @@ impl Systems {
                 self.ceiling.as_ref().map(Store::pid)
             }
             Target::Floor | Target::FloorStream => self.floor.as_ref().map(Store::pid),
+            Target::DurableFloorStream => self.durable_floor.as_ref().map(Store::pid),
             Target::Naive => None,
             Target::Postgres => self.postgres.as_ref().map(Postgres::pid),
             Target::Redis => self.redis.as_ref().map(Redis::pid),
@@ -382,6 +392,14 @@ impl Systems {
                             AgentlogStreamAppender::connect(&floor.url(), session).await?,
                         )
                     }
+                }
+                Target::DurableFloorStream => {
+                    let Some(floor) = &self.durable_floor else {
+                        return Ok(None);
+                    };
+                    AnyAppender::AgentlogStream(
+                        AgentlogStreamAppender::connect(&floor.url(), session).await?,
+                    )
                 }
                 Target::Naive => {
                     if clients != 1 {
@@ -769,8 +787,8 @@ async fn only_catch_up(
 }
 
 /// Starts the systems a run compares, each in a fresh directory under `dir`: agentlog and,
-/// unless `--quick` or `--no-baselines`, PostgreSQL; with `all`, also the gRPC floor, the
-/// fsync-skipped ceiling (unless `--quick`), Redis and etcd. A baseline that does not start
+/// unless `--quick` or `--no-baselines`, PostgreSQL; with `all`, also the gRPC floor and the
+/// durable floor, the fsync-skipped ceiling (unless `--quick`), Redis and etcd. A baseline that does not start
 /// is noted in the report and left out.
 async fn start_systems(
     args: &Args,
@@ -796,12 +814,26 @@ async fn start_systems(
             None
         }
     };
+    let floor_binary = testkit::bin_path("agentlog-bench-floor");
     let floor = if all {
-        let binary = testkit::bin_path("agentlog-bench-floor");
         start_or_note(
             report,
             "The gRPC floor",
-            Store::start_binary(&binary, &fresh("floor")?),
+            Store::start_binary(&floor_binary, &fresh("floor")?),
+        )
+    } else {
+        None
+    };
+    let durable_floor = if all {
+        start_or_note(
+            report,
+            "The durable floor",
+            Store::start_backed(
+                &floor_binary,
+                Backing::Dir(fresh("durable-floor")?),
+                "127.0.0.1:0",
+                &["--durable"],
+            ),
         )
     } else {
         None
@@ -837,6 +869,7 @@ async fn start_systems(
         store,
         ceiling,
         floor,
+        durable_floor,
         postgres,
         redis,
         etcd,
@@ -982,6 +1015,7 @@ async fn same_rate(
         Target::AgentlogStream,
         Target::CeilingStream,
         Target::FloorStream,
+        Target::DurableFloorStream,
         Target::Redis,
     ] {
         let Some(pid) = systems.pid(target) else {
@@ -1015,6 +1049,7 @@ async fn profile_appends(
         Target::AgentlogStream,
         Target::FloorStream,
         Target::Floor,
+        Target::DurableFloorStream,
         Target::Postgres,
         Target::Redis,
         Target::Etcd,

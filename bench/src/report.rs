@@ -136,21 +136,18 @@ impl Report {
                 .find(|(t, _, _)| *t == target)
                 .map(|(_, _, us)| *us)
         };
-        match (
-            us(Target::AgentlogStream),
-            us(Target::Redis),
-            us(Target::FloorStream),
-        ) {
-            (Some(ours), Some(redis), floor) => format!(
+        match (us(Target::AgentlogStream), us(Target::Redis)) {
+            (Some(ours), Some(redis)) => format!(
                 ". All at {} appends/s: AppendStream {ours:.1} µs vs Redis {redis:.1} µs = \
                  **{}**{}",
                 fmt_num(*rate),
                 fmt_ratio(ours / redis),
-                floor.map_or(String::new(), |f| format!(
-                    ", the floor {f:.1} µs = {} Redis's, the store {:.1} µs over it",
-                    fmt_ratio(f / redis),
-                    ours - f
-                ))
+                floors(
+                    ours,
+                    redis,
+                    us(Target::FloorStream),
+                    us(Target::DurableFloorStream)
+                )
             ),
             _ => String::new(),
         }
@@ -346,12 +343,14 @@ impl Report {
             .filter_map(cpu_of)
             .map(|(_, us)| us)
             .reduce(f64::min);
-        // What the contract's transport alone costs, on its best path: the floor.
+        // What the contract's transport alone costs, on its best path: the floor; and with a
+        // group-committed fdatasync, the least any durable store over it costs.
         let floor_cpu = [Target::FloorStream, Target::Floor]
             .into_iter()
             .filter_map(cpu_of)
             .map(|(_, us)| us)
             .reduce(f64::min);
+        let durable_floor_cpu = cpu_of(Target::DurableFloorStream).map(|(_, us)| us);
         let (measured, ok) = match (ours_cpu, cpu_of(Target::Redis)) {
             (Some(ours), Some((clients, redis))) => {
                 let paths = [
@@ -362,16 +361,7 @@ impl Report {
                 .filter_map(|(t, name)| cpu_of(t).map(|(_, us)| format!("{us:.1} µs ({name})")))
                 .collect::<Vec<_>>()
                 .join(", ");
-                let floor = floor_cpu
-                    .map(|f| {
-                        format!(
-                            "; the gRPC floor alone (appends answered from memory) {f:.1} µs = {} \
-                             Redis's, the store {:.1} µs over it",
-                            fmt_ratio(f / redis),
-                            ours - f
-                        )
-                    })
-                    .unwrap_or_default();
+                let floor = floors(ours, redis, floor_cpu, durable_floor_cpu);
                 (
                     format!(
                         "{paths} vs Redis {redis:.1} µs, at {clients} clients = **{}**{floor}{}",
@@ -640,7 +630,10 @@ impl Report {
              \"appends per sync\" is the group-commit batch. The gRPC floor is tonic serving \
              the store's service, answering each append at once from memory \
              (`agentlog-bench-floor`): what the contract's transport costs before the store \
-             does anything.\n"
+             does anything. The durable floor is the same server handing each append to one \
+             thread that writes whatever is queued to a preallocated file, calls fdatasync \
+             once for it and then answers (`agentlog-bench-floor --durable`): the least any \
+             store that acknowledges after an fsync costs over this transport on this disk.\n"
         )?;
         writeln!(
             md,
@@ -1039,6 +1032,31 @@ fn fmt_int(n: usize) -> String {
 
 /// A goal row's "measured" and "met?" cells for `ours` against `theirs` (rates in `unit`):
 /// met when ours is at least `goal` times theirs.
+/// The CPU goal's floors beside the store's CPU an append (`ours`, µs) and Redis's: the
+/// gRPC floor (the transport alone) and the durable floor (the transport and a
+/// group-committed fdatasync: the least any store that acknowledges after an fsync costs
+/// over it), each as a multiple of Redis's, and what the store costs over each.
+fn floors(ours: f64, redis: f64, floor: Option<f64>, durable: Option<f64>) -> String {
+    let mut out = String::new();
+    if let Some(f) = floor {
+        out += &format!(
+            "; the gRPC floor (appends answered from memory) {f:.1} µs = {} Redis's, the store \
+             {:.1} µs over it",
+            fmt_ratio(f / redis),
+            ours - f
+        );
+    }
+    if let Some(d) = durable {
+        out += &format!(
+            "; the durable floor (appends written and fdatasync'd in groups, nothing else) \
+             {d:.1} µs = {} Redis's, the store {} of it",
+            fmt_ratio(d / redis),
+            fmt_ratio(ours / d)
+        );
+    }
+    out
+}
+
 fn rate_goal(ours: Option<f64>, theirs: Option<f64>, unit: &str, goal: f64) -> (String, String) {
     match (ours, theirs) {
         (Some(o), Some(t)) => (
