@@ -25,6 +25,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::server::Connected;
 
+use crate::stop::{Stop, StopCheck};
 use crate::tls::ReloadingTls;
 
 /// A TLS handshake must finish within this.
@@ -89,22 +90,37 @@ pub struct ServerConn {
     io: Io,
     info: PeerInfo,
     close_at: Option<Pin<Box<tokio::time::Sleep>>>,
-    /// Fires [`SHUTDOWN_GRACE`] after shutdown began.
-    cut: Pin<Box<tokio_util::sync::WaitForCancellationFutureOwned>>,
+    /// Fires [`SHUTDOWN_GRACE`] after shutdown began. Looked at before every read and
+    /// write, and waited for whenever one waits.
+    cut: StopCheck,
     /// Set once our side is shut down: until when what the peer still sends is drained.
     linger: Option<Pin<Box<tokio::time::Sleep>>>,
     _counted: Counted,
 }
 
+/// The error every read and write returns once the connection is cut.
+fn cut_error() -> std::io::Error {
+    std::io::Error::new(
+        std::io::ErrorKind::ConnectionAborted,
+        "the store's shutdown grace is over",
+    )
+}
+
 impl ServerConn {
-    /// The error every read and write returns once the connection is cut.
-    fn cut(&mut self, cx: &mut Context<'_>) -> Option<std::io::Error> {
-        self.cut.as_mut().poll(cx).is_ready().then(|| {
-            std::io::Error::new(
-                std::io::ErrorKind::ConnectionAborted,
-                "the store's shutdown grace is over",
-            )
-        })
+    /// `io`'s outcome, unless the connection is cut; one about to wait also waits for the
+    /// cut, so a parked connection is woken by it.
+    fn unless_cut<T>(
+        &mut self,
+        cx: &mut Context<'_>,
+        io: impl FnOnce(&mut Io, &mut Context<'_>) -> Poll<std::io::Result<T>>,
+    ) -> Poll<std::io::Result<T>> {
+        if self.cut.stopped() {
+            return Poll::Ready(Err(cut_error()));
+        }
+        match io(&mut self.io, cx) {
+            Poll::Pending if self.cut.poll_stopped(cx) => Poll::Ready(Err(cut_error())),
+            outcome => outcome,
+        }
     }
 }
 
@@ -123,18 +139,15 @@ impl AsyncRead for ServerConn {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
         let this = self.get_mut();
-        if let Some(cut) = this.cut(cx) {
-            return Poll::Ready(Err(cut));
-        }
         if let Some(close_at) = this.close_at.as_mut() {
             if close_at.as_mut().poll(cx).is_ready() {
                 return Poll::Ready(Ok(())); // end of stream: hyper closes the connection
             }
         }
-        match &mut this.io {
+        this.unless_cut(cx, |io, cx| match io {
             Io::Plain(s) => Pin::new(s).poll_read(cx, buf),
             Io::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
-        }
+        })
     }
 }
 
@@ -144,25 +157,17 @@ impl AsyncWrite for ServerConn {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<std::io::Result<usize>> {
-        let this = self.get_mut();
-        if let Some(cut) = this.cut(cx) {
-            return Poll::Ready(Err(cut));
-        }
-        match &mut this.io {
+        self.get_mut().unless_cut(cx, |io, cx| match io {
             Io::Plain(s) => Pin::new(s).poll_write(cx, buf),
             Io::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
-        }
+        })
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        let this = self.get_mut();
-        if let Some(cut) = this.cut(cx) {
-            return Poll::Ready(Err(cut));
-        }
-        match &mut this.io {
+        self.get_mut().unless_cut(cx, |io, cx| match io {
             Io::Plain(s) => Pin::new(s).poll_flush(cx),
             Io::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
-        }
+        })
     }
 
     /// Ends our side (FIN), then reads and drops what the peer still sends until it closes
@@ -181,7 +186,7 @@ impl AsyncWrite for ServerConn {
         }
         let mut scratch = [0u8; 4096];
         loop {
-            if this.cut(cx).is_some()
+            if this.cut.poll_stopped(cx)
                 || this
                     .linger
                     .as_mut()
@@ -207,14 +212,10 @@ impl AsyncWrite for ServerConn {
         cx: &mut Context<'_>,
         bufs: &[std::io::IoSlice<'_>],
     ) -> Poll<std::io::Result<usize>> {
-        let this = self.get_mut();
-        if let Some(cut) = this.cut(cx) {
-            return Poll::Ready(Err(cut));
-        }
-        match &mut this.io {
+        self.get_mut().unless_cut(cx, |io, cx| match io {
             Io::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
             Io::Tls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
-        }
+        })
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -235,7 +236,7 @@ pub fn accept(
 ) -> ReceiverStream<Result<ServerConn, std::io::Error>> {
     let (tx, rx) = mpsc::channel(256);
     let counts = Arc::new(Mutex::new(Counts::default()));
-    let cut = CancellationToken::new();
+    let cut = Stop::following(CancellationToken::new());
     tokio::spawn(cut_after_grace(
         shutdown.clone(),
         cut.clone(),
@@ -247,11 +248,7 @@ pub fn accept(
     ReceiverStream::new(rx)
 }
 
-async fn cut_after_grace(
-    shutdown: CancellationToken,
-    cut: CancellationToken,
-    counts: Arc<Mutex<Counts>>,
-) {
+async fn cut_after_grace(shutdown: CancellationToken, cut: Stop, counts: Arc<Mutex<Counts>>) {
     shutdown.cancelled().await;
     tokio::time::sleep(SHUTDOWN_GRACE).await;
     let open = counts.lock().unwrap_or_else(|p| p.into_inner()).total;
@@ -262,7 +259,7 @@ async fn cut_after_grace(
             "connections still open after the shutdown grace; cutting them"
         );
     }
-    cut.cancel();
+    cut.token().cancel();
 }
 
 async fn accept_loop(
@@ -270,7 +267,7 @@ async fn accept_loop(
     tls: Option<Arc<ReloadingTls>>,
     limits: ConnLimits,
     shutdown: CancellationToken,
-    cut: CancellationToken,
+    cut: Stop,
     counts: Arc<Mutex<Counts>>,
     tx: mpsc::Sender<Result<ServerConn, std::io::Error>>,
 ) {
@@ -336,7 +333,7 @@ async fn accept_loop(
                     io: Io::Plain(stream),
                     info,
                     close_at,
-                    cut: Box::pin(cut.clone().cancelled_owned()),
+                    cut: cut.check(),
                     linger: None,
                     _counted: counted,
                 };
@@ -357,7 +354,7 @@ async fn accept_loop(
                                 io: Io::Tls(Box::new(stream)),
                                 info,
                                 close_at,
-                                cut: Box::pin(cut.cancelled_owned()),
+                                cut: cut.check(),
                                 linger: None,
                                 _counted: counted,
                             };
@@ -371,5 +368,77 @@ async fn accept_loop(
                 });
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::*;
+
+    /// A connection whose peer says nothing, and the token that cuts it.
+    async fn quiet_connection() -> (ServerConn, TcpStream, CancellationToken) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let peer = TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (stream, remote) = listener.accept().await.unwrap();
+        let token = CancellationToken::new();
+        let conn = ServerConn {
+            io: Io::Plain(stream),
+            info: PeerInfo {
+                remote: Some(remote),
+                over_limit: None,
+            },
+            close_at: None,
+            cut: Stop::following(token.clone()).check(),
+            linger: None,
+            _counted: Counted {
+                counts: Arc::default(),
+                ip: None,
+            },
+        };
+        (conn, peer, token)
+    }
+
+    #[tokio::test]
+    async fn a_read_waiting_for_a_quiet_peer_ends_when_the_connection_is_cut() {
+        let (mut conn, _peer, cut) = quiet_connection().await;
+        let read = tokio::spawn(async move {
+            let mut buf = [0u8; 16];
+            conn.read(&mut buf).await
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!read.is_finished(), "nothing to read yet");
+        cut.cancel();
+        let outcome = tokio::time::timeout(Duration::from_secs(5), read)
+            .await
+            .expect("woken by the cut")
+            .unwrap();
+        let error = outcome.expect_err("a cut connection reads nothing");
+        assert_eq!(error.kind(), std::io::ErrorKind::ConnectionAborted);
+    }
+
+    #[tokio::test]
+    async fn a_cut_connection_neither_reads_nor_writes_though_the_peer_talks() {
+        let (mut conn, mut peer, cut) = quiet_connection().await;
+        peer.write_all(b"hello").await.unwrap();
+        cut.cancel();
+        // The flag follows the token within a moment.
+        let mut buf = [0u8; 16];
+        let read = tokio::time::timeout(Duration::from_secs(5), async {
+            loop {
+                match conn.read(&mut buf).await {
+                    Ok(_) => tokio::task::yield_now().await,
+                    Err(e) => return e,
+                }
+            }
+        })
+        .await
+        .expect("the cut reaches the reads");
+        assert_eq!(read.kind(), std::io::ErrorKind::ConnectionAborted);
+        let write = conn.write_all(b"answer").await.expect_err("nor the writes");
+        assert_eq!(write.kind(), std::io::ErrorKind::ConnectionAborted);
     }
 }

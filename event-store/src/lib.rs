@@ -34,6 +34,7 @@ pub mod scope;
 pub mod search;
 pub mod service;
 pub mod session;
+mod stop;
 pub mod tls;
 pub mod transfer;
 pub mod wire;

@@ -21,6 +21,7 @@ use crate::backend::{AppendAnswer, Backend};
 use crate::error::StoreError;
 use crate::limits::MessageBudget;
 use crate::metrics::{AppendCall, AppendObserver};
+use crate::stop::StopCheck;
 
 /// Requests of one AppendStream read and not answered yet, at most: the stream's
 /// read-ahead, which lets the backend commit many of them at once. Beyond it the store
@@ -64,7 +65,7 @@ pub(super) struct AppendStreamAnswers {
     /// The call's span (the responses are polled outside it).
     span: tracing::Span,
     store: Arc<dyn Backend>,
-    shutdown: Pin<Box<tokio_util::sync::WaitForCancellationFutureOwned>>,
+    shutdown: StopCheck,
     /// A request being queued (waiting for room in the writer's queue).
     queuing: Option<Queuing>,
     /// Oldest first.
@@ -82,7 +83,7 @@ impl AppendStreamAnswers {
         caller: Caller,
         budget: Option<MessageBudget>,
         store: Arc<dyn Backend>,
-        shutdown: &tokio_util::sync::CancellationToken,
+        shutdown: StopCheck,
     ) -> AppendStreamAnswers {
         AppendStreamAnswers {
             requests,
@@ -90,7 +91,7 @@ impl AppendStreamAnswers {
             budget,
             span: tracing::Span::current(),
             store,
-            shutdown: Box::pin(shutdown.clone().cancelled_owned()),
+            shutdown,
             queuing: None,
             answers: VecDeque::new(),
             in_flight_bytes: 0,
@@ -116,9 +117,8 @@ impl AppendStreamAnswers {
                 Poll::Pending => false,
             };
         }
-        if self.shutdown.as_mut().poll(cx).is_ready() {
-            self.reading_done = Some(Some(super::stopping_status("AppendStream")));
-            return false;
+        if self.shutdown.stopped() {
+            return self.stop_reading();
         }
         if self.answers.len() >= APPEND_STREAM_IN_FLIGHT
             || self.in_flight_bytes >= APPEND_STREAM_IN_FLIGHT_BYTES
@@ -158,8 +158,17 @@ impl AppendStreamAnswers {
                 self.reading_done = Some(None);
                 false
             }
+            // Waiting for the next request, and for the shutdown.
+            Poll::Pending if self.shutdown.poll_stopped(cx) => self.stop_reading(),
             Poll::Pending => false,
         }
+    }
+
+    /// Shutdown: no more requests are read; the stream ends with `UNAVAILABLE` after the
+    /// answers to those read.
+    fn stop_reading(&mut self) -> bool {
+        self.reading_done = Some(Some(super::stopping_status("AppendStream")));
+        false
     }
 
     /// The oldest request's answer, once it has one; `None` if no request is unanswered.

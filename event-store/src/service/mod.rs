@@ -37,6 +37,7 @@ use crate::backend::{Backend, EventRun, Snapshot, SnapshotPieces, MAX_SNAPSHOT_B
 use crate::error::StoreError;
 use crate::limits::MessageBudget;
 use crate::metrics::{AppendCall, AppendObserver};
+use crate::stop::Stop;
 use crate::wire::{MAX_DECODED_FRAME_BYTES, MAX_WAIT_MS};
 use append_stream::AppendStreamAnswers;
 use claim::ClaimInFlight;
@@ -48,11 +49,19 @@ const SNAPSHOT_CHUNK_BYTES: usize = 1 << 20;
 pub struct EventStoreService {
     store: Arc<dyn Backend>,
     shutdown: CancellationToken,
+    /// The same, for what checks it at every request ([`crate::stop`]).
+    stop: Stop,
 }
 
 impl EventStoreService {
+    /// Needs the runtime ([`Stop::following`]).
     pub fn new(store: Arc<dyn Backend>, shutdown: CancellationToken) -> EventStoreService {
-        EventStoreService { store, shutdown }
+        let stop = Stop::following(shutdown.clone());
+        EventStoreService {
+            store,
+            shutdown,
+            stop,
+        }
     }
 
     pub fn into_server(self) -> EventStoreServer<EventStoreService> {
@@ -120,7 +129,7 @@ impl EventStore for EventStoreService {
             caller,
             budget,
             self.store.clone(),
-            &self.shutdown,
+            self.stop.check(),
         ))))
     }
 
