@@ -10,7 +10,10 @@
 //! commit, the store's writer without the store: no validation, seqs, dedup, session
 //! state, index or subscribers). What an append costs here is the least any store that
 //! acknowledges after an fsync costs over this transport on this disk: the hand-off to a
-//! thread that may block in `fdatasync` and back, the write and the sync.
+//! thread that may block in `fdatasync` and back, the write and the sync. It is a floor
+//! under load; one client alone is faster on the store, whose writer and callers spin
+//! briefly for each other instead of sleeping (the writer's `LINGER_ALONE`, the answer's
+//! `ANSWER_SPIN`).
 //!
 //! h2's default windows stand in for the store's larger ones: with one 300-byte append in
 //! flight per stream they never fill, and only decide how often a WINDOW_UPDATE goes out
