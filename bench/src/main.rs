@@ -788,8 +788,8 @@ async fn only_catch_up(
 
 /// Starts the systems a run compares, each in a fresh directory under `dir`: agentlog and,
 /// unless `--quick` or `--no-baselines`, PostgreSQL; with `all`, also the gRPC floor and the
-/// durable floor, the fsync-skipped ceiling (unless `--quick`), Redis and etcd. A baseline that does not start
-/// is noted in the report and left out.
+/// durable floor, the fsync-skipped ceiling (unless `--quick`), Redis and etcd. A baseline
+/// that does not start is noted in the report and left out.
 async fn start_systems(
     args: &Args,
     dir: &Path,

@@ -1030,8 +1030,6 @@ fn fmt_int(n: usize) -> String {
     }
 }
 
-/// A goal row's "measured" and "met?" cells for `ours` against `theirs` (rates in `unit`):
-/// met when ours is at least `goal` times theirs.
 /// The CPU goal's floors beside the store's CPU an append (`ours`, µs) and Redis's: the
 /// gRPC floor (the transport alone) and the durable floor (the transport and a
 /// group-committed fdatasync: the least any store that acknowledges after an fsync costs
@@ -1057,6 +1055,8 @@ fn floors(ours: f64, redis: f64, floor: Option<f64>, durable: Option<f64>) -> St
     out
 }
 
+/// A goal row's "measured" and "met?" cells for `ours` against `theirs` (rates in `unit`):
+/// met when ours is at least `goal` times theirs.
 fn rate_goal(ours: Option<f64>, theirs: Option<f64>, unit: &str, goal: f64) -> (String, String) {
     match (ours, theirs) {
         (Some(o), Some(t)) => (

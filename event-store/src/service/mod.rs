@@ -48,19 +48,17 @@ const SNAPSHOT_CHUNK_BYTES: usize = 1 << 20;
 
 pub struct EventStoreService {
     store: Arc<dyn Backend>,
-    shutdown: CancellationToken,
-    /// The same, for what checks it at every request ([`crate::stop`]).
-    stop: Stop,
+    /// The store's shutdown (its token for what waits on it, its checks for what looks at
+    /// it at every request).
+    shutdown: Stop,
 }
 
 impl EventStoreService {
     /// Needs the runtime ([`Stop::following`]).
     pub fn new(store: Arc<dyn Backend>, shutdown: CancellationToken) -> EventStoreService {
-        let stop = Stop::following(shutdown.clone());
         EventStoreService {
             store,
-            shutdown,
-            stop,
+            shutdown: Stop::following(shutdown),
         }
     }
 
@@ -73,7 +71,7 @@ impl EventStoreService {
     /// Fires when the store begins to shut down: a stream that ends from then on ends with
     /// `UNAVAILABLE` ([`stopping_status`]), so that its client subscribes again (elsewhere).
     pub(crate) fn stopping(&self) -> &CancellationToken {
-        &self.shutdown
+        self.shutdown.token()
     }
 
     /// Subscribe: the backend's runs of events.
@@ -87,7 +85,7 @@ impl EventStoreService {
             req.session_id,
             req.from_seq,
             req.follow,
-            self.shutdown.child_token(),
+            self.shutdown.token().child_token(),
         ))
     }
 }
@@ -129,7 +127,7 @@ impl EventStore for EventStoreService {
             caller,
             budget,
             self.store.clone(),
-            self.stop.check(),
+            self.shutdown.check(),
         ))))
     }
 
@@ -143,7 +141,7 @@ impl EventStore for EventStoreService {
         request: Request<SubscribeRequest>,
     ) -> Result<Response<EventStream>, Status> {
         let runs = self.subscribe_runs(request.into_inner())?;
-        let stopping = self.shutdown.clone();
+        let stopping = self.shutdown.token().clone();
         let events = futures::StreamExt::flat_map(ReceiverStream::new(runs), |run| {
             let events: Vec<Result<Event, Status>> = match run.and_then(EventRun::into_events) {
                 Ok(events) => events.into_iter().map(Ok).collect(),
@@ -204,7 +202,7 @@ impl EventStore for EventStoreService {
         }
         let _waiting = crate::metrics::ClaimWaiting::enter();
         let store = self.store.clone();
-        let cancel = self.shutdown.child_token();
+        let cancel = self.shutdown.token().child_token();
         let scope = caller.scope.clone();
         let wait = Duration::from_millis(req.wait_ms);
         let mut claim = ClaimInFlight::start(self.store.clone(), cancel.clone(), async move {
@@ -367,7 +365,7 @@ impl EventStore for EventStoreService {
         Ok(Response::new(transfer::export_stream(
             self.store.clone(),
             which,
-            self.shutdown.clone(),
+            self.shutdown.token().clone(),
         )))
     }
 
@@ -381,7 +379,7 @@ impl EventStore for EventStoreService {
         Ok(Response::new(transfer::import_stream(
             self.store.clone(),
             request.into_inner(),
-            self.shutdown.clone(),
+            self.shutdown.token().clone(),
         )))
     }
 
