@@ -222,7 +222,21 @@ impl IndexBatch {
 }
 
 /// How the ids the store makes start.
-pub const GENERATED_ID_PREFIX: &str = "auto-";
+const GENERATED_ID_PREFIX: &str = "auto-";
+
+/// The id the store gives an event at `seq` appended without one: `auto-<seq>-<random>`,
+/// the random part a UUID's 32 hex digits. Written into a string of its final size (an
+/// id per event, on the writer's thread: `format!` grew its string three times).
+pub fn generated_id(seq: u64) -> String {
+    use std::fmt::Write;
+    let mut id = String::with_capacity(GENERATED_ID_PREFIX.len() + 20 + 1 + 32);
+    let _ = write!(
+        id,
+        "{GENERATED_ID_PREFIX}{seq}-{}",
+        crate::ids::random_uuid().simple()
+    );
+    id
+}
 
 /// The seq an id of the form `auto-<seq>-<random>` names. Such an id is kept out of the
 /// `event_id → seq` index when it is its event's own seq (whoever chose it), so dedup of
@@ -845,6 +859,20 @@ mod tests {
         Position {
             offset: s * 1_000_000 + seq * 10,
             len: (seq % 97) as u32 + 1,
+        }
+    }
+
+    #[test]
+    fn a_generated_id_names_its_seq_and_is_unlike_any_other() {
+        for seq in [1, 42, u64::MAX] {
+            let id = generated_id(seq);
+            assert_eq!(self_named_seq(&id), Some(seq));
+            let random = id.rsplit('-').next().unwrap();
+            assert_eq!(random.len(), 32, "{id}");
+            assert!(random
+                .chars()
+                .all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase()));
+            assert_ne!(generated_id(seq), id);
         }
     }
 

@@ -45,7 +45,7 @@ use tokio::sync::{mpsc, oneshot};
 use agentlog_proto::reason::Reason;
 
 use super::index::{
-    is_staging, self_named_seq, Index, IndexBatch, IndexError, Recent, GENERATED_ID_PREFIX,
+    generated_id, is_staging, self_named_seq, Index, IndexBatch, IndexError, Recent,
     LISTED_STATUSES,
 };
 use super::log::record::Tombstone;
@@ -1374,11 +1374,7 @@ impl Op {
 fn name_fresh(fresh: &mut [agentlog_proto::v1::Event], ids: &mut HashMap<String, u64>) {
     for event in fresh {
         if event.event_id.is_empty() {
-            event.event_id = format!(
-                "{GENERATED_ID_PREFIX}{}-{}",
-                event.seq,
-                crate::ids::random_uuid().simple()
-            );
+            event.event_id = generated_id(event.seq);
         } else {
             ids.insert(event.event_id.clone(), event.seq);
         }
