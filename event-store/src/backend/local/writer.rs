@@ -371,7 +371,10 @@ impl Writer {
                     }
                 }
             };
-            let mut ops = vec![first];
+            // Sized for what is queued now: a batch's `Op`s are large, and growing the vector
+            // step by step copied them again each time.
+            let mut ops = Vec::with_capacity((queue.len() + 1).min(MAX_BATCH_OPS));
+            ops.push(first);
             while ops.len() < MAX_BATCH_OPS {
                 match queue.try_recv() {
                     Ok(op) => ops.push(op),
@@ -487,11 +490,12 @@ impl Writer {
     /// Seals the active segment for the [`Op::Seal`]s among `ops` (before anything of the
     /// batch is written, so the batch goes to the new segment) and hands back the others.
     fn seal_first(&mut self, ops: Vec<Op>) -> Result<Vec<Op>, StoreError> {
-        let (seals, ops): (Vec<Op>, Vec<Op>) =
-            ops.into_iter().partition(|op| matches!(op, Op::Seal(_)));
-        if seals.is_empty() {
+        // Nearly every batch: handed back as it is, not moved op by op into a new vector.
+        if !ops.iter().any(|op| matches!(op, Op::Seal(_))) {
             return Ok(ops);
         }
+        let (seals, ops): (Vec<Op>, Vec<Op>) =
+            ops.into_iter().partition(|op| matches!(op, Op::Seal(_)));
         let mut sealed = self.log.seal();
         if matches!(sealed, Err(LogError::NoSpace(_))) && self.log.release_reserve()? > 0 {
             sealed = self.log.seal();
@@ -516,10 +520,11 @@ impl Writer {
         let now = now_unix_ms();
         let ops = self.seal_first(ops)?;
         let ops = self.make_room(ops)?;
-        let mut batch = Batch::default();
-        let mut pending = Vec::new();
+        // Sized for the batch (an append of one event is the usual op).
+        let mut batch = Batch::with_capacity(ops.len());
+        let mut pending = Vec::with_capacity(ops.len());
         let mut buffered = Vec::new();
-        let mut waiting = Vec::new();
+        let mut waiting = Vec::with_capacity(ops.len());
         for op in ops {
             match op {
                 Op::Append(req, reply, span) => {
@@ -1258,7 +1263,6 @@ impl Writer {
     }
 }
 
-#[derive(Default)]
 struct Batch {
     records: Vec<Record>,
     /// Per record: whether the next record belongs to the same atomic append.
@@ -1266,6 +1270,13 @@ struct Batch {
 }
 
 impl Batch {
+    fn with_capacity(records: usize) -> Batch {
+        Batch {
+            records: Vec::with_capacity(records),
+            continued: Vec::with_capacity(records),
+        }
+    }
+
     fn push(&mut self, record: Record, continued: bool) {
         self.records.push(record);
         self.continued.push(continued);
