@@ -113,8 +113,13 @@ struct Args {
     /// Only the same-run A/B of the write path: this build's store against the
     /// `event-store` binary given here (`bash bench/run --against REV` builds REV's), in
     /// turns, `--rounds` times; with a `perf` profile of each unless `--no-profile`.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "against_durable_floor")]
     against_store: Option<PathBuf>,
+    /// Only the same A/B with the durable floor (`agentlog-bench-floor --durable`) as its
+    /// base: what the store's own work costs over a bare group commit on this transport and
+    /// disk, with a profile of each (`bash bench/run --against-floor`).
+    #[arg(long)]
+    against_durable_floor: bool,
     /// What `--against-store` was built from, for the report.
     #[arg(long, default_value = "the other build")]
     against_label: String,
@@ -477,7 +482,20 @@ async fn run_suite(
     report: &mut Report,
 ) -> anyhow::Result<()> {
     if let Some(base) = &args.against_store {
-        return ab_section(args, plan, base, dir, report).await;
+        let base = Store::start_binary(base, &fresh_dir(dir, "ab-base")?)
+            .with_context(|| format!("start {}", base.display()))?;
+        return ab_section(args, plan, &base, &args.against_label, dir, report).await;
+    }
+    if args.against_durable_floor {
+        let base = Store::start_backed(
+            &testkit::bin_path("agentlog-bench-floor"),
+            Backing::Dir(fresh_dir(dir, "ab-durable-floor")?),
+            "127.0.0.1:0",
+            &["--durable"],
+        )
+        .context("start the durable floor")?;
+        let label = "the durable floor (`agentlog-bench-floor --durable`)";
+        return ab_section(args, plan, &base, label, dir, report).await;
     }
     if args.only_resume {
         return resume_section(plan, dir, report).await;
@@ -687,30 +705,20 @@ async fn run_suite(
     Ok(())
 }
 
-/// The A/B of the write path, on two fresh stores of their own.
+/// The A/B of the write path: this build's store, on a fresh data dir of its own, against
+/// `base` (started on one of its own), which `label` names in the report.
 async fn ab_section(
     args: &Args,
     plan: &Plan,
-    base: &Path,
+    base: &Store,
+    label: &str,
     dir: &Path,
     report: &mut Report,
 ) -> anyhow::Result<()> {
     let candidate = Store::start_in(&fresh_dir(dir, "ab-candidate")?)?;
-    let base = Store::start_binary(base, &fresh_dir(dir, "ab-base")?)
-        .with_context(|| format!("start {}", base.display()))?;
     let perf_dir = (!args.quick && !args.no_profile).then_some(dir);
     let rounds = if args.quick { 1 } else { args.rounds.max(1) };
-    report.ab = Some(
-        ab::run(
-            &candidate,
-            &base,
-            &args.against_label,
-            rounds,
-            plan.window,
-            perf_dir,
-        )
-        .await?,
-    );
+    report.ab = Some(ab::run(&candidate, base, label, rounds, plan.window, perf_dir).await?);
     Ok(())
 }
 

@@ -226,7 +226,8 @@ const GENERATED_ID_PREFIX: &str = "auto-";
 
 /// The id the store gives an event at `seq` appended without one: `auto-<seq>-<random>`,
 /// the random part a UUID's 32 hex digits. Written into a string of its final size (an
-/// id per event, on the writer's thread: `format!` grew its string three times).
+/// id per event, on the writer's thread: `format!` started from an empty string and
+/// allocated three times).
 pub fn generated_id(seq: u64) -> String {
     use std::fmt::Write;
     let mut id = String::with_capacity(GENERATED_ID_PREFIX.len() + 20 + 1 + 32);
