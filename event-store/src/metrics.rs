@@ -53,21 +53,22 @@ struct StoreMetrics {
     reclaim_seconds: Counter<f64, std::sync::atomic::AtomicU64>,
     pg_statement_seconds: Family<Labels1, Histogram>,
     pg_batch_appends: Histogram,
-    /// The series every accepted append touches, looked up once.
-    accepted: Accepted,
+    /// The series every append touches, looked up once.
+    append_series: AppendSeries,
 }
 
-/// The series of an accepted append, taken from their families at the start: counting one
-/// is then an atomic add and a histogram's observation, with no lookup of its labels (a
-/// lock, a hash of the label set and its comparison: three a request, every request).
-/// Each array is indexed by [`durability_slot`] or [`AppendCall::slot`].
-struct Accepted {
+/// The series every append request touches (and an accepted one's outcome), taken from
+/// their families at the start: counting one is then an atomic add and a histogram's
+/// observation, with no lookup of its labels (a lock, a hash of the label set and its
+/// comparison: three a request, every request). Each array is indexed by
+/// [`durability_slot`] or [`AppendCall::slot`].
+struct AppendSeries {
     ok: [Counter; 2],
     requests: [Counter; 2],
     seconds: [Histogram; 2],
 }
 
-/// The durabilities' labels, in the order of [`Accepted`]'s arrays.
+/// The durabilities' labels, in the order of [`AppendSeries`]' arrays.
 const DURABILITIES: [&str; 2] = ["sync", "buffered"];
 
 static METRICS: LazyLock<StoreMetrics> = LazyLock::new(|| {
@@ -75,7 +76,7 @@ static METRICS: LazyLock<StoreMetrics> = LazyLock::new(|| {
     let append_requests: Family<Labels1, Counter> = Family::default();
     let append_seconds: Family<Labels1, Histogram> =
         Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.000_1, 2.0, 16)));
-    let accepted = Accepted {
+    let append_series = AppendSeries {
         ok: DURABILITIES
             .map(|d| appends.get_or_create_owned(&[("durability", d), ("outcome", "ok")])),
         requests: [AppendCall::Unary, AppendCall::Stream]
@@ -108,7 +109,7 @@ static METRICS: LazyLock<StoreMetrics> = LazyLock::new(|| {
             Histogram::new(exponential_buckets(0.000_1, 2.0, 16))
         }),
         pg_batch_appends: Histogram::new(exponential_buckets(1.0, 2.0, 10)),
-        accepted,
+        append_series,
     }
 });
 
@@ -116,7 +117,7 @@ static METRICS: LazyLock<StoreMetrics> = LazyLock::new(|| {
 pub fn registry(log_dir: Option<PathBuf>) -> Registry {
     let m = &*METRICS;
     // The usual series exist from the start (at 0), so rates and the dashboard see them
-    // (an accepted append's series are made with the families, `Accepted`).
+    // (an append's usual series are made with their families, `AppendSeries`).
     for rpc in READS {
         let _ = m.read_requests.get_or_create(&[("rpc", rpc)]);
     }
@@ -264,7 +265,7 @@ pub fn registry(log_dir: Option<PathBuf>) -> Registry {
     r
 }
 
-/// Where a durability's series are in [`Accepted`]'s arrays and [`DURABILITIES`].
+/// Where a durability's series are in [`AppendSeries`]' arrays and [`DURABILITIES`].
 fn durability_slot(durability: Durability) -> usize {
     match durability {
         Durability::Buffered => 1,
@@ -304,7 +305,7 @@ impl AppendCall {
         }
     }
 
-    /// Where the call's series is in [`Accepted::requests`].
+    /// Where the call's series is in [`AppendSeries::requests`].
     fn slot(self) -> usize {
         match self {
             AppendCall::Unary => 0,
@@ -317,7 +318,8 @@ impl AppendCall {
 /// arrival to its answer and counts its outcome (a request refused by validation too); its
 /// span (`append`, a child of the current span) records the seqs it got.
 pub struct AppendObserver {
-    durability: usize,
+    /// The request's durability, as [`durability_slot`].
+    durability_slot: usize,
     call: AppendCall,
     started: Instant,
     span: tracing::Span,
@@ -350,7 +352,7 @@ impl AppendObserver {
             tracing::debug_span!("append", session_id, events, durability)
         };
         AppendObserver {
-            durability: slot,
+            durability_slot: slot,
             call,
             started: Instant::now(),
             span,
@@ -376,16 +378,17 @@ impl AppendObserver {
     pub fn finish(self, result: &Result<AppendResponse, StoreError>) {
         let m = &*METRICS;
         let outcome = outcome_label(result);
+        let series = &m.append_series;
         if result.is_ok() {
-            m.accepted.ok[self.durability].inc();
+            series.ok[self.durability_slot].inc();
         } else {
-            let durability = DURABILITIES[self.durability];
+            let durability = DURABILITIES[self.durability_slot];
             m.appends
                 .get_or_create(&[("durability", durability), ("outcome", outcome)])
                 .inc();
         }
-        m.accepted.requests[self.call.slot()].inc();
-        m.accepted.seconds[self.durability].observe(self.started.elapsed().as_secs_f64());
+        series.requests[self.call.slot()].inc();
+        series.seconds[self.durability_slot].observe(self.started.elapsed().as_secs_f64());
         self.span.record("outcome", outcome);
         if let Ok(response) = result {
             if let (Some(first), Some(last)) = (response.seqs.first(), response.seqs.last()) {
