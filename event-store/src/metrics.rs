@@ -70,6 +70,9 @@ struct AppendSeries {
 
 /// The durabilities' labels, in the order of [`AppendSeries`]' arrays.
 const DURABILITIES: [&str; 2] = ["sync", "buffered"];
+/// The append calls' `rpc` labels, in the order of [`AppendSeries::requests`] (as
+/// [`AppendCall::slot`]).
+const APPEND_CALLS: [&str; 2] = ["append", "append_stream"];
 
 static METRICS: LazyLock<StoreMetrics> = LazyLock::new(|| {
     let appends: Family<Labels2, Counter> = Family::default();
@@ -79,8 +82,7 @@ static METRICS: LazyLock<StoreMetrics> = LazyLock::new(|| {
     let append_series = AppendSeries {
         ok: DURABILITIES
             .map(|d| appends.get_or_create_owned(&[("durability", d), ("outcome", "ok")])),
-        requests: [AppendCall::Unary, AppendCall::Stream]
-            .map(|call| append_requests.get_or_create_owned(&[("rpc", call.label())])),
+        requests: APPEND_CALLS.map(|rpc| append_requests.get_or_create_owned(&[("rpc", rpc)])),
         seconds: DURABILITIES.map(|d| append_seconds.get_or_create_owned(&[("durability", d)])),
     };
     StoreMetrics {
@@ -298,14 +300,7 @@ pub enum AppendCall {
 }
 
 impl AppendCall {
-    fn label(self) -> &'static str {
-        match self {
-            AppendCall::Unary => "append",
-            AppendCall::Stream => "append_stream",
-        }
-    }
-
-    /// Where the call's series is in [`AppendSeries::requests`].
+    /// Where the call's series is in [`AppendSeries::requests`] and [`APPEND_CALLS`].
     fn slot(self) -> usize {
         match self {
             AppendCall::Unary => 0,
