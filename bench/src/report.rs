@@ -1049,12 +1049,7 @@ fn floors(ours: f64, redis: f64, floor: Option<f64>, durable: Option<f64>) -> St
         );
     }
     if let Some(d) = durable {
-        out += &format!(
-            "; the durable floor (appends written and fdatasync'd in groups, nothing else) \
-             {d:.1} µs = {} Redis's, the store {} of it",
-            fmt_ratio(d / redis),
-            fmt_ratio(ours / d)
-        );
+        out += &beside_durable_floor(&format!("{d:.1} µs"), d / redis, ours / d);
     }
     out
 }
@@ -1065,15 +1060,22 @@ fn floors(ours: f64, redis: f64, floor: Option<f64>, durable: Option<f64>) -> St
 /// the floor itself is below Redis, no store over this transport meets that goal here.
 fn durable_floor_rate(ours: Option<f64>, redis: Option<f64>, floor: Option<f64>) -> String {
     match (ours, redis, floor) {
-        (Some(o), Some(r), Some(f)) => format!(
-            "; the durable floor (appends written and fdatasync'd in groups, nothing else) {} \
-             appends/s = {} Redis's, the store {} of it",
-            fmt_num(f),
-            fmt_ratio(f / r),
-            fmt_ratio(o / f)
-        ),
+        (Some(o), Some(r), Some(f)) => {
+            beside_durable_floor(&format!("{} appends/s", fmt_num(f)), f / r, o / f)
+        }
         _ => String::new(),
     }
+}
+
+/// The durable floor's `figure` in a goal row, as a multiple of Redis's and with the
+/// store's as a multiple of it.
+fn beside_durable_floor(figure: &str, of_redis: f64, store_of_it: f64) -> String {
+    format!(
+        "; the durable floor (appends written and fdatasync'd in groups, nothing else) {figure} \
+         = {} Redis's, the store {} of it",
+        fmt_ratio(of_redis),
+        fmt_ratio(store_of_it)
+    )
 }
 
 /// A goal row's "measured" and "met?" cells for `ours` against `theirs` (rates in `unit`):
