@@ -325,8 +325,10 @@ impl Report {
             let theirs = self.rate(target, c64).map(|r| r.median());
             let (mut measured, met) = rate_goal(ours64, theirs, "appends/s", goal);
             if target == Target::Redis {
-                let floor = self.rate(Target::DurableFloorStream, c64);
-                measured += &durable_floor_rate(ours64, theirs, floor.map(|r| r.median()));
+                let floor = self
+                    .rate(Target::DurableFloorStream, c64)
+                    .map(|r| r.median());
+                measured += &durable_floor_rate(ours64, theirs, floor);
             }
             writeln!(
                 md,
@@ -1054,10 +1056,11 @@ fn floors(ours: f64, redis: f64, floor: Option<f64>, durable: Option<f64>) -> St
     out
 }
 
-/// The durable floor's appends/s beside the Redis goal's (`ours` and `redis` too): how far
-/// a store that acknowledges after a group-committed fdatasync and does nothing else gets
-/// over the contract's transport on this machine, and the store as a share of it. Where
-/// the floor itself is below Redis, no store over this transport meets that goal here.
+/// The Redis goal row's addition: the durable floor's appends/s (`floor`) as a multiple of
+/// Redis's and the store's (`ours`) as a multiple of it, empty unless the run measured all
+/// three. The floor is how far a store that acknowledges after a group-committed fdatasync
+/// and does nothing else gets over the contract's transport on this machine: where it is
+/// below Redis, no store over this transport meets that goal here.
 fn durable_floor_rate(ours: Option<f64>, redis: Option<f64>, floor: Option<f64>) -> String {
     match (ours, redis, floor) {
         (Some(o), Some(r), Some(f)) => {
