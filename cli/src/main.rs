@@ -27,7 +27,7 @@ use commands::Output;
 /// Durable AI-agent sessions: every step is in an fsync'd event log, so a crash resumes
 /// exactly where it stopped.
 #[derive(Debug, Parser)]
-#[command(name = "agentlog", version)]
+#[command(name = "agentlog", version = build_info::VERSION_AND_COMMIT)]
 struct Cli {
     /// The event store to talk to.
     #[arg(long, global = true, env = "AGENTLOG_ADDR", default_value = store::DEFAULT_ADDR)]

@@ -1,6 +1,6 @@
 //! Errors a caller can cause or meet, each mapped to its gRPC status in one place.
 
-use agentlog_proto::reason::Reason;
+use agentlog_proto::reason::{Reason, FIELD_NUMBER};
 use tonic::{Code, Status};
 
 #[derive(Debug, thiserror::Error, Clone, PartialEq)]
@@ -13,6 +13,10 @@ pub enum StoreError {
     /// `google.rpc.ErrorInfo`, so that clients decide on the reason, not on the text.
     #[error("{1}")]
     Refused(Reason, String),
+    /// An event's kind is one this build does not know (a newer writer's): refused with
+    /// [`Reason::UnknownKind`], its field number in the `ErrorInfo`'s metadata.
+    #[error("{message}")]
+    UnknownKind { field_number: u32, message: String },
     /// A size limit.
     #[error("{0}")]
     ResourceExhausted(String),
@@ -29,6 +33,7 @@ impl StoreError {
         match self {
             StoreError::InvalidArgument(_) => Code::InvalidArgument,
             StoreError::Refused(reason, _) => reason.code(),
+            StoreError::UnknownKind { .. } => Reason::UnknownKind.code(),
             StoreError::ResourceExhausted(_) => Code::ResourceExhausted,
             StoreError::Unavailable(_) => Code::Unavailable,
             StoreError::Internal(_) => Code::Internal,
@@ -39,6 +44,7 @@ impl StoreError {
     pub fn reason(&self) -> Option<Reason> {
         match self {
             StoreError::Refused(reason, _) => Some(*reason),
+            StoreError::UnknownKind { .. } => Some(Reason::UnknownKind),
             _ => None,
         }
     }
@@ -48,6 +54,13 @@ impl From<StoreError> for Status {
     fn from(err: StoreError) -> Status {
         match err {
             StoreError::Refused(reason, message) => reason.status(message),
+            StoreError::UnknownKind {
+                field_number,
+                message,
+            } => Reason::UnknownKind.status_with(
+                message,
+                [(FIELD_NUMBER.to_string(), field_number.to_string())].into(),
+            ),
             other => Status::new(other.code(), other.to_string()),
         }
     }

@@ -43,7 +43,7 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[derive(Parser, Debug)]
 #[command(
-    version,
+    version = build_info::VERSION_AND_COMMIT,
     about = "agentlog event store: durable per-session logs over gRPC"
 )]
 #[command(group(
@@ -391,6 +391,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         if let Opened::Postgres(pg) = &opened {
             registry.register_collector(Box::new(pg.pool_metrics()));
         }
+        build_info::register(&mut registry);
         let stop = shutdown.clone();
         tokio::spawn(async move {
             if let Err(e) = telemetry::serve_metrics(metrics, registry, stop).await {

@@ -12,7 +12,8 @@ use std::path::PathBuf;
 use std::sync::LazyLock;
 use std::time::Instant;
 
-use agentlog_proto::v1::{AppendRequest, AppendResponse, Durability};
+use agentlog_proto::kept::KeptAppendRequest;
+use agentlog_proto::v1::{AppendResponse, Durability};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::Counter;
@@ -321,7 +322,8 @@ pub struct AppendObserver {
 }
 
 impl AppendObserver {
-    pub fn start(request: &AppendRequest, call: AppendCall) -> AppendObserver {
+    pub fn start(append: &KeptAppendRequest, call: AppendCall) -> AppendObserver {
+        let request = &append.request;
         let slot = durability_slot(request.durability());
         let durability = DURABILITIES[slot];
         // Not validated yet: a span never holds more of an id than a valid one can have.
@@ -330,7 +332,7 @@ impl AppendObserver {
             .rev()
             .find(|&i| id.is_char_boundary(i));
         let session_id = &id[..cut.unwrap_or(0)];
-        let events = request.events.len();
+        let events = append.events.len();
         // Exported, the span is the append in the trace; otherwise it would only prefix
         // log lines, which the default filter (`info`) does not ask for: made at debug.
         let span = if telemetry::exporting() {

@@ -12,6 +12,7 @@
 
 use std::collections::HashMap;
 
+use agentlog_proto::kept::KeptEvent;
 use agentlog_proto::reason::Reason;
 use agentlog_proto::v1::{event, Event, SessionInfo};
 
@@ -362,7 +363,7 @@ pub fn check_snapshot(
 #[derive(Debug, Default, PartialEq)]
 pub struct Numbered {
     pub seqs: Vec<u64>,
-    pub fresh: Vec<Event>,
+    pub fresh: Vec<KeptEvent>,
 }
 
 /// Dedup, then seqs from `last_seq + 1` for what is new: an event whose id `known` finds
@@ -371,7 +372,7 @@ pub struct Numbered {
 /// an id is always new (the backend names it).
 pub fn number<E>(
     session_id: &str,
-    events: impl IntoIterator<Item = Event>,
+    events: impl IntoIterator<Item = KeptEvent>,
     last_seq: u64,
     now: i64,
     mut known: impl FnMut(&str) -> Result<Option<u64>, E>,
@@ -399,10 +400,7 @@ pub fn number<E>(
                 in_append.insert(event.event_id.clone(), next);
             }
         }
-        event.seq = next;
-        event.session_id = session_id.to_string();
-        event.ts_unix_ms = now;
-        event.schema_version = SCHEMA_VERSION;
+        event.place(session_id, next, now, SCHEMA_VERSION);
         numbered.seqs.push(next);
         numbered.fresh.push(event);
         next += 1;
@@ -417,7 +415,7 @@ pub fn check_fresh(
     meta: &SessionMeta,
     session_id: &str,
     expected_last_seq: Option<u64>,
-    fresh: &[Event],
+    fresh: &[KeptEvent],
 ) -> Result<(), StoreError> {
     if fresh.is_empty() {
         return Ok(());
@@ -433,7 +431,11 @@ pub fn check_fresh(
             ));
         }
     }
-    check_approval_decisions(session_id, &meta.pending_approvals, fresh)
+    check_approval_decisions(
+        session_id,
+        &meta.pending_approvals,
+        fresh.iter().map(KeptEvent::event),
+    )
 }
 
 /// Checks the approval decisions among `events` against the approvals pending before them
@@ -553,7 +555,7 @@ impl ForkPoint {
 pub struct ForkPlan {
     pub record: ForkRecord,
     /// The request's events that are new, numbered after the prefix.
-    pub fresh: Vec<Event>,
+    pub fresh: Vec<KeptEvent>,
     /// The fork's state at the fork point (the prefix folded, before `fresh`).
     pub at_fork: SessionMeta,
     pub meta: SessionMeta,
@@ -576,7 +578,13 @@ pub struct ForkPrefix {
 impl ForkPrefix {
     /// The fork `new_id` of `parent` at `at_seq`, made at `now`; `extra`: the request's
     /// events.
-    pub fn new(new_id: &str, parent: &str, at_seq: u64, extra: &[Event], now: i64) -> ForkPrefix {
+    pub fn new(
+        new_id: &str,
+        parent: &str,
+        at_seq: u64,
+        extra: &[KeptEvent],
+        now: i64,
+    ) -> ForkPrefix {
         let record = ForkRecord {
             session_id: new_id.to_string(),
             parent: parent.to_string(),
@@ -619,14 +627,24 @@ impl ForkPrefix {
 /// request's events: a person's kinds only, as an append without a lease; an id the prefix
 /// holds is answered with its seq and not written again). The copied events keep their ids,
 /// times and contents; only their session id changes.
-pub fn plan_fork(prefix: ForkPrefix, extra: Vec<Event>, now: i64) -> Result<ForkPlan, StoreError> {
+pub fn plan_fork(
+    prefix: ForkPrefix,
+    extra: Vec<KeptEvent>,
+    now: i64,
+) -> Result<ForkPlan, StoreError> {
     let ForkPrefix {
         record,
         mut meta,
         wanted,
     } = prefix;
     let new_id = record.session_id.clone();
-    check_writer(&SessionMeta::default(), &new_id, None, &extra, now)?;
+    check_writer(
+        &SessionMeta::default(),
+        &new_id,
+        None,
+        extra.iter().map(KeptEvent::event),
+        now,
+    )?;
     let numbered = number(&new_id, extra, record.seq, now, |id| {
         Ok::<_, StoreError>(wanted.get(id).copied().flatten())
     })?;
@@ -936,7 +954,7 @@ mod tests {
             with_id("", user("d")),
             with_id("", user("e")),
         ];
-        let numbered = number("s", events, 5, NOW, |id| {
+        let numbered = number("s", events.into_iter().map(KeptEvent::new), 5, NOW, |id| {
             Ok::<_, StoreError>(known.get(id).copied())
         })
         .unwrap();
@@ -951,16 +969,20 @@ mod tests {
             && e.ts_unix_ms == NOW
             && e.schema_version == SCHEMA_VERSION));
         // A failed lookup is the caller's error.
-        let failed = number("s", vec![with_id("x", user("a"))], 0, NOW, |_| {
-            Err::<Option<u64>, _>("index down")
-        });
+        let failed = number(
+            "s",
+            [KeptEvent::new(with_id("x", user("a")))],
+            0,
+            NOW,
+            |_| Err::<Option<u64>, _>("index down"),
+        );
         assert_eq!(failed, Err("index down"));
     }
 
     #[test]
     fn expected_last_seq_is_checked_only_when_something_is_new() {
         let meta = session(None);
-        let fresh = [ev(2, user("x"))];
+        let fresh = [KeptEvent::new(ev(2, user("x")))];
         assert!(check_fresh(&meta, "s", Some(1), &fresh).is_ok());
         assert!(check_fresh(&meta, "s", None, &fresh).is_ok());
         let stale = check_fresh(&meta, "s", Some(0), &fresh);
@@ -1084,7 +1106,7 @@ mod tests {
         assert_eq!(SettledPoints::of(&log), vec![1]);
     }
 
-    fn prefix_of(log: &[Event], extra: &[Event]) -> ForkPrefix {
+    fn prefix_of(log: &[Event], extra: &[KeptEvent]) -> ForkPrefix {
         let mut prefix = ForkPrefix::new("f", "p", log.len() as u64, extra, NOW);
         for event in log {
             prefix.apply(event);
@@ -1096,8 +1118,8 @@ mod tests {
     fn a_forks_state_is_the_prefix_then_the_new_events() {
         let log = forkable_log();
         let extra = vec![
-            with_id("e2", user("a repeat of a prefix id")),
-            with_id("x1", user("edited")),
+            KeptEvent::new(with_id("e2", user("a repeat of a prefix id"))),
+            KeptEvent::new(with_id("x1", user("edited"))),
         ];
         let plan = plan_fork(prefix_of(&log[..8], &extra), extra, NOW).expect("fork");
         assert_eq!(plan.seqs, vec![2, 9]);
@@ -1113,10 +1135,10 @@ mod tests {
         let from = plan.meta.info("f", NOW).forked_from.expect("a fork");
         assert_eq!((from.session_id.as_str(), from.seq), ("p", 8));
 
-        let runner_kind = vec![ev(
+        let runner_kind = vec![KeptEvent::new(ev(
             0,
             event::Kind::RunError(agentlog_proto::v1::RunError::default()),
-        )];
+        ))];
         let refused = plan_fork(prefix_of(&log[..8], &runner_kind), runner_kind, NOW);
         assert_eq!(reason(refused), Reason::LeaseRequired);
     }

@@ -97,7 +97,7 @@ fn user(event_id: &str) -> Event {
 fn op(session_id: &str, events: Vec<Event>) -> AppendOp {
     AppendOp {
         session_id: session_id.into(),
-        events,
+        events: events.into_iter().map(Into::into).collect(),
         expected_last_seq: None,
         lease_epoch: None,
         durability: Durability::Sync,

@@ -29,7 +29,10 @@ async fn every_kind_of_event_id_is_deduplicated_for_good() {
     let made = store
         .append(AppendOp {
             session_id: "dedup".into(),
-            events: vec![user_event(""), user_event("")],
+            events: vec![user_event(""), user_event("")]
+                .into_iter()
+                .map(Into::into)
+                .collect(),
             expected_last_seq: None,
             lease_epoch: None,
             durability: Durability::Sync,

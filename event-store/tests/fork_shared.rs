@@ -45,7 +45,7 @@ fn fork_op(parent: &str, at_seq: u64, new: &str, events: Vec<Event>) -> ForkOp {
         parent: parent.into(),
         at_seq,
         new_session_id: new.into(),
-        events,
+        events: events.into_iter().map(Into::into).collect(),
     }
 }
 
@@ -533,10 +533,13 @@ async fn a_fork_written_with_its_prefix_copied_reads_as_before() {
         state: None,
     })];
     records.extend(parent.iter().map(|e| {
-        Record::Event(Event {
-            session_id: "f".into(),
-            ..e.clone()
-        })
+        Record::Event(
+            Event {
+                session_id: "f".into(),
+                ..e.clone()
+            }
+            .into(),
+        )
     }));
     let last = records.len() - 1;
     log.write(records.iter().enumerate().map(|(i, r)| (r, i < last)))

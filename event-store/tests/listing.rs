@@ -49,7 +49,10 @@ fn final_answer() -> Event {
 fn op(session_id: &str, events: Vec<Event>, lease_epoch: Option<u64>) -> AppendOp {
     AppendOp {
         session_id: session_id.into(),
-        events,
+        events: events
+            .into_iter()
+            .map(agentlog_proto::kept::KeptEvent::new)
+            .collect(),
         expected_last_seq: None,
         lease_epoch,
         durability: Durability::Sync,

@@ -61,7 +61,7 @@ fn fork_op(parent: &str, at_seq: u64, new: &str, events: Vec<Event>) -> ForkOp {
         parent: parent.into(),
         at_seq,
         new_session_id: new.into(),
-        events,
+        events: events.into_iter().map(Into::into).collect(),
     }
 }
 

@@ -178,7 +178,10 @@ async fn sessions_of_the_previous_schema_version_are_listed_and_appended_to_afte
     let appended = backend
         .append(AppendOp {
             session_id: "old-007".into(),
-            events: vec![user("again", "and again")],
+            events: vec![user("again", "and again")]
+                .into_iter()
+                .map(Into::into)
+                .collect(),
             expected_last_seq: Some(1),
             lease_epoch: None,
             durability: Durability::Sync,
@@ -222,7 +225,7 @@ async fn a_long_first_message_is_written_once_and_survives_a_replica_of_the_prev
     let append = |event: Event| {
         backend.append(AppendOp {
             session_id: "long".into(),
-            events: vec![event],
+            events: vec![event].into_iter().map(Into::into).collect(),
             expected_last_seq: None,
             lease_epoch: None,
             durability: Durability::Sync,

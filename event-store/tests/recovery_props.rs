@@ -226,7 +226,10 @@ async fn run_step(store: &Store, model: &mut Model, step: Step) {
                             text: "partial".into(),
                         })),
                         ..Default::default()
-                    }],
+                    }]
+                    .into_iter()
+                    .map(Into::into)
+                    .collect(),
                     expected_last_seq: None,
                     lease_epoch: Some(epoch),
                     durability: Durability::Sync,

@@ -37,7 +37,10 @@ async fn a_retention_pass_runs_only_on_the_replica_holding_the_lock() {
             events: vec![Event {
                 kind: Some(event::Kind::UserMessage(UserMessage { text: "hi".into() })),
                 ..Event::default()
-            }],
+            }]
+            .into_iter()
+            .map(Into::into)
+            .collect(),
             expected_last_seq: None,
             lease_epoch: None,
             durability: Durability::Sync,

@@ -9,18 +9,25 @@
 //!   an integer, any other as the shortest form that reads back as the same double). The
 //!   one exception is a Struct number that is not finite, which JSON cannot hold: it is
 //!   written as `null` (no JSON reader of the store can make one).
-//! - **Nothing dropped silently.** A field this build does not know (a kind added by a newer
-//!   store), a value of the wrong type or a 64-bit integer out of range is an error naming
-//!   the field, never skipped: an import recreates a session exactly or refuses it.
-//!   Either name of a field is read (`toolUseId` or `tool_use_id`), as proto3 JSON asks.
+//! - **Nothing dropped silently.** The fields of an event that this build does not know
+//!   ([`crate::unknown`]) are written on the object that held them as
+//!   `"unknownFields":"<base64 of their wire bytes>"` ([`write_event_keeping`]) and read
+//!   back from there ([`event_from_json_keeping`]). Any other field this build does not
+//!   know (a kind added by a newer store, written by its own JSON), a value of the wrong
+//!   type or a 64-bit integer out of range is an error naming the field, never skipped: an
+//!   import recreates a session exactly or refuses it. Either name of a field is read
+//!   (`toolUseId` or `tool_use_id`), as proto3 JSON asks.
 //! - Every field of every message an `Event` holds is known here: the test
 //!   `every_field_of_the_protocol_is_mapped` reads the compiled descriptors and fails when
 //!   a field is added to the protocol without its mapping.
 
 use std::collections::BTreeMap;
 
+use base64::prelude::{Engine, BASE64_STANDARD};
 use prost_types::{value::Kind as ValueKind, ListValue, Struct, Value as PbValue};
 use serde_json::{Map, Value};
+
+use crate::unknown::Unknown;
 
 use crate::v1::{
     content_block::Block, event::Kind, ApprovalDecision, ApprovalRequested, AssistantDelta,
@@ -38,8 +45,19 @@ fn err(message: impl Into<String>) -> JsonError {
     JsonError(message.into())
 }
 
+/// The key under which an object's unknown fields are written.
+const UNKNOWN_FIELDS: &str = "unknownFields";
+
 /// Writes `event` as one JSON object (no newline) onto `out`.
 pub fn write_event(out: &mut Vec<u8>, event: &Event) {
+    write_event_keeping(out, event, &Unknown::default());
+}
+
+/// Writes `event` with the fields of it that this build does not know, `unknown`, each
+/// message's on its own object.
+pub fn write_event_keeping(out: &mut Vec<u8>, event: &Event, unknown: &Unknown) {
+    let none = Unknown::default();
+    let inner = |field: u32| unknown.child(field, 0).unwrap_or(&none);
     let mut o = Obj::open(out);
     o.str("sessionId", &event.session_id);
     o.u64("seq", event.seq);
@@ -47,21 +65,23 @@ pub fn write_event(out: &mut Vec<u8>, event: &Event) {
     o.i64("tsUnixMs", event.ts_unix_ms);
     o.u32("schemaVersion", event.schema_version);
     if let Some(kind) = &event.kind {
-        let (name, write): (&str, WriteBody) = match kind {
-            Kind::UserMessage(m) => ("userMessage", &|out| {
+        let (name, number) = kind_field(kind);
+        let u = inner(number);
+        let write: WriteBody = match kind {
+            Kind::UserMessage(m) => &|out| {
                 let mut o = Obj::open(out);
                 o.str("text", &m.text);
-                o.close();
-            }),
-            Kind::AssistantMessage(m) => ("assistantMessage", &|out| write_assistant(out, m)),
-            Kind::ToolStarted(s) => ("toolStarted", &|out| {
+                o.close(u);
+            },
+            Kind::AssistantMessage(m) => &|out| write_assistant(out, m, u),
+            Kind::ToolStarted(s) => &|out| {
                 let mut o = Obj::open(out);
                 o.str("toolUseId", &s.tool_use_id);
                 o.str("idempotencyKey", &s.idempotency_key);
                 o.u32("attempt", s.attempt);
-                o.close();
-            }),
-            Kind::ToolResult(r) => ("toolResult", &|out| {
+                o.close(u);
+            },
+            Kind::ToolResult(r) => &|out| {
                 let mut o = Obj::open(out);
                 o.str("toolUseId", &r.tool_use_id);
                 o.str("content", &r.content);
@@ -75,33 +95,33 @@ pub fn write_event(out: &mut Vec<u8>, event: &Event) {
                     let mut f = Obj::open(o.out);
                     f.str("sessionId", &from.session_id);
                     f.u64("seq", from.seq);
-                    f.close();
+                    f.close(u.child(5, 0).unwrap_or(&none));
                 }
-                o.close();
-            }),
-            Kind::AssistantDelta(d) => ("assistantDelta", &|out| {
+                o.close(u);
+            },
+            Kind::AssistantDelta(d) => &|out| {
                 let mut o = Obj::open(out);
                 o.str("turnId", &d.turn_id);
                 o.str("text", &d.text);
-                o.close();
-            }),
-            Kind::RunError(e) => ("runError", &|out| {
+                o.close(u);
+            },
+            Kind::RunError(e) => &|out| {
                 let mut o = Obj::open(out);
                 o.str("message", &e.message);
                 o.bool("retryable", e.retryable);
-                o.close();
-            }),
-            Kind::Interrupt(i) => ("interrupt", &|out| {
+                o.close(u);
+            },
+            Kind::Interrupt(i) => &|out| {
                 let mut o = Obj::open(out);
                 o.str("reason", &i.reason);
-                o.close();
-            }),
-            Kind::Interrupted(i) => ("interrupted", &|out| {
+                o.close(u);
+            },
+            Kind::Interrupted(i) => &|out| {
                 let mut o = Obj::open(out);
                 o.str("reason", &i.reason);
-                o.close();
-            }),
-            Kind::ApprovalRequested(r) => ("approvalRequested", &|out| {
+                o.close(u);
+            },
+            Kind::ApprovalRequested(r) => &|out| {
                 let mut o = Obj::open(out);
                 o.str("toolUseId", &r.tool_use_id);
                 o.str("toolName", &r.tool_name);
@@ -110,16 +130,16 @@ pub fn write_event(out: &mut Vec<u8>, event: &Event) {
                     write_struct(o.out, input);
                 }
                 o.str("reason", &r.reason);
-                o.close();
-            }),
-            Kind::ApprovalDecision(d) => ("approvalDecision", &|out| {
+                o.close(u);
+            },
+            Kind::ApprovalDecision(d) => &|out| {
                 let mut o = Obj::open(out);
                 o.str("toolUseId", &d.tool_use_id);
                 o.bool("approved", d.approved);
                 o.str("note", &d.note);
-                o.close();
-            }),
-            Kind::SessionConfig(c) => ("sessionConfig", &|out| {
+                o.close(u);
+            },
+            Kind::SessionConfig(c) => &|out| {
                 let mut o = Obj::open(out);
                 o.str("model", &c.model);
                 if let Some(r) = &c.replay {
@@ -137,15 +157,42 @@ pub fn write_event(out: &mut Vec<u8>, event: &Event) {
                             Err(_) => r_.out.extend_from_slice(r.off_path.to_string().as_bytes()),
                         }
                     }
-                    r_.close();
+                    r_.close(u.child(2, 0).unwrap_or(&none));
                 }
-                o.close();
-            }),
+                o.close(u);
+            },
         };
         o.key(name);
         write(o.out);
     }
-    o.close();
+    o.close(unknown);
+}
+
+/// A kind's name in the JSON and its field number in `Event`.
+fn kind_field(kind: &Kind) -> (&'static str, u32) {
+    match kind {
+        Kind::UserMessage(_) => ("userMessage", 10),
+        Kind::AssistantMessage(_) => ("assistantMessage", 11),
+        Kind::ToolStarted(_) => ("toolStarted", 12),
+        Kind::ToolResult(_) => ("toolResult", 13),
+        Kind::AssistantDelta(_) => ("assistantDelta", 14),
+        Kind::RunError(_) => ("runError", 15),
+        Kind::Interrupt(_) => ("interrupt", 16),
+        Kind::Interrupted(_) => ("interrupted", 17),
+        Kind::ApprovalRequested(_) => ("approvalRequested", 18),
+        Kind::ApprovalDecision(_) => ("approvalDecision", 19),
+        Kind::SessionConfig(_) => ("sessionConfig", 20),
+    }
+}
+
+/// A content block's kind: its name in the JSON and its field number in `ContentBlock`.
+fn block_field(block: &Block) -> (&'static str, u32) {
+    match block {
+        Block::Text(_) => ("text", 1),
+        Block::ToolUse(_) => ("toolUse", 2),
+        Block::Thinking(_) => ("thinking", 3),
+        Block::RedactedThinking(_) => ("redactedThinking", 4),
+    }
 }
 
 /// Writes a kind's body.
@@ -158,7 +205,8 @@ pub fn event_to_string(event: &Event) -> String {
     String::from_utf8(out).expect("the writer writes UTF-8")
 }
 
-fn write_assistant(out: &mut Vec<u8>, m: &AssistantMessage) {
+fn write_assistant(out: &mut Vec<u8>, m: &AssistantMessage, unknown: &Unknown) {
+    let none = Unknown::default();
     let mut o = Obj::open(out);
     if !m.content.is_empty() {
         o.key("content");
@@ -167,41 +215,32 @@ fn write_assistant(out: &mut Vec<u8>, m: &AssistantMessage) {
             if i > 0 {
                 o.out.push(b',');
             }
+            let in_block = unknown.child(1, i).unwrap_or(&none);
             let mut b = Obj::open(o.out);
-            match &block.block {
-                Some(Block::Text(t)) => {
-                    b.key("text");
-                    let mut t_ = Obj::open(b.out);
-                    t_.str("text", &t.text);
-                    t_.close();
-                }
-                Some(Block::ToolUse(u)) => {
-                    b.key("toolUse");
-                    let mut u_ = Obj::open(b.out);
-                    u_.str("id", &u.id);
-                    u_.str("name", &u.name);
-                    if let Some(input) = &u.input {
-                        u_.key("input");
-                        write_struct(u_.out, input);
+            if let Some(kind) = &block.block {
+                let (name, number) = block_field(kind);
+                let inner = in_block.child(number, 0).unwrap_or(&none);
+                b.key(name);
+                let mut k = Obj::open(b.out);
+                match kind {
+                    Block::Text(t) => k.str("text", &t.text),
+                    Block::ToolUse(u) => {
+                        k.str("id", &u.id);
+                        k.str("name", &u.name);
+                        if let Some(input) = &u.input {
+                            k.key("input");
+                            write_struct(k.out, input);
+                        }
                     }
-                    u_.close();
+                    Block::Thinking(t) => {
+                        k.str("thinking", &t.thinking);
+                        k.str("signature", &t.signature);
+                    }
+                    Block::RedactedThinking(r) => k.str("data", &r.data),
                 }
-                Some(Block::Thinking(t)) => {
-                    b.key("thinking");
-                    let mut t_ = Obj::open(b.out);
-                    t_.str("thinking", &t.thinking);
-                    t_.str("signature", &t.signature);
-                    t_.close();
-                }
-                Some(Block::RedactedThinking(r)) => {
-                    b.key("redactedThinking");
-                    let mut r_ = Obj::open(b.out);
-                    r_.str("data", &r.data);
-                    r_.close();
-                }
-                None => {}
+                k.close(inner);
             }
-            b.close();
+            b.close(in_block);
         }
         o.out.push(b']');
     }
@@ -214,10 +253,10 @@ fn write_assistant(out: &mut Vec<u8>, m: &AssistantMessage) {
         u_.u64("outputTokens", u.output_tokens);
         u_.u64("cacheCreationInputTokens", u.cache_creation_input_tokens);
         u_.u64("cacheReadInputTokens", u.cache_read_input_tokens);
-        u_.close();
+        u_.close(unknown.child(4, 0).unwrap_or(&none));
     }
     o.str("messageId", &m.message_id);
-    o.close();
+    o.close(unknown);
 }
 
 /// A JSON object being written: its fields, each with the comma before it.
@@ -281,7 +320,15 @@ impl<'a> Obj<'a> {
         }
     }
 
-    fn close(self) {
+    /// Ends the object, with the unknown fields of the message it stands for, if any.
+    fn close(mut self, unknown: &Unknown) {
+        if !unknown.here.is_empty() {
+            self.key(UNKNOWN_FIELDS);
+            self.out.push(b'"');
+            self.out
+                .extend_from_slice(BASE64_STANDARD.encode(&unknown.here).as_bytes());
+            self.out.push(b'"');
+        }
         self.out.push(b'}');
     }
 }
@@ -340,8 +387,22 @@ fn write_number(out: &mut Vec<u8>, n: f64) {
     }
 }
 
-/// The event a JSON object stands for (see the module head: exact, and strict).
+/// The event a JSON object stands for (see the module head: exact, and strict); an event
+/// with fields this build does not know is refused (see [`event_from_json_keeping`]).
 pub fn event_from_json(value: &Value) -> Result<Event, JsonError> {
+    let (event, unknown) = event_from_json_keeping(value)?;
+    if !unknown.is_empty() {
+        return Err(err(
+            "the event has unknownFields: fields this build does not know, written by a newer \
+             one",
+        ));
+    }
+    Ok(event)
+}
+
+/// The event a JSON object stands for, and the fields of it that this build does not know
+/// (each object's `unknownFields`).
+pub fn event_from_json_keeping(value: &Value) -> Result<(Event, Unknown), JsonError> {
     let mut fields = Fields::of(value, "the event")?;
     let mut event = Event {
         session_id: fields.string("sessionId")?,
@@ -379,7 +440,7 @@ pub fn event_from_json(value: &Value) -> Result<Event, JsonError> {
                             session_id: g.string("sessionId")?,
                             seq: g.u64("seq")?,
                         };
-                        g.done()?;
+                        f.adopt(5, 0, g.done()?);
                         Some(from)
                     }
                 },
@@ -450,7 +511,7 @@ pub fn event_from_json(value: &Value) -> Result<Event, JsonError> {
                         through_seq: r.u64("throughSeq")?,
                         off_path,
                     };
-                    r.done()?;
+                    f.adopt(2, 0, r.done()?);
                     Some(replay)
                 }
             };
@@ -468,12 +529,13 @@ pub fn event_from_json(value: &Value) -> Result<Event, JsonError> {
                 )));
             }
             let mut body = Fields::of(&body, name)?;
-            event.kind = Some(read(&mut body)?);
-            body.done()?;
+            let kind = read(&mut body)?;
+            fields.adopt(kind_field(&kind).1, 0, body.done()?);
+            event.kind = Some(kind);
         }
     }
-    fields.done()?;
-    Ok(event)
+    let unknown = fields.done()?;
+    Ok((event, unknown))
 }
 
 type KindReader = fn(&mut Fields) -> Result<Kind, JsonError>;
@@ -481,10 +543,15 @@ type KindReader = fn(&mut Fields) -> Result<Kind, JsonError>;
 fn read_assistant(f: &mut Fields) -> Result<Kind, JsonError> {
     let content = match f.take("content") {
         None | Some(Value::Null) => Vec::new(),
-        Some(Value::Array(blocks)) => blocks
-            .iter()
-            .map(read_block)
-            .collect::<Result<Vec<_>, _>>()?,
+        Some(Value::Array(blocks)) => {
+            let mut content = Vec::with_capacity(blocks.len());
+            for (i, block) in blocks.iter().enumerate() {
+                let (block, unknown) = read_block(block)?;
+                f.adopt(1, i, unknown);
+                content.push(block);
+            }
+            content
+        }
         Some(other) => {
             return Err(err(format!(
                 "`assistantMessage.content` must be an array, not {other}"
@@ -501,7 +568,7 @@ fn read_assistant(f: &mut Fields) -> Result<Kind, JsonError> {
                 cache_creation_input_tokens: u.u64("cacheCreationInputTokens")?,
                 cache_read_input_tokens: u.u64("cacheReadInputTokens")?,
             };
-            u.done()?;
+            f.adopt(4, 0, u.done()?);
             Some(usage)
         }
     };
@@ -514,70 +581,61 @@ fn read_assistant(f: &mut Fields) -> Result<Kind, JsonError> {
     }))
 }
 
-fn read_block(value: &Value) -> Result<ContentBlock, JsonError> {
+/// A content block and the fields of it that this build does not know.
+fn read_block(value: &Value) -> Result<(ContentBlock, Unknown), JsonError> {
     let mut f = Fields::of(value, "a content block")?;
     let mut block = None;
-    let mut set = |b: Block, name: &str| {
-        if block.is_some() {
-            return Err(err(format!(
-                "a content block has two kinds; `{name}` is the second"
-            )));
+    let readers: [(&str, BlockReader); 4] = [
+        ("text", |b| {
+            Ok(Block::Text(TextBlock {
+                text: b.string("text")?,
+            }))
+        }),
+        ("toolUse", |b| {
+            Ok(Block::ToolUse(ToolUseBlock {
+                id: b.string("id")?,
+                name: b.string("name")?,
+                input: b.structure("input")?,
+            }))
+        }),
+        ("thinking", |b| {
+            Ok(Block::Thinking(ThinkingBlock {
+                thinking: b.string("thinking")?,
+                signature: b.string("signature")?,
+            }))
+        }),
+        ("redactedThinking", |b| {
+            Ok(Block::RedactedThinking(RedactedThinkingBlock {
+                data: b.string("data")?,
+            }))
+        }),
+    ];
+    for (name, read) in readers {
+        if let Some(v) = f.take(name) {
+            if block.is_some() {
+                return Err(err(format!(
+                    "a content block has two kinds; `{name}` is the second"
+                )));
+            }
+            let mut body = Fields::of(&v, name)?;
+            let kind = read(&mut body)?;
+            f.adopt(block_field(&kind).1, 0, body.done()?);
+            block = Some(kind);
         }
-        block = Some(b);
-        Ok(())
-    };
-    if let Some(v) = f.take("text") {
-        let mut t = Fields::of(&v, "text")?;
-        set(
-            Block::Text(TextBlock {
-                text: t.string("text")?,
-            }),
-            "text",
-        )?;
-        t.done()?;
     }
-    if let Some(v) = f.take("toolUse") {
-        let mut u = Fields::of(&v, "toolUse")?;
-        set(
-            Block::ToolUse(ToolUseBlock {
-                id: u.string("id")?,
-                name: u.string("name")?,
-                input: u.structure("input")?,
-            }),
-            "toolUse",
-        )?;
-        u.done()?;
-    }
-    if let Some(v) = f.take("thinking") {
-        let mut t = Fields::of(&v, "thinking")?;
-        set(
-            Block::Thinking(ThinkingBlock {
-                thinking: t.string("thinking")?,
-                signature: t.string("signature")?,
-            }),
-            "thinking",
-        )?;
-        t.done()?;
-    }
-    if let Some(v) = f.take("redactedThinking") {
-        let mut r = Fields::of(&v, "redactedThinking")?;
-        set(
-            Block::RedactedThinking(RedactedThinkingBlock {
-                data: r.string("data")?,
-            }),
-            "redactedThinking",
-        )?;
-        r.done()?;
-    }
-    f.done()?;
-    Ok(ContentBlock { block })
+    let unknown = f.done()?;
+    Ok((ContentBlock { block }, unknown))
 }
+
+type BlockReader = fn(&mut Fields) -> Result<Block, JsonError>;
 
 /// The fields of a JSON object, by their lowerCamelCase names, taken one by one; what is
 /// left at the end is an unknown field.
 struct Fields {
     what: String,
     fields: BTreeMap<String, Value>,
+    /// The unknown fields of the messages inside this one, as they are read.
+    inside: Unknown,
 }
 
 impl Fields {
@@ -594,7 +652,13 @@ impl Fields {
         Ok(Fields {
             what: what.to_string(),
             fields,
+            inside: Unknown::default(),
         })
+    }
+
+    /// Records what value `index` of field `field` held that this build does not know.
+    fn adopt(&mut self, field: u32, index: usize, unknown: Unknown) {
+        self.inside.put_child(field, index, unknown);
     }
 
     fn take(&mut self, name: &str) -> Option<Value> {
@@ -686,10 +750,27 @@ impl Fields {
         ))
     }
 
-    /// Every field was taken: anything left is one this build does not know.
-    fn done(self) -> Result<(), JsonError> {
+    /// Every field was taken but `unknownFields`: the object's unknown fields, and those
+    /// inside it. Anything else left is a field this build does not know by name.
+    fn done(mut self) -> Result<Unknown, JsonError> {
+        let mut unknown = std::mem::take(&mut self.inside);
+        match self.take(UNKNOWN_FIELDS) {
+            None | Some(Value::Null) => {}
+            Some(Value::String(encoded)) => {
+                unknown.here = BASE64_STANDARD.decode(encoded.as_bytes()).map_err(|e| {
+                    err(format!(
+                        "{}: `{UNKNOWN_FIELDS}` is not base64: {e}",
+                        self.what
+                    ))
+                })?;
+                crate::fields::fields(&unknown.here)
+                    .try_for_each(|f| f.map(|_| ()))
+                    .map_err(|e| err(format!("{}: `{UNKNOWN_FIELDS}`: {e}", self.what)))?;
+            }
+            Some(other) => return Err(self.wrong(UNKNOWN_FIELDS, "a base64 string", &other)),
+        }
         match self.fields.keys().next() {
-            None => Ok(()),
+            None => Ok(unknown),
             Some(unknown) => Err(err(format!(
                 "{} has a field this store does not know: `{unknown}` (exported by a newer \
                  store?)",
@@ -1064,5 +1145,111 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The field numbers this module walks into for unknown fields are the protocol's.
+    #[test]
+    fn the_kinds_and_blocks_have_their_field_numbers() {
+        let set = FileDescriptorSet::decode(crate::FILE_DESCRIPTOR_SET).expect("descriptors");
+        let number = |message: &str, json: &str| {
+            set.file
+                .iter()
+                .flat_map(|f| f.message_type.iter())
+                .find(|m| m.name() == message)
+                .and_then(|m| m.field.iter().find(|f| f.json_name() == json))
+                .map(|f| f.number() as u32)
+                .unwrap_or_else(|| panic!("{message}.{json} is not in the protocol"))
+        };
+        for kind in every_kind().into_iter().filter_map(|e| e.kind) {
+            let (name, n) = kind_field(&kind);
+            assert_eq!(number("Event", name), n, "{name}");
+        }
+        for block in [
+            Block::Text(TextBlock::default()),
+            Block::ToolUse(ToolUseBlock::default()),
+            Block::Thinking(ThinkingBlock::default()),
+            Block::RedactedThinking(RedactedThinkingBlock::default()),
+        ] {
+            let (name, n) = block_field(&block);
+            assert_eq!(number("ContentBlock", name), n, "{name}");
+        }
+        assert_eq!(number("AssistantMessage", "content"), 1);
+        assert_eq!(number("AssistantMessage", "usage"), 4);
+        assert_eq!(number("ToolResult", "servedFrom"), 5);
+        assert_eq!(number("SessionConfig", "replay"), 2);
+    }
+
+    /// A newer writer's event: what this build does not know, at every depth, is written as
+    /// `unknownFields` on the object that held it and put back where it was.
+    #[test]
+    fn unknown_fields_are_written_where_they_were_and_read_back_byte_for_byte() {
+        use crate::fields::put_len_field;
+        let mut block = ContentBlock::default().encode_to_vec();
+        put_len_field(&mut block, 9, b"an image block");
+        let mut text = ContentBlock {
+            block: Some(Block::Text(TextBlock { text: "hi".into() })),
+        }
+        .encode_to_vec();
+        // Inside the text block's own message (field 1 of the ContentBlock).
+        let mut inner = TextBlock { text: "hi".into() }.encode_to_vec();
+        inner.extend_from_slice(&[0x10, 0x01]);
+        text.clear();
+        put_len_field(&mut text, 1, &inner);
+        let mut message = Vec::new();
+        put_len_field(&mut message, 1, &text);
+        put_len_field(&mut message, 1, &block);
+        put_len_field(&mut message, 3, b"newer-model");
+        put_len_field(&mut message, 6, b"new field");
+        let mut newer = Event {
+            session_id: "s".into(),
+            seq: 2,
+            event_id: "reply:0".into(),
+            ..Event::default()
+        }
+        .encode_to_vec();
+        put_len_field(&mut newer, 11, &message);
+        put_len_field(&mut newer, 1000, b"trace");
+
+        let event = Event::decode(&newer[..]).unwrap();
+        let unknown = crate::unknown::find(&newer, crate::unknown::EVENT).unwrap();
+        let mut out = Vec::new();
+        write_event_keeping(&mut out, &event, &unknown);
+        let value: Value = serde_json::from_slice(&out).unwrap();
+        let b64 = |bytes: &[u8]| Value::String(BASE64_STANDARD.encode(bytes));
+        assert_eq!(
+            value["unknownFields"],
+            b64(&[0xc2, 0x3e, 5, b't', b'r', b'a', b'c', b'e'])
+        );
+        let reply = &value["assistantMessage"];
+        assert_eq!(
+            reply["unknownFields"],
+            b64(&[&[0x32, 9][..], b"new field"].concat())
+        );
+        assert_eq!(
+            reply["content"][0]["text"]["unknownFields"],
+            b64(&[0x10, 0x01])
+        );
+        assert_eq!(
+            reply["content"][1]["unknownFields"],
+            b64(&[&[0x4a, 14][..], b"an image block"].concat())
+        );
+        assert!(
+            event_from_json(&value).is_err(),
+            "the plain reader refuses them"
+        );
+        let (read, read_unknown) = event_from_json_keeping(&value).unwrap();
+        assert_eq!(read, event);
+        assert_eq!(read_unknown, unknown);
+        let again = crate::unknown::splice(&read.encode_to_vec(), &read_unknown).unwrap();
+        assert_eq!(again, newer);
+
+        let bad = serde_json::json!({"userMessage": {"text": "x", "unknownFields": "%%%"}});
+        let e = event_from_json_keeping(&bad).expect_err("not base64");
+        assert!(e.0.contains("not base64"), "{e}");
+        let cut = serde_json::json!({"unknownFields": BASE64_STANDARD.encode([0x0a, 0x05])});
+        assert!(
+            event_from_json_keeping(&cut).is_err(),
+            "not a protobuf field"
+        );
     }
 }

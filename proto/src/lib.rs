@@ -3,14 +3,20 @@
 #![forbid(unsafe_code)]
 
 pub mod codec;
+pub mod fields;
 pub mod json;
+pub mod kept;
 pub mod reason;
+pub mod release;
 pub mod replay;
 pub mod settled;
+pub mod unknown;
 
 pub mod v1 {
     #![allow(clippy::all)]
     tonic::include_proto!("agentlog.v1");
+    // The server, decoding the requests that carry events into `crate::kept`'s types.
+    include!(concat!(env!("OUT_DIR"), "/agentlog.v1.EventStore.rs"));
 }
 
 /// The encoded `FileDescriptorSet` of every agentlog proto file (with its imports).

@@ -5,6 +5,8 @@
 //! message stays the human explanation. Clients decide on [`Reason::of`], never on the
 //! status code or the message text.
 
+use std::collections::HashMap;
+
 use tonic::{Code, Status};
 use tonic_types::{ErrorDetails, StatusExt};
 
@@ -39,11 +41,19 @@ pub enum Reason {
     ForkPointUnsettled,
     /// `ForkSession` named a `new_session_id` that already exists.
     SessionExists,
+    /// An event's kind is not one this store knows: a newer writer's kind, refused until
+    /// the store is of a release that has it (the kind's number is in the metadata
+    /// [`FIELD_NUMBER`]). A writer then goes on as its previous release would have.
+    UnknownKind,
 }
+
+/// The `ErrorInfo.metadata` key of an [`Reason::UnknownKind`] refusal: the kind's field
+/// number.
+pub const FIELD_NUMBER: &str = "field_number";
 
 impl Reason {
     /// Every reason, for tables and tests.
-    pub const ALL: [Reason; 10] = [
+    pub const ALL: [Reason; 11] = [
         Reason::LeaseFenced,
         Reason::LeaseHeld,
         Reason::LeaseRequired,
@@ -54,6 +64,7 @@ impl Reason {
         Reason::DiskFull,
         Reason::ForkPointUnsettled,
         Reason::SessionExists,
+        Reason::UnknownKind,
     ];
 
     /// The `ErrorInfo.reason` string.
@@ -69,6 +80,7 @@ impl Reason {
             Reason::DiskFull => "DISK_FULL",
             Reason::ForkPointUnsettled => "FORK_POINT_UNSETTLED",
             Reason::SessionExists => "SESSION_EXISTS",
+            Reason::UnknownKind => "UNKNOWN_KIND",
         }
     }
 
@@ -79,7 +91,8 @@ impl Reason {
             | Reason::LeaseHeld
             | Reason::LeaseRequired
             | Reason::ApprovalNotPending
-            | Reason::ForkPointUnsettled => Code::FailedPrecondition,
+            | Reason::ForkPointUnsettled
+            | Reason::UnknownKind => Code::FailedPrecondition,
             Reason::SeqConflict => Code::Aborted,
             Reason::SessionNotFound | Reason::SessionDeleted => Code::NotFound,
             Reason::DiskFull => Code::ResourceExhausted,
@@ -89,10 +102,19 @@ impl Reason {
 
     /// A status with this reason's code, `message`, and the `ErrorInfo` detail.
     pub fn status(self, message: impl Into<String>) -> Status {
+        self.status_with(message, HashMap::new())
+    }
+
+    /// [`Reason::status`] with `metadata` in the `ErrorInfo`.
+    pub fn status_with(
+        self,
+        message: impl Into<String>,
+        metadata: HashMap<String, String>,
+    ) -> Status {
         Status::with_error_details(
             self.code(),
             message,
-            ErrorDetails::with_error_info(self.name(), DOMAIN, std::collections::HashMap::new()),
+            ErrorDetails::with_error_info(self.name(), DOMAIN, metadata),
         )
     }
 
@@ -110,14 +132,15 @@ impl Reason {
 /// `ErrorInfo` reason of the status a unary `Append` would have failed with.
 impl From<&Status> for AppendError {
     fn from(status: &Status) -> AppendError {
-        let reason = status
+        let (reason, metadata) = status
             .get_details_error_info()
             .filter(|info| info.domain == DOMAIN)
-            .map_or_else(String::new, |info| info.reason);
+            .map_or_else(Default::default, |info| (info.reason, info.metadata));
         AppendError {
             code: status.code() as i32,
             message: status.message().to_string(),
             reason,
+            metadata,
         }
     }
 }
@@ -134,7 +157,7 @@ impl From<AppendError> for Status {
         Status::with_error_details(
             code,
             error.message,
-            ErrorDetails::with_error_info(error.reason, DOMAIN, std::collections::HashMap::new()),
+            ErrorDetails::with_error_info(error.reason, DOMAIN, error.metadata),
         )
     }
 }
@@ -179,6 +202,7 @@ mod tests {
             code: Code::FailedPrecondition as i32,
             message: "x".into(),
             reason: "SOMETHING_NEW".into(),
+            metadata: Default::default(),
         });
         assert_eq!(
             newer.get_details_error_info().map(|i| i.reason),

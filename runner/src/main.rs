@@ -29,7 +29,7 @@ const TELEMETRY_SHUTDOWN: Duration = Duration::from_secs(1);
 /// Works agentlog sessions: claims runnable ones from the event store, calls the model and
 /// runs tools exactly once, resuming any session exactly where its log stops.
 #[derive(Debug, Parser)]
-#[command(version)]
+#[command(version = build_info::VERSION_AND_COMMIT)]
 struct Args {
     /// The event store's gRPC URL: http://127.0.0.1:50051, or https://HOST:PORT for TLS.
     #[arg(long, env = "AGENTLOG_EVENT_STORE")]
@@ -271,7 +271,8 @@ async fn run(args: Args, secrets: Secrets, non_dumpable: bool) -> Result<()> {
             .with_context(|| format!("binding --metrics-listen {addr}"))?;
         let metrics_addr = listener.local_addr().context("reading the bound address")?;
         tracing::info!(%metrics_addr, "serving Prometheus metrics at /metrics");
-        let registry = runner::metrics::registry(&models);
+        let mut registry = runner::metrics::registry(&models);
+        build_info::register(&mut registry);
         let stop = shutdown.clone();
         tokio::spawn(async move {
             if let Err(e) = telemetry::serve_metrics(listener, registry, stop).await {

@@ -35,6 +35,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use agentlog_proto::kept::{KeptAppendRequest, KeptForkRequest};
 use agentlog_proto::v1::event_store_server::{EventStore, EventStoreServer};
 use agentlog_proto::v1::*;
 use anyhow::Context;
@@ -185,7 +186,7 @@ fn unimplemented<T>() -> Result<Response<T>, Status> {
 impl EventStore for Floor {
     async fn append(
         &self,
-        request: Request<AppendRequest>,
+        request: Request<KeptAppendRequest>,
     ) -> Result<Response<AppendResponse>, Status> {
         if let Some(durable) = &self.durable {
             durable.append(request.get_ref().encode_to_vec()).await?;
@@ -199,7 +200,7 @@ impl EventStore for Floor {
 
     async fn append_stream(
         &self,
-        request: Request<Streaming<AppendRequest>>,
+        request: Request<Streaming<KeptAppendRequest>>,
     ) -> Result<Response<Self::AppendStreamStream>, Status> {
         let mut last = 0u64;
         let durable = self.durable.clone();
@@ -300,7 +301,7 @@ impl EventStore for Floor {
 
     async fn fork_session(
         &self,
-        _: Request<ForkSessionRequest>,
+        _: Request<KeptForkRequest>,
     ) -> Result<Response<ForkSessionResponse>, Status> {
         unimplemented()
     }

@@ -1,8 +1,8 @@
 //! The authorization rule: whether a caller may make a call on a session, answered with a
 //! typed [`Denial`] that becomes the status the caller gets.
 
+use agentlog_proto::kept::KeptAppendRequest;
 use agentlog_proto::reason::Reason;
-use agentlog_proto::v1::AppendRequest;
 use tonic::{Code, Status};
 
 use super::{Caller, Role};
@@ -135,17 +135,18 @@ pub fn authorize(caller: &Caller, rpc: Rpc, target: &Target) -> Result<(), Denia
 
 /// Whether `caller` may make this append (one request of an `AppendStream`): the rule of
 /// [`authorize`] for [`Rpc::Append`], read from the message itself.
-pub fn authorize_append(caller: &Caller, request: &AppendRequest) -> Result<(), Denial> {
+pub fn authorize_append(caller: &Caller, append: &KeptAppendRequest) -> Result<(), Denial> {
     if caller.role == Role::Admin {
         return Ok(());
     }
+    let request = &append.request;
     if !caller.scope.admits(&request.session_id) {
         return Err(outside_prefixes(caller, &request.session_id));
     }
     check_kinds(
         caller,
         request.lease_epoch.is_some(),
-        request.events.iter().map(|e| e.kind.as_ref()),
+        append.events.iter().map(|e| e.kind.as_ref()),
     )
 }
 
@@ -228,13 +229,17 @@ mod tests {
     #[test]
     fn each_request_of_an_append_stream_is_authorized_like_an_append() {
         let (acme, pool) = (&acme(), &pool());
-        let request = |id: &str, kind: agentlog_proto::v1::event::Kind| AppendRequest {
-            session_id: id.into(),
-            events: vec![agentlog_proto::v1::Event {
-                kind: Some(kind),
+        let request = |id: &str, kind: agentlog_proto::v1::event::Kind| KeptAppendRequest {
+            request: agentlog_proto::v1::AppendRequest {
+                session_id: id.into(),
                 ..Default::default()
-            }],
-            ..Default::default()
+            },
+            events: vec![agentlog_proto::kept::KeptEvent::new(
+                agentlog_proto::v1::Event {
+                    kind: Some(kind),
+                    ..Default::default()
+                },
+            )],
         };
         let user = || agentlog_proto::v1::event::Kind::UserMessage(Default::default());
         let result = || agentlog_proto::v1::event::Kind::ToolResult(Default::default());

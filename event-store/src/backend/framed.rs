@@ -3,6 +3,7 @@
 //! hands a run out in this form, so that the edge sends the bytes it read as they are,
 //! without a decode and a re-encode per event.
 
+use agentlog_proto::kept::{renamed_into, KeptEvent};
 use agentlog_proto::v1::Event;
 use bytes::{BufMut, Bytes, BytesMut};
 use prost::Message;
@@ -25,8 +26,8 @@ impl FramedEvents {
         FramedEvents { bytes, count }
     }
 
-    /// Events in memory, encoded into the same form.
-    pub fn encode(events: &[Event]) -> FramedEvents {
+    /// Events in memory, encoded into the same form (each as it was kept).
+    pub fn encode(events: &[KeptEvent]) -> FramedEvents {
         let len = events
             .iter()
             .map(|e| MESSAGE_HEADER_LEN + e.encoded_len())
@@ -35,11 +36,30 @@ impl FramedEvents {
         for event in events {
             buf.put_u8(0);
             buf.put_u32(event.encoded_len() as u32);
-            event
-                .encode(&mut buf)
-                .expect("the buffer was sized for the events");
+            event.encode(&mut buf);
         }
         FramedEvents::new(buf.freeze(), events.len())
+    }
+
+    /// Stored `Event` messages, each as it was stored; one read through another session (a
+    /// fork's prefix, read through its base) is given `session_id` as in [`Self::renamed`].
+    pub fn of_messages<'a>(
+        messages: impl IntoIterator<Item = (&'a [u8], bool)>,
+        session_id: &str,
+    ) -> FramedEvents {
+        let mut buf = Vec::new();
+        let mut count = 0;
+        for (message, renamed) in messages {
+            if renamed {
+                push_renamed(&mut buf, message, session_id);
+            } else {
+                buf.push(0);
+                buf.extend_from_slice(&(message.len() as u32).to_be_bytes());
+                buf.extend_from_slice(message);
+            }
+            count += 1;
+        }
+        FramedEvents::new(buf.into(), count)
     }
 
     /// How many events.
@@ -80,26 +100,19 @@ impl FramedEvents {
     }
 
     /// The same events as another session's (a fork's, read through its base): each
-    /// message with `session_id` as its field 1 once more after it, which a decoder takes
-    /// over the first (a protobuf decoder keeps a field's last value).
+    /// message with its field 1 replaced by `session_id`, byte for byte otherwise.
     pub(crate) fn renamed(&self, session_id: &str) -> FramedEvents {
-        let mut tail = vec![0x0a];
-        prost::encoding::encode_varint(session_id.len() as u64, &mut tail);
-        tail.extend_from_slice(session_id.as_bytes());
-        let mut buf = BytesMut::with_capacity(self.bytes.len() + self.count * tail.len());
+        let mut buf = Vec::with_capacity(self.bytes.len() + self.count * (session_id.len() + 2));
         let mut rest = &self.bytes[..];
         while rest.len() >= MESSAGE_HEADER_LEN {
             let len = u32::from_be_bytes([rest[1], rest[2], rest[3], rest[4]]) as usize;
             let Some(message) = rest.get(MESSAGE_HEADER_LEN..MESSAGE_HEADER_LEN + len) else {
                 break;
             };
-            buf.put_u8(0);
-            buf.put_u32((len + tail.len()) as u32);
-            buf.put_slice(message);
-            buf.put_slice(&tail);
+            push_renamed(&mut buf, message, session_id);
             rest = &rest[MESSAGE_HEADER_LEN + len..];
         }
-        FramedEvents::new(buf.freeze(), self.count)
+        FramedEvents::new(buf.into(), self.count)
     }
 
     /// The events themselves, decoded (for callers in this process).
@@ -121,4 +134,13 @@ impl FramedEvents {
         }
         Ok(events)
     }
+}
+
+/// Appends `message` as one gRPC message, renamed to `session_id`'s.
+fn push_renamed(buf: &mut Vec<u8>, message: &[u8], session_id: &str) {
+    let header = buf.len();
+    buf.extend_from_slice(&[0; MESSAGE_HEADER_LEN]);
+    renamed_into(message, session_id, buf);
+    let len = (buf.len() - header - MESSAGE_HEADER_LEN) as u32;
+    buf[header + 1..header + MESSAGE_HEADER_LEN].copy_from_slice(&len.to_be_bytes());
 }

@@ -75,6 +75,7 @@
 
 use std::time::Duration;
 
+use agentlog_proto::kept::KeptEvent;
 use agentlog_proto::v1::{
     AppendResponse, Durability, Event, ForkSessionResponse, Lease, ListSessionsRequest,
     ListSessionsResponse, SearchSessionsResponse, SessionInfo,
@@ -94,7 +95,7 @@ pub use framed::FramedEvents;
 /// A validated append request (session id syntax and sizes were checked at the edge).
 pub struct AppendOp {
     pub session_id: String,
-    pub events: Vec<Event>,
+    pub events: Vec<KeptEvent>,
     pub expected_last_seq: Option<u64>,
     pub lease_epoch: Option<u64>,
     pub durability: Durability,
@@ -106,7 +107,7 @@ pub struct ForkOp {
     pub parent: String,
     pub at_seq: u64,
     pub new_session_id: String,
-    pub events: Vec<Event>,
+    pub events: Vec<KeptEvent>,
 }
 
 /// A validated `SearchSessions` request.
@@ -121,8 +122,8 @@ pub struct SearchOp {
 /// A run of a subscription's events, consecutive and ascending, as Subscribe sends them.
 #[derive(Clone, Debug)]
 pub enum EventRun {
-    /// Events in memory: published live, or read by a backend that decodes them.
-    Decoded(Vec<Event>),
+    /// Events in memory (published live), each kept as its writer encoded it.
+    Decoded(Vec<KeptEvent>),
     /// Events read from the local log, already in their wire form.
     Framed(FramedEvents),
 }
@@ -143,7 +144,9 @@ impl EventRun {
     /// The events themselves (for callers in this process; the service sends the bytes).
     pub fn into_events(self) -> Result<Vec<Event>, StoreError> {
         match self {
-            EventRun::Decoded(events) => Ok(events),
+            EventRun::Decoded(events) => {
+                Ok(events.into_iter().map(KeptEvent::into_event).collect())
+            }
             EventRun::Framed(framed) => framed.decode(),
         }
     }
@@ -368,7 +371,7 @@ pub trait Staging: Send + Sync {
     /// go on from the last one staged, from 1, each with an event id); an event id that
     /// repeats one of the session's is [`StageError::Repeated`]. Staged events are durable
     /// on return, and invisible.
-    async fn stage(&mut self, events: Vec<Event>) -> Result<(), StageError>;
+    async fn stage(&mut self, events: Vec<KeptEvent>) -> Result<(), StageError>;
 
     /// Makes the session visible, whole, in one atomic step: its state folded from the
     /// staged events, with the times, `forked_from` and `pinned` of `line`

@@ -7,10 +7,10 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
+use agentlog_proto::kept::KeptAppendRequest;
 use agentlog_proto::v1::{
-    append_stream_response, AppendError, AppendRequest, AppendResponse, AppendStreamResponse,
+    append_stream_response, AppendError, AppendResponse, AppendStreamResponse,
 };
-use prost::Message;
 use tokio_stream::Stream;
 use tonic::Status;
 use tracing::Instrument;
@@ -59,7 +59,7 @@ enum InFlight {
 /// again). Each request is counted, timed and traced as a unary Append is
 /// ([`AppendObserver`]), its span a child of the call's.
 pub(super) struct AppendStreamAnswers {
-    requests: tonic::Streaming<AppendRequest>,
+    requests: tonic::Streaming<KeptAppendRequest>,
     caller: Caller,
     budget: Option<MessageBudget>,
     /// The call's span (the responses are polled outside it).
@@ -79,7 +79,7 @@ pub(super) struct AppendStreamAnswers {
 
 impl AppendStreamAnswers {
     pub(super) fn new(
-        requests: tonic::Streaming<AppendRequest>,
+        requests: tonic::Streaming<KeptAppendRequest>,
         caller: Caller,
         budget: Option<MessageBudget>,
         store: Arc<dyn Backend>,
@@ -234,7 +234,7 @@ impl Stream for AppendStreamAnswers {
 fn admit_streamed(
     caller: &Caller,
     budget: Option<&MessageBudget>,
-    req: &AppendRequest,
+    req: &KeptAppendRequest,
 ) -> Result<(), Status> {
     if let Some(budget) = budget {
         budget.take()?;

@@ -16,13 +16,14 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+use agentlog_proto::kept::{KeptAppendRequest, KeptForkRequest};
 use agentlog_proto::v1::event_store_server::{EventStore, EventStoreServer};
 use agentlog_proto::v1::{
-    AcquireLeaseRequest, AppendRequest, AppendResponse, AppendStreamResponse, ClaimSessionRequest,
-    ClaimSessionResponse, DeleteSessionRequest, DeleteSessionResponse, Event, ForkSessionRequest,
-    ForkSessionResponse, GetSessionRequest, GetSnapshotRequest, Lease, ListSessionsRequest,
-    ListSessionsResponse, PutSnapshotResponse, ReleaseLeaseRequest, ReleaseLeaseResponse,
-    RenewLeaseRequest, SessionInfo, SnapshotChunk, SubscribeRequest,
+    AcquireLeaseRequest, AppendResponse, AppendStreamResponse, ClaimSessionRequest,
+    ClaimSessionResponse, DeleteSessionRequest, DeleteSessionResponse, Event, ForkSessionResponse,
+    GetSessionRequest, GetSnapshotRequest, Lease, ListSessionsRequest, ListSessionsResponse,
+    PutSnapshotResponse, ReleaseLeaseRequest, ReleaseLeaseResponse, RenewLeaseRequest, SessionInfo,
+    SnapshotChunk, SubscribeRequest,
 };
 use agentlog_proto::v1::{ExportRequest, ImportChunk, PinSessionRequest};
 use agentlog_proto::v1::{SearchSessionsRequest, SearchSessionsResponse};
@@ -106,7 +107,7 @@ type AppendResponses = Pin<Box<dyn Stream<Item = Result<AppendStreamResponse, St
 impl EventStore for EventStoreService {
     async fn append(
         &self,
-        request: Request<AppendRequest>,
+        request: Request<KeptAppendRequest>,
     ) -> Result<Response<AppendResponse>, Status> {
         let observer = AppendObserver::start(request.get_ref(), AppendCall::Unary);
         let op = validate_append(request.into_inner());
@@ -118,7 +119,7 @@ impl EventStore for EventStoreService {
 
     async fn append_stream(
         &self,
-        request: Request<tonic::Streaming<AppendRequest>>,
+        request: Request<tonic::Streaming<KeptAppendRequest>>,
     ) -> Result<Response<AppendResponses>, Status> {
         let caller = caller_of(&request)?;
         let budget = request.extensions().get::<MessageBudget>().cloned();
@@ -345,7 +346,7 @@ impl EventStore for EventStoreService {
 
     async fn fork_session(
         &self,
-        request: Request<ForkSessionRequest>,
+        request: Request<KeptForkRequest>,
     ) -> Result<Response<ForkSessionResponse>, Status> {
         let caller = caller_of(&request)?;
         let op = validate_fork(request.into_inner(), &caller.scope)?;

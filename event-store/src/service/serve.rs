@@ -9,7 +9,9 @@ use std::time::Duration;
 use agentlog_proto::v1::event_store_server::EventStoreServer;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
+use tonic::codegen::http::{HeaderName, HeaderValue};
 use tonic::Status;
+use tower_http::set_header::SetResponseHeaderLayer;
 
 use super::subscribe::SubscribeOnWire;
 use super::EventStoreService;
@@ -119,6 +121,8 @@ pub async fn serve(
         .initial_connection_window_size(CONNECTION_WINDOW)
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .http2_keepalive_timeout(Some(Duration::from_secs(10)))
+        // Outermost, so that a refusal of any layer below carries it too.
+        .layer(release_header())
         .layer(telemetry::propagation::TraceContextLayer::new(
             "agentlog.v1.",
         ))
@@ -130,6 +134,15 @@ pub async fn serve(
         .add_service(service)
         .serve_with_incoming_shutdown(incoming, shutdown.cancelled_owned())
         .await
+}
+
+/// Every response names the store's release ([`agentlog_proto::release::HEADER`]), so that
+/// a writer sends what is new in its own release only to a store that has it.
+fn release_header() -> SetResponseHeaderLayer<HeaderValue> {
+    SetResponseHeaderLayer::overriding(
+        HeaderName::from_static(agentlog_proto::release::HEADER),
+        HeaderValue::from_static(agentlog_proto::release::VERSION),
+    )
 }
 
 /// Serves only `grpc.health.v1.Health`, in plaintext, for Kubernetes' native gRPC probes

@@ -1,10 +1,8 @@
 //! What a request must be before any backend sees it: ids, owners, formats, ttls, and an
 //! append's counts, sizes and kinds. Each refusal names the field and what to fix.
 
-use agentlog_proto::v1::{
-    event, AppendRequest, Durability, ForkSessionRequest, SearchSessionsRequest, SessionConfig,
-};
-use prost::Message;
+use agentlog_proto::kept::{Kept, KeptAppendRequest, KeptForkRequest};
+use agentlog_proto::v1::{event, AppendRequest, Durability, SearchSessionsRequest, SessionConfig};
 
 use crate::backend::{AppendOp, ForkOp, SearchOp};
 use crate::error::StoreError;
@@ -84,20 +82,31 @@ pub(super) fn validate_ttl(ttl_ms: u64) -> Result<(), StoreError> {
     Ok(())
 }
 
-/// Checks everything about an append that needs no state: ids, counts, sizes, kinds.
-pub fn validate_append(req: AppendRequest) -> Result<AppendOp, StoreError> {
-    validate_session_id(&req.session_id)?;
+/// Every kind an event may have, by its field name, for the refusal of an event with none.
+const KINDS: &str = "user_message, assistant_message, tool_started, tool_result, \
+                     assistant_delta, run_error, interrupt, interrupted, approval_requested, \
+                     approval_decision, session_config";
+
+/// Checks everything about an append that needs no state: ids, counts, sizes, kinds. An
+/// event's size is that of its bytes as they came (a field this build does not know
+/// counts).
+pub fn validate_append(req: KeptAppendRequest) -> Result<AppendOp, StoreError> {
     let total = req.encoded_len();
+    let Kept {
+        request: req,
+        events,
+    } = req;
+    validate_session_id(&req.session_id)?;
     if total > MAX_APPEND_BYTES {
         return Err(StoreError::ResourceExhausted(format!(
             "the append request is {total} bytes, over the limit of {MAX_APPEND_BYTES} (4 MiB); \
              split it into several appends"
         )));
     }
-    if req.events.is_empty() || req.events.len() > MAX_EVENTS_PER_APPEND {
+    if events.is_empty() || events.len() > MAX_EVENTS_PER_APPEND {
         return Err(invalid(format!(
             "events: {} given; an append carries 1 to {MAX_EVENTS_PER_APPEND} events",
-            req.events.len()
+            events.len()
         )));
     }
     let durability = Durability::try_from(req.durability).map_err(|_| {
@@ -106,7 +115,7 @@ pub fn validate_append(req: AppendRequest) -> Result<AppendOp, StoreError> {
             req.durability
         ))
     })?;
-    for (i, event) in req.events.iter().enumerate() {
+    for (i, event) in events.iter().enumerate() {
         let size = event.encoded_len();
         if size > MAX_EVENT_BYTES {
             return Err(StoreError::ResourceExhausted(format!(
@@ -114,10 +123,22 @@ pub fn validate_append(req: AppendRequest) -> Result<AppendOp, StoreError> {
             )));
         }
         if event.kind.is_none() {
-            return Err(invalid(format!(
-                "events[{i}].kind: an event needs exactly one kind (user_message, \
-                 assistant_message, tool_started, tool_result, assistant_delta, run_error)"
-            )));
+            return Err(match event.unknown_kind() {
+                // A newer writer's kind: refused for now, not for good, so that a writer of a
+                // later release goes on as its previous release would until this store knows it.
+                Some(number) => StoreError::UnknownKind {
+                    field_number: number,
+                    message: format!(
+                        "events[{i}]: the kind of field number {number} is not one this store \
+                         knows (it is release {}); append it to a store of a later release, or \
+                         write what the previous release wrote",
+                        agentlog_proto::release::VERSION
+                    ),
+                },
+                None => invalid(format!(
+                    "events[{i}].kind: an event needs exactly one kind ({KINDS})"
+                )),
+            });
         }
         if let Some(event::Kind::SessionConfig(config)) = &event.kind {
             validate_session_config(i, config)?;
@@ -140,7 +161,7 @@ pub fn validate_append(req: AppendRequest) -> Result<AppendOp, StoreError> {
     }
     Ok(AppendOp {
         session_id: req.session_id,
-        events: req.events,
+        events,
         expected_last_seq: req.expected_last_seq,
         lease_epoch: req.lease_epoch,
         durability,
@@ -179,7 +200,11 @@ fn validate_session_config(i: usize, config: &SessionConfig) -> Result<(), Store
 
 /// Checks a fork request and names the fork if the caller did not: `fork-<uuid>` after the
 /// first of the caller's prefixes that holds the parent, so the new id is in its scope too.
-pub fn validate_fork(req: ForkSessionRequest, scope: &Scope) -> Result<ForkOp, StoreError> {
+pub fn validate_fork(req: KeptForkRequest, scope: &Scope) -> Result<ForkOp, StoreError> {
+    let Kept {
+        request: req,
+        events,
+    } = req;
     validate_session_id(&req.session_id)?;
     if req.at_seq == 0 {
         return Err(invalid(
@@ -208,14 +233,16 @@ pub fn validate_fork(req: ForkSessionRequest, scope: &Scope) -> Result<ForkOp, S
         validate_id_field("new_session_id", &req.new_session_id)?;
         req.new_session_id
     };
-    let events = if req.events.is_empty() {
+    let events = if events.is_empty() {
         Vec::new()
     } else {
         // The same limits and checks as an append of them to the fork.
-        validate_append(AppendRequest {
-            session_id: new_session_id.clone(),
-            events: req.events,
-            ..AppendRequest::default()
+        validate_append(Kept {
+            request: AppendRequest {
+                session_id: new_session_id.clone(),
+                ..AppendRequest::default()
+            },
+            events,
         })?
         .events
     };

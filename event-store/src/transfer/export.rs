@@ -15,14 +15,15 @@
 
 use std::sync::Arc;
 
-use agentlog_proto::json::write_event;
+use agentlog_proto::json::write_event_keeping;
 use agentlog_proto::reason::Reason;
+use agentlog_proto::unknown::{self, Unknown};
 use agentlog_proto::v1::{Event, SessionInfo};
 use prost::Message;
 use tokio_util::sync::CancellationToken;
 
 use super::format::{deleted_line, end_line, header_line, session_line, End};
-use crate::backend::{Backend, EventRun};
+use crate::backend::{Backend, EventRun, FramedEvents};
 use crate::error::StoreError;
 use crate::scope::Scope;
 
@@ -157,42 +158,42 @@ impl<'a> Writer<'a> {
                 None => break,
             };
             // A stored event is decoded into the one `Event` kept for the purpose (its
-            // strings' buffers reused), rendered, and hashed as written.
-            let mut render = |writer: &mut Self, event: &Event| -> Result<bool, StoreError> {
-                if event.seq != next {
-                    return Err(StoreError::Internal(format!(
-                        "the log of {session_id} gave seq {} where {next} was next",
-                        event.seq
-                    )));
-                }
-                let start = writer.buf.len();
-                write_event(&mut writer.buf, event);
-                writer.buf.push(b'\n');
-                sha.update(&writer.buf[start..]);
-                next += 1;
-                Ok(next > info.last_seq)
+            // strings' buffers reused), its fields this build does not know found in its
+            // bytes, rendered with them, and hashed as written.
+            let mut render =
+                |writer: &mut Self, event: &Event, unknown: &Unknown| -> Result<bool, StoreError> {
+                    if event.seq != next {
+                        return Err(StoreError::Internal(format!(
+                            "the log of {session_id} gave seq {} where {next} was next",
+                            event.seq
+                        )));
+                    }
+                    let start = writer.buf.len();
+                    write_event_keeping(&mut writer.buf, event, unknown);
+                    writer.buf.push(b'\n');
+                    sha.update(&writer.buf[start..]);
+                    next += 1;
+                    Ok(next > info.last_seq)
+                };
+            let framed = match run {
+                EventRun::Decoded(events) => FramedEvents::encode(&events),
+                EventRun::Framed(framed) => framed,
             };
-            match run {
-                EventRun::Decoded(events) => {
-                    for event in &events {
-                        if render(self, event)? {
-                            break 'read;
-                        }
-                        self.flush_if_full().await?;
-                    }
+            for message in framed.messages() {
+                let message = message?;
+                let undecodable = |e: String| {
+                    StoreError::Internal(format!("a stored event of {session_id}: {e}"))
+                };
+                scratch.clear();
+                scratch
+                    .merge(&message[..])
+                    .map_err(|e| undecodable(e.to_string()))?;
+                let unknown = unknown::find(&message, unknown::EVENT)
+                    .map_err(|e| undecodable(e.to_string()))?;
+                if render(self, &scratch, &unknown)? {
+                    break 'read;
                 }
-                EventRun::Framed(framed) => {
-                    for message in framed.messages() {
-                        scratch.clear();
-                        scratch.merge(message?).map_err(|e| {
-                            StoreError::Internal(format!("a stored event of {session_id}: {e}"))
-                        })?;
-                        if render(self, &scratch)? {
-                            break 'read;
-                        }
-                        self.flush_if_full().await?;
-                    }
-                }
+                self.flush_if_full().await?;
             }
         }
         if next <= info.last_seq {

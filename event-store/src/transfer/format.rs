@@ -10,8 +10,9 @@
 //! these, or not what its kind must hold, is an error saying what is wrong with it (the
 //! importer adds its number).
 
-use agentlog_proto::json::{event_from_json, write_str};
-use agentlog_proto::v1::{Event, ForkedFrom, SessionInfo, SessionStatus};
+use agentlog_proto::json::{event_from_json_keeping, write_str};
+use agentlog_proto::kept::KeptEvent;
+use agentlog_proto::v1::{ForkedFrom, SessionInfo, SessionStatus};
 use serde_json::{Map, Value};
 
 /// The `format` of the header line.
@@ -26,7 +27,8 @@ pub enum Line {
         version: u64,
     },
     Session(SessionInfo),
-    Event(Box<Event>),
+    /// An event, with the fields of it this build does not know (its `unknownFields`).
+    Event(Box<KeptEvent>),
     End(End),
     Deleted {
         session_id: String,
@@ -147,9 +149,11 @@ pub fn parse_line(text: &str) -> Result<Line, String> {
                 .map_err(|_| "deleted: `deletedUnixMs` is out of range".to_string())?,
         });
     }
-    event_from_json(&value)
+    let (event, unknown) =
+        event_from_json_keeping(&value).map_err(|e| format!("not an event: {e}"))?;
+    KeptEvent::from_event(event, &unknown)
         .map(|event| Line::Event(Box::new(event)))
-        .map_err(|e| format!("not an event: {e}"))
+        .map_err(|e| format!("not an event: its unknownFields do not fit it: {e}"))
 }
 
 fn header(object: &Map<String, Value>) -> Result<Line, String> {

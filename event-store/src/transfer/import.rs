@@ -25,16 +25,17 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
+use agentlog_proto::kept::KeptEvent;
 use agentlog_proto::reason::Reason;
-use agentlog_proto::v1::{Event, ImportOutcome, ImportResult, SessionInfo};
+use agentlog_proto::unknown;
+use agentlog_proto::v1::{ImportOutcome, ImportResult, SessionInfo};
 use futures::{Stream, StreamExt};
-use prost::Message;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::export::hex;
 use super::format::{parse_line, End, Line};
-use crate::backend::{Backend, EventRun, StageError, Staging};
+use crate::backend::{Backend, EventRun, FramedEvents, StageError, Staging};
 use crate::error::StoreError;
 use crate::session::is_valid_id;
 use crate::wire::MAX_EVENT_BYTES;
@@ -153,13 +154,15 @@ enum Mode {
     /// Absent here: staged.
     Stage {
         staging: Box<dyn Staging>,
-        batch: Vec<Event>,
+        batch: Vec<KeptEvent>,
         bytes: usize,
     },
     /// Here already: compared with its log here.
     Compare {
         runs: mpsc::Receiver<Result<EventRun, StoreError>>,
-        ahead: VecDeque<Event>,
+        /// The next events here, each in its canonical form (a field this build does not
+        /// know included, wherever it was).
+        ahead: VecDeque<Vec<u8>>,
         /// The first difference, if any.
         differs: Option<String>,
         _stop: tokio_util::sync::DropGuard,
@@ -446,7 +449,7 @@ impl Importer {
         Ok(())
     }
 
-    async fn event(&mut self, mut event: Event, raw: &[u8], line_no: u64) -> Result<(), Stop> {
+    async fn event(&mut self, mut event: KeptEvent, raw: &[u8], line_no: u64) -> Result<(), Stop> {
         let Some(open) = self.current.as_mut() else {
             let refusal = Refusal::at(
                 line_no,
@@ -490,7 +493,7 @@ impl Importer {
         if let Some((code, message)) = problem {
             return self.bad_line(Refusal::at(line_no, code, message)).await;
         }
-        event.session_id.clone_from(&open.session_id);
+        event.set_session_id(&open.session_id);
         open.sha.update(raw);
         open.sha.update(b"\n");
         open.next_seq += 1;
@@ -519,7 +522,7 @@ impl Importer {
             } => {
                 if differs.is_none() {
                     match next_here(runs, ahead).await {
-                        Ok(Some(here)) if here == event => {}
+                        Ok(Some(here)) if here == event.encode_to_vec() => {}
                         Ok(Some(_)) => {
                             *differs = Some(format!("its event of seq {} differs", event.seq))
                         }
@@ -712,18 +715,27 @@ fn staged(result: Result<(), StageError>, session_line: u64) -> Option<Refusal> 
     }
 }
 
-/// The next event of the session's log here, if it has one.
+/// The next event of the session's log here, if it has one, in its canonical form
+/// ([`unknown::canonical_event`]), as an imported event is made.
 async fn next_here(
     runs: &mut mpsc::Receiver<Result<EventRun, StoreError>>,
-    ahead: &mut VecDeque<Event>,
-) -> Result<Option<Event>, StoreError> {
+    ahead: &mut VecDeque<Vec<u8>>,
+) -> Result<Option<Vec<u8>>, StoreError> {
     loop {
         if let Some(event) = ahead.pop_front() {
             return Ok(Some(event));
         }
-        match runs.recv().await {
+        let framed = match runs.recv().await {
             None => return Ok(None),
-            Some(run) => ahead.extend(run?.into_events()?),
+            Some(run) => match run? {
+                EventRun::Decoded(events) => FramedEvents::encode(&events),
+                EventRun::Framed(framed) => framed,
+            },
+        };
+        for message in framed.messages() {
+            let canonical = unknown::canonical_event(&message?)
+                .map_err(|e| StoreError::Internal(format!("a stored event: {e}")))?;
+            ahead.push_back(canonical);
         }
     }
 }

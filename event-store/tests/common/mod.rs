@@ -6,6 +6,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use agentlog_proto::kept::KeptEvent;
 use agentlog_proto::v1::{event, Durability, Event, UserMessage};
 use event_store::backend::local::log::storage::SimStorage;
 use event_store::backend::local::log::{LogConfig, LogError, LogTail, LogWriter, Record};
@@ -135,7 +136,10 @@ pub fn user_event(event_id: &str) -> Event {
 pub fn append_op(session_id: &str, ids: &[String], durability: Durability) -> AppendOp {
     AppendOp {
         session_id: session_id.to_string(),
-        events: ids.iter().map(|id| user_event(id)).collect(),
+        events: ids
+            .iter()
+            .map(|id| KeptEvent::new(user_event(id)))
+            .collect(),
         expected_last_seq: None,
         lease_epoch: None,
         durability,
@@ -239,7 +243,7 @@ pub fn user(id: &str, text: &str) -> Event {
 pub fn op(session_id: &str, events: Vec<Event>) -> AppendOp {
     AppendOp {
         session_id: session_id.into(),
-        events,
+        events: events.into_iter().map(KeptEvent::new).collect(),
         expected_last_seq: None,
         lease_epoch: None,
         durability: Durability::Sync,

@@ -49,6 +49,7 @@ mod tests {
     use std::os::unix::fs::FileExt;
     use std::sync::Arc;
 
+    use agentlog_proto::kept::KeptEvent;
     use agentlog_proto::v1::{event, Event, UserMessage};
     use prost::Message;
 
@@ -78,16 +79,16 @@ mod tests {
             event("s", 9, ""),
         ];
         let records = [
-            Record::Event(ours[0].clone()),
+            Record::Event(ours[0].clone().into()),
             Record::Lease(LeaseRecord {
                 session_id: "s".into(),
                 owner: "runner".into(),
                 epoch: 3,
                 ..Default::default()
             }),
-            Record::Event(ours[1].clone()),
-            Record::Event(event("other", 8, "not ours")),
-            Record::Event(ours[2].clone()),
+            Record::Event(ours[1].clone().into()),
+            Record::Event(event("other", 8, "not ours").into()),
+            Record::Event(ours[2].clone().into()),
         ];
         let storage = Arc::new(FsStorage::open_dir(dir).unwrap());
         let mut log =
@@ -140,7 +141,8 @@ mod tests {
             assert_eq!(framed(&log, &positions, "s", 7), Ok((expected.clone(), 3)));
         }
         // Events in memory go out in the same form.
-        assert_eq!(FramedEvents::encode(&events).into_bytes(), expected);
+        let kept: Vec<_> = events.into_iter().map(KeptEvent::new).collect();
+        assert_eq!(FramedEvents::encode(&kept).into_bytes(), expected);
     }
 
     #[test]

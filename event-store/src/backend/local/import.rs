@@ -30,7 +30,8 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use agentlog_proto::v1::{Event, SessionInfo};
+use agentlog_proto::kept::KeptEvent;
+use agentlog_proto::v1::SessionInfo;
 use tokio::sync::{mpsc, oneshot};
 
 use super::index::STAGING_PREFIX;
@@ -100,7 +101,7 @@ impl LocalStaging {
 
 #[tonic::async_trait]
 impl Staging for LocalStaging {
-    async fn stage(&mut self, events: Vec<Event>) -> Result<(), StageError> {
+    async fn stage(&mut self, events: Vec<KeptEvent>) -> Result<(), StageError> {
         let stage = Stage {
             staging: self.staging.clone(),
             events,

@@ -838,12 +838,15 @@ mod tests {
     use super::*;
 
     fn event(session_id: &str, seq: u64) -> Record {
-        Record::Event(Event {
-            session_id: session_id.into(),
-            seq,
-            event_id: format!("auto-{seq}-x"),
-            ..Default::default()
-        })
+        Record::Event(
+            Event {
+                session_id: session_id.into(),
+                seq,
+                event_id: format!("auto-{seq}-x"),
+                ..Default::default()
+            }
+            .into(),
+        )
     }
 
     /// A log ending at `end`, its last record the second half of it.
@@ -935,7 +938,7 @@ mod tests {
         meta.apply_event(&first);
         let sessions: HashMap<String, SessionMeta> = [("s-a".to_string(), meta)].into();
         let mut batch = IndexBatch::default();
-        batch.add(position(0, 1), &Record::Event(first));
+        batch.add(position(0, 1), &Record::Event(first.into()));
         index.apply(batch, &sessions, tail(1)).unwrap();
         let loaded = index.session("s-a").unwrap().unwrap();
         assert_eq!(loaded.first_user_text, "", "the text is not in the index");

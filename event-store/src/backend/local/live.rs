@@ -16,7 +16,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, Weak};
 
-use agentlog_proto::v1::Event;
+use agentlog_proto::kept::KeptEvent;
 use tokio::sync::Notify;
 
 /// Live batches kept per session for its slowest follower before it counts as lagging.
@@ -30,7 +30,7 @@ const KEPT_SLOTS: usize = 16;
 #[derive(Clone, Debug)]
 pub enum Live {
     /// Durable events, ascending.
-    Events(Arc<[Event]>),
+    Events(Arc<[KeptEvent]>),
     /// The session was deleted: the last word.
     Deleted,
 }
@@ -143,7 +143,7 @@ impl Hub {
 
     /// Hands durable events of one session (at least one, ascending) to its followers;
     /// never blocks.
-    pub fn publish(&self, events: Vec<Event>) {
+    pub fn publish(&self, events: Vec<KeptEvent>) {
         let Some(first) = events.first() else { return };
         let ring = {
             let rings = self.rings.lock().unwrap_or_else(|p| p.into_inner());
@@ -257,12 +257,12 @@ impl Drop for Follower {
 mod tests {
     use super::*;
 
-    fn batch(session: &str, seq: u64) -> Vec<Event> {
-        vec![Event {
+    fn batch(session: &str, seq: u64) -> Vec<KeptEvent> {
+        vec![KeptEvent::new(agentlog_proto::v1::Event {
             session_id: session.into(),
             seq,
-            ..Event::default()
-        }]
+            ..Default::default()
+        })]
     }
 
     fn seq_of(live: Live) -> u64 {

@@ -37,11 +37,11 @@ use std::path::Path;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
+use agentlog_proto::kept::KeptEvent;
 use agentlog_proto::v1::{
     AppendResponse, ForkSessionResponse, Lease, ListSessionsRequest, ListSessionsResponse,
     SessionInfo,
 };
-use prost::Message;
 use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 use tokio_util::sync::CancellationToken;
 
@@ -316,7 +316,7 @@ impl Store {
         op: AppendOp,
     ) -> Result<impl std::future::Future<Output = Result<AppendResponse, StoreError>>, StoreError>
     {
-        let bytes: usize = op.events.iter().map(Message::encoded_len).sum();
+        let bytes: usize = op.events.iter().map(KeptEvent::encoded_len).sum();
         let kib = (bytes / 1024 + 1).min(QUEUED_KIB) as u32;
         let budget = self
             .queued_kib
@@ -617,7 +617,7 @@ impl Store {
             )));
         };
         let event = match self.source.log.read(position).map_err(IndexError::from)? {
-            Record::Event(event) => Some(event),
+            Record::Event(event) => Some(event.into_event()),
             Record::Placed(placed) => placed.decode().ok(),
             _ => None,
         };

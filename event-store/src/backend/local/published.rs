@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Instant;
 
-use agentlog_proto::v1::Event;
+use agentlog_proto::kept::KeptEvent;
 use tokio::sync::watch;
 
 use crate::backend::local::background::Signal;
@@ -86,7 +86,7 @@ impl Shared {
         // Each run of one session's events goes to its followers as one slice, in order; a
         // tombstone ends its session's followers (after the state above says it is deleted,
         // so that a subscription that registers later sees the tombstone instead).
-        let mut run: Vec<Event> = Vec::new();
+        let mut run: Vec<KeptEvent> = Vec::new();
         for record in records {
             let event = match record {
                 Record::Event(event) => event,

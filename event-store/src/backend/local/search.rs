@@ -491,7 +491,7 @@ impl SearchIndex {
             return Ok(None);
         };
         let event = match self.source.log.read(position) {
-            Ok(Record::Event(event)) => event,
+            Ok(Record::Event(event)) => event.into_event(),
             Ok(Record::Placed(copied)) => copied
                 .decode()
                 .map_err(|e| StoreError::Internal(format!("{session_id}/{seq}: {e}")))?,

@@ -117,7 +117,7 @@ mod tests {
                 offset: i * 100,
                 len: 100,
             };
-            batch.add(position, &Record::Event(event));
+            batch.add(position, &Record::Event(event.into()));
         }
         assert!(sessions.bytes() > 10_000, "over budget until the absorb");
         index

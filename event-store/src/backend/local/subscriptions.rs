@@ -16,8 +16,8 @@
 //!
 //! A fork that shares its parent's prefix (`SessionMeta::base_session`) has its seqs up to
 //! the fork point read from its base's log, down the line of bases, each event given the
-//! fork's session id (field 1 once more after the stored message, as a decoder takes it):
-//! the same bytes a copied prefix would give.
+//! fork's session id (its field 1 replaced, every other byte as stored): the same bytes a
+//! copied prefix would give.
 //!
 //! A deleted session's subscription ends with `NOT_FOUND` (`SESSION_DELETED`): at once if the
 //! tombstone was there when it started, else when the tombstone is published (the hub tells

@@ -37,6 +37,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, LazyLock};
 use std::time::{Duration, Instant};
 
+use agentlog_proto::kept::KeptEvent;
 use agentlog_proto::v1::{AppendResponse, Durability, ForkSessionResponse, Lease};
 use prost::Message;
 use tokio::sync::mpsc::error::TryRecvError;
@@ -170,7 +171,7 @@ pub type Repeated = (u64, u64, String);
 /// Events staged for an import: they must go on from the staging session's last seq.
 pub struct Stage {
     pub staging: String,
-    pub events: Vec<agentlog_proto::v1::Event>,
+    pub events: Vec<KeptEvent>,
 }
 
 /// An import's commit: `session_id` made of the staging session's events, with the state
@@ -699,8 +700,14 @@ impl Writer {
         let empty = SessionMeta::default();
         let meta = self.sessions.get(&req.session_id).unwrap_or(&empty);
         let session_id = &req.session_id;
-        rules::check_writer(meta, session_id, req.lease_epoch, &req.events, now)
-            .inspect_err(|e| fenced(e, "append"))?;
+        rules::check_writer(
+            meta,
+            session_id,
+            req.lease_epoch,
+            req.events.iter().map(KeptEvent::event),
+            now,
+        )
+        .inspect_err(|e| fenced(e, "append"))?;
         let bases = self.bases_of(session_id)?;
         let meta = self.sessions.get(&req.session_id).unwrap_or(&empty);
 
@@ -1106,9 +1113,9 @@ impl Writer {
             ids.insert(&event.event_id, event.seq);
             last_seq = event.seq;
         }
-        let mut staged: Vec<agentlog_proto::v1::Event> = events;
+        let mut staged = events;
         for event in &mut staged {
-            event.session_id.clone_from(&staging);
+            event.set_session_id(&staging);
         }
         let recent = self.recent_ids.entry(staging.clone()).or_default();
         for event in &staged {
@@ -1207,11 +1214,12 @@ impl Writer {
             Some(pos) => Some(self.log.reader().read(pos)?),
             None => None,
         };
-        match record {
-            Some(Record::Event(agentlog_proto::v1::Event {
-                kind: Some(agentlog_proto::v1::event::Kind::UserMessage(m)),
-                ..
-            })) => Ok(m.text),
+        let kind = match record {
+            Some(Record::Event(event)) => event.into_event().kind,
+            _ => None,
+        };
+        match kind {
+            Some(agentlog_proto::v1::event::Kind::UserMessage(m)) => Ok(m.text),
             _ => Err(StoreError::Internal(format!(
                 "{session_id}/{seq} is not the user message its state names"
             ))),
@@ -1382,10 +1390,11 @@ impl Op {
 /// Gives each new event without an id one that names its own seq (so it needs no index
 /// entry, see `index`; the random part keeps it from meeting an id a client chose), and
 /// puts every other id into `ids`, so that a repeat later in the batch finds it.
-fn name_fresh(fresh: &mut [agentlog_proto::v1::Event], ids: &mut HashMap<String, u64>) {
+fn name_fresh(fresh: &mut [KeptEvent], ids: &mut HashMap<String, u64>) {
     for event in fresh {
         if event.event_id.is_empty() {
-            event.event_id = generated_id(event.seq);
+            let id = generated_id(event.seq);
+            event.set_event_id(id);
         } else {
             ids.insert(event.event_id.clone(), event.seq);
         }

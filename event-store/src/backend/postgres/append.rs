@@ -22,7 +22,8 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use agentlog_proto::v1::{AppendResponse, Event};
+use agentlog_proto::kept::KeptEvent;
+use agentlog_proto::v1::AppendResponse;
 use tokio::sync::oneshot;
 
 use super::batch;
@@ -37,20 +38,26 @@ use crate::StoreError;
 /// What an append does against one state of the session: the rules of the local writer,
 /// through the same functions.
 pub(super) struct Plan {
-    pub(super) fresh: Vec<Event>,
+    pub(super) fresh: Vec<KeptEvent>,
     pub(super) meta: SessionMeta,
     pub(super) response: AppendResponse,
 }
 
 pub(super) fn plan(
     op: &AppendOp,
-    events: &[Event],
+    events: &[KeptEvent],
     meta: &SessionMeta,
     known: &HashMap<String, u64>,
     now: i64,
 ) -> Result<Plan, StoreError> {
     let session_id = &op.session_id;
-    rules::check_writer(meta, session_id, op.lease_epoch, events, now)?;
+    rules::check_writer(
+        meta,
+        session_id,
+        op.lease_epoch,
+        events.iter().map(KeptEvent::event),
+        now,
+    )?;
     let numbered = rules::number(
         session_id,
         events.iter().cloned(),
@@ -78,7 +85,7 @@ impl Replica {
         let mut events = std::mem::take(&mut op.events);
         for event in &mut events {
             if event.event_id.is_empty() {
-                event.event_id = crate::ids::random_uuid().to_string();
+                event.set_event_id(crate::ids::random_uuid().to_string());
             }
         }
         let mut state = self.cached(&op.session_id);
@@ -130,7 +137,7 @@ impl Replica {
         session_id: &str,
         version: i64,
         meta: &SessionMeta,
-        fresh: Vec<Event>,
+        fresh: Vec<KeptEvent>,
     ) -> Result<Option<i64>, StoreError> {
         let (answer, written) = oneshot::channel();
         let write = batch::Write {

@@ -22,8 +22,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use agentlog_proto::v1::Event;
-use prost::Message;
+use agentlog_proto::kept::KeptEvent;
 use tokio::sync::{mpsc, oneshot, Semaphore};
 use tokio_postgres::error::SqlState;
 use tokio_util::sync::CancellationToken;
@@ -208,7 +207,7 @@ pub(super) struct Write {
     pub session_id: String,
     pub version: i64,
     pub columns: Columns,
-    pub events: Vec<Event>,
+    pub events: Vec<KeptEvent>,
     /// The new version, `None` if the state was stale, or why the batch failed.
     pub answer: oneshot::Sender<Result<Option<i64>, StoreError>>,
 }

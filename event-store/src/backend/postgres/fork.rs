@@ -18,7 +18,6 @@
 use std::sync::Arc;
 
 use agentlog_proto::v1::ForkSessionResponse;
-use prost::Message;
 
 use super::connection::{timed, Timed, STATEMENT_DEADLINE};
 use super::replica::{Cached, Replica};
@@ -39,7 +38,7 @@ impl Replica {
         let mut events = op.events;
         for event in &mut events {
             if event.event_id.is_empty() {
-                event.event_id = crate::ids::random_uuid().to_string();
+                event.set_event_id(crate::ids::random_uuid().to_string());
             }
         }
         let now = now_unix_ms();

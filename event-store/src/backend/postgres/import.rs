@@ -20,6 +20,7 @@
 
 use std::sync::Arc;
 
+use agentlog_proto::kept::KeptEvent;
 use agentlog_proto::v1::{Event, SessionInfo};
 use prost::Message;
 
@@ -188,7 +189,7 @@ impl Drop for PgStaging {
 
 #[tonic::async_trait]
 impl Staging for PgStaging {
-    async fn stage(&mut self, events: Vec<Event>) -> Result<(), StageError> {
+    async fn stage(&mut self, events: Vec<KeptEvent>) -> Result<(), StageError> {
         let mut seen: std::collections::HashMap<&str, u64> = Default::default();
         for event in &events {
             if let Some(seq) = seen.insert(&event.event_id, event.seq) {
@@ -221,7 +222,7 @@ impl Staging for PgStaging {
             .iter()
             .map(|e| {
                 let mut stored = e.clone();
-                stored.session_id.clone_from(&self.session_id);
+                stored.set_session_id(&self.session_id);
                 stored.encode_to_vec()
             })
             .collect();

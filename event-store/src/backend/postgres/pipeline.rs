@@ -23,7 +23,8 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 
-use agentlog_proto::v1::{AppendResponse, Event};
+use agentlog_proto::kept::KeptEvent;
+use agentlog_proto::v1::AppendResponse;
 use tokio::sync::oneshot;
 
 use super::append::plan;
@@ -59,7 +60,7 @@ struct Planned {
     /// The append as it came (its events are taken out for the write).
     op: AppendOp,
     /// Its events, numbered.
-    fresh: Vec<Event>,
+    fresh: Vec<KeptEvent>,
     response: AppendResponse,
     answer: Answer,
 }
@@ -150,7 +151,7 @@ impl Lanes {
     ) -> AppendAnswer {
         for event in &mut op.events {
             if event.event_id.is_empty() {
-                event.event_id = crate::ids::random_uuid().to_string();
+                event.set_event_id(crate::ids::random_uuid().to_string());
             }
         }
         let (answer, answered) = oneshot::channel();
@@ -215,7 +216,7 @@ impl Lanes {
                     meta,
                     mut appends,
                 } => {
-                    let events: Vec<Event> = appends
+                    let events: Vec<KeptEvent> = appends
                         .iter_mut()
                         .flat_map(|a| std::mem::take(&mut a.fresh))
                         .collect();

@@ -19,15 +19,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use agentlog_proto::v1::Event;
-use prost::Message;
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
 use super::connection::{timed, Connector, Timed};
 use super::replica::Replica;
 use super::rows::{line_cte, READ_BATCH};
-use crate::backend::EventRun;
+use crate::backend::{EventRun, FramedEvents};
 use crate::rules;
 use crate::StoreError;
 
@@ -77,20 +75,25 @@ impl Follower {
             self.wake.borrow_and_update();
             let read = self.read().await;
             let full = match read {
-                Ok(events) => {
+                Ok(rows) => {
                     backoff = Duration::from_millis(100);
-                    let full = events.len() as i64 == READ_BATCH;
-                    let mut run = Vec::with_capacity(events.len());
-                    for event in events {
-                        // Seqs commit in order per session; a hole would be a bug, and is
-                        // never skipped over.
-                        if event.seq != self.next {
-                            break;
-                        }
-                        run.push(event);
-                        self.next += 1;
-                    }
-                    if !run.is_empty() && tx.send(Ok(EventRun::Decoded(run))).await.is_err() {
+                    let full = rows.len() as i64 == READ_BATCH;
+                    // Seqs commit in order per session; a hole would be a bug, and is never
+                    // skipped over.
+                    let first = self.next;
+                    let gapless = rows
+                        .iter()
+                        .zip(first..)
+                        .take_while(|(row, seq)| row.get::<_, i64>(0) as u64 == *seq)
+                        .count();
+                    self.next += gapless as u64;
+                    let run = FramedEvents::of_messages(
+                        rows[..gapless]
+                            .iter()
+                            .map(|row| (row.get::<_, &[u8]>(1), row.get::<_, bool>(2))),
+                        &self.session_id,
+                    );
+                    if !run.is_empty() && tx.send(Ok(EventRun::Framed(run))).await.is_err() {
                         return;
                     }
                     full
@@ -125,10 +128,12 @@ impl Follower {
         }
     }
 
-    /// The next events, or the refusal of a deleted session: none is read once its tombstone
-    /// is committed (the erasure of its rows may still be under way). A fork's shared
-    /// prefix is read down its line of bases (`line_cte`), each event given the fork's id.
-    async fn read(&self) -> Result<Vec<Event>, StoreError> {
+    /// The next events (rows of their seq, their body as stored, and whether it was read
+    /// through a base and so must be given the fork's id), or the refusal of a deleted
+    /// session: none is read once its tombstone is committed (the erasure of its rows may
+    /// still be under way). A fork's shared prefix is read down its line of bases
+    /// (`line_cte`).
+    async fn read(&self) -> Result<Vec<tokio_postgres::Row>, StoreError> {
         let unavailable = |e: String| StoreError::Unavailable(format!("reading events: {e}"));
         let client = self
             .connector
@@ -144,7 +149,7 @@ impl Follower {
             let stmt = client
                 .prepare_cached(concat!(
                     line_cte!(),
-                    "SELECT e.body FROM line l CROSS JOIN LATERAL (\
+                    "SELECT e.seq, e.body, l.sid <> $1 FROM line l CROSS JOIN LATERAL (\
                      SELECT seq, body FROM agentlog_events WHERE session_id = l.sid \
                      AND seq >= $2 AND seq <= l.hi ORDER BY seq LIMIT $3) e \
                      WHERE NOT EXISTS (SELECT 1 FROM agentlog_sessions \
@@ -174,14 +179,6 @@ impl Follower {
                 return Err(rules::session_deleted(&self.session_id));
             }
         }
-        rows.iter()
-            .map(|row| {
-                let mut event = Event::decode(row.get::<_, &[u8]>(0))
-                    .map_err(|e| StoreError::Internal(format!("an event does not decode: {e}")))?;
-                // A prefix read through the base is the fork's.
-                event.session_id.clone_from(&self.session_id);
-                Ok(event)
-            })
-            .collect()
+        Ok(rows)
     }
 }

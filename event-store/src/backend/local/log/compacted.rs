@@ -293,12 +293,15 @@ mod tests {
     use agentlog_proto::v1::{event, Event, UserMessage};
 
     fn event(session: &str, seq: u64, text: &str) -> Record {
-        Record::Event(Event {
-            session_id: session.into(),
-            seq,
-            kind: Some(event::Kind::UserMessage(UserMessage { text: text.into() })),
-            ..Event::default()
-        })
+        Record::Event(
+            Event {
+                session_id: session.into(),
+                seq,
+                kind: Some(event::Kind::UserMessage(UserMessage { text: text.into() })),
+                ..Event::default()
+            }
+            .into(),
+        )
     }
 
     /// A record's offset, length and bytes.

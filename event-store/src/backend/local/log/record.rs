@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 
+use agentlog_proto::kept::{renamed_into, KeptEvent};
 use agentlog_proto::v1::{event, AssistantDelta, Event, UserMessage};
 use bytes::Bytes;
 use prost::Message;
@@ -35,7 +36,8 @@ const CONTINUED: u8 = 0x80;
 /// never its tombstone).
 #[derive(Clone, Debug, PartialEq)]
 pub enum Record {
-    Event(Event),
+    /// An event, kept as its writer encoded it (a field this build does not know included).
+    Event(KeptEvent),
     Lease(LeaseRecord),
     Fork(ForkRecord),
     /// Seq `seq` of a fork whose prefix was read through its parent, made the fork's own
@@ -67,10 +69,12 @@ pub struct Tombstone {
     pub deleted_unix_ms: i64,
 }
 
-/// An event placed into a fork as its parent stored it: the stored `Event` message, then the
-/// fork's session id as field 1 once more. A protobuf decoder keeps a field's last value,
-/// so the record decodes (and [`StoredEvent`] reads) as an event of the fork, its id, time
-/// and content the parent's, without a decode and an encode per event.
+/// An event placed into a fork as its parent stored it: the stored `Event` message with its
+/// field 1 replaced by the fork's session id, every other byte as it was, so the record
+/// decodes (and [`StoredEvent`] reads) as an event of the fork, its id, time and content the
+/// parent's, without a decode and an encode per event. (Logs of release 0.1.0 hold the
+/// parent's message with the fork's id as field 1 once more after it, which a decoder
+/// takes over the first: they read the same.)
 #[derive(Clone, Debug, PartialEq)]
 pub struct CopiedEvent {
     pub session_id: Arc<str>,
@@ -119,7 +123,7 @@ impl Record {
         match self {
             Record::Event(e) => {
                 buf.push(KIND_EVENT | flag);
-                e.encode(buf).expect("Vec grows as needed");
+                e.encode(buf);
             }
             Record::Lease(l) => {
                 buf.push(KIND_LEASE | flag);
@@ -131,11 +135,7 @@ impl Record {
             }
             Record::Placed(c) => {
                 buf.push(KIND_PLACED | flag);
-                buf.extend_from_slice(&c.message);
-                // Field 1 (session_id), length-delimited.
-                buf.push(0x0a);
-                prost::encoding::encode_varint(c.session_id.len() as u64, buf);
-                buf.extend_from_slice(c.session_id.as_bytes());
+                renamed_into(&c.message, &c.session_id, buf);
             }
             Record::Tombstone(t) => {
                 buf.push(KIND_TOMBSTONE | flag);
@@ -202,7 +202,9 @@ pub fn decode(frame: &[u8]) -> Result<Frame, FrameError> {
     let payload = &body[1..];
     let bad = |e: prost::DecodeError| FrameError::Body(e.to_string());
     let record = match body[0] & !CONTINUED {
-        KIND_EVENT => Record::Event(Event::decode(payload).map_err(bad)?),
+        KIND_EVENT => {
+            Record::Event(KeptEvent::from_wire(Bytes::copy_from_slice(payload)).map_err(bad)?)
+        }
         KIND_LEASE => Record::Lease(LeaseRecord::decode(payload).map_err(bad)?),
         KIND_FORK => Record::Fork(ForkRecord::decode(payload).map_err(bad)?),
         KIND_TOMBSTONE => Record::Tombstone(Tombstone::decode(payload).map_err(bad)?),
@@ -425,14 +427,17 @@ mod tests {
     use agentlog_proto::v1::{event, UserMessage};
 
     fn sample() -> Record {
-        Record::Event(Event {
-            session_id: "s1".into(),
-            seq: 7,
-            event_id: "e7".into(),
-            ts_unix_ms: 1,
-            schema_version: 1,
-            kind: Some(event::Kind::UserMessage(UserMessage { text: "hi".into() })),
-        })
+        Record::Event(
+            Event {
+                session_id: "s1".into(),
+                seq: 7,
+                event_id: "e7".into(),
+                ts_unix_ms: 1,
+                schema_version: 1,
+                kind: Some(event::Kind::UserMessage(UserMessage { text: "hi".into() })),
+            }
+            .into(),
+        )
     }
 
     #[test]
@@ -488,7 +493,7 @@ mod tests {
         copied.encode_into(&mut buf, false);
         let expected = Event {
             session_id: "fork-1".into(),
-            ..original.clone()
+            ..original.event().clone()
         };
         let Ok(Frame {
             record: Record::Placed(placed),
@@ -513,7 +518,7 @@ mod tests {
             with_text,
             Event {
                 session_id: String::new(),
-                ..original
+                ..original.into_event()
             }
         );
     }
@@ -585,7 +590,7 @@ mod tests {
                 kind: Some(event::Kind::UserMessage(UserMessage { text })),
             };
             let mut buf = Vec::new();
-            Record::Event(event.clone()).encode_into(&mut buf, false);
+            Record::Event(event.clone().into()).encode_into(&mut buf, false);
             let stored = StoredEvent::from_frame(&buf).expect("valid");
             proptest::prop_assert_eq!(stored.session_id, session_id.as_bytes());
             proptest::prop_assert_eq!(stored.seq, seq);
