@@ -6,6 +6,7 @@
 pub mod anthropic_standin;
 pub mod openai_standin;
 pub mod secure;
+pub mod side_effects;
 pub mod standin;
 
 use std::net::SocketAddr;
