@@ -1,9 +1,9 @@
 //! Runners of the last release and of this build working one store on the local backend
-//! (the real binaries of both: `deploy/previous-release` builds the release's), under a
-//! client's appends. In the first test the store is this build's, and each runner is
+//! (over PostgreSQL with `AGENTLOG_TEST_BACKEND=postgres`; the real binaries of both:
+//! `deploy/previous-release` builds the release's), under a client's appends. In the first test the store is this build's, and each runner is
 //! SIGKILLed in the middle of a call and replaced by one of the other build, and the store
 //! itself is SIGKILLed and started again. In the second the store starts as the release's
-//! and is replaced, SIGKILLed, by this build on the release's data directory while runners
+//! and is replaced, SIGKILLed, by this build on the release's data while runners
 //! of both work through it. `skew_support` checks that nothing acknowledged was lost, no
 //! call ran twice, no session was left stuck and followers saw every event.
 
@@ -12,9 +12,19 @@ mod skew_support;
 
 use std::time::Duration;
 
-use integration_tests::Backing;
+use integration_tests::{test_backend_is_postgres, Backing};
 use skew_support::Skew;
 use testkit::previous::Build::{Previous, This};
+
+/// A fresh data directory (kept while the returned guard lives), or a fresh database.
+fn backing() -> (Backing, Option<tempfile::TempDir>) {
+    if test_backend_is_postgres() {
+        let database = tokio::task::block_in_place(Backing::fresh_database);
+        return (database.expect("a database"), None);
+    }
+    let data = tempfile::tempdir().expect("temp dir");
+    (Backing::Dir(data.path().to_path_buf()), Some(data))
+}
 
 #[tokio::test(flavor = "multi_thread")]
 async fn runners_of_both_releases_over_a_store_of_this_build_run_no_call_twice() {
@@ -22,8 +32,7 @@ async fn runners_of_both_releases_over_a_store_of_this_build_run_no_call_twice()
         "runners_of_both_releases_over_a_store_of_this_build_run_no_call_twice",
         Duration::from_secs(300),
     );
-    let data = tempfile::tempdir().expect("temp dir");
-    let backing = Backing::Dir(data.path().to_path_buf());
+    let (backing, _data) = backing();
     let mut skew = Skew::start(backing, &[This], &[(Previous, 0), (This, 0)]).await;
     skew.start_work("first", 6).await;
     skew.appended(20).await;
@@ -42,8 +51,7 @@ async fn a_store_of_the_release_upgraded_under_runners_of_both_loses_nothing() {
         "a_store_of_the_release_upgraded_under_runners_of_both_loses_nothing",
         Duration::from_secs(300),
     );
-    let data = tempfile::tempdir().expect("temp dir");
-    let backing = Backing::Dir(data.path().to_path_buf());
+    let (backing, _data) = backing();
     let mut skew = Skew::start(backing, &[Previous], &[(Previous, 0), (This, 0)]).await;
     skew.start_work("first", 6).await;
     skew.appended(20).await;
