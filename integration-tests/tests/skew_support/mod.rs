@@ -108,15 +108,17 @@ impl Skew {
         .expect("write the tokens file");
         std::fs::write(secrets.path().join("runner-token"), RUNNER_TOKEN).expect("write");
         let tokens = tokens.display().to_string();
-        let replicas: Vec<Replica> = replicas
-            .iter()
-            .map(|&build| Replica {
-                store: build
-                    .start_store(backing.clone(), &["--tokens-file", &tokens])
-                    .unwrap_or_else(|e| panic!("a store of {build} starts: {e:#}")),
-                build,
-            })
-            .collect();
+        let replicas: Vec<Replica> = tokio::task::block_in_place(|| {
+            replicas
+                .iter()
+                .map(|&build| Replica {
+                    store: build
+                        .start_store(backing.clone(), &["--tokens-file", &tokens])
+                        .unwrap_or_else(|e| panic!("a store of {build} starts: {e:#}")),
+                    build,
+                })
+                .collect()
+        });
         let clients: Vec<StoreClient> = replicas.iter().map(|r| admin(&r.store)).collect();
         let counter = Counter::start();
         let standin = AnthropicStandin::start(script(&counter))
