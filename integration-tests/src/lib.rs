@@ -4,6 +4,7 @@
 #![forbid(unsafe_code)]
 
 pub mod anthropic_standin;
+pub mod appender;
 pub mod openai_standin;
 pub mod secure;
 pub mod side_effects;

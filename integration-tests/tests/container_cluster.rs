@@ -37,11 +37,10 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::TcpListener;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use agentlog_proto::v1::{event::Kind, AppendRequest, Event, GetSessionRequest, SessionStatus};
+use integration_tests::appender::{Acknowledged, Appender};
 use integration_tests::secure::{tls_client, tokens_json, Ca, TlsClient, TokenSpec};
 use integration_tests::user_event;
 use serde_json::{json, Value};
@@ -339,100 +338,6 @@ async fn grpc_probe(host_port: &str, service: &str) -> bool {
     }
 }
 
-/// A client appending user turns to `load:` sessions through both replicas, each append
-/// retried (same event id, the other replica next) until acknowledged.
-struct Appender {
-    stop: Arc<AtomicBool>,
-    acked: Arc<Mutex<BTreeMap<String, BTreeMap<String, u64>>>>,
-    retries: Arc<Mutex<u64>>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Appender {
-    fn start(clients: [TlsClient; 2]) -> Appender {
-        let stop = Arc::new(AtomicBool::new(false));
-        let acked: Arc<Mutex<BTreeMap<String, BTreeMap<String, u64>>>> = Arc::default();
-        let retries = Arc::new(Mutex::new(0));
-        let (stop2, acked2, retries2) = (stop.clone(), acked.clone(), retries.clone());
-        let task = tokio::spawn(async move {
-            let mut clients = clients;
-            let mut n: u64 = 0;
-            while !stop2.load(Ordering::Relaxed) {
-                let session = format!("load:{}", n % 4);
-                let event_id = format!("load-{n}");
-                let mut attempt = 0usize;
-                loop {
-                    let replica = (n as usize + attempt) % 2;
-                    let request = AppendRequest {
-                        session_id: session.clone(),
-                        events: vec![user_event(&event_id, &format!("append {n}"))],
-                        ..Default::default()
-                    };
-                    let answer = tokio::time::timeout(
-                        Duration::from_secs(5),
-                        clients[replica].append(request),
-                    )
-                    .await;
-                    if let Ok(Ok(response)) = answer {
-                        let seq = response.into_inner().seqs[0];
-                        acked2
-                            .lock()
-                            .expect("lock")
-                            .entry(session.clone())
-                            .or_default()
-                            .insert(event_id.clone(), seq);
-                        break;
-                    }
-                    attempt += 1;
-                    *retries2.lock().expect("lock") += 1;
-                    // An append still in doubt when the test stops is not acknowledged.
-                    if stop2.load(Ordering::Relaxed) && attempt > 100 {
-                        break;
-                    }
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-                n += 1;
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        });
-        Appender {
-            stop,
-            acked,
-            retries,
-            task,
-        }
-    }
-
-    fn count(&self) -> (usize, u64) {
-        let acked = self.acked.lock().expect("lock");
-        (
-            acked.values().map(BTreeMap::len).sum(),
-            *self.retries.lock().expect("lock"),
-        )
-    }
-
-    /// Waits for `more` acknowledgements beyond now.
-    async fn wait_more(&self, more: usize) {
-        let start = self.count().0;
-        let deadline = Instant::now() + PATIENCE;
-        while self.count().0 < start + more {
-            assert!(
-                Instant::now() < deadline,
-                "appends stopped being acknowledged"
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    }
-
-    async fn finish(self) -> BTreeMap<String, BTreeMap<String, u64>> {
-        self.stop.store(true, Ordering::Relaxed);
-        self.task.await.expect("the appender");
-        Arc::try_unwrap(self.acked)
-            .map(|m| m.into_inner().expect("lock"))
-            .unwrap_or_default()
-    }
-}
-
 async fn start_session(client: &mut TlsClient, session: &str) {
     client
         .append(AppendRequest {
@@ -556,10 +461,7 @@ fn runs_by_key(text: &str) -> BTreeMap<String, BTreeSet<String>> {
 }
 
 /// Every acknowledged append is in its log at its seq, gapless, read through each replica.
-async fn assert_acknowledged_kept(
-    cluster: &Cluster,
-    acked: &BTreeMap<String, BTreeMap<String, u64>>,
-) {
+async fn assert_acknowledged_kept(cluster: &Cluster, acked: &Acknowledged) {
     for replica in 0..2 {
         let mut client = cluster.client(replica).await;
         for (session, ids) in acked {
@@ -665,7 +567,7 @@ async fn rolling_update(
             project.replace(service, &next).expect("the replacement");
             cluster.wait_probes(service).await;
             if service.starts_with("store-") {
-                appender.wait_more(20).await;
+                appender.wait_more(20, PATIENCE).await;
                 let after = appender.count();
                 println!(
                     "  {service}: appends acknowledged meanwhile {}, retried {}",
@@ -712,8 +614,8 @@ async fn a_cluster_of_the_shipped_images_loses_nothing_and_runs_no_call_twice() 
     );
 
     let mut admin = cluster.client(0).await;
-    let appender = Appender::start([cluster.client(0).await, cluster.client(1).await]);
-    appender.wait_more(20).await;
+    let appender = Appender::start(vec![cluster.client(0).await, cluster.client(1).await]);
+    appender.wait_more(20, PATIENCE).await;
     let mut all_work: Vec<String> = Vec::new();
     let mut graceful: Vec<String> = Vec::new();
 
@@ -740,7 +642,7 @@ async fn a_cluster_of_the_shipped_images_loses_nothing_and_runs_no_call_twice() 
     println!("3. kills");
     let before = appender.count();
     project.kill("store-b").expect("docker kill");
-    appender.wait_more(40).await;
+    appender.wait_more(40, PATIENCE).await;
     let after = appender.count();
     println!(
         "  store-b killed: the other replica took {} appends meanwhile ({} retried)",
@@ -791,7 +693,7 @@ async fn a_cluster_of_the_shipped_images_loses_nothing_and_runs_no_call_twice() 
             ],
         )
         .expect("promote the standby");
-    appender.wait_more(40).await;
+    appender.wait_more(40, PATIENCE).await;
     let after = appender.count();
     println!(
         "  appends acknowledged after the failover: {} ({} retried meanwhile)",
@@ -940,8 +842,8 @@ async fn a_rolling_update_from_the_last_release_and_a_rollback_lose_nothing_and_
         cluster.wait_runner(runner);
     }
     let mut admin = cluster.client(0).await;
-    let appender = Appender::start([cluster.client(0).await, cluster.client(1).await]);
-    appender.wait_more(20).await;
+    let appender = Appender::start(vec![cluster.client(0).await, cluster.client(1).await]);
+    appender.wait_more(20, PATIENCE).await;
     let mut all_work = batch("before-the-update", 6);
     start_batch(&mut admin, &all_work).await;
 

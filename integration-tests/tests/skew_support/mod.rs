@@ -14,8 +14,7 @@
 //! its own, attempts numbered on); and the model was sent only well-formed requests.
 #![allow(dead_code)] // each test file uses its own subset
 
-use std::collections::{BTreeMap, BTreeSet};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -25,6 +24,7 @@ use agentlog_proto::v1::{
     event::Kind, AppendRequest, Event, GetSessionRequest, SessionInfo, SessionStatus,
 };
 use integration_tests::anthropic_standin::{AnthropicStandin, StandinReply};
+use integration_tests::appender::Appender;
 use integration_tests::secure::{tokens_json, TokenSpec};
 use integration_tests::side_effects::Counter;
 use integration_tests::{user_event, Backing, Store};
@@ -248,15 +248,9 @@ impl Skew {
         None
     }
 
-    async fn log(&self, replica: usize, session: &str) -> Vec<Event> {
-        agentlog_client::log::read_log(&mut self.clients[replica].clone(), session)
-            .await
-            .unwrap_or_else(|e| panic!("{session}: read through replica {replica}: {e}"))
-    }
-
     /// Waits until the appender has `more` acknowledgements beyond now.
     pub async fn appended(&self, more: usize) {
-        self.appender.wait_more(more).await;
+        self.appender.wait_more(more, PATIENCE).await;
     }
 
     /// SIGKILLs replica `i` and starts it again as `build` on the same data and address,
@@ -516,95 +510,6 @@ fn admin(store: &Store) -> StoreClient {
     }
     .client()
     .expect("a client")
-}
-
-/// A client appending user turns to four `load:` sessions through the replicas in turn, each
-/// append retried (the same event id, the next replica) until acknowledged.
-struct Appender {
-    stop: Arc<AtomicBool>,
-    /// session → event id → the seq it was acknowledged at.
-    acked: Arc<Mutex<BTreeMap<String, BTreeMap<String, u64>>>>,
-    retries: Arc<Mutex<u64>>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Appender {
-    fn start(clients: Vec<StoreClient>) -> Appender {
-        let stop = Arc::new(AtomicBool::new(false));
-        let acked: Arc<Mutex<BTreeMap<String, BTreeMap<String, u64>>>> = Arc::default();
-        let retries = Arc::new(Mutex::new(0));
-        let (stop2, acked2, retries2) = (stop.clone(), acked.clone(), retries.clone());
-        let task = tokio::spawn(async move {
-            let mut n: usize = 0;
-            while !stop2.load(Ordering::Relaxed) {
-                let session = format!("load:{}", n % 4);
-                let event_id = format!("load-{n}");
-                let mut attempt = 0usize;
-                loop {
-                    let replica = (n + attempt) % clients.len();
-                    let request = AppendRequest {
-                        session_id: session.clone(),
-                        events: vec![user_event(&event_id, &format!("append {n}"))],
-                        ..Default::default()
-                    };
-                    let answer = tokio::time::timeout(
-                        Duration::from_secs(5),
-                        clients[replica].clone().append(request),
-                    )
-                    .await;
-                    if let Ok(Ok(response)) = answer {
-                        let seq = response.into_inner().seqs[0];
-                        lock(&acked2)
-                            .entry(session.clone())
-                            .or_default()
-                            .insert(event_id.clone(), seq);
-                        break;
-                    }
-                    attempt += 1;
-                    *lock(&retries2) += 1;
-                    // An append still in doubt when the test stops is not acknowledged.
-                    if stop2.load(Ordering::Relaxed) && attempt > 50 {
-                        break;
-                    }
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-                n += 1;
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        });
-        Appender {
-            stop,
-            acked,
-            retries,
-            task,
-        }
-    }
-
-    /// (acknowledged, retried) so far.
-    fn count(&self) -> (usize, u64) {
-        (
-            lock(&self.acked).values().map(BTreeMap::len).sum(),
-            *lock(&self.retries),
-        )
-    }
-
-    async fn wait_more(&self, more: usize) {
-        let start = self.count().0;
-        let deadline = Instant::now() + PATIENCE;
-        while self.count().0 < start + more {
-            assert!(
-                Instant::now() < deadline,
-                "appends stopped being acknowledged"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-
-    async fn finish(self) -> BTreeMap<String, BTreeMap<String, u64>> {
-        self.stop.store(true, Ordering::Relaxed);
-        self.task.await.expect("the appender");
-        std::mem::take(&mut *lock(&self.acked))
-    }
 }
 
 /// A live follower of one session through one replica (the client's reconnecting one),
