@@ -4,8 +4,10 @@
 #![forbid(unsafe_code)]
 
 pub mod anthropic_standin;
+pub mod appender;
 pub mod openai_standin;
 pub mod secure;
+pub mod side_effects;
 pub mod standin;
 
 use std::net::SocketAddr;

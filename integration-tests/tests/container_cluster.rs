@@ -26,20 +26,28 @@
 //! writes elsewhere) failed; and the model saw only well-formed requests. Each scenario
 //! prints what it did and what it counted. Nothing is left behind.
 //!
-//! Needs the images from `deploy/images` (tag `AGENTLOG_IMAGE_TAG`, default `local`).
+//! A second test starts the same cluster on the last release's images and, under the same
+//! load, rolls it to these images (the stores, the runners, the web view, each stopped with
+//! `docker stop -t 30`) and back again (in the reverse order): every acknowledged append is
+//! in its log through both replicas, every session finished, and no call ran twice.
+//!
+//! Needs the images from `deploy/images` (tag `AGENTLOG_IMAGE_TAG`, default `local`), and
+//! for the second test the last release's from `deploy/previous-release --images`.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::TcpListener;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use agentlog_proto::v1::{event::Kind, AppendRequest, Event, GetSessionRequest, SessionStatus};
+use integration_tests::appender::{Acknowledged, Appender};
 use integration_tests::secure::{tls_client, tokens_json, Ca, TlsClient, TokenSpec};
 use integration_tests::user_event;
 use serde_json::{json, Value};
-use testkit::docker::{docker, helper_images, repo_root, require_product_images, Project};
+use testkit::docker::{
+    docker, helper_images, repo_root, require_previous_release_images, require_product_images,
+    Project,
+};
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 use tonic_health::pb::HealthCheckRequest;
@@ -135,8 +143,23 @@ struct Cluster {
 }
 
 impl Cluster {
+    /// The cluster on the product images, and a second tag of them for its rolling update.
     fn start() -> Cluster {
         let tag = require_product_images().expect("the product images");
+        let next_tag = format!("{tag}-next");
+        for image in ["event-store", "runner", "web"] {
+            docker(&[
+                "tag",
+                &format!("agentlog/{image}:{tag}"),
+                &format!("agentlog/{image}:{next_tag}"),
+            ])
+            .expect("tag the next release");
+        }
+        Cluster::start_from(tag, next_tag)
+    }
+
+    /// The cluster on the images of `tag`; `next_tag` names the ones it is updated to.
+    fn start_from(tag: String, next_tag: String) -> Cluster {
         let helpers = helper_images().expect("the helper images");
         let ca = Ca::new("agentlog cluster test CA");
         let store_cert = ca.server_cert_for(&["event-store", "store-a", "store-b"]);
@@ -171,15 +194,6 @@ impl Cluster {
         let store_ports = [free_port(), free_port()];
         let health_ports = [free_port(), free_port()];
         let (web_port, model_port) = (free_port(), free_port());
-        let next_tag = format!("{tag}-next");
-        for image in ["event-store", "runner", "web"] {
-            docker(&[
-                "tag",
-                &format!("agentlog/{image}:{tag}"),
-                &format!("agentlog/{image}:{next_tag}"),
-            ])
-            .expect("tag the next release");
-        }
         let env = [
             ("AGENTLOG_TAG", tag.clone()),
             ("PG_IMAGE", helpers.postgres.clone()),
@@ -324,100 +338,6 @@ async fn grpc_probe(host_port: &str, service: &str) -> bool {
     }
 }
 
-/// A client appending user turns to `load:` sessions through both replicas, each append
-/// retried (same event id, the other replica next) until acknowledged.
-struct Appender {
-    stop: Arc<AtomicBool>,
-    acked: Arc<Mutex<BTreeMap<String, BTreeMap<String, u64>>>>,
-    retries: Arc<Mutex<u64>>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Appender {
-    fn start(clients: [TlsClient; 2]) -> Appender {
-        let stop = Arc::new(AtomicBool::new(false));
-        let acked: Arc<Mutex<BTreeMap<String, BTreeMap<String, u64>>>> = Arc::default();
-        let retries = Arc::new(Mutex::new(0));
-        let (stop2, acked2, retries2) = (stop.clone(), acked.clone(), retries.clone());
-        let task = tokio::spawn(async move {
-            let mut clients = clients;
-            let mut n: u64 = 0;
-            while !stop2.load(Ordering::Relaxed) {
-                let session = format!("load:{}", n % 4);
-                let event_id = format!("load-{n}");
-                let mut attempt = 0usize;
-                loop {
-                    let replica = (n as usize + attempt) % 2;
-                    let request = AppendRequest {
-                        session_id: session.clone(),
-                        events: vec![user_event(&event_id, &format!("append {n}"))],
-                        ..Default::default()
-                    };
-                    let answer = tokio::time::timeout(
-                        Duration::from_secs(5),
-                        clients[replica].append(request),
-                    )
-                    .await;
-                    if let Ok(Ok(response)) = answer {
-                        let seq = response.into_inner().seqs[0];
-                        acked2
-                            .lock()
-                            .expect("lock")
-                            .entry(session.clone())
-                            .or_default()
-                            .insert(event_id.clone(), seq);
-                        break;
-                    }
-                    attempt += 1;
-                    *retries2.lock().expect("lock") += 1;
-                    // An append still in doubt when the test stops is not acknowledged.
-                    if stop2.load(Ordering::Relaxed) && attempt > 100 {
-                        break;
-                    }
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-                n += 1;
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        });
-        Appender {
-            stop,
-            acked,
-            retries,
-            task,
-        }
-    }
-
-    fn count(&self) -> (usize, u64) {
-        let acked = self.acked.lock().expect("lock");
-        (
-            acked.values().map(BTreeMap::len).sum(),
-            *self.retries.lock().expect("lock"),
-        )
-    }
-
-    /// Waits for `more` acknowledgements beyond now.
-    async fn wait_more(&self, more: usize) {
-        let start = self.count().0;
-        let deadline = Instant::now() + PATIENCE;
-        while self.count().0 < start + more {
-            assert!(
-                Instant::now() < deadline,
-                "appends stopped being acknowledged"
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    }
-
-    async fn finish(self) -> BTreeMap<String, BTreeMap<String, u64>> {
-        self.stop.store(true, Ordering::Relaxed);
-        self.task.await.expect("the appender");
-        Arc::try_unwrap(self.acked)
-            .map(|m| m.into_inner().expect("lock"))
-            .unwrap_or_default()
-    }
-}
-
 async fn start_session(client: &mut TlsClient, session: &str) {
     client
         .append(AppendRequest {
@@ -540,6 +460,140 @@ fn runs_by_key(text: &str) -> BTreeMap<String, BTreeSet<String>> {
     runs
 }
 
+/// Every acknowledged append is in its log at its seq, gapless, read through each replica.
+async fn assert_acknowledged_kept(cluster: &Cluster, acked: &Acknowledged) {
+    for replica in 0..2 {
+        let mut client = cluster.client(replica).await;
+        for (session, ids) in acked {
+            let events = log(&mut client, session).await;
+            integration_tests::assert_log_holds(session, &events, ids);
+        }
+    }
+    let total: usize = acked.values().map(BTreeMap::len).sum();
+    println!(
+        "acknowledged appends: {total}, every one in its log at its seq through each replica (0 lost)"
+    );
+}
+
+/// Each effect call of the work sessions applied its side effect once, and ran more than once
+/// only in a session whose runner was killed or cut (not one of `graceful`).
+fn assert_each_effect_once(cluster: &Cluster, all_work: &[String], graceful: &[String]) {
+    let effects = cluster.exec_runner("cat /workspaces/work:*/effects");
+    let starts = cluster.exec_runner("cat /workspaces/work:*/starts");
+    let effects_by_key = effects
+        .lines()
+        .fold(BTreeMap::<&str, usize>::new(), |mut m, k| {
+            *m.entry(k.trim()).or_default() += 1;
+            m
+        });
+    let runs = runs_by_key(&starts);
+    let expected_calls = all_work.len() * (CALLS_PER_SESSION - 1);
+    assert_eq!(
+        effects_by_key.len(),
+        expected_calls,
+        "every effect call applied"
+    );
+    assert!(
+        effects_by_key.values().all(|&n| n == 1),
+        "an effect applied twice: {effects_by_key:?}"
+    );
+    let reruns: Vec<(&String, usize)> = runs
+        .iter()
+        .filter(|(_, r)| r.len() > 1)
+        .map(|(k, r)| (k, r.len()))
+        .collect();
+    for (key, _) in &reruns {
+        assert!(
+            !graceful.iter().any(|s| key.starts_with(&format!("{s}/"))),
+            "{key} ran twice although its runner was only stopped gracefully"
+        );
+    }
+    println!(
+        "calls: {expected_calls}, effects applied once each; runs: {}, re-runs (same key, after a kill or a cut): {}",
+        runs.values().map(BTreeSet::len).sum::<usize>(),
+        reruns.len()
+    );
+}
+
+/// The model saw only requests the API would accept.
+async fn assert_model_requests_well_formed(cluster: &Cluster) {
+    let journal: Value = reqwest::get(format!("http://127.0.0.1:{}/journal", cluster.model_port))
+        .await
+        .expect("the stand-in's journal")
+        .json()
+        .await
+        .expect("JSON");
+    assert_eq!(journal["violations"], json!([]), "{journal}");
+    println!("model: {} requests, none refused", journal["requests"]);
+}
+
+/// A rolling update of `services`, one at a time in that order, to the images of `tag`,
+/// under the appender's load: each gets `docker stop -t 30` (a runner while it runs a call
+/// of a session it holds) and is replaced by a container of `tag`, which passes its probes
+/// (a runner: shows its start-up table) before the next one goes. Returns the work sessions
+/// it started (their runners were only ever stopped gracefully).
+async fn rolling_update(
+    cluster: &Cluster,
+    appender: &Appender,
+    tag: &str,
+    services: &[&str],
+) -> Vec<String> {
+    let project = &cluster.project;
+    let next = [("AGENTLOG_TAG", tag.to_string())];
+    let mut admin = cluster.client(0).await;
+    let mut started = Vec::new();
+    for &service in services {
+        if service.starts_with("runner-") {
+            let mut sessions = Vec::new();
+            let name = format!("drain-{service}-to-{tag}");
+            let held = work_until_held(&mut admin, &name, service, &mut sessions).await;
+            started.extend(sessions);
+            let stopped = Instant::now();
+            project.stop(service, 30).expect("docker stop -t 30");
+            println!(
+                "  {service}: stopped (SIGTERM) in the middle of a call of {held}, exited in {:.1} s",
+                stopped.elapsed().as_secs_f64()
+            );
+            project.replace(service, &next).expect("the replacement");
+            cluster.wait_runner(service);
+        } else {
+            let before = appender.count();
+            let stopped = Instant::now();
+            project.stop(service, 30).expect("docker stop -t 30");
+            println!(
+                "  {service}: stopped (SIGTERM) in {:.1} s",
+                stopped.elapsed().as_secs_f64()
+            );
+            project.replace(service, &next).expect("the replacement");
+            cluster.wait_probes(service).await;
+            if service.starts_with("store-") {
+                appender.wait_more(20, PATIENCE).await;
+                let after = appender.count();
+                println!(
+                    "  {service}: appends acknowledged meanwhile {}, retried {}",
+                    after.0 - before.0,
+                    after.1 - before.1
+                );
+                admin = cluster.client(0).await;
+            }
+        }
+        let id = project.container(service).expect("a container");
+        let image = docker(&["inspect", "--format", "{{.Config.Image}}", &id]).expect("inspect");
+        let component = if service.starts_with("store-") {
+            "event-store"
+        } else {
+            service.trim_end_matches(|c: char| c == '-' || c.is_ascii_digit())
+        };
+        assert_eq!(
+            image,
+            format!("agentlog/{component}:{tag}"),
+            "{service}'s image"
+        );
+        println!("  {service}: replaced by {image}");
+    }
+    started
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_cluster_of_the_shipped_images_loses_nothing_and_runs_no_call_twice() {
     let cluster = Cluster::start();
@@ -560,59 +614,27 @@ async fn a_cluster_of_the_shipped_images_loses_nothing_and_runs_no_call_twice() 
     );
 
     let mut admin = cluster.client(0).await;
-    let appender = Appender::start([cluster.client(0).await, cluster.client(1).await]);
-    appender.wait_more(20).await;
+    let appender = Appender::start(vec![cluster.client(0).await, cluster.client(1).await]);
+    appender.wait_more(20, PATIENCE).await;
     let mut all_work: Vec<String> = Vec::new();
     let mut graceful: Vec<String> = Vec::new();
 
     // ---- 2. rolling update ----
     println!("2. rolling update to :{} under load", cluster.next_tag);
-    let next = [("AGENTLOG_TAG", cluster.next_tag.clone())];
     let first = batch("roll", 6);
     start_batch(&mut admin, &first).await;
     all_work.extend(first.iter().cloned());
     graceful.extend(first.iter().cloned());
-    for store in ["store-a", "store-b"] {
-        let before = appender.count();
-        let stopped = Instant::now();
-        project.stop(store, 30).expect("docker stop -t 30");
-        println!(
-            "  {store}: stopped (SIGTERM) in {:.1} s",
-            stopped.elapsed().as_secs_f64()
-        );
-        project.replace(store, &next).expect("the replacement");
-        cluster.wait_probes(store).await;
-        appender.wait_more(20).await;
-        let after = appender.count();
-        println!(
-            "  {store}: replaced by :{}; appends acknowledged meanwhile {}, retried {}",
-            cluster.next_tag,
-            after.0 - before.0,
-            after.1 - before.1
-        );
-    }
+    let rolled = rolling_update(
+        &cluster,
+        &appender,
+        &cluster.next_tag,
+        &["store-a", "store-b", "runner-1", "runner-2", "runner-3"],
+    )
+    .await;
+    all_work.extend(rolled.iter().cloned());
+    graceful.extend(rolled.iter().cloned());
     admin = cluster.client(0).await;
-    for runner in ["runner-1", "runner-2", "runner-3"] {
-        let mut sessions = Vec::new();
-        let held = work_until_held(
-            &mut admin,
-            &format!("drain-{runner}"),
-            runner,
-            &mut sessions,
-        )
-        .await;
-        all_work.extend(sessions.iter().cloned());
-        graceful.extend(sessions.iter().cloned());
-        let stopped = Instant::now();
-        project.stop(runner, 30).expect("docker stop -t 30");
-        println!(
-            "  {runner}: stopped (SIGTERM) in the middle of a call of {held}, exited in {:.1} s",
-            stopped.elapsed().as_secs_f64()
-        );
-        project.replace(runner, &next).expect("the replacement");
-        cluster.wait_runner(runner);
-        println!("  {runner}: replaced by :{}", cluster.next_tag);
-    }
     wait_idle(&mut admin, &all_work).await;
     println!("  every session finished ({})", all_work.len());
 
@@ -620,7 +642,7 @@ async fn a_cluster_of_the_shipped_images_loses_nothing_and_runs_no_call_twice() 
     println!("3. kills");
     let before = appender.count();
     project.kill("store-b").expect("docker kill");
-    appender.wait_more(40).await;
+    appender.wait_more(40, PATIENCE).await;
     let after = appender.count();
     println!(
         "  store-b killed: the other replica took {} appends meanwhile ({} retried)",
@@ -671,7 +693,7 @@ async fn a_cluster_of_the_shipped_images_loses_nothing_and_runs_no_call_twice() 
             ],
         )
         .expect("promote the standby");
-    appender.wait_more(40).await;
+    appender.wait_more(40, PATIENCE).await;
     let after = appender.count();
     println!(
         "  appends acknowledged after the failover: {} ({} retried meanwhile)",
@@ -681,52 +703,11 @@ async fn a_cluster_of_the_shipped_images_loses_nothing_and_runs_no_call_twice() 
     let acked = appender.finish().await;
 
     // ---- what was counted ----
+    assert_acknowledged_kept(&cluster, &acked).await;
     let mut admin = cluster.client(1).await;
-    let mut total = 0;
-    for (session, ids) in &acked {
-        let events = log(&mut admin, session).await;
-        integration_tests::assert_log_holds(session, &events, ids);
-        total += ids.len();
-    }
-    println!("acknowledged appends: {total}, every one in its log at its seq (0 lost)");
-
     wait_idle(&mut admin, &all_work).await;
-    let effects = cluster.exec_runner("cat /workspaces/work:*/effects");
-    let starts = cluster.exec_runner("cat /workspaces/work:*/starts");
+    assert_each_effect_once(&cluster, &all_work, &graceful);
     let ticks = cluster.exec_runner("cat /workspaces/work:*/ticks");
-    let effects_by_key = effects
-        .lines()
-        .fold(BTreeMap::<&str, usize>::new(), |mut m, k| {
-            *m.entry(k.trim()).or_default() += 1;
-            m
-        });
-    let runs = runs_by_key(&starts);
-    let expected_calls = all_work.len() * (CALLS_PER_SESSION - 1);
-    assert_eq!(
-        effects_by_key.len(),
-        expected_calls,
-        "every effect call applied"
-    );
-    assert!(
-        effects_by_key.values().all(|&n| n == 1),
-        "an effect applied twice: {effects_by_key:?}"
-    );
-    let reruns: Vec<(&String, usize)> = runs
-        .iter()
-        .filter(|(_, r)| r.len() > 1)
-        .map(|(k, r)| (k, r.len()))
-        .collect();
-    for (key, _) in &reruns {
-        assert!(
-            !graceful.iter().any(|s| key.starts_with(&format!("{s}/"))),
-            "{key} ran twice although its runner was only stopped gracefully"
-        );
-    }
-    println!(
-        "calls: {expected_calls}, effects applied once each; runs: {}, re-runs (same key, after a kill or a cut): {}",
-        runs.values().map(BTreeSet::len).sum::<usize>(),
-        reruns.len()
-    );
 
     // The cut call: each run's ticks end before the next run's begin.
     let mut by_run: BTreeMap<(String, String), (u128, u128)> = BTreeMap::new();
@@ -800,15 +781,7 @@ async fn a_cluster_of_the_shipped_images_loses_nothing_and_runs_no_call_twice() 
         all_work.len()
     );
 
-    // The model saw only requests the API would accept.
-    let journal: Value = reqwest::get(format!("http://127.0.0.1:{}/journal", cluster.model_port))
-        .await
-        .expect("the stand-in's journal")
-        .json()
-        .await
-        .expect("JSON");
-    assert_eq!(journal["violations"], json!([]), "{journal}");
-    println!("model: {} requests, none refused", journal["requests"]);
+    assert_model_requests_well_formed(&cluster).await;
 
     // The web view, over TLS, behind its login, with its own (scoped) store token.
     let web = reqwest::Client::builder()
@@ -852,4 +825,64 @@ async fn a_cluster_of_the_shipped_images_loses_nothing_and_runs_no_call_twice() 
         let _ = docker(&["rmi", &format!("agentlog/{image}:{}", cluster.next_tag)]);
     }
     let _ = &cluster.tag;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_rolling_update_from_the_last_release_and_a_rollback_lose_nothing_and_run_no_call_twice()
+{
+    let from = require_previous_release_images().expect("the last release's images");
+    let to = require_product_images().expect("the product images");
+    let cluster = Cluster::start_from(from.clone(), to.clone());
+
+    println!("1. start on the last release's images (:{from})");
+    for service in ["store-a", "store-b", "web"] {
+        cluster.wait_probes(service).await;
+    }
+    for runner in ["runner-1", "runner-2", "runner-3"] {
+        cluster.wait_runner(runner);
+    }
+    let mut admin = cluster.client(0).await;
+    let appender = Appender::start(vec![cluster.client(0).await, cluster.client(1).await]);
+    appender.wait_more(20, PATIENCE).await;
+    let mut all_work = batch("before-the-update", 6);
+    start_batch(&mut admin, &all_work).await;
+
+    println!("2. rolling update to :{to} under load: the stores, the runners, the web view");
+    let rolled = rolling_update(
+        &cluster,
+        &appender,
+        &to,
+        &[
+            "store-a", "store-b", "runner-1", "runner-2", "runner-3", "web",
+        ],
+    )
+    .await;
+    all_work.extend(rolled);
+    let mut admin = cluster.client(0).await;
+    wait_idle(&mut admin, &all_work).await;
+    println!("  every session finished ({})", all_work.len());
+
+    println!("3. rollback to :{from} under load: the web view, the runners, the stores");
+    let before_rollback = batch("before-the-rollback", 6);
+    start_batch(&mut admin, &before_rollback).await;
+    all_work.extend(before_rollback);
+    let rolled = rolling_update(
+        &cluster,
+        &appender,
+        &from,
+        &[
+            "web", "runner-1", "runner-2", "runner-3", "store-a", "store-b",
+        ],
+    )
+    .await;
+    all_work.extend(rolled);
+    let acked = appender.finish().await;
+
+    // ---- what was counted: every process was stopped gracefully, so no call ran twice ----
+    assert_acknowledged_kept(&cluster, &acked).await;
+    let mut admin = cluster.client(0).await;
+    wait_idle(&mut admin, &all_work).await;
+    println!("every session finished ({})", all_work.len());
+    assert_each_effect_once(&cluster, &all_work, &all_work);
+    assert_model_requests_well_formed(&cluster).await;
 }

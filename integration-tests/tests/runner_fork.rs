@@ -15,8 +15,9 @@ use std::time::{Duration, Instant};
 
 use agentlog_proto::reason::Reason;
 use agentlog_proto::v1::{event::Kind, Event, ForkSessionRequest, UserMessage};
-use fork_support::{describe, ignoring_times, Copies, Counter};
+use fork_support::{describe, ignoring_times, Copies};
 use integration_tests::anthropic_standin::StandinReply;
+use integration_tests::side_effects::Counter;
 use runner_support::*;
 use serde_json::json;
 

@@ -5,7 +5,9 @@
 //! (a PostgreSQL and the model stand-in), made on the same Debian bases with no registry.
 //!
 //! The product images are `agentlog/{event-store,runner,web}:TAG`, built by `deploy/images`
-//! (TAG from `AGENTLOG_IMAGE_TAG`, else `local`); a test that finds them missing says so.
+//! (TAG from `AGENTLOG_IMAGE_TAG`, else `local`), and the last release's are tagged with its
+//! version, built by `deploy/previous-release --images`; a test that finds them missing says
+//! so.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -51,16 +53,35 @@ fn run(command: &mut Command, what: &str) -> Result<String> {
 
 /// Fails, saying what to do, unless the engine answers and the product images are built.
 pub fn require_product_images() -> Result<String> {
+    let tag = image_tag();
+    require_images(&tag, &format!("deploy/images --tag {tag}"))?;
+    Ok(tag)
+}
+
+/// The tag of the last release's images (its version), built by `deploy/previous-release
+/// --images`; fails, saying so, unless they are there.
+pub fn require_previous_release_images() -> Result<String> {
+    let how = "eval \"$(deploy/previous-release --images)\"";
+    let tag = std::env::var(crate::previous::VERSION_ENV).with_context(|| {
+        format!(
+            "{} is not set: build the last release's images first with `{how}`",
+            crate::previous::VERSION_ENV
+        )
+    })?;
+    require_images(&tag, how)?;
+    Ok(tag)
+}
+
+fn require_images(tag: &str, how: &str) -> Result<()> {
     docker(&["info", "--format", "{{.ServerVersion}}"])
         .context("no container engine answers: these tests need the Docker daemon")?;
-    let tag = image_tag();
     for image in ["event-store", "runner", "web"] {
         let name = format!("agentlog/{image}:{tag}");
         if docker(&["image", "inspect", "--format", "{{.Id}}", &name]).is_err() {
-            bail!("{name} is missing: build the images first with `deploy/images --tag {tag}`");
+            bail!("{name} is missing: build the images first with `{how}`");
         }
     }
-    Ok(tag)
+    Ok(())
 }
 
 /// `docker compose` (Compose v2) where the engine's CLI has it, else `docker-compose` (v1).

@@ -1,7 +1,8 @@
 //! The kit for starting the real agentlog binaries as users start them (a free port, a temp
 //! data dir or a fresh database), shared by the integration tests and the bench: where the
-//! binaries are, the event store process, signals, a private PostgreSQL (`pg`), and a
-//! watchdog that turns a hung test into its threads' stacks (`watchdog`).
+//! binaries are, the event store process, signals, a private PostgreSQL (`pg`), the last
+//! release's binaries beside this build's (`previous`), and a watchdog that turns a hung
+//! test into its threads' stacks (`watchdog`).
 //!
 //! Binaries are taken from the cargo target directory the caller was built into; build them
 //! first (`cargo build --workspace --bins`, which `.ci/run` does).
@@ -10,6 +11,7 @@
 pub mod docker;
 pub mod netns;
 pub mod pg;
+pub mod previous;
 mod watchdog;
 
 pub use watchdog::{watchdog, Watchdog};
@@ -61,6 +63,14 @@ pub enum Backing {
 }
 
 impl Backing {
+    /// A fresh database on the server the stores of this test process share
+    /// ([`pg::shared`]).
+    pub fn fresh_database() -> Result<Backing> {
+        let pg = pg::shared()?;
+        let url = pg.create_database()?;
+        Ok(Backing::Database(url, Some(pg)))
+    }
+
     fn args(&self) -> Vec<std::ffi::OsString> {
         match self {
             Backing::Dir(dir) => vec!["--data-dir".into(), dir.into()],
@@ -135,11 +145,9 @@ impl Store {
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
         if test_backend_is_postgres() {
-            let pg = pg::shared()?;
-            let url = pg.create_database()?;
             return Store::spawn(
                 &bin_path("event-store"),
-                Backing::Database(url, Some(pg)),
+                Backing::fresh_database()?,
                 "127.0.0.1:0",
                 extra,
                 env,
@@ -176,8 +184,19 @@ impl Store {
     }
 
     fn restart_at(&self, listen: &str, extra: &[&str]) -> Result<Store> {
+        self.restart_binary_at(&bin_path("event-store"), listen, extra)
+    }
+
+    /// [`Store::restart_on`] with another build of the store (the last release's, say: an
+    /// upgrade or a rollback of this replica), with the same arguments and environment.
+    pub fn restart_binary_on(&self, binary: &Path, listen: &str) -> Result<Store> {
+        let extra: Vec<&str> = self.extra.iter().map(String::as_str).collect();
+        self.restart_binary_at(binary, listen, &extra)
+    }
+
+    fn restart_binary_at(&self, binary: &Path, listen: &str, extra: &[&str]) -> Result<Store> {
         let mut store = Store::spawn(
-            &bin_path("event-store"),
+            binary,
             self.backing.clone(),
             listen,
             extra,

@@ -1,62 +1,16 @@
-//! Shared by the fork tests: a side-effect counter outside every session, copies of
-//! workspaces taken while the model is being asked (nothing runs in a workspace then), and
-//! a comparison of two directory trees byte for byte.
+//! Shared by the fork tests: a side-effect counter outside every session
+//! (`integration_tests::side_effects`), copies of workspaces taken while the model is being
+//! asked (nothing runs in a workspace then), and a comparison of two directory trees byte
+//! for byte.
 #![allow(dead_code)] // each test file uses its own subset
 
 use std::collections::BTreeMap;
-use std::io::Read;
-use std::net::TcpListener;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::{Arc, Mutex};
 
 use serde_json::Value;
-
-/// Counts side effects from outside the sessions: a bash call sends its `IDEMPOTENCY_KEY`
-/// to this TCP port (`echo "$IDEMPOTENCY_KEY" > /dev/tcp/127.0.0.1/PORT`, with the
-/// runner's `--tool-network all`), so a re-run shows as a second line whatever its
-/// workspace holds.
-pub struct Counter {
-    pub port: u16,
-    lines: Arc<Mutex<Vec<String>>>,
-}
-
-impl Counter {
-    pub fn start() -> Counter {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind the counter");
-        let port = listener.local_addr().expect("address").port();
-        let lines = Arc::new(Mutex::new(Vec::new()));
-        let seen = lines.clone();
-        std::thread::spawn(move || {
-            for stream in listener.incoming() {
-                let Ok(mut stream) = stream else { continue };
-                let mut text = String::new();
-                let _ = stream.read_to_string(&mut text);
-                let mut seen = seen.lock().unwrap_or_else(|p| p.into_inner());
-                seen.extend(text.lines().map(str::to_string));
-            }
-        });
-        Counter { port, lines }
-    }
-
-    /// The shell that reports one run of the call it is in.
-    pub fn report(&self) -> String {
-        format!(
-            "echo \"$IDEMPOTENCY_KEY\" > /dev/tcp/127.0.0.1/{}",
-            self.port
-        )
-    }
-
-    /// Every key reported, with how often.
-    pub fn counts(&self) -> BTreeMap<String, usize> {
-        let mut counts = BTreeMap::new();
-        for line in self.lines.lock().unwrap_or_else(|p| p.into_inner()).iter() {
-            *counts.entry(line.clone()).or_default() += 1;
-        }
-        counts
-    }
-}
 
 /// Copies of the workspaces under a root, one per model request: `copies/<i>/<session>`.
 #[derive(Clone)]

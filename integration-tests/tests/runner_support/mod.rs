@@ -94,7 +94,33 @@ pub fn start_runner_with(
     max_sessions: usize,
     extra: &[&str],
 ) -> RunnerProc {
-    start_runner_on_model(
+    start_runner_binary(
+        &bin_path("runner"),
+        store_url,
+        id,
+        workspace_root,
+        model_url,
+        ttl_ms,
+        max_sessions,
+        extra,
+    )
+}
+
+/// [`start_runner_with`] of another build of the runner (the last release's:
+/// `testkit::previous`).
+#[allow(clippy::too_many_arguments)]
+pub fn start_runner_binary(
+    binary: &Path,
+    store_url: &str,
+    id: &str,
+    workspace_root: &Path,
+    model_url: &str,
+    ttl_ms: u64,
+    max_sessions: usize,
+    extra: &[&str],
+) -> RunnerProc {
+    spawn_runner(
+        Command::new(binary),
         store_url,
         id,
         workspace_root,

@@ -1,0 +1,63 @@
+//! Runners of the last release and of this build working one store on the local backend
+//! (over PostgreSQL with `AGENTLOG_TEST_BACKEND=postgres`; the real binaries of both:
+//! `deploy/previous-release` builds the release's), under a client's appends. In the first test the store is this build's, and each runner is
+//! SIGKILLed in the middle of a call and replaced by one of the other build, and the store
+//! itself is SIGKILLed and started again. In the second the store starts as the release's
+//! and is replaced, SIGKILLed, by this build on the release's data while runners
+//! of both work through it. `skew_support` checks that nothing acknowledged was lost, no
+//! call ran twice, no session was left stuck and followers saw every event.
+
+mod runner_support;
+mod skew_support;
+
+use std::time::Duration;
+
+use integration_tests::{test_backend_is_postgres, Backing};
+use skew_support::Skew;
+use testkit::previous::Build::{Previous, This};
+
+/// A fresh data directory (kept while the returned guard lives), or a fresh database.
+fn backing() -> (Backing, Option<tempfile::TempDir>) {
+    if test_backend_is_postgres() {
+        let database = tokio::task::block_in_place(Backing::fresh_database);
+        return (database.expect("a database"), None);
+    }
+    let data = tempfile::tempdir().expect("temp dir");
+    (Backing::Dir(data.path().to_path_buf()), Some(data))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn runners_of_both_releases_over_a_store_of_this_build_run_no_call_twice() {
+    let _watchdog = testkit::watchdog(
+        "runners_of_both_releases_over_a_store_of_this_build_run_no_call_twice",
+        Duration::from_secs(300),
+    );
+    let (backing, _data) = backing();
+    let mut skew = Skew::start(backing, &[This], &[(Previous, 0), (This, 0)]).await;
+    skew.start_work("first", 6).await;
+    skew.appended(20).await;
+
+    skew.kill_runner_mid_call(0, This).await;
+    skew.kill_runner_mid_call(1, Previous).await;
+    skew.replace_replica(0, This).await;
+    skew.kill_runner_mid_call(0, Previous).await;
+
+    skew.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_store_of_the_release_upgraded_under_runners_of_both_loses_nothing() {
+    let _watchdog = testkit::watchdog(
+        "a_store_of_the_release_upgraded_under_runners_of_both_loses_nothing",
+        Duration::from_secs(300),
+    );
+    let (backing, _data) = backing();
+    let mut skew = Skew::start(backing, &[Previous], &[(Previous, 0), (This, 0)]).await;
+    skew.start_work("first", 6).await;
+    skew.appended(20).await;
+
+    skew.replace_replica(0, This).await;
+    skew.kill_runner_mid_call(1, Previous).await;
+
+    skew.finish().await;
+}
