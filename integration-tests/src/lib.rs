@@ -5,6 +5,7 @@
 
 pub mod anthropic_standin;
 pub mod appender;
+pub mod newer;
 pub mod openai_standin;
 pub mod secure;
 pub mod side_effects;

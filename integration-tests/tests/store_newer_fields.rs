@@ -18,6 +18,7 @@ use agentlog_proto::v1::{
     SubscribeRequest,
 };
 use futures::StreamExt;
+use integration_tests::newer::*;
 use integration_tests::Store;
 use prost::Message;
 use tonic::codegen::http::uri::PathAndQuery;
@@ -25,242 +26,6 @@ use tonic::transport::Channel;
 use tonic::{Code, Request, Status};
 use tonic_prost::ProstCodec;
 use tonic_types::StatusExt;
-
-type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
-
-// A later release's messages, as its writers encode them. Field numbers this tree's proto
-// does not have: `Event.trace` (1000), `UserMessage.mood` (2), `ContentBlock.image` (9),
-// `AssistantMessage.effort` (6), `Usage.reasoning_tokens` (9), and the kind `future` (42).
-
-#[derive(Clone, PartialEq, Message)]
-struct NewerEvent {
-    #[prost(string, tag = "1")]
-    session_id: String,
-    #[prost(uint64, tag = "2")]
-    seq: u64,
-    #[prost(string, tag = "3")]
-    event_id: String,
-    #[prost(int64, tag = "4")]
-    ts_unix_ms: i64,
-    #[prost(uint32, tag = "5")]
-    schema_version: u32,
-    #[prost(string, tag = "1000")]
-    trace: String,
-    #[prost(oneof = "NewerKind", tags = "10, 11, 42")]
-    kind: Option<NewerKind>,
-}
-
-#[derive(Clone, PartialEq, prost::Oneof)]
-enum NewerKind {
-    #[prost(message, tag = "10")]
-    UserMessage(NewerUserMessage),
-    #[prost(message, tag = "11")]
-    AssistantMessage(NewerAssistantMessage),
-    #[prost(message, tag = "42")]
-    Future(NewerUserMessage),
-}
-
-#[derive(Clone, PartialEq, Message)]
-struct NewerUserMessage {
-    #[prost(string, tag = "1")]
-    text: String,
-    #[prost(string, tag = "2")]
-    mood: String,
-}
-
-#[derive(Clone, PartialEq, Message)]
-struct NewerAssistantMessage {
-    #[prost(message, repeated, tag = "1")]
-    content: Vec<NewerBlock>,
-    #[prost(string, tag = "2")]
-    stop_reason: String,
-    #[prost(message, optional, tag = "4")]
-    usage: Option<NewerUsage>,
-    #[prost(string, tag = "6")]
-    effort: String,
-}
-
-#[derive(Clone, PartialEq, Message)]
-struct NewerBlock {
-    #[prost(oneof = "NewerBlockKind", tags = "1, 9")]
-    block: Option<NewerBlockKind>,
-}
-
-#[derive(Clone, PartialEq, prost::Oneof)]
-enum NewerBlockKind {
-    #[prost(message, tag = "1")]
-    Text(NewerText),
-    #[prost(message, tag = "9")]
-    Image(NewerText),
-}
-
-#[derive(Clone, PartialEq, Message)]
-struct NewerText {
-    #[prost(string, tag = "1")]
-    text: String,
-}
-
-#[derive(Clone, PartialEq, Message)]
-struct NewerUsage {
-    #[prost(uint64, tag = "1")]
-    input_tokens: u64,
-    #[prost(uint64, tag = "9")]
-    reasoning_tokens: u64,
-}
-
-#[derive(Clone, PartialEq, Message)]
-struct NewerAppendRequest {
-    #[prost(string, tag = "1")]
-    session_id: String,
-    #[prost(message, repeated, tag = "2")]
-    events: Vec<NewerEvent>,
-    #[prost(uint64, optional, tag = "4")]
-    lease_epoch: Option<u64>,
-}
-
-#[derive(Clone, PartialEq, Message)]
-struct NewerForkRequest {
-    #[prost(string, tag = "1")]
-    session_id: String,
-    #[prost(uint64, tag = "2")]
-    at_seq: u64,
-    #[prost(string, tag = "3")]
-    new_session_id: String,
-    #[prost(message, repeated, tag = "4")]
-    events: Vec<NewerEvent>,
-}
-
-fn user(id: &str, text: &str) -> NewerEvent {
-    NewerEvent {
-        event_id: id.into(),
-        trace: format!("trace of {id}"),
-        kind: Some(NewerKind::UserMessage(NewerUserMessage {
-            text: text.into(),
-            mood: "curious".into(),
-        })),
-        ..NewerEvent::default()
-    }
-}
-
-fn reply(id: &str) -> NewerEvent {
-    NewerEvent {
-        event_id: id.into(),
-        kind: Some(NewerKind::AssistantMessage(NewerAssistantMessage {
-            content: vec![
-                NewerBlock {
-                    block: Some(NewerBlockKind::Text(NewerText {
-                        text: "here it is".into(),
-                    })),
-                },
-                NewerBlock {
-                    block: Some(NewerBlockKind::Image(NewerText {
-                        text: "a picture the store knows nothing of".into(),
-                    })),
-                },
-            ],
-            stop_reason: "end_turn".into(),
-            usage: Some(NewerUsage {
-                input_tokens: 12,
-                reasoning_tokens: 34,
-            }),
-            effort: "high".into(),
-        })),
-        ..NewerEvent::default()
-    }
-}
-
-const APPEND: &str = "/agentlog.v1.EventStore/Append";
-
-async fn unary<Req, Resp>(
-    channel: &Channel,
-    path: &'static str,
-    request: Req,
-) -> std::result::Result<tonic::Response<Resp>, Status>
-where
-    Req: Message + Send + Sync + 'static,
-    Resp: Message + Default + Send + Sync + 'static,
-{
-    let mut grpc = tonic::client::Grpc::new(channel.clone());
-    grpc.ready()
-        .await
-        .map_err(|e| Status::unavailable(e.to_string()))?;
-    grpc.unary(
-        Request::new(request),
-        PathAndQuery::from_static(path),
-        ProstCodec::<Req, Resp>::default(),
-    )
-    .await
-}
-
-/// The session's log, each event as the newer writer reads it, with its bytes.
-async fn read(channel: &Channel, session_id: &str) -> Result<Vec<(NewerEvent, Vec<u8>)>> {
-    let mut grpc = tonic::client::Grpc::new(channel.clone());
-    grpc.ready().await?;
-    let mut stream = grpc
-        .server_streaming(
-            Request::new(SubscribeRequest {
-                session_id: session_id.into(),
-                from_seq: 1,
-                follow: false,
-            }),
-            PathAndQuery::from_static("/agentlog.v1.EventStore/Subscribe"),
-            ProstCodec::<SubscribeRequest, RawEvent>::default(),
-        )
-        .await?
-        .into_inner();
-    let mut events = Vec::new();
-    while let Some(raw) = stream.message().await? {
-        events.push((NewerEvent::decode(&raw.0[..])?, raw.0));
-    }
-    Ok(events)
-}
-
-/// An event's bytes as they came over the wire.
-#[derive(Clone, PartialEq, Default, Debug)]
-struct RawEvent(Vec<u8>);
-
-impl Message for RawEvent {
-    fn encode_raw(&self, buf: &mut impl bytes::BufMut) {
-        buf.put_slice(&self.0);
-    }
-    /// Takes the message's bytes whole, as they came.
-    fn merge(&mut self, mut buf: impl bytes::Buf) -> std::result::Result<(), prost::DecodeError> {
-        while buf.has_remaining() {
-            let chunk = buf.chunk();
-            self.0.extend_from_slice(chunk);
-            let n = chunk.len();
-            buf.advance(n);
-        }
-        Ok(())
-    }
-    fn merge_field(
-        &mut self,
-        _: u32,
-        _: prost::encoding::WireType,
-        _: &mut impl bytes::Buf,
-        _: prost::encoding::DecodeContext,
-    ) -> std::result::Result<(), prost::DecodeError> {
-        unreachable!("merge takes the bytes whole")
-    }
-    fn encoded_len(&self) -> usize {
-        self.0.len()
-    }
-    fn clear(&mut self) {
-        self.0.clear();
-    }
-}
-
-/// `sent` as the store serves it: the same bytes, with the fields the store sets.
-fn stored(sent: &NewerEvent, session_id: &str, seq: u64, served: &NewerEvent) -> NewerEvent {
-    NewerEvent {
-        session_id: session_id.into(),
-        seq,
-        event_id: served.event_id.clone(),
-        ts_unix_ms: served.ts_unix_ms,
-        schema_version: served.schema_version,
-        ..sent.clone()
-    }
-}
 
 async fn lease(channel: &Channel, session_id: &str) -> Result<u64> {
     let mut client = agentlog_proto::v1::event_store_client::EventStoreClient::new(channel.clone());
@@ -327,6 +92,7 @@ async fn a_newer_writers_fields_survive_every_path_byte_for_byte() -> Result<()>
     let first = user("u1", "hello");
     let answer: AppendResponse = unary(
         &channel,
+        None,
         APPEND,
         NewerAppendRequest {
             session_id: "newer".into(),
@@ -341,6 +107,7 @@ async fn a_newer_writers_fields_survive_every_path_byte_for_byte() -> Result<()>
     let second = reply("reply:0");
     unary::<_, AppendResponse>(
         &channel,
+        None,
         APPEND,
         NewerAppendRequest {
             session_id: "newer".into(),
@@ -394,7 +161,7 @@ async fn a_newer_writers_fields_survive_every_path_byte_for_byte() -> Result<()>
             );
         }
     };
-    check("history", &read(&channel, "newer").await?, "newer");
+    check("history", &read(&channel, None, "newer").await?, "newer");
 
     // The live follower got the same bytes (a decoder of this tree's proto keeps what it
     // knows; the newer fields are checked through the history above and the bytes here).
@@ -409,6 +176,7 @@ async fn a_newer_writers_fields_survive_every_path_byte_for_byte() -> Result<()>
     let fork_event = user("f1", "instead");
     let forked: ForkSessionResponse = unary(
         &channel,
+        None,
         "/agentlog.v1.EventStore/ForkSession",
         NewerForkRequest {
             session_id: "newer".into(),
@@ -420,7 +188,7 @@ async fn a_newer_writers_fields_survive_every_path_byte_for_byte() -> Result<()>
     .await?
     .into_inner();
     assert_eq!(forked.last_seq, 3);
-    let fork_log = read(&channel, "newer-fork").await?;
+    let fork_log = read(&channel, None, "newer-fork").await?;
     assert_eq!(fork_log.len(), 3);
     for (i, (served, _)) in fork_log.iter().enumerate() {
         let sent = [&first, &second, &fork_event][i];
@@ -444,8 +212,12 @@ async fn a_newer_writers_fields_survive_every_path_byte_for_byte() -> Result<()>
             .all(|r| r.outcome == ImportOutcome::Imported as i32),
         "{results:?}"
     );
-    check("imported", &read(&other_channel, "newer").await?, "newer");
-    let fork_there = read(&other_channel, "newer-fork").await?;
+    check(
+        "imported",
+        &read(&other_channel, None, "newer").await?,
+        "newer",
+    );
+    let fork_there = read(&other_channel, None, "newer-fork").await?;
     let fork_here: Vec<_> = fork_log.iter().map(|(e, _)| e.clone()).collect();
     let fork_there: Vec<_> = fork_there.into_iter().map(|(e, _)| e).collect();
     assert_eq!(fork_there, fork_here, "the imported fork");
@@ -481,7 +253,7 @@ async fn a_kind_the_store_does_not_know_is_refused_for_now_with_its_number() -> 
         events: vec![user("u1", "first"), future.clone()],
         lease_epoch: None,
     };
-    let refused = unary::<_, AppendResponse>(&channel, APPEND, request.clone())
+    let refused = unary::<_, AppendResponse>(&channel, None, APPEND, request.clone())
         .await
         .expect_err("refused");
     assert_eq!(refused.code(), Code::FailedPrecondition, "{refused:?}");
@@ -537,6 +309,7 @@ async fn a_kind_the_store_does_not_know_is_refused_for_now_with_its_number() -> 
     };
     let refused = unary::<_, AppendResponse>(
         &channel,
+        None,
         APPEND,
         NewerAppendRequest {
             session_id: "future".into(),

@@ -25,6 +25,7 @@ use agentlog_proto::v1::{
 };
 use integration_tests::anthropic_standin::{AnthropicStandin, StandinReply};
 use integration_tests::appender::Appender;
+use integration_tests::newer;
 use integration_tests::secure::{tokens_json, TokenSpec};
 use integration_tests::side_effects::Counter;
 use integration_tests::{user_event, Backing, Store};
@@ -76,6 +77,8 @@ pub struct Skew {
     story: Vec<String>,
     workspaces: tempfile::TempDir,
     secrets: tempfile::TempDir,
+    /// The later release's turns appended by [`Skew::no_field_dropped`], by session.
+    newer: Vec<(String, newer::NewerEvent)>,
 }
 
 fn script(counter: &Counter) -> Vec<StandinReply> {
@@ -143,6 +146,7 @@ impl Skew {
             story: Vec::new(),
             workspaces: tempfile::tempdir().expect("temp dir"),
             secrets,
+            newer: Vec::new(),
         };
         let builds: Vec<String> = skew.replicas.iter().map(|r| r.build.to_string()).collect();
         skew.note(format!("replicas of {}", builds.join(" and ")));
@@ -331,15 +335,71 @@ impl Skew {
         Vec::new()
     }
 
-    /// The place for the check that no field is dropped: an event carrying a field this
-    /// build's protocol does not know, appended through a replica of this build, is served
-    /// back with it through every replica of this build. Release 0.1.0 drops such fields, so
-    /// the check waits for the store of this tree to keep them; until then it checks nothing.
-    pub async fn no_field_dropped(&mut self) {}
+    /// No field is dropped: a later release's user turn, carrying fields this build's
+    /// protocol does not know (`integration_tests::newer`), appended through each replica of
+    /// this build, is served back whole, byte for byte, through every replica of this build.
+    /// [`Skew::finish`] reads them again, after replicas of the release served the same
+    /// storage (a replica of 0.1.0 drops such fields from what it serves, never from what
+    /// is stored).
+    pub async fn no_field_dropped(&mut self) {
+        for (i, replica) in self.replicas.iter().enumerate() {
+            if replica.build != Build::This {
+                continue;
+            }
+            let session = format!("load:newer-{i}");
+            let channel = channel_of(&replica.store).await;
+            let turn = newer::user(&format!("newer-{i}"), "a turn from a later release");
+            newer::unary::<_, agentlog_proto::v1::AppendResponse>(
+                &channel,
+                Some(ADMIN_TOKEN),
+                newer::APPEND,
+                newer::NewerAppendRequest {
+                    session_id: session.clone(),
+                    events: vec![turn.clone()],
+                    lease_epoch: None,
+                },
+            )
+            .await
+            .unwrap_or_else(|e| panic!("append a later release's turn through replica {i}: {e}"));
+            self.newer.push((session, turn));
+        }
+        self.newer_served_whole(&self.replicas).await;
+        self.note("later releases' fields appended and served whole".into());
+    }
+
+    /// Each turn [`Skew::no_field_dropped`] appended, read through every replica of this
+    /// build: its bytes are what the later release sent, with the store's fields.
+    async fn newer_served_whole(&self, replicas: &[Replica]) {
+        for (session, sent) in &self.newer {
+            for (i, replica) in replicas.iter().enumerate() {
+                if replica.build != Build::This {
+                    continue;
+                }
+                let channel = channel_of(&replica.store).await;
+                let log = newer::read(&channel, Some(ADMIN_TOKEN), session)
+                    .await
+                    .unwrap_or_else(|e| panic!("read {session} through replica {i}: {e}"));
+                let [(served, bytes)] = &log[..] else {
+                    panic!(
+                        "{session} through replica {i}: one event, not {}",
+                        log.len()
+                    );
+                };
+                let expected = newer::stored(sent, session, 1, served);
+                assert_eq!(served, &expected, "{session} through replica {i}");
+                assert_eq!(
+                    bytes,
+                    &prost::Message::encode_to_vec(&expected),
+                    "{session} through replica {i}: byte for byte"
+                );
+            }
+        }
+    }
 
     /// Stops the load, waits for every work session to finish, and checks the whole run
     /// (the module's head says what).
     pub async fn finish(self) {
+        self.newer_served_whole(&self.replicas).await;
         let Skew {
             replicas,
             mut runners,
@@ -579,4 +639,13 @@ impl Drop for Follower {
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A plain channel to `store` (for the later release's writer, which speaks raw gRPC).
+async fn channel_of(store: &Store) -> tonic::transport::Channel {
+    tonic::transport::Channel::from_shared(store.url())
+        .expect("a store's URL")
+        .connect()
+        .await
+        .expect("connect to the store")
 }

@@ -24,6 +24,7 @@ pub mod index;
 pub mod live;
 pub mod log;
 pub mod published;
+pub mod readers;
 pub mod reclaim;
 mod recovery;
 pub mod search;
@@ -80,6 +81,8 @@ pub enum OpenError {
     DataDir(String, std::io::Error),
     #[error(transparent)]
     Search(#[from] search::SearchError),
+    #[error(transparent)]
+    Readers(#[from] readers::ReadersError),
 }
 
 /// Where the store keeps its data.
@@ -108,6 +111,10 @@ impl StoreConfig {
     /// `<data-dir>/log/` and `<data-dir>/index/` on the real filesystem, with segments
     /// sized to the volume ([`log::LogConfig::for_volume`]).
     pub fn in_dir(data_dir: &Path) -> Result<StoreConfig, OpenError> {
+        // Nothing of a directory a later release changed beyond this build is opened.
+        std::fs::create_dir_all(data_dir)
+            .map_err(|e| OpenError::DataDir(data_dir.display().to_string(), e))?;
+        readers::check_and_mark(data_dir)?;
         let log_dir = data_dir.join("log");
         let dir_error = |e| OpenError::DataDir(log_dir.display().to_string(), e);
         let storage = FsStorage::open_dir(&log_dir).map_err(dir_error)?;
