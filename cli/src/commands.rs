@@ -52,7 +52,7 @@ pub async fn send_on(
     if let Some(model) = model {
         kinds.push(Kind::SessionConfig(SessionConfig {
             model: model.to_string(),
-            replay: None,
+            ..SessionConfig::default()
         }));
     }
     kinds.push(user);

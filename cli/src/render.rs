@@ -9,7 +9,7 @@ use agentlog_client::json::struct_to_object;
 use agentlog_proto::v1::{
     content_block::Block, event::Kind, AssistantMessage, Event, OffPath, SessionInfo,
 };
-use serde_json::{json, Map, Value};
+use serde_json::{json, Value};
 
 /// Tool output lines shown in a transcript; the log keeps all of it.
 const RESULT_LINES: usize = 12;
@@ -140,8 +140,29 @@ impl Transcript {
                             "run"
                         }
                     )?,
-                    None => writeln!(out, "(the session runs on {} from here on)", c.model)?,
+                    None if !c.model.is_empty() => {
+                        writeln!(out, "(the session runs on {} from here on)", c.model)?
+                    }
+                    None => {}
                 }
+                if !c.fallback_models.is_empty() {
+                    writeln!(
+                        out,
+                        "(when its model keeps failing, a turn falls back to {})",
+                        c.fallback_models.join(", then ")
+                    )?;
+                }
+                if let Some(b) = &c.budget {
+                    writeln!(out, "(each run's budget: {})", budget_words(b))?;
+                }
+            }
+            Some(Kind::ModelRetry(r)) => {
+                self.end_stream(out)?;
+                writeln!(out, "  ! {}", retry_words(r, &event.session_id))?;
+            }
+            Some(Kind::RunPaused(p)) => {
+                self.end_stream(out)?;
+                writeln!(out, "(paused: {})", pause_words(p, &event.session_id))?;
             }
             None => {} // a kind newer than this CLI: skipped, as the spec asks of readers
         }
@@ -196,6 +217,84 @@ impl Transcript {
     }
 }
 
+/// A retry in words: which model failed, why, the attempt, and when the next call is due.
+pub fn retry_words(r: &agentlog_proto::v1::ModelRetry, session_id: &str) -> String {
+    let why = match r.reason.as_str() {
+        "circuit_open" => "is left alone for now (its circuit is open after failing in a row)",
+        "overloaded" => "is overloaded",
+        "rate_limited" => "is rate limited",
+        "server_error" => "had a server error",
+        "timeout" => "did not answer",
+        "stalled" => "went silent in the middle of its reply",
+        "cut" => "cut its reply short",
+        "unreachable" => "could not be reached",
+        other => other,
+    };
+    let attempt = if r.attempt > 0 {
+        format!(" (attempt {})", r.attempt)
+    } else {
+        String::new()
+    };
+    let message = if r.message.is_empty() {
+        String::new()
+    } else {
+        format!(": {}", r.message)
+    };
+    format!(
+        "{} {why}{attempt}{message}; the next call is due {} (`agentlog cancel {session_id}` \
+         stops waiting)",
+        r.model,
+        due_words(r.retry_at_unix_ms)
+    )
+}
+
+/// A pause in words, and how to go on.
+pub fn pause_words(p: &agentlog_proto::v1::RunPaused, session_id: &str) -> String {
+    let why = match p.reason.as_str() {
+        "budget" => "the run reached its budget",
+        "gave_up" => "every model kept failing",
+        other => other,
+    };
+    format!(
+        "{why} ({}); the session waits for you: `agentlog resume {session_id} TEXT` goes on \
+         with a fresh run",
+        p.detail
+    )
+}
+
+/// A budget in words.
+pub fn budget_words(b: &agentlog_proto::v1::Budget) -> String {
+    let part = |n: u64, what: &str| {
+        if n == 0 {
+            format!("the runner's {what}")
+        } else {
+            format!("{n} {what}")
+        }
+    };
+    format!(
+        "{}, {}, {}",
+        part(b.max_model_calls, "model calls"),
+        part(b.max_tokens, "tokens"),
+        part(b.max_seconds, "seconds")
+    )
+}
+
+/// When `at_unix_ms` is, from now: `now`, `in 40s`, `in 12m (14:05:03 UTC)`.
+pub fn due_words(at_unix_ms: i64) -> String {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64);
+    let left = at_unix_ms - now;
+    if left <= 0 {
+        return "now".into();
+    }
+    let left = std::time::Duration::from_secs((left as u64).div_ceil(1000));
+    let clock = humantime::format_rfc3339_seconds(
+        std::time::UNIX_EPOCH + std::time::Duration::from_millis(at_unix_ms as u64),
+    );
+    format!("in {} (at {clock})", humantime::format_duration(left))
+}
+
 /// Whether this event ends a turn: the session is idle after it.
 pub fn ends_turn(event: &Event) -> bool {
     match &event.kind {
@@ -223,6 +322,8 @@ pub fn kind_name(event: &Event) -> Option<&'static str> {
         Kind::ApprovalRequested(_) => "approval_requested",
         Kind::ApprovalDecision(_) => "approval_decision",
         Kind::SessionConfig(_) => "session_config",
+        Kind::ModelRetry(_) => "model_retry",
+        Kind::RunPaused(_) => "run_paused",
     })
 }
 
@@ -244,6 +345,7 @@ pub fn session_json(s: &SessionInfo) -> Value {
             "sessionId": f.session_id, "seq": f.seq.to_string()
         })),
         "pinned": s.pinned,
+        "notBeforeUnixMs": s.not_before_unix_ms.to_string(),
     })
 }
 
@@ -259,179 +361,16 @@ pub fn hit_json(hit: &agentlog_proto::v1::SearchHit) -> Value {
 }
 
 /// An event in the proto3 JSON mapping (lowerCamelCase names, 64-bit integers as strings,
-/// default values left out), as grpcurl prints it.
+/// default values left out), as grpcurl prints it: the protocol's own mapping
+/// (`agentlog_proto::json`), which the export format writes too.
 pub fn event_json(event: &Event) -> Value {
-    let mut o = Map::new();
-    put_str(&mut o, "sessionId", &event.session_id);
-    put_u64(&mut o, "seq", event.seq);
-    put_str(&mut o, "eventId", &event.event_id);
-    if event.ts_unix_ms != 0 {
-        o.insert("tsUnixMs".into(), json!(event.ts_unix_ms.to_string()));
-    }
-    if event.schema_version != 0 {
-        o.insert("schemaVersion".into(), json!(event.schema_version));
-    }
-    let (name, body) = match &event.kind {
-        Some(Kind::UserMessage(m)) => ("userMessage", fields([("text", str_(&m.text))])),
-        Some(Kind::AssistantMessage(m)) => ("assistantMessage", assistant_json(m)),
-        Some(Kind::ToolStarted(s)) => (
-            "toolStarted",
-            fields([
-                ("toolUseId", str_(&s.tool_use_id)),
-                ("idempotencyKey", str_(&s.idempotency_key)),
-                ("attempt", (s.attempt != 0).then(|| json!(s.attempt))),
-            ]),
-        ),
-        Some(Kind::ToolResult(r)) => (
-            "toolResult",
-            fields([
-                ("toolUseId", str_(&r.tool_use_id)),
-                ("content", str_(&r.content)),
-                ("isError", r.is_error.then_some(json!(true))),
-                (
-                    "workspaceCheckpoint",
-                    r.workspace_checkpoint.as_deref().map(|id| json!(id)),
-                ),
-                (
-                    "servedFrom",
-                    r.served_from
-                        .as_ref()
-                        .map(|f| json!({"sessionId": f.session_id, "seq": f.seq.to_string()})),
-                ),
-            ]),
-        ),
-        Some(Kind::AssistantDelta(d)) => (
-            "assistantDelta",
-            fields([("turnId", str_(&d.turn_id)), ("text", str_(&d.text))]),
-        ),
-        Some(Kind::RunError(e)) => (
-            "runError",
-            fields([
-                ("message", str_(&e.message)),
-                ("retryable", e.retryable.then_some(json!(true))),
-            ]),
-        ),
-        Some(Kind::Interrupt(i)) => ("interrupt", fields([("reason", str_(&i.reason))])),
-        Some(Kind::Interrupted(i)) => ("interrupted", fields([("reason", str_(&i.reason))])),
-        Some(Kind::ApprovalRequested(r)) => (
-            "approvalRequested",
-            fields([
-                ("toolUseId", str_(&r.tool_use_id)),
-                ("toolName", str_(&r.tool_name)),
-                ("input", r.input.as_ref().map(struct_json)),
-                ("reason", str_(&r.reason)),
-            ]),
-        ),
-        Some(Kind::ApprovalDecision(d)) => (
-            "approvalDecision",
-            fields([
-                ("toolUseId", str_(&d.tool_use_id)),
-                ("approved", d.approved.then_some(json!(true))),
-                ("note", str_(&d.note)),
-            ]),
-        ),
-        Some(Kind::SessionConfig(c)) => (
-            "sessionConfig",
-            fields([
-                ("model", str_(&c.model)),
-                (
-                    "replay",
-                    c.replay.as_ref().map(|r| {
-                        fields([
-                            ("sessionId", str_(&r.session_id)),
-                            (
-                                "afterSeq",
-                                (r.after_seq != 0).then(|| json!(r.after_seq.to_string())),
-                            ),
-                            (
-                                "throughSeq",
-                                (r.through_seq != 0).then(|| json!(r.through_seq.to_string())),
-                            ),
-                            (
-                                "offPath",
-                                (r.off_path != 0).then(|| json!(r.off_path().as_str_name())),
-                            ),
-                        ])
-                    }),
-                ),
-            ]),
-        ),
-        None => return Value::Object(o),
-    };
-    o.insert(name.into(), body);
-    Value::Object(o)
-}
-
-fn assistant_json(m: &AssistantMessage) -> Value {
-    let content: Vec<Value> = m
-        .content
-        .iter()
-        .map(|b| match &b.block {
-            Some(Block::Text(t)) => json!({"text": fields([("text", str_(&t.text))])}),
-            Some(Block::ToolUse(u)) => json!({"toolUse": fields([
-                ("id", str_(&u.id)),
-                ("name", str_(&u.name)),
-                ("input", u.input.as_ref().map(struct_json)),
-            ])}),
-            Some(Block::Thinking(t)) => json!({"thinking": fields([
-                ("thinking", str_(&t.thinking)),
-                ("signature", str_(&t.signature)),
-            ])}),
-            Some(Block::RedactedThinking(r)) => {
-                json!({"redactedThinking": fields([("data", str_(&r.data))])})
-            }
-            None => json!({}),
-        })
-        .collect();
-    let usage = m.usage.as_ref().map(|u| {
-        let n = |v: u64| (v != 0).then(|| json!(v.to_string()));
-        fields([
-            ("inputTokens", n(u.input_tokens)),
-            ("outputTokens", n(u.output_tokens)),
-            ("cacheCreationInputTokens", n(u.cache_creation_input_tokens)),
-            ("cacheReadInputTokens", n(u.cache_read_input_tokens)),
-        ])
-    });
-    fields([
-        (
-            "content",
-            (!content.is_empty()).then_some(Value::Array(content)),
-        ),
-        ("stopReason", str_(&m.stop_reason)),
-        ("model", str_(&m.model)),
-        ("usage", usage),
-        ("messageId", str_(&m.message_id)),
-    ])
+    serde_json::from_str(&agentlog_proto::json::event_to_string(event))
+        .expect("the protocol's JSON mapping writes JSON")
 }
 
 /// A `google.protobuf.Struct` as the JSON object it stands for.
 pub fn struct_json(s: &prost_types::Struct) -> Value {
     Value::Object(struct_to_object(Some(s)))
-}
-
-fn fields<const N: usize>(pairs: [(&str, Option<Value>); N]) -> Value {
-    Value::Object(
-        pairs
-            .into_iter()
-            .filter_map(|(k, v)| v.map(|v| (k.to_string(), v)))
-            .collect(),
-    )
-}
-
-fn str_(s: &str) -> Option<Value> {
-    (!s.is_empty()).then(|| json!(s))
-}
-
-fn put_str(o: &mut Map<String, Value>, key: &str, value: &str) {
-    if !value.is_empty() {
-        o.insert(key.into(), json!(value));
-    }
-}
-
-fn put_u64(o: &mut Map<String, Value>, key: &str, value: u64) {
-    if value != 0 {
-        o.insert(key.into(), json!(value.to_string()));
-    }
 }
 
 #[cfg(test)]

@@ -97,6 +97,7 @@ pub fn request(
                     OffPathArg::Stop => OffPath::Stop,
                 } as i32,
             }),
+            ..SessionConfig::default()
         })),
         ..Event::default()
     }];

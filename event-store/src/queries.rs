@@ -126,8 +126,8 @@ fn parse_page_token(token: &str) -> Result<Option<(i64, String)>, StoreError> {
 /// What one claim attempt found.
 pub enum ClaimAttempt {
     Granted(Lease),
-    /// No claimable session now; the earliest time a live lease on a runnable session
-    /// expires, if any (then its session becomes claimable).
+    /// No claimable session now; the earliest time a runnable session becomes claimable (a
+    /// live lease runs out, a `model_retry` falls due), if any.
     Nothing {
         next_expiry_unix_ms: Option<i64>,
     },

@@ -132,6 +132,14 @@ pub fn adopt_imported(staged: &SessionMeta, line: &SessionInfo) -> Result<Sessio
     if staged.title() != line.title {
         return Err(differs("title", &line.title, &staged.title()));
     }
+    // An export of release 0.1.0 does not say it.
+    if line.not_before_unix_ms != 0 && staged.not_before_unix_ms != line.not_before_unix_ms {
+        return Err(differs(
+            "notBeforeUnixMs",
+            &line.not_before_unix_ms,
+            &staged.not_before_unix_ms,
+        ));
+    }
     let mut adopted = staged.clone();
     adopted.created_unix_ms = line.created_unix_ms;
     adopted.updated_unix_ms = line.updated_unix_ms;
@@ -172,10 +180,14 @@ pub fn session_not_found(session_id: &str) -> StoreError {
     )
 }
 
-/// Whether a claim may take the session now: it has work and no live lease (a tombstone has
-/// neither).
+/// Whether a claim may take the session now: it has work, no live lease (a tombstone has
+/// neither), and no `model_retry` due later (a durable timer, held on every replica and
+/// across restarts because it is the session's state).
 pub fn claimable(meta: &SessionMeta, now: i64) -> bool {
-    !meta.is_deleted() && meta.is_runnable() && meta.live_lease(now).is_none()
+    !meta.is_deleted()
+        && meta.is_runnable()
+        && meta.live_lease(now).is_none()
+        && meta.not_before_unix_ms <= now
 }
 
 /// A new lease for `owner`, one epoch above every lease the session ever had.

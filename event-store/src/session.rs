@@ -107,6 +107,12 @@ pub struct SessionMeta {
     /// Never deleted by retention (`PinSession`); `SessionInfo.pinned`.
     #[prost(bool, tag = "14")]
     pub pinned: bool,
+    /// The `retry_at_unix_ms` of a `model_retry` that is the last event to say who has
+    /// work (0: none): `ClaimSession` hands the session out no sooner. (A store of release
+    /// 0.1.0 drops this field when it writes the state; the runner keeps the logged time
+    /// itself, whatever the store says.)
+    #[prost(int64, tag = "15")]
+    pub not_before_unix_ms: i64,
 }
 
 /// Whether `id` is a valid session id (or lease owner's): 1-128 characters of
@@ -121,7 +127,8 @@ pub fn is_valid_id(id: &str) -> bool {
 }
 
 /// Who writes an event kind. Runner-written kinds need the session's current lease; the
-/// others are a person's (a turn, an interrupt, an approval decision, the session's model).
+/// others are a person's (a turn, an interrupt, an approval decision, the session's
+/// configuration).
 pub fn is_runner_kind(kind: &event::Kind) -> bool {
     !matches!(
         kind,
@@ -146,6 +153,8 @@ pub fn kind_name(kind: &event::Kind) -> &'static str {
         event::Kind::ApprovalRequested(_) => "approval_requested",
         event::Kind::ApprovalDecision(_) => "approval_decision",
         event::Kind::SessionConfig(_) => "session_config",
+        event::Kind::ModelRetry(_) => "model_retry",
+        event::Kind::RunPaused(_) => "run_paused",
     }
 }
 
@@ -199,6 +208,12 @@ impl SessionMeta {
         self.last_seq = event.seq;
         self.updated_unix_ms = self.updated_unix_ms.max(event.ts_unix_ms);
         let Some(kind) = &event.kind else { return };
+        if !matches!(
+            kind,
+            event::Kind::AssistantDelta(_) | event::Kind::SessionConfig(_)
+        ) {
+            self.not_before_unix_ms = 0;
+        }
         match kind {
             event::Kind::UserMessage(m) => {
                 if self.first_user_seq == 0 && self.first_user_text.is_empty() {
@@ -254,6 +269,13 @@ impl SessionMeta {
                 self.pending_approvals.retain(|id| *id != d.tool_use_id);
                 self.status = self.runnable_unless_waiting();
             }
+            // A failed model call: the runner has work, but not before the logged time.
+            event::Kind::ModelRetry(r) => {
+                self.not_before_unix_ms = r.retry_at_unix_ms;
+                self.status = self.runnable_unless_waiting();
+            }
+            // The loop stopped itself: it waits for a person's next turn.
+            event::Kind::RunPaused(_) => self.status = SessionStatus::Waiting as i32,
             // Streamed text says nothing about who has work, nor does the session's model.
             event::Kind::AssistantDelta(_) | event::Kind::SessionConfig(_) => {}
         }
@@ -334,7 +356,19 @@ impl SessionMeta {
             title: self.title(),
             forked_from: self.forked_from.clone(),
             pinned: self.pinned,
+            not_before_unix_ms: self.not_before_unix_ms,
         }
+    }
+
+    /// When a claim may take the session, as far as time goes: once its live lease, if
+    /// any, has run out, and not before a `model_retry`'s due time (0: at once).
+    pub fn claimable_from(&self) -> i64 {
+        let lease = self
+            .lease
+            .as_ref()
+            .filter(|l| !l.released)
+            .map_or(0, |l| l.expires_unix_ms);
+        lease.max(self.not_before_unix_ms)
     }
 }
 
@@ -425,6 +459,53 @@ mod tests {
             meta.apply_event(&ev(i as u64 + 1, kind));
         }
         meta.status()
+    }
+
+    fn retry_until(at: i64) -> event::Kind {
+        event::Kind::ModelRetry(agentlog_proto::v1::ModelRetry {
+            retry_at_unix_ms: at,
+            ..Default::default()
+        })
+    }
+
+    #[test]
+    fn a_model_retry_is_runnable_not_before_its_time_and_a_pause_waits_for_a_person() {
+        use SessionStatus::*;
+        let mut meta = SessionMeta::default();
+        meta.apply_event(&ev(1, user("go")));
+        meta.apply_event(&ev(2, retry_until(5_000)));
+        assert_eq!((meta.status(), meta.not_before_unix_ms), (Runnable, 5_000));
+        assert_eq!(meta.info("s", 0).not_before_unix_ms, 5_000);
+        assert!(!crate::rules::claimable(&meta, 4_999));
+        assert!(crate::rules::claimable(&meta, 5_000));
+        assert_eq!(meta.claimable_from(), 5_000);
+        // Streamed text and a new configuration say nothing about it; anything else ends it.
+        meta.apply_event(&ev(
+            3,
+            event::Kind::AssistantDelta(agentlog_proto::v1::AssistantDelta::default()),
+        ));
+        meta.apply_event(&ev(
+            4,
+            event::Kind::SessionConfig(agentlog_proto::v1::SessionConfig::default()),
+        ));
+        assert_eq!(meta.not_before_unix_ms, 5_000);
+        meta.apply_event(&ev(5, user("never mind")));
+        assert_eq!((meta.status(), meta.not_before_unix_ms), (Runnable, 0));
+        let paused = event::Kind::RunPaused(agentlog_proto::v1::RunPaused::default());
+        assert_eq!(status_after(vec![user("go"), paused.clone()]), Waiting);
+        assert_eq!(
+            status_after(vec![user("go"), paused.clone(), user("go on")]),
+            Runnable
+        );
+        assert_eq!(
+            status_after(vec![
+                user("go"),
+                paused,
+                event::Kind::Interrupt(Interrupt::default())
+            ]),
+            Runnable,
+            "a runner answers an interrupt"
+        );
     }
 
     #[test]

@@ -31,9 +31,9 @@ use crate::unknown::Unknown;
 
 use crate::v1::{
     content_block::Block, event::Kind, ApprovalDecision, ApprovalRequested, AssistantDelta,
-    AssistantMessage, ContentBlock, Event, Interrupt, Interrupted, OffPath, RedactedThinkingBlock,
-    Replay, RunError, ServedFrom, SessionConfig, TextBlock, ThinkingBlock, ToolResult, ToolStarted,
-    ToolUseBlock, Usage, UserMessage,
+    AssistantMessage, Budget, ContentBlock, Event, Interrupt, Interrupted, ModelRetry, OffPath,
+    RedactedThinkingBlock, Replay, RunError, RunPaused, ServedFrom, SessionConfig, TextBlock,
+    ThinkingBlock, ToolResult, ToolStarted, ToolUseBlock, Usage, UserMessage,
 };
 
 /// Why a JSON value is not an event.
@@ -142,6 +142,25 @@ pub fn write_event_keeping(out: &mut Vec<u8>, event: &Event, unknown: &Unknown) 
             Kind::SessionConfig(c) => &|out| {
                 let mut o = Obj::open(out);
                 o.str("model", &c.model);
+                if !c.fallback_models.is_empty() {
+                    o.key("fallbackModels");
+                    o.out.push(b'[');
+                    for (i, model) in c.fallback_models.iter().enumerate() {
+                        if i > 0 {
+                            o.out.push(b',');
+                        }
+                        write_str(o.out, model);
+                    }
+                    o.out.push(b']');
+                }
+                if let Some(b) = &c.budget {
+                    o.key("budget");
+                    let mut b_ = Obj::open(o.out);
+                    b_.u64("maxModelCalls", b.max_model_calls);
+                    b_.u64("maxTokens", b.max_tokens);
+                    b_.u64("maxSeconds", b.max_seconds);
+                    b_.close(u.child(4, 0).unwrap_or(&none));
+                }
                 if let Some(r) = &c.replay {
                     o.key("replay");
                     let mut r_ = Obj::open(o.out);
@@ -159,6 +178,22 @@ pub fn write_event_keeping(out: &mut Vec<u8>, event: &Event, unknown: &Unknown) 
                     }
                     r_.close(u.child(2, 0).unwrap_or(&none));
                 }
+                o.close(u);
+            },
+            Kind::ModelRetry(r) => &|out| {
+                let mut o = Obj::open(out);
+                o.u64("turn", r.turn);
+                o.u32("attempt", r.attempt);
+                o.str("model", &r.model);
+                o.str("reason", &r.reason);
+                o.str("message", &r.message);
+                o.i64("retryAtUnixMs", r.retry_at_unix_ms);
+                o.close(u);
+            },
+            Kind::RunPaused(p) => &|out| {
+                let mut o = Obj::open(out);
+                o.str("reason", &p.reason);
+                o.str("detail", &p.detail);
                 o.close(u);
             },
         };
@@ -182,6 +217,8 @@ fn kind_field(kind: &Kind) -> (&'static str, u32) {
         Kind::ApprovalRequested(_) => ("approvalRequested", 18),
         Kind::ApprovalDecision(_) => ("approvalDecision", 19),
         Kind::SessionConfig(_) => ("sessionConfig", 20),
+        Kind::ModelRetry(_) => ("modelRetry", 21),
+        Kind::RunPaused(_) => ("runPaused", 22),
     }
 }
 
@@ -412,7 +449,7 @@ pub fn event_from_json_keeping(value: &Value) -> Result<(Event, Unknown), JsonEr
         schema_version: fields.u32("schemaVersion")?,
         kind: None,
     };
-    let kinds: [(&str, KindReader); 11] = [
+    let kinds: [(&str, KindReader); 13] = [
         ("userMessage", |f| {
             Ok(Kind::UserMessage(UserMessage {
                 text: f.string("text")?,
@@ -515,9 +552,57 @@ pub fn event_from_json_keeping(value: &Value) -> Result<(Event, Unknown), JsonEr
                     Some(replay)
                 }
             };
+            let fallback_models = match f.take("fallbackModels") {
+                None | Some(Value::Null) => Vec::new(),
+                Some(Value::Array(models)) => models
+                    .into_iter()
+                    .map(|m| match m {
+                        Value::String(m) => Ok(m),
+                        other => Err(err(format!(
+                            "sessionConfig: `fallbackModels` holds strings, not {other}"
+                        ))),
+                    })
+                    .collect::<Result<_, _>>()?,
+                Some(other) => {
+                    return Err(err(format!(
+                        "sessionConfig: `fallbackModels` must be an array, not {other}"
+                    )))
+                }
+            };
+            let budget = match f.take("budget") {
+                None | Some(Value::Null) => None,
+                Some(value) => {
+                    let mut b = Fields::of(&value, "budget")?;
+                    let budget = Budget {
+                        max_model_calls: b.u64("maxModelCalls")?,
+                        max_tokens: b.u64("maxTokens")?,
+                        max_seconds: b.u64("maxSeconds")?,
+                    };
+                    f.adopt(4, 0, b.done()?);
+                    Some(budget)
+                }
+            };
             Ok(Kind::SessionConfig(SessionConfig {
                 model: f.string("model")?,
                 replay,
+                fallback_models,
+                budget,
+            }))
+        }),
+        ("modelRetry", |f| {
+            Ok(Kind::ModelRetry(ModelRetry {
+                turn: f.u64("turn")?,
+                attempt: f.u32("attempt")?,
+                model: f.string("model")?,
+                reason: f.string("reason")?,
+                message: f.string("message")?,
+                retry_at_unix_ms: f.i64("retryAtUnixMs")?,
+            }))
+        }),
+        ("runPaused", |f| {
+            Ok(Kind::RunPaused(RunPaused {
+                reason: f.string("reason")?,
+                detail: f.string("detail")?,
             }))
         }),
     ];
@@ -945,10 +1030,33 @@ mod tests {
                     through_seq: 20,
                     off_path: OffPath::Stop as i32,
                 }),
+                ..SessionConfig::default()
             }),
             Kind::SessionConfig(SessionConfig {
                 model: "anthropic:claude".into(),
                 replay: Some(Replay::default()),
+                ..SessionConfig::default()
+            }),
+            Kind::SessionConfig(SessionConfig {
+                fallback_models: vec!["openai:gpt".into(), "anthropic:other".into()],
+                budget: Some(Budget {
+                    max_model_calls: 4,
+                    max_tokens: u64::MAX,
+                    max_seconds: 0,
+                }),
+                ..SessionConfig::default()
+            }),
+            Kind::ModelRetry(ModelRetry {
+                turn: 3,
+                attempt: 2,
+                model: "anthropic:claude".into(),
+                reason: "overloaded".into(),
+                message: "HTTP 529".into(),
+                retry_at_unix_ms: 1_700_000_000_000,
+            }),
+            Kind::RunPaused(RunPaused {
+                reason: "budget".into(),
+                detail: "max_model_calls 4 reached (4 replies)".into(),
             }),
         ];
         let mut events: Vec<Event> = kinds
@@ -1069,6 +1177,8 @@ mod tests {
                     "approvalRequested",
                     "approvalDecision",
                     "sessionConfig",
+                    "modelRetry",
+                    "runPaused",
                 ][..],
             ),
             ("UserMessage", &["text"][..]),
@@ -1108,7 +1218,23 @@ mod tests {
                 ][..],
             ),
             ("ServedFrom", &["sessionId", "seq"][..]),
-            ("SessionConfig", &["model", "replay"][..]),
+            (
+                "SessionConfig",
+                &["model", "replay", "fallbackModels", "budget"][..],
+            ),
+            ("Budget", &["maxModelCalls", "maxTokens", "maxSeconds"][..]),
+            (
+                "ModelRetry",
+                &[
+                    "turn",
+                    "attempt",
+                    "model",
+                    "reason",
+                    "message",
+                    "retryAtUnixMs",
+                ][..],
+            ),
+            ("RunPaused", &["reason", "detail"][..]),
             (
                 "Replay",
                 &["sessionId", "afterSeq", "throughSeq", "offPath"][..],
@@ -1177,6 +1303,7 @@ mod tests {
         assert_eq!(number("AssistantMessage", "usage"), 4);
         assert_eq!(number("ToolResult", "servedFrom"), 5);
         assert_eq!(number("SessionConfig", "replay"), 2);
+        assert_eq!(number("SessionConfig", "budget"), 4);
     }
 
     /// A newer writer's event: what this build does not know, at every depth, is written as

@@ -21,6 +21,7 @@
 //! same way.
 
 pub mod config;
+pub mod run;
 pub mod snapshot;
 pub mod transcript;
 
@@ -31,6 +32,7 @@ use agentlog_proto::v1::{
 };
 
 use config::SessionConfigState;
+use run::RunState;
 use transcript::{Form, Transcript};
 
 /// What an older reply's call is answered with when the log holds no result for it. Only a
@@ -150,6 +152,9 @@ pub struct Folded {
     /// The next model call is turn number `turn`; every runner folding the same log
     /// computes the same number, which makes the event ids of that turn deterministic.
     pub turn: u64,
+    /// The current run: its budget's figures, the turn's retries, the row of identical
+    /// calls ([`run`]).
+    pub run: RunState,
 }
 
 /// The fold of the events seen so far, kept by a runner between steps.
@@ -184,6 +189,8 @@ pub struct FoldState {
     lent: bool,
     /// The session's model and its replay (`session_config`).
     config: SessionConfigState,
+    /// The current run ([`run`]).
+    run: RunState,
 }
 
 /// Folds a session's events (in seq order) into the frontier.
@@ -223,6 +230,19 @@ impl FoldState {
     /// Applies the next event of the log.
     pub fn apply(&mut self, event: &Event) {
         self.config.apply(event);
+        let finished = match &event.kind {
+            Some(Kind::ToolResult(result)) => self
+                .open_calls
+                .iter()
+                .find(|call| call.id == result.tool_use_id)
+                .filter(|_| !self.results.contains_key(&result.tool_use_id))
+                .map(|call| {
+                    let approval = self.approvals.get(&call.id).unwrap_or(&Approval::NotAsked);
+                    (call, approval)
+                }),
+            _ => None,
+        };
+        self.run.apply(event, finished);
         match &event.kind {
             Some(Kind::UserMessage(user)) => {
                 self.user_texts.push(user.text.clone());
@@ -250,6 +270,8 @@ impl FoldState {
                 self.turn += 1;
                 self.ended = true;
             }
+            // The run waits for a person: nothing to do until a user message.
+            Some(Kind::RunPaused(_)) => self.ended = true,
             Some(Kind::ToolStarted(started)) => {
                 let attempt = self
                     .attempts
@@ -299,7 +321,8 @@ impl FoldState {
                 self.approvals
                     .insert(decision.tool_use_id.clone(), approval);
             }
-            Some(Kind::AssistantDelta(_) | Kind::SessionConfig(_)) | None => {}
+            Some(Kind::AssistantDelta(_) | Kind::SessionConfig(_) | Kind::ModelRetry(_)) | None => {
+            }
         }
     }
 
@@ -353,6 +376,7 @@ impl FoldState {
         Folded {
             frontier,
             turn: self.turn,
+            run: self.run.clone(),
         }
     }
 

@@ -168,19 +168,39 @@ pub fn validate_append(req: KeptAppendRequest) -> Result<AppendOp, StoreError> {
     })
 }
 
-/// A `session_config`: a model as `PROVIDER:MODEL`, and a replay that names a session and a
-/// range of its seqs.
-fn validate_session_config(i: usize, config: &SessionConfig) -> Result<(), StoreError> {
-    let named = config
-        .model
+/// Whether `model` names one as `PROVIDER:MODEL`.
+fn is_model(model: &str) -> bool {
+    model
         .split_once(':')
-        .is_some_and(|(provider, model)| !provider.is_empty() && !model.is_empty());
-    if !named || config.model.chars().any(char::is_control) {
-        return Err(invalid(format!(
-            "events[{i}].session_config.model: {} is not PROVIDER:MODEL (anthropic:MODEL, \
-             openai:MODEL or scripted:FILE)",
-            shown(&config.model)
-        )));
+        .is_some_and(|(provider, name)| !provider.is_empty() && !name.is_empty())
+        && !model.chars().any(char::is_control)
+}
+
+/// A `session_config`: a model as `PROVIDER:MODEL` (or none, keeping the earlier one, when
+/// it sets fallbacks or a budget), fallbacks likewise, and a replay that names a model, a
+/// session and a range of its seqs.
+fn validate_session_config(i: usize, config: &SessionConfig) -> Result<(), StoreError> {
+    let not_a_model = |field: String, model: &str| {
+        invalid(format!(
+            "{field}: {} is not PROVIDER:MODEL (anthropic:MODEL, openai:MODEL or scripted:FILE)",
+            shown(model)
+        ))
+    };
+    let sets_other = !config.fallback_models.is_empty() || config.budget.is_some();
+    let keeps_model = config.model.is_empty() && sets_other && config.replay.is_none();
+    if !keeps_model && !is_model(&config.model) {
+        return Err(not_a_model(
+            format!("events[{i}].session_config.model"),
+            &config.model,
+        ));
+    }
+    for (j, model) in config.fallback_models.iter().enumerate() {
+        if !is_model(model) {
+            return Err(not_a_model(
+                format!("events[{i}].session_config.fallback_models[{j}]"),
+                model,
+            ));
+        }
     }
     if let Some(replay) = &config.replay {
         validate_id_field(

@@ -92,6 +92,7 @@ pub fn session_line(info: &SessionInfo, out: &mut Vec<u8>) {
     if info.pinned {
         out.extend_from_slice(b",\"pinned\":true");
     }
+    field(out, "notBeforeUnixMs", info.not_before_unix_ms.into());
     out.extend_from_slice(b"}}\n");
 }
 
@@ -214,6 +215,8 @@ fn session(value: &Value) -> Result<SessionInfo, String> {
         title: f.string("title")?,
         forked_from,
         pinned: f.bool("pinned")?,
+        not_before_unix_ms: i64::try_from(f.integer("notBeforeUnixMs")?)
+            .map_err(|_| range("notBeforeUnixMs"))?,
     };
     // An export carries no lease; one written by hand is not taken.
     f.take("lease");
@@ -326,6 +329,7 @@ mod tests {
                 seq: 4,
             }),
             pinned: true,
+            not_before_unix_ms: 1_700_000_009_000,
         };
         let mut line = Vec::new();
         session_line(&info, &mut line);

@@ -403,6 +403,8 @@ pub fn kinds(events: &[Event]) -> Vec<String> {
             Some(Kind::ApprovalDecision(d)) => {
                 format!("approval_decision({},{})", d.tool_use_id, d.approved)
             }
+            Some(Kind::ModelRetry(r)) => format!("model_retry({},{})", r.model, r.reason),
+            Some(Kind::RunPaused(p)) => format!("run_paused({})", p.reason),
             None => "unknown".to_string(),
         })
         .filter(|k| k != "delta")

@@ -1,6 +1,6 @@
-//! What a session's log says about the model it runs on and, for a replay, how far along the
-//! recording it is: the part of the fold that `session_config` events and a replay's own
-//! events make.
+//! What a session's log says about the model it runs on (its fallbacks and its budget too)
+//! and, for a replay, how far along the recording it is: the part of the fold that
+//! `session_config` events and a replay's own events make.
 //!
 //! Promise: a pure function of the log, applied event by event with the rest of the fold
 //! (so a snapshot carries it and any split of the log folds the same). From a
@@ -17,14 +17,20 @@
 //!   `agentlog_proto::replay::user_event_id`).
 
 use agentlog_proto::replay::user_seq_of;
-use agentlog_proto::v1::{event::Kind, Event, OffPath, Replay};
+use agentlog_proto::v1::{event::Kind, Budget, Event, OffPath, Replay};
 
-/// The session's model and its replay, as the log has them so far.
+/// The session's model, its fallbacks, its budget and its replay, as the log has them so
+/// far. A `session_config` that leaves a part empty keeps the earlier one.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct SessionConfigState {
-    /// The model the latest `session_config` names (`None`: the runner's default).
+    /// The model the latest `session_config` that names one names (`None`: the runner's
+    /// default).
     pub model: Option<String>,
     pub replay: Option<ReplayState>,
+    /// The models a failing turn moves to, in order (empty: the runner's `--fallback-model`s).
+    pub fallback_models: Vec<String>,
+    /// The limits of each run (`None`: the runner's).
+    pub budget: Option<Budget>,
 }
 
 /// Where a replay stands.
@@ -63,11 +69,21 @@ impl SessionConfigState {
     pub fn apply(&mut self, event: &Event) {
         match &event.kind {
             Some(Kind::SessionConfig(config)) => {
-                self.model = Some(config.model.clone());
-                self.replay = config.replay.clone().map(|recording| ReplayState {
-                    recording,
-                    ..ReplayState::default()
-                });
+                // A config that names a model starts afresh (its replay, or none); one that
+                // only sets fallbacks or a budget changes those alone.
+                if !config.model.is_empty() {
+                    self.model = Some(config.model.clone());
+                    self.replay = config.replay.clone().map(|recording| ReplayState {
+                        recording,
+                        ..ReplayState::default()
+                    });
+                }
+                if !config.fallback_models.is_empty() {
+                    self.fallback_models.clone_from(&config.fallback_models);
+                }
+                if config.budget.is_some() {
+                    self.budget = config.budget;
+                }
             }
             Some(Kind::ToolResult(result)) => {
                 if let Some(replay) = &mut self.replay {
@@ -145,6 +161,7 @@ mod tests {
                 through_seq: 20,
                 off_path: off_path as i32,
             }),
+            ..SessionConfig::default()
         })
     }
 
@@ -228,7 +245,7 @@ mod tests {
             "cfg2",
             Kind::SessionConfig(SessionConfig {
                 model: "anthropic:x".into(),
-                replay: None,
+                ..SessionConfig::default()
             }),
         ));
         assert_eq!(state.replay, None);

@@ -19,18 +19,19 @@
 
 use std::collections::HashMap;
 
-use agentlog_proto::v1::{AssistantMessage, Replay, ToolResult, ToolUseBlock};
+use agentlog_proto::v1::{AssistantMessage, Budget, Replay, ToolResult, ToolUseBlock};
 
 use bytes::{Bytes, BytesMut};
 
 use super::config::{Behind, ReplayState, SessionConfigState};
+use super::run::RunState;
 use super::transcript::{Form, Transcript};
 use super::{Approval, FoldState, Message, PendingInterrupt, UserBlock};
 
 /// The snapshot format the runner writes and reads in the store.
 pub const FORMAT: &str = "runner-fold";
 /// The shape of [`FoldState`] this build encodes.
-pub const VERSION: u32 = 4;
+pub const VERSION: u32 = 5;
 
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum SnapshotError {
@@ -89,6 +90,12 @@ struct FoldRecord {
     model: Option<String>,
     #[prost(message, optional, tag = "19")]
     replay: Option<ReplayRecord>,
+    #[prost(message, optional, tag = "20")]
+    run: Option<RunState>,
+    #[prost(string, repeated, tag = "21")]
+    fallback_models: Vec<String>,
+    #[prost(message, optional, tag = "22")]
+    budget: Option<Budget>,
 }
 
 /// [`ReplayState`]; `behind_seq` 0 means not behind.
@@ -235,6 +242,9 @@ impl FoldState {
                 behind_checkpoint: r.behind.as_ref().and_then(|b| b.checkpoint.clone()),
                 users_through: r.users_through,
             }),
+            run: Some(self.run.clone()),
+            fallback_models: self.config.fallback_models.clone(),
+            budget: self.config.budget,
         };
         let mut data = prost::Message::encode_length_delimited_to_vec(&record);
         data.reserve(self.transcript.len());
@@ -367,7 +377,10 @@ impl FoldState {
                     }),
                     users_through: r.users_through,
                 }),
+                fallback_models: record.fallback_models,
+                budget: record.budget,
             },
+            run: record.run.unwrap_or_default(),
         })
     }
 }

@@ -210,8 +210,8 @@ pub enum LeaseOp {
 pub enum LeaseOutcome {
     Granted(Lease),
     Released,
-    /// No claimable session now; the earliest time a live lease on a runnable session
-    /// expires, if any (then its session becomes claimable).
+    /// No claimable session now; the earliest time a runnable session becomes claimable (a
+    /// live lease runs out, a `model_retry` falls due), if any.
     NothingToClaim {
         next_expiry_unix_ms: Option<i64>,
     },
@@ -819,10 +819,10 @@ impl Writer {
                         claimable = Some(id.clone());
                         break;
                     }
-                    if let Some(lease) = meta.live_lease(now) {
-                        let expiry = lease.expires_unix_ms;
+                    let from = meta.claimable_from();
+                    if from > now {
                         next_expiry_unix_ms =
-                            Some(next_expiry_unix_ms.map_or(expiry, |e| e.min(expiry)));
+                            Some(next_expiry_unix_ms.map_or(from, |e| e.min(from)));
                     }
                 }
                 let Some(session_id) = claimable else {

@@ -45,7 +45,11 @@ pub(super) struct Columns {
     pub(super) last_seq: i64,
     pub(super) updated: i64,
     pub(super) status: i32,
-    /// When the lease stops being live (0: released or never granted).
+    /// When a claim may take the session ([`SessionMeta::claimable_from`]): its live
+    /// lease's end, or a `model_retry`'s due time, whichever is later (0: at once). The
+    /// column keeps its first name, `lease_expires_unix_ms`: the claims of every release
+    /// read it as "not before", so release 0.1.0's replicas keep a parked session too
+    /// (until they write its state again).
     pub(super) lease_expires: i64,
     pub(super) first_user_text: String,
     /// Whether the session is a fork (it may share a prefix with a base: dedup looks there
@@ -70,11 +74,7 @@ impl Columns {
             last_seq: meta.last_seq as i64,
             updated: meta.updated_unix_ms,
             status: meta.status,
-            lease_expires: meta
-                .lease
-                .as_ref()
-                .filter(|l| !l.released)
-                .map_or(0, |l| l.expires_unix_ms),
+            lease_expires: meta.claimable_from(),
             first_user_text: meta.first_user_text.clone(),
             fork: meta.forked_from.is_some(),
             pinned: meta.pinned,

@@ -394,7 +394,8 @@ pub fn event_for_state(message: &[u8], want_text: bool) -> Result<Event, FrameEr
                     ASSISTANT_DELTA => {
                         event.kind = Some(event::Kind::AssistantDelta(AssistantDelta::default()))
                     }
-                    11..=19 => {
+                    // Every other kind the state reads (a session_config's, 20, it does not).
+                    11..=19 | 21 | 22 => {
                         let whole = Event::decode(message).map_err(|e| bad(&e.to_string()))?;
                         return Ok(whole);
                     }
