@@ -250,3 +250,6 @@ impl<R, F> Standin<R, F> {
         lock(&self.journal).streams_dropped.clone()
     }
 }
+
+#[cfg(test)]
+mod tests;
