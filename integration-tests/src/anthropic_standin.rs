@@ -7,26 +7,37 @@
 //! `invalid_request_error` and is recorded in [`Standin::violations`].
 //!
 //! Replies come from a script, picked (like `scripted:FILE`) by the number of assistant
-//! turns in the request, so any number of sessions can share one stand-in. Faults can be
-//! queued per turn: 529 overloaded, a stream cut mid-reply, an `error` event after the 200,
-//! and a 400 refusal.
+//! turns in the request, so any number of sessions can share one stand-in; `message_start`
+//! names the model the request asked for. Faults are scripted per model and per call, or
+//! queued per turn (see `standin::script`), and sent as the API sends them: 529
+//! `overloaded_error` (with or without retry advice), 429 `rate_limit_error` with the
+//! `anthropic-ratelimit-*` headers, the spend limit's 429, 500 `api_error` and 504
+//! `timeout_error`, an `error` event after the 200, a stream that stalls or is cut mid-reply,
+//! a response that never starts, and a 400 refusal. Every error carries `request-id` and
+//! `date`, and its body the API's `{"type": "error", "error": {type, message},
+//! "request_id"}`.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
-use axum::routing::{get, post};
+use axum::routing::post;
 use axum::Router;
+use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
-use crate::standin::{self, lock, now_ms, Journal, RecordedRequest, Standin};
+use crate::standin::{
+    self, control, lock, never_answer, now_ms, Journal, ProviderClock, RateLimit, RecordedRequest,
+    RetryAfter, Standin,
+};
 
 /// One scripted reply: optional text, then tool calls. Every reply also carries a thinking
 /// block with a signature, which must come back verbatim.
@@ -58,15 +69,42 @@ impl StandinReply {
     }
 }
 
-/// A failure served instead of (or in the middle of) a reply.
-#[derive(Debug, Clone)]
+/// A failure served instead of (or in the middle of) a reply. In JSON (`model-standin`'s
+/// `--faults` and `/control/fail`), snake case: `"cut_stream"`, `{"server_error": 504}`,
+/// `{"stall": {"deltas": 2}}`, `{"overloaded_retry_after": {"date": UNIX_MS}}`,
+/// `{"rate_limit": {"exhausted": "input_tokens", "reset_ms": 20000, "retry_after":
+/// {"seconds": 20}}}`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Fault {
     /// HTTP 529 `overloaded_error`, with a `retry-after` header when given (seconds).
     Overloaded { retry_after_s: Option<u64> },
+    /// HTTP 529 `overloaded_error` with this retry advice (served as `"overloaded"`).
+    OverloadedRetryAfter(RetryAfter),
+    /// HTTP 429 `rate_limit_error` with the `anthropic-ratelimit-*` headers and the retry
+    /// advice of the [`RateLimit`] (served as `"rate_limited"`).
+    RateLimit(RateLimit),
+    /// HTTP 429 `rate_limit_error` with `error.details.error_code`
+    /// `enforced_spend_limit_reached` and no `retry-after`: the monthly spend limit, which
+    /// waiting does not lift.
+    SpendLimit,
+    /// HTTP 5xx with the API's body: 504 `timeout_error`, any other `api_error`.
+    ServerError(u16),
     /// HTTP 200, some of the stream, then the connection is aborted.
     CutStream,
-    /// HTTP 200, `message_start`, then an `error` event and the end of the stream.
+    /// HTTP 200, `message_start`, then an `error` event (`overloaded_error`) and the end of
+    /// the stream.
     ErrorEvent,
+    /// HTTP 200 and the reply up to its first `deltas` text deltas (up to its
+    /// `message_delta`, when it has no more), then silence with the connection held open
+    /// until the caller closes it.
+    Stall {
+        #[serde(default)]
+        deltas: usize,
+    },
+    /// The request is read and not a byte of response follows, not even the status line,
+    /// until the caller closes the connection.
+    NeverStarts,
     /// HTTP 400 `invalid_request_error`.
     BadRequest,
 }
@@ -83,8 +121,9 @@ impl Standin<StandinReply, Fault> {
     }
 
     /// As [`Standin::start`], on `addr`, accepting only `api_key` when given. Also serves
-    /// `GET /journal`: how many requests came, which were refused and why (for a test that
-    /// runs the stand-in in a container).
+    /// `GET /journal` (what it saw: the requests, each one's model and what it was served,
+    /// the violations) and the fault controls (`standin::control`), for a test that runs
+    /// the stand-in in a container.
     pub async fn start_on(
         replies: Vec<StandinReply>,
         addr: SocketAddr,
@@ -95,8 +134,8 @@ impl Standin<StandinReply, Fault> {
         let journal: Shared = Arc::new(Mutex::new(journal));
         let app = Router::new()
             .route("/v1/messages", post(messages))
-            .route("/journal", get(journal_summary))
-            .with_state(journal.clone());
+            .with_state(journal.clone())
+            .merge(control::routes(journal.clone()));
         Standin::serve_on(journal, app, addr).await
     }
 
@@ -107,32 +146,47 @@ impl Standin<StandinReply, Fault> {
 }
 
 async fn messages(State(inner): State<Shared>, headers: HeaderMap, body: Bytes) -> Response {
+    match answer(&inner, &headers, &body) {
+        Some(response) => response,
+        None => never_answer().await,
+    }
+}
+
+/// The response to a request, or `None` for one that never starts.
+fn answer(inner: &Shared, headers: &HeaderMap, body: &Bytes) -> Option<Response> {
     let received_unix_ms = now_ms();
-    let request: Value = match serde_json::from_slice(&body) {
+    let received = Instant::now();
+    let request: Value = match serde_json::from_slice(body) {
         Ok(request) => request,
         Err(e) => {
-            return error(
+            return Some(error(
                 StatusCode::BAD_REQUEST,
                 "invalid_request_error",
                 &format!("body is not JSON: {e}"),
-            )
+            ))
         }
     };
-    let mut state = lock(&inner);
+    let mut state = lock(inner);
     if let Some(key) = &state.api_key {
         let sent = headers.get("x-api-key").and_then(|v| v.to_str().ok());
         if sent != Some(key.as_str()) {
             let message = "invalid x-api-key".to_string();
             state.violations.push(message.clone());
-            return error(StatusCode::UNAUTHORIZED, "authentication_error", &message);
+            return Some(error(
+                StatusCode::UNAUTHORIZED,
+                "authentication_error",
+                &message,
+            ));
         }
     }
-    let checked = check_headers(&headers).and_then(|()| check_request(&request));
+    let checked = check_headers(headers).and_then(|()| check_request(&request));
     let turn = match &checked {
         Ok(turn) => *turn,
         Err(_) => count_assistant_turns(&request),
     };
     let first_user_text = first_user_text(&request);
+    let model = request["model"].as_str().unwrap_or_default().to_string();
+    let call = state.faults.take_call(&model);
     let record = |state: &mut Journal<StandinReply, Fault>, served: &str| {
         state.requests.push(RecordedRequest {
             turn,
@@ -140,6 +194,8 @@ async fn messages(State(inner): State<Shared>, headers: HeaderMap, body: Bytes) 
             received_unix_ms,
             served: served.into(),
             body: request.clone(),
+            model: model.clone(),
+            call,
         })
     };
     if let Err(message) = checked.and_then(|turn| {
@@ -147,87 +203,142 @@ async fn messages(State(inner): State<Shared>, headers: HeaderMap, body: Bytes) 
     }) {
         state.violations.push(message.clone());
         record(&mut state, "rejected");
-        return error(StatusCode::BAD_REQUEST, "invalid_request_error", &message);
+        return Some(error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            &message,
+        ));
     }
     if let Some(hook) = state.hook.clone() {
         (hook.0)(&request);
     }
-    let fault = state.next_fault(turn);
+    let fault = state.faults.fault_for(&model, call, turn, received);
+    let clock = state.clock.clone();
+    // A fault that answers before any reply is served whether or not the script has one.
+    if let Some(fault) = &fault {
+        if let Some((served, response)) = refusal(fault, &clock) {
+            record(&mut state, served);
+            return Some(response);
+        }
+        if let Fault::NeverStarts = fault {
+            record(&mut state, "never_starts");
+            return None;
+        }
+    }
     let Some(reply) = state.replies.get(turn).cloned() else {
         record(&mut state, "rejected");
-        return error(
+        return Some(error(
             StatusCode::BAD_REQUEST,
             "invalid_request_error",
             &format!("the stand-in has no reply for turn {turn}"),
-        );
+        ));
     };
-    match fault {
-        Some(Fault::Overloaded { retry_after_s }) => {
-            record(&mut state, "overloaded");
-            let mut response = error(
-                StatusCode::from_u16(529).unwrap_or(StatusCode::SERVICE_UNAVAILABLE),
-                "overloaded_error",
-                "Overloaded",
-            );
+    let (served, ending) = match fault {
+        Some(Fault::CutStream) => ("cut_stream", Ending::Cut),
+        Some(Fault::ErrorEvent) => ("error_event", Ending::ErrorEvent),
+        Some(Fault::Stall { deltas }) => ("stall", Ending::Stall(deltas)),
+        _ => ("reply", Ending::Complete),
+    };
+    record(&mut state, served);
+    drop(state);
+    Some(stream(inner.clone(), turn, model, reply, ending))
+}
+
+/// The error response `fault` is, and its name in the journal; `None` for a fault that
+/// streams or never answers.
+fn refusal(fault: &Fault, clock: &ProviderClock) -> Option<(&'static str, Response)> {
+    let overloaded = || {
+        error(
+            StatusCode::from_u16(529).unwrap_or(StatusCode::SERVICE_UNAVAILABLE),
+            "overloaded_error",
+            "Overloaded",
+        )
+    };
+    let (served, response) = match fault {
+        Fault::Overloaded { retry_after_s } => {
+            let mut response = overloaded();
             if let Some(seconds) = retry_after_s {
-                if let Ok(value) = seconds.to_string().parse() {
-                    response.headers_mut().insert("retry-after", value);
-                }
+                RetryAfter::Seconds(*seconds).write(clock, response.headers_mut());
             }
-            response
+            ("overloaded", response)
         }
-        Some(Fault::BadRequest) => {
-            record(&mut state, "bad_request");
+        Fault::OverloadedRetryAfter(advice) => {
+            let mut response = overloaded();
+            advice.write(clock, response.headers_mut());
+            ("overloaded", response)
+        }
+        Fault::RateLimit(limit) => {
+            let mut response = error(
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limit_error",
+                "This request would exceed the rate limit for your organization. Please reduce the prompt length or the maximum tokens requested, or try again later.",
+            );
+            limit.write_anthropic(clock, response.headers_mut());
+            ("rate_limited", response)
+        }
+        Fault::SpendLimit => {
+            let body = json!({
+                "type": "error",
+                "error": {
+                    "type": "rate_limit_error",
+                    "message": "You have reached your specified API usage limits. You will regain access on the first day of next month at 00:00 UTC.",
+                    "details": {"error_code": "enforced_spend_limit_reached"},
+                },
+                "request_id": request_id(),
+            });
+            (
+                "spend_limit",
+                json_response(StatusCode::TOO_MANY_REQUESTS, &body),
+            )
+        }
+        Fault::ServerError(status) => {
+            let status = StatusCode::from_u16(*status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+            let response = match status.as_u16() {
+                504 => error(status, "timeout_error", "Request timed out"),
+                _ => error(status, "api_error", "Internal server error"),
+            };
+            ("server_error", response)
+        }
+        Fault::BadRequest => (
+            "bad_request",
             error(
                 StatusCode::BAD_REQUEST,
                 "invalid_request_error",
                 "the stand-in refuses this request",
-            )
+            ),
+        ),
+        Fault::CutStream | Fault::ErrorEvent | Fault::Stall { .. } | Fault::NeverStarts => {
+            return None
         }
-        Some(Fault::CutStream) => {
-            record(&mut state, "cut_stream");
-            drop(state);
-            stream(inner.clone(), turn, reply, Ending::Cut)
-        }
-        Some(Fault::ErrorEvent) => {
-            record(&mut state, "error_event");
-            drop(state);
-            stream(inner.clone(), turn, reply, Ending::ErrorEvent)
-        }
-        None => {
-            record(&mut state, "reply");
-            drop(state);
-            stream(inner.clone(), turn, reply, Ending::Complete)
-        }
-    }
+    };
+    Some((served, response))
 }
 
-/// `{"requests": N, "replies": N, "violations": [...]}`: what the stand-in saw.
-async fn journal_summary(State(inner): State<Shared>) -> Response {
-    let state = lock(&inner);
-    let replies = state
-        .requests
-        .iter()
-        .filter(|r| r.served == "reply")
-        .count();
-    let body = json!({
-        "requests": state.requests.len(),
-        "replies": replies,
-        "violations": state.violations,
-    });
-    Response::builder()
-        .header("content-type", "application/json")
-        .body(Body::from(body.to_string()))
-        .unwrap_or_default()
-}
-
+/// The API's error: `{"type": "error", "error": {type, message}, "request_id"}`.
 fn error(status: StatusCode, kind: &str, message: &str) -> Response {
-    let body = json!({"type": "error", "error": {"type": kind, "message": message}});
+    let body = json!({
+        "type": "error",
+        "error": {"type": kind, "message": message},
+        "request_id": request_id(),
+    });
+    json_response(status, &body)
+}
+
+/// A JSON response with the `request-id` its body names, as the API sends one.
+fn json_response(status: StatusCode, body: &Value) -> Response {
+    let id = body["request_id"].as_str().unwrap_or_default();
     Response::builder()
         .status(status)
         .header("content-type", "application/json")
+        .header("request-id", id)
         .body(Body::from(body.to_string()))
         .unwrap_or_default()
+}
+
+/// A fresh `req_…` id.
+fn request_id() -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    format!("req_standin{:016}", NEXT.fetch_add(1, Ordering::Relaxed))
 }
 
 fn check_headers(headers: &HeaderMap) -> Result<(), String> {
@@ -438,14 +549,22 @@ enum Ending {
     Complete,
     Cut,
     ErrorEvent,
+    /// Hold the connection, silent, after this many text deltas.
+    Stall(usize),
 }
 
 fn sse(event: &str, data: Value) -> Bytes {
     Bytes::from(format!("event: {event}\ndata: {data}\n\n"))
 }
 
-/// Streams the reply as the real API does.
-fn stream(journal: Shared, turn: usize, reply: StandinReply, ending: Ending) -> Response {
+/// Streams the reply as the real API does, as from `model`.
+fn stream(
+    journal: Shared,
+    turn: usize,
+    model: String,
+    reply: StandinReply,
+    ending: Ending,
+) -> Response {
     let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(64);
     tokio::spawn(async move {
         let dropped = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -459,8 +578,16 @@ fn stream(journal: Shared, turn: usize, reply: StandinReply, ending: Ending) -> 
                 sent
             }
         };
+        // A stalled stream sends nothing more; it ends when its caller closes the connection.
+        let hold = || {
+            let (tx, journal) = (tx.clone(), journal.clone());
+            async move {
+                tx.closed().await;
+                lock(&journal).streams_dropped.push(now_ms());
+            }
+        };
         let id = format!("msg_standin_{turn}_{}", now_ms());
-        let start = json!({"type": "message_start", "message": {"id": id, "type": "message", "role": "assistant", "model": "standin", "content": [], "stop_reason": null, "stop_sequence": null, "usage": {"input_tokens": 10 + turn, "output_tokens": 1}}});
+        let start = json!({"type": "message_start", "message": {"id": id, "type": "message", "role": "assistant", "model": model, "content": [], "stop_reason": null, "stop_sequence": null, "usage": {"input_tokens": 10 + turn, "output_tokens": 1}}});
         if !send(sse("message_start", start)).await {
             return;
         }
@@ -469,6 +596,7 @@ fn stream(journal: Shared, turn: usize, reply: StandinReply, ending: Ending) -> 
             return;
         }
         let content = reply_content(turn, &reply);
+        let mut text_deltas = 0;
         for (index, block) in content.iter().enumerate() {
             let events: Vec<(&str, Value)> = match block["type"].as_str() {
                 Some("thinking") => vec![
@@ -520,6 +648,14 @@ fn stream(journal: Shared, turn: usize, reply: StandinReply, ending: Ending) -> 
                 }
             };
             for (n, (name, data)) in events.into_iter().enumerate() {
+                if data["delta"]["type"] == "text_delta" {
+                    if let Ending::Stall(deltas) = ending {
+                        if text_deltas == deltas {
+                            return hold().await;
+                        }
+                    }
+                    text_deltas += 1;
+                }
                 if name == "content_block_delta" && reply.chunk_delay_ms > 0 {
                     tokio::time::sleep(Duration::from_millis(reply.chunk_delay_ms)).await;
                 }
@@ -528,11 +664,7 @@ fn stream(journal: Shared, turn: usize, reply: StandinReply, ending: Ending) -> 
                 }
                 // A cut comes in the middle of the first text (or the first block).
                 if matches!(ending, Ending::Cut) && index + 1 == content.len().min(2) && n == 1 {
-                    let _ = tx
-                        .send(Err(std::io::Error::other(
-                            "connection reset by the stand-in",
-                        )))
-                        .await;
+                    standin::cut_connection(&tx).await;
                     return;
                 }
             }
@@ -544,6 +676,9 @@ fn stream(journal: Shared, turn: usize, reply: StandinReply, ending: Ending) -> 
             {
                 return;
             }
+        }
+        if let Ending::Stall(_) = ending {
+            return hold().await;
         }
         let stop_reason = if reply.tool_uses.is_empty() {
             "end_turn"

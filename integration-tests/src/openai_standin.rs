@@ -12,12 +12,18 @@
 //! into pieces in the middle of their JSON, and several calls are interleaved by `index`
 //! (two fragments in one chunk, too). Replies come from a script, picked by the number of
 //! assistant turns in the request, so any number of sessions can share one stand-in.
-//! Faults can be queued per turn: 429 with `retry-after`, a 5xx, a stream cut mid-reply, an
-//! `error` chunk after the 200 (as vLLM sends), and a 400 refusal.
+//! Faults are scripted per model and per call, or queued per turn (see `standin::script`),
+//! and sent as OpenAI and the servers compatible with it send them: 429 with the
+//! `x-ratelimit-*` headers and retry advice, 429 `insufficient_quota` (a billing state), 503
+//! while a model loads (as llama.cpp answers), other 5xx, a stream cut mid-reply or ended
+//! early, an `error` chunk after the 200 (as vLLM sends), a stream that stalls, a response
+//! that never starts, and a 400 refusal. Every error carries `x-request-id` and `date`, and
+//! its body `{"error": {message, type, param, code}}`.
 
 use std::collections::HashSet;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use axum::body::{Body, Bytes};
@@ -26,11 +32,15 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
 use axum::routing::post;
 use axum::Router;
+use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
-use crate::standin::{self, lock, now_ms, Journal, RecordedRequest, Standin};
+use crate::standin::{
+    self, control, lock, never_answer, now_ms, Journal, Limit, ProviderClock, RateLimit,
+    RecordedRequest, RetryAfter, Standin,
+};
 
 /// One scripted reply: optional text, then tool calls.
 #[derive(Debug, Clone, Default)]
@@ -77,11 +87,24 @@ pub enum Dialect {
     IndexZero,
 }
 
-/// A failure served instead of (or in the middle of) a reply.
-#[derive(Debug, Clone)]
+/// A failure served instead of (or in the middle of) a reply. In JSON, snake case, as the
+/// Anthropic stand-in's faults (`"insufficient_quota"`, `{"unavailable": {"millis":
+/// 1500}}`, `{"rate_limit": {"exhausted": "tokens", "reset_ms": 360000}}`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Fault {
     /// HTTP 429 `rate_limit_exceeded`, with a `retry-after` header when given (seconds).
     RateLimited { retry_after_s: Option<u64> },
+    /// HTTP 429 `rate_limit_exceeded` (type `requests` or `tokens`) with the
+    /// `x-ratelimit-*` headers and the retry advice of the [`RateLimit`] (served as
+    /// `"rate_limited"`).
+    RateLimit(RateLimit),
+    /// HTTP 429 whose type and code are `insufficient_quota`: out of credit, which waiting
+    /// does not change.
+    InsufficientQuota,
+    /// HTTP 503 `unavailable_error` "Loading model", as llama.cpp's server answers while it
+    /// loads a model, with this retry advice if any.
+    Unavailable(Option<RetryAfter>),
     /// HTTP 5xx `server_error` with this status.
     ServerError(u16),
     /// HTTP 200, some of the stream (into the tool-call arguments when there are calls, else
@@ -95,6 +118,16 @@ pub enum Fault {
     NoDone,
     /// HTTP 200, a first chunk, then a `data: {"error": …}` chunk and the end of the stream.
     ErrorChunk,
+    /// HTTP 200 and the reply up to its first `deltas` content chunks (up to its
+    /// `finish_reason`, when it has no more), then silence with the connection held open
+    /// until the caller closes it.
+    Stall {
+        #[serde(default)]
+        deltas: usize,
+    },
+    /// The request is read and not a byte of response follows, not even the status line,
+    /// until the caller closes the connection.
+    NeverStarts,
     /// HTTP 400 `invalid_request_error`.
     BadRequest,
 }
@@ -110,12 +143,14 @@ impl Standin<StandinReply, Fault> {
         OpenAiStandin::start_with(replies, Dialect::OpenAi).await
     }
 
-    /// Starts a server that streams tool calls in `dialect`.
+    /// Starts a server that streams tool calls in `dialect`. It also serves `GET /journal`
+    /// and the fault controls (`standin::control`).
     pub async fn start_with(replies: Vec<StandinReply>, dialect: Dialect) -> Result<OpenAiStandin> {
         let journal: Shared = Arc::new(Mutex::new(Journal::new(replies)));
         let app = Router::new()
             .route("/v1/chat/completions", post(chat_completions))
-            .with_state((journal.clone(), dialect));
+            .with_state((journal.clone(), dialect))
+            .merge(control::routes(journal.clone()));
         Standin::serve(journal, app).await
     }
 
@@ -130,31 +165,42 @@ async fn chat_completions(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
+    match answer(&inner, dialect, &headers, &body) {
+        Some(response) => response,
+        None => never_answer().await,
+    }
+}
+
+/// The response to a request, or `None` for one that never starts.
+fn answer(inner: &Shared, dialect: Dialect, headers: &HeaderMap, body: &Bytes) -> Option<Response> {
     let received_unix_ms = now_ms();
-    if let Err(message) = check_auth(&headers) {
-        lock(&inner).violations.push(message.clone());
-        return error(
+    if let Err(message) = check_auth(headers) {
+        lock(inner).violations.push(message.clone());
+        return Some(error(
             StatusCode::UNAUTHORIZED,
             "invalid_request_error",
             None,
             &message,
-        );
+        ));
     }
-    let request: Value = match serde_json::from_slice(&body) {
+    let request: Value = match serde_json::from_slice(body) {
         Ok(request) => request,
         Err(e) => {
             let message = format!("We could not parse the JSON body of your request: {e}");
-            lock(&inner).violations.push(message.clone());
-            return error(
+            lock(inner).violations.push(message.clone());
+            return Some(error(
                 StatusCode::BAD_REQUEST,
                 "invalid_request_error",
                 None,
                 &message,
-            );
+            ));
         }
     };
+    let received = Instant::now();
     let turn = count_assistant_turns(&request);
-    let mut state = lock(&inner);
+    let model = request["model"].as_str().unwrap_or_default().to_string();
+    let mut state = lock(inner);
+    let call = state.faults.take_call(&model);
     let record = |state: &mut Journal<StandinReply, Fault>, served: &str| {
         state.requests.push(RecordedRequest {
             turn,
@@ -162,96 +208,158 @@ async fn chat_completions(
             received_unix_ms,
             served: served.into(),
             body: request.clone(),
+            model: model.clone(),
+            call,
         })
     };
-    let checked = check_content_type(&headers)
+    let checked = check_content_type(headers)
         .and_then(|()| check_request(&request))
         .and_then(|()| check_verbatim(&state.replies, state.foreign_turns, dialect, &request));
     if let Err(message) = checked {
         state.violations.push(message.clone());
         record(&mut state, "rejected");
-        return error(
+        return Some(error(
             StatusCode::BAD_REQUEST,
             "invalid_request_error",
             None,
             &message,
-        );
+        ));
+    }
+    let fault = state.faults.fault_for(&model, call, turn, received);
+    let clock = state.clock.clone();
+    // A fault that answers before any reply is served whether or not the script has one.
+    if let Some(fault) = &fault {
+        if let Some((served, response)) = refusal(fault, &clock) {
+            record(&mut state, served);
+            return Some(response);
+        }
+        if let Fault::NeverStarts = fault {
+            record(&mut state, "never_starts");
+            return None;
+        }
     }
     let Some(reply) = state.replies.get(turn).cloned() else {
         record(&mut state, "rejected");
-        return error(
+        return Some(error(
             StatusCode::BAD_REQUEST,
             "invalid_request_error",
             None,
             &format!("the stand-in has no reply for turn {turn}"),
-        );
+        ));
     };
-    let fault = state.next_fault(turn);
-    let model = request["model"].as_str().unwrap_or_default().to_string();
     let usage = request["stream_options"]["include_usage"] == true;
-    let ending = match fault {
-        Some(Fault::RateLimited { retry_after_s }) => {
-            record(&mut state, "rate_limited");
+    let (served, ending) = match fault {
+        Some(Fault::CutStream) => ("cut_stream", Ending::Cut),
+        Some(Fault::StreamEnds) => ("stream_ends", Ending::Ends),
+        Some(Fault::NoDone) => ("no_done", Ending::NoDone),
+        Some(Fault::ErrorChunk) => ("error_chunk", Ending::ErrorChunk),
+        Some(Fault::Stall { deltas }) => ("stall", Ending::Stall(deltas)),
+        _ => ("reply", Ending::Complete),
+    };
+    record(&mut state, served);
+    drop(state);
+    Some(stream(
+        inner.clone(),
+        turn,
+        model,
+        usage,
+        dialect,
+        reply,
+        ending,
+    ))
+}
+
+/// The error response `fault` is, and its name in the journal; `None` for a fault that
+/// streams or never answers.
+fn refusal(fault: &Fault, clock: &ProviderClock) -> Option<(&'static str, Response)> {
+    Some(match fault {
+        Fault::RateLimited { retry_after_s } => {
             let mut response = error(
                 StatusCode::TOO_MANY_REQUESTS,
                 "requests",
                 Some("rate_limit_exceeded"),
                 "Rate limit reached for requests. Please try again later.",
             );
-            if let Some(value) = retry_after_s.and_then(|s| s.to_string().parse().ok()) {
-                response.headers_mut().insert("retry-after", value);
+            if let Some(seconds) = retry_after_s {
+                RetryAfter::Seconds(*seconds).write(clock, response.headers_mut());
             }
-            return response;
+            ("rate_limited", response)
         }
-        Some(Fault::ServerError(status)) => {
-            record(&mut state, "server_error");
-            return error(
-                StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+        Fault::RateLimit(limit) => {
+            let kind = match limit.exhausted {
+                Limit::Requests => "requests",
+                Limit::Tokens | Limit::InputTokens | Limit::OutputTokens => "tokens",
+            };
+            let mut response = error(
+                StatusCode::TOO_MANY_REQUESTS,
+                kind,
+                Some("rate_limit_exceeded"),
+                &format!(
+                    "Rate limit reached for {kind} per min. Please try again in {}.",
+                    standin::advice::go_duration(limit.reset_in)
+                ),
+            );
+            limit.write_openai(clock, response.headers_mut());
+            ("rate_limited", response)
+        }
+        Fault::InsufficientQuota => (
+            "insufficient_quota",
+            error(
+                StatusCode::TOO_MANY_REQUESTS,
+                "insufficient_quota",
+                Some("insufficient_quota"),
+                "You exceeded your current quota, please check your plan and billing details.",
+            ),
+        ),
+        Fault::Unavailable(advice) => {
+            let body = json!({"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}});
+            let mut response = json_response(StatusCode::SERVICE_UNAVAILABLE, &body);
+            if let Some(advice) = advice {
+                advice.write(clock, response.headers_mut());
+            }
+            ("unavailable", response)
+        }
+        Fault::ServerError(status) => (
+            "server_error",
+            error(
+                StatusCode::from_u16(*status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
                 "server_error",
                 None,
                 "The server had an error while processing your request. Sorry about that!",
-            );
-        }
-        Some(Fault::BadRequest) => {
-            record(&mut state, "bad_request");
-            return error(
+            ),
+        ),
+        Fault::BadRequest => (
+            "bad_request",
+            error(
                 StatusCode::BAD_REQUEST,
                 "invalid_request_error",
                 None,
                 "the stand-in refuses this request",
-            );
-        }
-        Some(Fault::CutStream) => {
-            record(&mut state, "cut_stream");
-            Ending::Cut
-        }
-        Some(Fault::StreamEnds) => {
-            record(&mut state, "stream_ends");
-            Ending::Ends
-        }
-        Some(Fault::NoDone) => {
-            record(&mut state, "no_done");
-            Ending::NoDone
-        }
-        Some(Fault::ErrorChunk) => {
-            record(&mut state, "error_chunk");
-            Ending::ErrorChunk
-        }
-        None => {
-            record(&mut state, "reply");
-            Ending::Complete
-        }
-    };
-    drop(state);
-    stream(turn, model, usage, dialect, reply, ending)
+            ),
+        ),
+        Fault::CutStream
+        | Fault::StreamEnds
+        | Fault::NoDone
+        | Fault::ErrorChunk
+        | Fault::Stall { .. }
+        | Fault::NeverStarts => return None,
+    })
 }
 
 /// The API's error body: `{"error": {message, type, param, code}}`.
 fn error(status: StatusCode, kind: &str, code: Option<&str>, message: &str) -> Response {
     let body = json!({"error": {"message": message, "type": kind, "param": null, "code": code}});
+    json_response(status, &body)
+}
+
+/// A JSON response with a fresh `x-request-id`, as OpenAI sends one.
+fn json_response(status: StatusCode, body: &Value) -> Response {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    let id = format!("req_standin{:016x}", NEXT.fetch_add(1, Ordering::Relaxed));
     Response::builder()
         .status(status)
         .header("content-type", "application/json")
+        .header("x-request-id", id)
         .body(Body::from(body.to_string()))
         .unwrap_or_default()
 }
@@ -676,6 +784,8 @@ enum Ending {
     Ends,
     NoDone,
     ErrorChunk,
+    /// Hold the connection, silent, after this many content chunks.
+    Stall(usize),
 }
 
 /// What one chunk carries in `choices[0]`.
@@ -766,6 +876,7 @@ fn sse(data: &Value) -> Bytes {
 
 /// Streams the reply as the real API does.
 fn stream(
+    journal: Shared,
     turn: usize,
     model: String,
     usage: bool,
@@ -787,7 +898,16 @@ fn stream(
             }
             chunk
         };
+        // A stalled stream sends nothing more; it ends when its caller closes the connection.
+        let hold = || {
+            let (tx, journal) = (tx.clone(), journal.clone());
+            async move {
+                tx.closed().await;
+                lock(&journal).streams_dropped.push(now_ms());
+            }
+        };
         let pieces = pieces(turn, dialect, &reply);
+        let mut content_chunks = 0;
         // The cut comes after the first piece of arguments when there are calls, else
         // after the first piece of text.
         let cut_at = pieces
@@ -795,6 +915,13 @@ fn stream(
             .position(|p| matches!(p, Piece::Delta(d) if d["tool_calls"][0]["function"]["arguments"].as_str().is_some_and(|a| !a.is_empty())))
             .unwrap_or(1);
         for (n, piece) in pieces.iter().enumerate() {
+            if let Ending::Stall(deltas) = ending {
+                let content = matches!(piece, Piece::Delta(d) if d["content"].as_str().is_some_and(|c| !c.is_empty()));
+                if (content && content_chunks == deltas) || matches!(piece, Piece::Finish(_)) {
+                    return hold().await;
+                }
+                content_chunks += usize::from(content);
+            }
             if n > 0 && reply.chunk_delay_ms > 0 {
                 tokio::time::sleep(Duration::from_millis(reply.chunk_delay_ms)).await;
             }
@@ -816,11 +943,7 @@ fn stream(
             match ending {
                 Ending::Ends if n == cut_at => return,
                 Ending::Cut if n == cut_at => {
-                    let _ = tx
-                        .send(Err(std::io::Error::other(
-                            "connection reset by the stand-in",
-                        )))
-                        .await;
+                    standin::cut_connection(&tx).await;
                     return;
                 }
                 // vLLM's way of failing after the 200: an error chunk, then the end.
