@@ -9,8 +9,8 @@ use agentlog_client::log::read_log;
 use agentlog_client::refusal::is_session_not_found;
 use agentlog_client::retry::retry_transient;
 use agentlog_proto::v1::{
-    event::Kind, AppendRequest, Event, GetSessionRequest, ListSessionsRequest, SessionConfig,
-    SessionInfo, SessionStatus, UserMessage,
+    event::Kind, AppendRequest, Budget, Event, GetSessionRequest, ListSessionsRequest,
+    SessionConfig, SessionInfo, SessionStatus, UserMessage,
 };
 use anyhow::{anyhow, bail, Result};
 
@@ -32,28 +32,85 @@ pub struct Output {
 
 /// `send`/`continue`/`resume`: appends a user turn and streams the session until it is idle.
 pub async fn send(out: &Output, session: Option<String>, text: &str) -> Result<()> {
-    send_on(out, session, None, text).await
+    send_on(out, session, Config::default(), text).await
 }
 
-/// [`send`], with the session on `model` from this turn on (a `session_config` before the
-/// user message, in the same append).
+/// What `send` sets of the session's configuration from its turn on.
+#[derive(Debug, Default)]
+pub struct Config {
+    pub model: Option<String>,
+    pub fallback_models: Vec<String>,
+    pub budget: Option<Budget>,
+}
+
+impl Config {
+    /// The `session_config` it makes, if it sets anything.
+    fn event(self) -> Option<SessionConfig> {
+        (self.model.is_some() || !self.fallback_models.is_empty() || self.budget.is_some()).then(
+            || SessionConfig {
+                model: self.model.unwrap_or_default(),
+                fallback_models: self.fallback_models,
+                budget: self.budget,
+                ..SessionConfig::default()
+            },
+        )
+    }
+
+    /// Whether it sets a field new in release 0.2.0, which a store of 0.1.0 would drop.
+    fn is_new(&self) -> bool {
+        !self.fallback_models.is_empty() || self.budget.is_some()
+    }
+}
+
+/// `calls=N,tokens=N,seconds=N` (any of them) as a budget.
+pub fn parse_budget(text: &str) -> Result<Budget, String> {
+    let mut budget = Budget::default();
+    for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (name, value) = part
+            .split_once('=')
+            .ok_or_else(|| format!("{part:?} is not NAME=N (calls=, tokens= or seconds=)"))?;
+        let value: u64 = value
+            .trim()
+            .parse()
+            .map_err(|_| format!("{part:?}: {value:?} is not a whole number"))?;
+        match name.trim() {
+            "calls" => budget.max_model_calls = value,
+            "tokens" => budget.max_tokens = value,
+            "seconds" => budget.max_seconds = value,
+            other => return Err(format!("{other:?} is not calls, tokens or seconds")),
+        }
+    }
+    Ok(budget)
+}
+
+/// [`send`], with the session configured from this turn on (a `session_config` before the
+/// user message, in the same append). A field new in this release is sent only to a store
+/// that keeps it (its responses name its release, [`agentlog_proto::release::HEADER`]).
 pub async fn send_on(
     out: &Output,
     session: Option<String>,
-    model: Option<&str>,
+    config: Config,
     text: &str,
 ) -> Result<()> {
     let session = session.unwrap_or_else(new_session_id);
     let mut client = store::connect(&out.addr).await?;
+    if config.is_new() {
+        let release = store::release(&mut client, &session).await;
+        if !release.keeps_unknown_fields() {
+            anyhow::bail!(
+                "the store at {} is release {release}, which would drop --fallback-model and \
+                 --budget without a word; upgrade the stores first (deploy/README.md, \
+                 \"Upgrades and rollbacks\"), then send again",
+                out.addr
+            );
+        }
+    }
     let user = Kind::UserMessage(UserMessage {
         text: text.to_string(),
     });
     let mut kinds = Vec::new();
-    if let Some(model) = model {
-        kinds.push(Kind::SessionConfig(SessionConfig {
-            model: model.to_string(),
-            ..SessionConfig::default()
-        }));
+    if let Some(config) = config.event() {
+        kinds.push(Kind::SessionConfig(config));
     }
     kinds.push(user);
     let seq = append_client_events(&mut client, &session, "user", kinds)

@@ -36,9 +36,12 @@ else echo \"$IDEMPOTENCY_KEY\" >> ledger.txt; echo \"applied: $IDEMPOTENCY_KEY\"
 fn script() -> String {
     let mut lines = String::from("# agentlog demo: three side-effecting steps, then a summary\n");
     for step in 1..=STEPS {
+        // Each step's command names its step: three identical calls in a row would wait for
+        // a person (the runner's --repeat-limit).
+        let command = format!("# step {step}\n{LEDGER_COMMAND}");
         let reply = serde_json::json!({
             "text": format!("Step {step} of {STEPS}: applying a side effect to the ledger."),
-            "tool_uses": [{"name": "bash", "input": {"command": LEDGER_COMMAND}}],
+            "tool_uses": [{"name": "bash", "input": {"command": command}}],
             "chunk_delay_ms": 20,
         });
         lines.push_str(&format!("{reply}\n"));

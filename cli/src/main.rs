@@ -80,6 +80,14 @@ enum Command {
         /// this message on.
         #[arg(long)]
         model: Option<String>,
+        /// When its model keeps failing, a turn falls back to this model (PROVIDER:MODEL),
+        /// in the order given. Repeatable.
+        #[arg(long = "fallback-model")]
+        fallback_models: Vec<String>,
+        /// Each run's limits: calls=N (model replies), tokens=N (in and out), seconds=N
+        /// (since its user message), comma-separated; a limit left out is the runner's.
+        #[arg(long, value_parser = commands::parse_budget)]
+        budget: Option<agentlog_proto::v1::Budget>,
         text: String,
     },
     /// Follow a session live; reconnects by itself, never shows an event twice.
@@ -305,8 +313,17 @@ async fn main() -> ExitCode {
         Command::Send {
             session,
             model,
+            fallback_models,
+            budget,
             text,
-        } => commands::send_on(&out, session, model.as_deref(), &text).await,
+        } => {
+            let config = commands::Config {
+                model,
+                fallback_models,
+                budget,
+            };
+            commands::send_on(&out, session, config, &text).await
+        }
         Command::Tail { session, from } => commands::tail(&out, &session, from).await,
         Command::Ls {
             query,

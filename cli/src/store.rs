@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use agentlog_client::refusal::is_session_deleted;
 use agentlog_client::{BearerToken, StoreConnection};
+use agentlog_proto::release::Release;
 use anyhow::{anyhow, Result};
 use tonic::transport::{Channel, Endpoint};
 use tonic::Code;
@@ -81,6 +82,25 @@ pub async fn connect(addr: &str) -> Result<Client> {
         .await
         .map_err(|_| not_reachable(addr))?;
     Ok(client(channel))
+}
+
+/// The release of the store behind `client`, as a response of it names it (a refusal's
+/// too; release 0.1.0 names none): asked with a `GetSession` of `session`.
+pub async fn release(client: &mut Client, session: &str) -> Release {
+    let answer = client
+        .get_session(agentlog_proto::v1::GetSessionRequest {
+            session_id: session.to_string(),
+        })
+        .await;
+    let metadata = match &answer {
+        Ok(response) => response.metadata(),
+        Err(status) => status.metadata(),
+    };
+    Release::of_header(
+        metadata
+            .get(agentlog_proto::release::HEADER)
+            .and_then(|v| v.to_str().ok()),
+    )
 }
 
 pub fn not_reachable(addr: &str) -> anyhow::Error {

@@ -23,7 +23,9 @@
 //!   ends.
 
 use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
 
+use agentlog_proto::release::Release;
 use agentlog_proto::v1::{append_stream_response, AppendRequest, AppendResponse};
 use prost::Message;
 use tokio::sync::{mpsc, oneshot};
@@ -48,6 +50,9 @@ pub const MAX_REQUEST_BYTES: usize = 4 << 20;
 #[derive(Debug, Clone)]
 pub struct AppendStream {
     queue: mpsc::Sender<Queued>,
+    /// The release of the store behind the latest stream, as its response named it
+    /// ([`agentlog_proto::release::HEADER`]; `None`: no stream answered yet).
+    release: Arc<Mutex<Option<Release>>>,
 }
 
 /// A request and where its answer goes.
@@ -61,8 +66,16 @@ impl AppendStream {
     /// request, in the span current now: the store's side of the call joins that trace.
     pub fn new(client: StoreClient) -> AppendStream {
         let (queue, queued) = mpsc::channel(QUEUED);
-        tokio::spawn(own_the_stream(client, queued).in_current_span());
-        AppendStream { queue }
+        let release: Arc<Mutex<Option<Release>>> = Arc::default();
+        tokio::spawn(own_the_stream(client, queued, release.clone()).in_current_span());
+        AppendStream { queue, release }
+    }
+
+    /// The release of the store the latest stream reached (release 0.1.0 names none), once
+    /// a stream was answered: a writer sends what is new in its own release only to a
+    /// store that has it.
+    pub fn store_release(&self) -> Option<Release> {
+        *self.release.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Appends as a unary `Append` would: the response, or the status it would fail with.
@@ -82,9 +95,13 @@ fn task_gone() -> Status {
 
 /// Opens a stream for the first request after the last one broke, until every handle is
 /// dropped.
-async fn own_the_stream(client: StoreClient, mut queued: mpsc::Receiver<Queued>) {
+async fn own_the_stream(
+    client: StoreClient,
+    mut queued: mpsc::Receiver<Queued>,
+    release: Arc<Mutex<Option<Release>>>,
+) {
     while let Some(first) = queued.recv().await {
-        serve_one_stream(client.clone(), first, &mut queued).await;
+        serve_one_stream(client.clone(), first, &mut queued, &release).await;
     }
 }
 
@@ -95,6 +112,7 @@ async fn serve_one_stream(
     mut client: StoreClient,
     first: Queued,
     queued: &mut mpsc::Receiver<Queued>,
+    release: &Mutex<Option<Release>>,
 ) {
     let (outgoing, body) = mpsc::channel(IN_FLIGHT);
     let mut waiting = Waiting::default();
@@ -102,7 +120,14 @@ async fn serve_one_stream(
         return;
     }
     let mut answers = match client.append_stream(ReceiverStream::new(body)).await {
-        Ok(response) => response.into_inner(),
+        Ok(response) => {
+            let named = response
+                .metadata()
+                .get(agentlog_proto::release::HEADER)
+                .and_then(|v| v.to_str().ok());
+            *release.lock().unwrap_or_else(|p| p.into_inner()) = Some(Release::of_header(named));
+            response.into_inner()
+        }
         Err(status) => return waiting.fail_all(&status),
     };
     loop {

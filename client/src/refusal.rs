@@ -1,5 +1,6 @@
 //! What a refusal from the store means to a client, decided on its machine-readable reason
-//! ([`Reason::of`]), never on the status code or the message text.
+//! ([`Reason::of`]), never on the status code or the message text, but for the one refusal
+//! of release 0.1.0 that carries no reason ([`is_unknown_kind`]).
 
 use agentlog_proto::reason::Reason;
 
@@ -34,6 +35,15 @@ pub fn is_session_not_found(status: &tonic::Status) -> bool {
 /// (never asked, already decided, or already closed).
 pub fn is_approval_not_pending(status: &tonic::Status) -> bool {
     Reason::of(status) == Some(Reason::ApprovalNotPending)
+}
+
+/// Whether the store refused an event because it does not know its kind: reason
+/// `UNKNOWN_KIND`, or (release 0.1.0, which has no such reason) `INVALID_ARGUMENT` saying
+/// an event needs exactly one kind. The writer then goes on as its previous release would.
+pub fn is_unknown_kind(status: &tonic::Status) -> bool {
+    Reason::of(status) == Some(Reason::UnknownKind)
+        || (status.code() == tonic::Code::InvalidArgument
+            && status.message().contains("an event needs exactly one kind"))
 }
 
 #[cfg(test)]

@@ -33,12 +33,21 @@ pub struct Backoff {
 }
 
 impl Backoff {
-    /// Model providers that fail transiently (overloaded, rate-limited): patient, and
-    /// giving up after 8 attempts (the turn then logs a retryable `run_error`).
+    /// Model providers that fail transiently (overloaded, rate-limited), when the runner
+    /// retries in memory (a store that does not keep `model_retry`): patient, and giving
+    /// up after 8 attempts (the turn then logs a retryable `run_error`).
     pub const MODEL: Backoff = Backoff {
         base: Duration::from_millis(500),
         cap: Duration::from_secs(30),
         max_attempts: 8,
+    };
+
+    /// Model calls whose retries are in the log: about 1 s doubling, at most 60 s, for as
+    /// long as the runner's `--give-up-after` allows ([`Backoff::about`]).
+    pub const MODEL_LOGGED: Backoff = Backoff {
+        base: Duration::from_secs(1),
+        cap: Duration::from_secs(60),
+        max_attempts: u32::MAX,
     };
 
     /// Calls to the event store: quick first retries, never more than 2 s apart.
@@ -58,6 +67,17 @@ impl Backoff {
             Some(wait) => wait.min(self.cap).max(jittered),
             None => jittered,
         }
+    }
+}
+
+impl Backoff {
+    /// The wait after failed attempt `attempt` (1-based), "about" the doubled base: between
+    /// half of it and all of it (equal jitter), so a wait is never much shorter than the
+    /// schedule says yet clients hit by the same outage still come back apart.
+    pub fn about(&self, attempt: u32) -> Duration {
+        let exponent = attempt.saturating_sub(1).min(20);
+        let ceiling = self.base.saturating_mul(1 << exponent).min(self.cap);
+        ceiling.mul_f64(0.5 + 0.5 * fastrand::f64())
     }
 }
 

@@ -105,7 +105,10 @@ fn script() -> String {
     let bash = |command: &str| json!([{"name": "bash", "input": {"command": command}}]);
     let mut lines = vec![json!({"text": "First, the ways out.", "tool_uses": bash(PROBES)})];
     for i in 1..CALLS_PER_SESSION {
-        lines.push(json!({"text": format!("Step {i}."), "tool_uses": bash(EFFECT)}));
+        // Each step's command names its step: three identical calls in a row would wait for
+        // a person (the runner's --repeat-limit).
+        let effect = format!("# step {i}\n{EFFECT}");
+        lines.push(json!({"text": format!("Step {i}."), "tool_uses": bash(&effect)}));
     }
     lines.push(json!({"text": "All steps done."}));
     lines.iter().map(|l| format!("{l}\n")).collect()

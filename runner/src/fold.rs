@@ -227,6 +227,11 @@ impl FoldState {
         &self.config
     }
 
+    /// The current run ([`run`]).
+    pub fn run(&self) -> &RunState {
+        &self.run
+    }
+
     /// Applies the next event of the log.
     pub fn apply(&mut self, event: &Event) {
         self.config.apply(event);
@@ -945,6 +950,7 @@ mod tests {
             conversation,
             tools: &[],
             max_tokens: 10,
+            idle_timeout: std::time::Duration::from_secs(120),
         };
         match form.name() {
             "anthropic-messages" => anthropic::request_body("m", request),

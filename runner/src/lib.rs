@@ -4,12 +4,14 @@
 // Unsafe code lives only in tools/sandbox/kernel.rs (raw Landlock and seccomp calls).
 #![deny(unsafe_code)]
 
+pub mod call_model;
 pub mod drain;
 pub mod fold;
 pub mod lease;
 pub mod metrics;
 pub mod model;
 pub mod replay;
+pub mod resilience;
 pub mod secrets;
 pub mod session_log;
 pub mod sweep;

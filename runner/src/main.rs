@@ -5,12 +5,14 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use agentlog_client::retry::Backoff;
 use agentlog_client::StoreConnection;
+use agentlog_proto::v1::Budget;
 use anyhow::{Context, Result};
 use clap::Parser;
 use runner::drain::{Drain, EXIT_MARGIN};
 use runner::model::Models;
+use runner::resilience::circuit::Circuits;
+use runner::resilience::Settings;
 use runner::secrets::{SecretFiles, Secrets};
 use runner::sweep::Sweeper;
 use runner::tools::sandbox::{self, Ids, Sandbox, SandboxMode, ToolNetwork, HELPER_ARG, SELF_EXE};
@@ -146,6 +148,50 @@ struct Args {
     /// leaves the disk within this. `0` sweeps only then. `5m`, `30s`.
     #[arg(long, env = "AGENTLOG_SWEEP_EVERY", default_value = "5m", value_parser = humantime::parse_duration)]
     sweep_every: Duration,
+
+    // When the work keeps failing.
+    /// A model a failing turn falls back to (PROVIDER:MODEL), in the order given, for the
+    /// sessions that name no fallbacks of their own; the runner is given it as if by
+    /// --model. Repeatable (the environment variable takes a comma-separated list).
+    #[arg(
+        long = "fallback-model",
+        env = "AGENTLOG_FALLBACK_MODEL",
+        value_delimiter = ','
+    )]
+    fallback_models: Vec<String>,
+    /// Failed calls of one model in a turn before its next call goes to the next model of
+    /// the session's chain.
+    #[arg(long, env = "AGENTLOG_FALLBACK_AFTER", default_value_t = 2)]
+    fallback_after: u32,
+    /// A model call that answers nothing for this long (no response at all, or a stream
+    /// gone silent) is dropped and counts as a failure. `120s`, `2m`.
+    #[arg(long, env = "AGENTLOG_MODEL_IDLE_TIMEOUT", default_value = "120s", value_parser = humantime::parse_duration)]
+    model_idle_timeout: Duration,
+    /// A wait for the next model call longer than this is not spent holding the session:
+    /// the runner lets it go, and the store hands it to any runner once it is due. `10s`.
+    #[arg(long, env = "AGENTLOG_PARK_AFTER", default_value = "10s", value_parser = humantime::parse_duration)]
+    park_after: Duration,
+    /// Failed calls of a model in a row, across this runner's sessions, that open its
+    /// circuit: it is left alone for a cool-down (30 s, doubling up to 5 min while its
+    /// probes fail), sessions with a fallback go straight to it.
+    #[arg(long, env = "AGENTLOG_CIRCUIT_FAILURES", default_value_t = 5)]
+    circuit_failures: u32,
+    /// Once this long has passed since a turn's first failed call, the run pauses for a
+    /// person (run_paused gave_up) instead of calling again. `1h`, `30m`.
+    #[arg(long, env = "AGENTLOG_GIVE_UP_AFTER", default_value = "1h", value_parser = humantime::parse_duration)]
+    give_up_after: Duration,
+    /// The N-th identical tool call in a row (same tool, same input) waits for a person.
+    #[arg(long, env = "AGENTLOG_REPEAT_LIMIT", default_value_t = 3)]
+    repeat_limit: u32,
+    /// A run's most model replies, where its session sets no budget (0: no limit).
+    #[arg(long, env = "AGENTLOG_RUN_MAX_MODEL_CALLS", default_value_t = 200)]
+    run_max_model_calls: u64,
+    /// A run's most input plus output tokens of its replies (0: no limit).
+    #[arg(long, env = "AGENTLOG_RUN_MAX_TOKENS", default_value_t = 0)]
+    run_max_tokens: u64,
+    /// A run's most wall time since its user message, in seconds (0: no limit).
+    #[arg(long, env = "AGENTLOG_RUN_MAX_SECONDS", default_value_t = 0)]
+    run_max_seconds: u64,
 }
 
 fn main() -> Result<()> {
@@ -194,8 +240,16 @@ async fn run(args: Args, secrets: Secrets, non_dumpable: bool) -> Result<()> {
         args.lease_ttl_ms
     );
     anyhow::ensure!(args.max_sessions >= 1, "--max-sessions must be at least 1");
-    let models = Models::from_specs(&args.model, &secrets.api_keys)?;
-    let policy = ToolPolicy::new(&args.approve, &args.on_unknown_outcome)?;
+    // The fallbacks are models the runner was given too, after its own.
+    let mut specs = args.model.clone();
+    for fallback in &args.fallback_models {
+        if !specs.contains(fallback) {
+            specs.push(fallback.clone());
+        }
+    }
+    let models = Models::from_specs(&specs, &secrets.api_keys)?;
+    let policy = ToolPolicy::new(&args.approve, &args.on_unknown_outcome)?
+        .with_repeat_limit(args.repeat_limit);
     std::fs::create_dir_all(&args.workspace_root).with_context(|| {
         format!(
             "cannot create the workspace root {}",
@@ -271,7 +325,8 @@ async fn run(args: Args, secrets: Secrets, non_dumpable: bool) -> Result<()> {
             .with_context(|| format!("binding --metrics-listen {addr}"))?;
         let metrics_addr = listener.local_addr().context("reading the bound address")?;
         tracing::info!(%metrics_addr, "serving Prometheus metrics at /metrics");
-        let mut registry = runner::metrics::registry(&models);
+        let providers: Vec<&'static str> = models.iter().map(|m| m.provider()).collect();
+        let mut registry = runner::metrics::registry(&providers, &models.specs());
         build_info::register(&mut registry);
         let stop = shutdown.clone();
         tokio::spawn(async move {
@@ -332,7 +387,21 @@ async fn run(args: Args, secrets: Secrets, non_dumpable: bool) -> Result<()> {
         tools: Toolbox::specs(),
         policy,
         max_tokens: args.max_tokens,
-        backoff: Backoff::MODEL,
+        settings: Settings {
+            fallback_models: args.fallback_models.clone(),
+            fallback_after: args.fallback_after.max(1),
+            park_after: args.park_after,
+            give_up_after: args.give_up_after,
+            circuit_failures: args.circuit_failures.max(1),
+            repeat_limit: args.repeat_limit,
+            budget: Budget {
+                max_model_calls: args.run_max_model_calls,
+                max_tokens: args.run_max_tokens,
+                max_seconds: args.run_max_seconds,
+            },
+            model_idle_timeout: args.model_idle_timeout,
+        },
+        circuits: Circuits::new(args.circuit_failures),
     });
     let work = claim_loop(
         client,

@@ -1,8 +1,8 @@
 //! The runner's Prometheus metrics and the spans of a turn: model calls, tool runs, leases.
 //!
-//! Promise: every label value comes from a fixed, small set (a provider, a tool name the
-//! toolbox knows, an outcome); no session id, tool input or model text ever becomes a
-//! label. Each hook in the loop is one line; the observers here time the work, count its
+//! Promise: every label value comes from a fixed, small set (a provider, a model this
+//! runner was given with `--model` or `--fallback-model`, a tool name the toolbox knows, an
+//! outcome, a reason); no session id, tool input or model text ever becomes a label. Each hook in the loop is one line; the observers here time the work, count its
 //! outcome (a dropped observer counts as `cancelled`: an interrupt or a lost lease stopped
 //! it) and carry the span it runs in. The metrics live for the process (statics), and
 //! [`registry`] exposes them for `--metrics-listen`.
@@ -10,18 +10,19 @@
 use std::sync::LazyLock;
 use std::time::Instant;
 
-use agentlog_proto::v1::AssistantMessage;
+use agentlog_proto::v1::Usage;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
-use crate::model::{Model, ModelError, Models};
 use crate::tools::{Stopped, ToolOutput, Toolbox};
 
 type Labels1 = [(&'static str, &'static str); 1];
 type Labels2 = [(&'static str, &'static str); 2];
+/// Labels that name a model (`PROVIDER:MODEL`, one the runner was given).
+type ModelLabels = Vec<(&'static str, String)>;
 
 struct RunnerMetrics {
     sessions_held: Gauge,
@@ -29,7 +30,11 @@ struct RunnerMetrics {
     model_seconds: Family<Labels1, Histogram>,
     first_token_seconds: Family<Labels1, Histogram>,
     tokens: Family<Labels2, Counter>,
-    model_retries: Family<Labels1, Counter>,
+    model_retries: Family<ModelLabels, Counter>,
+    fallbacks: Family<ModelLabels, Counter>,
+    circuits_open: Family<ModelLabels, Gauge>,
+    sessions_parked: Counter,
+    runs_paused: Family<Labels1, Counter>,
     tool_runs: Family<Labels2, Counter>,
     tool_seconds: Family<Labels1, Histogram>,
     interrupted_calls: Family<Labels1, Counter>,
@@ -53,6 +58,10 @@ static METRICS: LazyLock<RunnerMetrics> = LazyLock::new(|| RunnerMetrics {
     first_token_seconds: Family::new_with_constructor(seconds_histogram),
     tokens: Family::default(),
     model_retries: Family::default(),
+    fallbacks: Family::default(),
+    circuits_open: Family::default(),
+    sessions_parked: Counter::default(),
+    runs_paused: Family::default(),
     tool_runs: Family::default(),
     tool_seconds: Family::new_with_constructor(seconds_histogram),
     interrupted_calls: Family::default(),
@@ -64,12 +73,12 @@ static METRICS: LazyLock<RunnerMetrics> = LazyLock::new(|| RunnerMetrics {
     sweeps: Family::default(),
 });
 
-/// Every runner metric; the usual series of each model's provider and of every tool exist
-/// from the start (at 0), so rates and the dashboard see them.
-pub fn registry(models: &Models) -> Registry {
+/// Every runner metric; the usual series of each model's provider, of each model (`specs`,
+/// `PROVIDER:MODEL`) and of every tool exist from the start (at 0), so rates and the
+/// dashboard see them.
+pub fn registry(providers: &[&'static str], specs: &[&str]) -> Registry {
     let m = &*METRICS;
-    for model in models.iter() {
-        let provider = model.provider();
+    for &provider in providers {
         let _ = m
             .model_calls
             .get_or_create(&[("provider", provider), ("outcome", "ok")]);
@@ -77,12 +86,20 @@ pub fn registry(models: &Models) -> Registry {
         let _ = m
             .first_token_seconds
             .get_or_create(&[("provider", provider)]);
-        let _ = m.model_retries.get_or_create(&[("provider", provider)]);
         for direction in ["input", "output"] {
             let _ = m
                 .tokens
                 .get_or_create(&[("provider", provider), ("direction", direction)]);
         }
+    }
+    for spec in specs {
+        let _ = m.circuits_open.get_or_create(&model_labels(spec));
+        let _ = m
+            .model_retries
+            .get_or_create(&retry_labels(spec, "overloaded"));
+    }
+    for reason in ["budget", "gave_up"] {
+        let _ = m.runs_paused.get_or_create(&[("reason", reason)]);
     }
     for tool in Toolbox::specs() {
         let _ = m
@@ -125,8 +142,31 @@ pub fn registry(models: &Models) -> Registry {
     );
     r.register(
         "agentlog_runner_model_retries",
-        "Model calls retried after a transient failure",
+        "Failed model calls to be tried again, by model and reason (overloaded, rate_limited, \
+         server_error, timeout, stalled, cut, unreachable; circuit_open: no call was made)",
         m.model_retries.clone(),
+    );
+    r.register(
+        "agentlog_runner_model_fallbacks",
+        "Model calls a turn made on a fallback, by the session's model (from) and the one \
+         called (to)",
+        m.fallbacks.clone(),
+    );
+    r.register(
+        "agentlog_runner_model_circuit_open",
+        "1 while a model's circuit is open (it failed in a row: left alone, probed once per \
+         cool-down), by model",
+        m.circuits_open.clone(),
+    );
+    r.register(
+        "agentlog_runner_sessions_parked",
+        "Sessions let go until their next model call is due (a wait past --park-after)",
+        m.sessions_parked.clone(),
+    );
+    r.register(
+        "agentlog_runner_runs_paused",
+        "Runs that paused themselves for a person, by reason (budget, gave_up)",
+        m.runs_paused.clone(),
     );
     r.register(
         "agentlog_runner_tool_runs",
@@ -232,10 +272,53 @@ pub fn approval_requested() {
     METRICS.approval_requests.inc();
 }
 
-pub fn model_retried(model: &Model) {
+fn model_labels(spec: &str) -> ModelLabels {
+    vec![("model", spec.to_string())]
+}
+
+fn retry_labels(spec: &str, reason: &str) -> ModelLabels {
+    vec![("model", spec.to_string()), ("reason", reason.to_string())]
+}
+
+/// A failed call of `model` (or, `circuit_open`, none) is to be tried again.
+pub fn model_retry(model: &str, reason: &str) {
     METRICS
         .model_retries
-        .get_or_create(&[("provider", model.provider())])
+        .get_or_create(&retry_labels(model, reason))
+        .inc();
+}
+
+/// A turn of a session on `from` called its fallback `to`.
+pub fn fallback(from: &str, to: &str) {
+    METRICS
+        .fallbacks
+        .get_or_create(&vec![("from", from.to_string()), ("to", to.to_string())])
+        .inc();
+}
+
+/// `model`'s circuit opened (or closed).
+pub fn circuit(model: &str, open: bool) {
+    METRICS
+        .circuits_open
+        .get_or_create(&model_labels(model))
+        .set(i64::from(open));
+}
+
+/// A session was let go until its next model call is due.
+pub fn parked() {
+    METRICS.sessions_parked.inc();
+}
+
+/// A run paused itself; `reason`: "budget" or "gave_up".
+pub fn run_paused(reason: &str) {
+    let reason = if reason == "budget" {
+        "budget"
+    } else {
+        "gave_up"
+    };
+    METRICS
+        .runs_paused
+        .get_or_create(&[("reason", reason)])
         .inc();
 }
 
@@ -248,8 +331,8 @@ pub struct ModelCall {
 }
 
 impl ModelCall {
-    pub fn start(model: &Model) -> ModelCall {
-        let provider = model.provider();
+    /// A call of a model of `provider` (a metric label: `anthropic`, `openai`, `scripted`).
+    pub fn start(provider: &'static str) -> ModelCall {
         ModelCall {
             provider,
             started: Instant::now(),
@@ -268,25 +351,22 @@ impl ModelCall {
         &self.span
     }
 
-    /// Records the attempt's outcome and, for a reply, its tokens; `first_text`: when the
-    /// first streamed text arrived, if any did.
+    /// Records the attempt's outcome (`ok`, `transient` or `refused`) and, for a reply,
+    /// its tokens; `first_text`: when the first streamed text arrived, if any did.
     pub fn finish(
         mut self,
-        reply: Result<AssistantMessage, ModelError>,
+        outcome: &'static str,
+        usage: Option<&Usage>,
         first_text: Option<Instant>,
-    ) -> Result<AssistantMessage, ModelError> {
+    ) {
         let m = &*METRICS;
-        self.outcome = match &reply {
-            Ok(_) => "ok",
-            Err(ModelError::Transient { .. }) => "transient",
-            Err(ModelError::Refused(_)) => "refused",
-        };
+        self.outcome = outcome;
         if let Some(at) = first_text {
             m.first_token_seconds
                 .get_or_create(&[("provider", self.provider)])
                 .observe(at.duration_since(self.started).as_secs_f64());
         }
-        if let Some(usage) = reply.as_ref().ok().and_then(|r| r.usage.as_ref()) {
+        if let Some(usage) = usage {
             let tokens = |direction| {
                 m.tokens
                     .get_or_create(&[("provider", self.provider), ("direction", direction)])
@@ -297,7 +377,6 @@ impl ModelCall {
             self.span.record("input_tokens", usage.input_tokens);
             self.span.record("output_tokens", usage.output_tokens);
         }
-        reply
     }
 }
 

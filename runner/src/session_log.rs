@@ -134,6 +134,11 @@ impl Appender {
         &self.session_id
     }
 
+    /// The release of the store its appends reach, once one was answered.
+    pub fn store_release(&self) -> Option<agentlog_proto::release::Release> {
+        self.appends.store_release()
+    }
+
     /// Appends one event; returns its seq (the original one if `event_id` was already
     /// written).
     #[tracing::instrument(name = "append", skip_all, fields(%event_id, ?durability, seq))]
@@ -485,6 +490,11 @@ impl SessionLog {
     /// The session's model and its replay, as folded so far.
     pub fn config(&self) -> &crate::fold::config::SessionConfigState {
         self.fold.config()
+    }
+
+    /// The current run, as folded so far.
+    pub fn run(&self) -> &crate::fold::run::RunState {
+        self.fold.run()
     }
 
     /// [`FoldState::take_folded`] of the fold as caught up.

@@ -18,35 +18,33 @@
 //! |---|---|
 //! | reply of turn `n` | `reply:<n>` |
 //! | `run_error` of turn `n` | `error:<n>` |
-//! | streamed text | `delta:<n>.<epoch>.<attempt>:<i>` (the turn id is `<n>.<epoch>.<attempt>`) |
 //! | `interrupted` answering the `interrupt` at seq `s` | `interrupted:<s>` |
+//! | streamed text, retries, pauses | see `call_model.rs` |
 //! | calls' events | see `tools/guard.rs` |
 //! | a replay's recorded user turn, served results | see `replay.rs` |
 //!
 //! A session runs on the model its latest `session_config` names (the first `--model` if
 //! none); one this runner lacks ends the turn with a `run_error` naming it and the runner's
-//! models. A replay's calls are served from its recording while the model stays on the
-//! recorded path (`replay.rs`), before the guard sees them.
+//! models. What a model step does when the work keeps failing (retries from the log,
+//! parking, fallback, the circuit, giving up, the budget) is `call_model.rs`'s. A replay's
+//! calls are served from its recording while the model stays on the recorded path
+//! (`replay.rs`), before the guard sees them.
 
-use std::time::Duration;
-
-use agentlog_proto::v1::{event::Kind, AssistantDelta, Durability, Interrupted, OffPath, RunError};
-use tokio::sync::mpsc;
+use agentlog_proto::v1::{event::Kind, Durability, Interrupted, OffPath, RunError};
 use tracing::Instrument;
 
+use crate::call_model::{self, ModelStep, Turn};
 use crate::fold::{Conversation, Frontier, Message, PendingCall, PendingInterrupt, UserBlock};
 use crate::lease::LeaseGuard;
-use crate::model::{Model, ModelError, ModelRequest, Models, TextSink};
+use crate::model::Models;
 use crate::replay::{self, RecordingFeed, Serving};
-use crate::session_log::{Appender, InterruptSignal, SessionLog, StoreError};
+use crate::resilience::circuit::Circuits;
+use crate::resilience::Settings;
+use crate::session_log::{Appender, SessionLog, StoreError};
 use crate::tools::checkpoint::{self, ForkError};
 use crate::tools::guard::{self, CallsOutcome, GuardError};
 use crate::tools::{ToolPolicy, ToolSpec, Toolbox};
 use agentlog_client::refusal::is_session_deleted;
-use agentlog_client::retry::Backoff;
-
-/// Streamed text is gathered for this long before it is appended as one delta.
-const DELTA_WINDOW: Duration = Duration::from_millis(50);
 
 /// The system prompt every model call carries.
 pub const SYSTEM_PROMPT: &str = "You are an agent working in a private workspace directory. \
@@ -63,7 +61,10 @@ pub struct TurnContext {
     /// Which calls wait for a person, and what an unknown outcome does, per tool.
     pub policy: ToolPolicy,
     pub max_tokens: u32,
-    pub backoff: Backoff,
+    /// What the runner does when the work keeps failing (its flags).
+    pub settings: Settings,
+    /// Each model's circuit, across the runner's sessions.
+    pub circuits: Circuits,
 }
 
 /// Why the loop ended without an error.
@@ -73,6 +74,9 @@ pub enum Outcome {
     Idle,
     /// A call waits for a person's decision: nobody needs to hold the session.
     AwaitingApproval,
+    /// The next model call is due at `until` (unix ms), later than `--park-after`: the
+    /// store keeps the session from every claimant until then.
+    Parked { until: i64 },
     /// The runner drains (the step in hand was finished and logged first, unless the budget
     /// ran out) or the lease was lost or about to run out (the step was abandoned).
     Stopped,
@@ -84,6 +88,9 @@ enum Step {
     /// Its events are logged, or an interrupt cut it short: catch up and fold again.
     Done,
     AwaitingApproval,
+    Parked {
+        until: i64,
+    },
     /// The lease was lost or the runner is stopping.
     Stopped,
 }
@@ -148,10 +155,16 @@ pub async fn drive_session(
             fold = log.catch_up().instrument(tracing::info_span!("fold")) => { fold?; }
         };
         let config = log.config().clone();
-        let model = context.models.get(config.model.as_deref());
-        if let Ok(model) = &model {
+        let plan = call_model::plan(
+            context,
+            log.appender(),
+            log.run(),
+            &config,
+            crate::call_model::now_ms(),
+        );
+        if let Ok(plan) = &plan {
             // The one fold renders the conversation in the form of the model it is sent to.
-            log.ensure_form(model.form()).await?;
+            log.ensure_form(plan.model(context).form()).await?;
         }
         let folded = log.take_folded();
         let replay = config.replay.as_ref();
@@ -191,7 +204,7 @@ pub async fn drive_session(
             Frontier::CallModel(conversation) => {
                 let stopped =
                     replay.is_some_and(|r| r.stopped()) && answers_calls_only(&conversation);
-                let step = match (&model, stopped) {
+                let step = match (plan, stopped) {
                     (_, true) => {
                         log.give_back(conversation);
                         end_turn(
@@ -207,19 +220,21 @@ pub async fn drive_session(
                         log.give_back(conversation);
                         end_turn(appender, folded.turn, missing.to_string()).await
                     }
-                    (Ok(model), false) => {
-                        let step = call_model(
-                            context,
-                            model,
-                            appender,
-                            lease,
-                            &interrupt,
-                            folded.turn,
-                            &conversation,
-                        )
-                        .await;
+                    (Ok(plan), false) => {
+                        let turn = Turn {
+                            number: folded.turn,
+                            run: &folded.run,
+                            conversation: &conversation,
+                        };
+                        let step =
+                            call_model::step(context, appender, lease, &interrupt, turn, plan)
+                                .await;
                         log.give_back(conversation);
-                        step
+                        match step? {
+                            ModelStep::Done => Ok(Step::Done),
+                            ModelStep::Parked { until } => Ok(Step::Parked { until }),
+                            ModelStep::Stopped => Ok(Step::Stopped),
+                        }
                     }
                 };
                 step?
@@ -269,6 +284,7 @@ pub async fn drive_session(
                     lease,
                     &interrupt,
                     &calls,
+                    folded.run.row.as_ref(),
                 )
                 .await?
                 {
@@ -281,6 +297,7 @@ pub async fn drive_session(
         match step {
             Step::Done => {}
             Step::AwaitingApproval => return Ok(Outcome::AwaitingApproval),
+            Step::Parked { until } => return Ok(Outcome::Parked { until }),
             Step::Stopped => return Ok(Outcome::Stopped),
         }
     }
@@ -348,141 +365,4 @@ async fn answer_interrupt(
         )
         .await?;
     Ok(Step::Done)
-}
-
-/// Asks the model for turn `turn`, retrying transient failures, and logs the reply — or a
-/// `run_error` once the provider refuses or the attempts run out.
-async fn call_model(
-    context: &TurnContext,
-    model: &Model,
-    appender: &Appender,
-    lease: &LeaseGuard,
-    interrupt: &InterruptSignal,
-    turn: u64,
-    conversation: &Conversation,
-) -> Result<Step, TurnError> {
-    let cancel = lease.cancelled();
-    let request = ModelRequest {
-        system: SYSTEM_PROMPT,
-        conversation,
-        tools: &context.tools,
-        max_tokens: context.max_tokens,
-    };
-    let mut attempt = 1;
-    let error = loop {
-        let turn_id = format!("{turn}.{}.{attempt}", lease.epoch());
-        let (sender, receiver) = mpsc::channel(256);
-        let deltas =
-            tokio::spawn(write_deltas(appender.clone(), turn_id, receiver).in_current_span());
-        let sink = TextSink::new(sender);
-        let reply = tokio::select! {
-            _ = cancel.cancelled() => {
-                deltas.abort();
-                return Ok(Step::Stopped);
-            }
-            _ = interrupt.arrived() => {
-                deltas.abort();
-                tracing::info!(turn, "interrupt: the model stream was dropped");
-                return Ok(Step::Done);
-            }
-            reply = model.stream_reply(request, &sink) => reply,
-        };
-        // Closing the sink lets the delta writer flush and finish.
-        drop(sink);
-        // The deltas land before the reply, so a reader never sees text after its turn ended.
-        match deltas.await {
-            Ok(Err(e @ (StoreError::LeaseLost | StoreError::SessionDeleted))) => {
-                return Err(e.into())
-            }
-            Ok(Err(e)) => tracing::warn!(error = %e, "some streamed text was not logged"),
-            Ok(Ok(())) | Err(_) => {}
-        }
-        match reply {
-            Ok(reply) => {
-                tracing::info!(turn, stop_reason = %reply.stop_reason, "model replied");
-                appender
-                    .append(
-                        format!("reply:{turn}"),
-                        Kind::AssistantMessage(reply),
-                        Durability::Sync,
-                    )
-                    .await?;
-                return Ok(Step::Done);
-            }
-            Err(ModelError::Refused(message)) => break (message, false),
-            Err(ModelError::Transient {
-                message,
-                retry_after,
-            }) => {
-                if attempt >= context.backoff.max_attempts {
-                    break (format!("gave up after {attempt} attempts: {message}"), true);
-                }
-                // A retry is a new model call: not once the runner drains.
-                if lease.draining() {
-                    tracing::info!(turn, %message, "draining: the failed model call is left for the next runner");
-                    return Ok(Step::Stopped);
-                }
-                let wait = context.backoff.delay(attempt, retry_after);
-                tracing::warn!(turn, attempt, %message, wait_ms = wait.as_millis() as u64, "model call failed; retrying");
-                tokio::select! {
-                    _ = cancel.cancelled() => return Ok(Step::Stopped),
-                    _ = lease.drain_begun() => return Ok(Step::Stopped),
-                    _ = interrupt.arrived() => return Ok(Step::Done),
-                    _ = tokio::time::sleep(wait) => {}
-                }
-                crate::metrics::model_retried(model);
-                attempt += 1;
-            }
-        }
-    };
-    let (message, retryable) = error;
-    tracing::warn!(turn, %message, retryable, "the turn failed; logging run_error");
-    appender
-        .append(
-            format!("error:{turn}"),
-            Kind::RunError(RunError { message, retryable }),
-            Durability::Sync,
-        )
-        .await?;
-    Ok(Step::Done)
-}
-
-/// Appends streamed text as `assistant_delta`s, gathered over [`DELTA_WINDOW`], buffered
-/// durability: losing some in a crash costs nothing, the reply is the record.
-async fn write_deltas(
-    appender: Appender,
-    turn_id: String,
-    mut receiver: mpsc::Receiver<String>,
-) -> Result<(), StoreError> {
-    let mut index = 0;
-    while let Some(first) = receiver.recv().await {
-        let mut text = first;
-        let window = tokio::time::sleep(DELTA_WINDOW);
-        tokio::pin!(window);
-        let mut open = true;
-        while open {
-            tokio::select! {
-                _ = &mut window => break,
-                piece = receiver.recv() => match piece {
-                    Some(piece) => text.push_str(&piece),
-                    None => open = false,
-                },
-            }
-        }
-        appender
-            .append(
-                format!("delta:{turn_id}:{index}"),
-                Kind::AssistantDelta(AssistantDelta {
-                    turn_id: turn_id.clone(),
-                    text,
-                }),
-                Durability::Buffered,
-            )
-            .await?;
-        index += 1;
-        if !open {
-            break;
-        }
-    }
-    Ok(())
 }

@@ -260,6 +260,13 @@ async fn work_session(
             }
             tracing::info!("a call waits for a person; releasing the session")
         }
+        Ok(Outcome::Parked { until }) => {
+            crate::metrics::parked();
+            tracing::info!(
+                due_unix_ms = until,
+                "the next model call is a long wait away; parking the session until then"
+            )
+        }
         Ok(Outcome::Stopped) if drain.has_begun() => {
             tracing::info!("drained: releasing the session")
         }

@@ -160,6 +160,7 @@ async fn work(log: &MemLog, death: Option<Death>, toolbox: &Toolbox, policy: &To
         &lease,
         &InterruptSignal::never(),
         &calls,
+        None,
     )
     .await;
     match (death, outcome) {
@@ -306,6 +307,7 @@ async fn a_drain_finishes_the_call_in_hand_and_starts_no_other() {
         lease.as_ref(),
         &InterruptSignal::never(),
         &calls,
+        None,
     )
     .await;
     assert_eq!(outcome.ok(), Some(CallsOutcome::Stopped));
@@ -349,6 +351,7 @@ async fn a_drain_finishes_the_call_in_hand_and_starts_no_other() {
         &lease,
         &InterruptSignal::never(),
         &calls,
+        None,
     )
     .await;
     assert_eq!(outcome.ok(), Some(CallsOutcome::Stopped));

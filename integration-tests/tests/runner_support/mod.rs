@@ -217,6 +217,10 @@ fn spawn_runner(
             &max_sessions.to_string(),
         ])
         .args(extra)
+        // These tests' scripts repeat a call on purpose (to count how often it runs): no
+        // person is asked before the third identical one, unless a test says otherwise
+        // (`--repeat-limit N` in `extra` wins; a runner of the last release ignores it).
+        .env("AGENTLOG_REPEAT_LIMIT", "0")
         .envs(model_env.iter().copied())
         .env(
             "RUST_LOG",

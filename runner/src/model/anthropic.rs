@@ -13,7 +13,7 @@ use agentlog_proto::v1::{
 use serde::Serialize;
 use serde_json::{json, Map, Value};
 
-use super::{http, ModelError, ModelRequest, TextSink};
+use super::{http, FailReason, ModelError, ModelRequest, TextSink};
 use crate::fold::transcript::{Form, JsonElements};
 use crate::fold::{Message, UserBlock};
 use agentlog_client::json::{object_to_struct, struct_to_object};
@@ -70,11 +70,12 @@ impl Anthropic {
                 .header("anthropic-version", API_VERSION)
                 .header(reqwest::header::CONTENT_TYPE, "application/json")
                 .body(request_body(&self.model, request)?),
+            request.idle_timeout,
         )
         .await?;
         let mut events = http::events(response);
         let mut reply = Assembly::default();
-        while let Some(event) = http::next_event(&mut events).await? {
+        while let Some(event) = http::next_event(&mut events, request.idle_timeout).await? {
             let data: Value = match serde_json::from_str(&event.data) {
                 Ok(data) => data,
                 // `ping` and future events may carry anything; only known ones matter.
@@ -88,6 +89,7 @@ impl Anthropic {
             }
         }
         Err(ModelError::transient(
+            FailReason::Cut,
             "the stream ended before message_stop (cut mid-reply)",
         ))
     }
@@ -312,10 +314,13 @@ impl Assembly {
             }
             "message_stop" => self.stopped = true,
             "error" => {
-                return Err(ModelError::transient(format!(
-                    "the stream reported an error: {}",
-                    http::error_message(&data.to_string())
-                )))
+                return Err(ModelError::transient(
+                    FailReason::ServerError,
+                    format!(
+                        "the stream reported an error: {}",
+                        http::error_message(&data.to_string())
+                    ),
+                ))
             }
             _ => {}
         }
@@ -386,6 +391,7 @@ fn str_of(value: &Value) -> String {
 
 #[cfg(test)]
 mod tests {
+    use crate::model::Failure;
     use agentlog_proto::v1::ToolResult;
 
     use super::*;
@@ -452,6 +458,7 @@ mod tests {
                 conversation: &conversation,
                 tools: &tools,
                 max_tokens: 1024,
+                idle_timeout: std::time::Duration::from_secs(120),
             },
         )
         .expect("a conversation of messages only");
@@ -483,7 +490,11 @@ mod tests {
         let error =
             json!({"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}});
         match assembly.apply(&error) {
-            Err(ModelError::Transient { message, .. }) => {
+            Err(ModelError::Transient(Failure {
+                reason: FailReason::ServerError,
+                message,
+                ..
+            })) => {
                 assert!(
                     message.contains("overloaded_error: Overloaded"),
                     "{message}"

@@ -1,17 +1,15 @@
-//! What the HTTP providers share: the client, the classification of HTTP failures into
-//! transient and refused, and reading an SSE stream with an idle timeout.
+//! What the HTTP providers share: the client, the classification of a failed call
+//! ([`super::FailReason`], and the wait the provider asked for, [`super::wait`]), and
+//! reading an SSE stream with an idle timeout.
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use eventsource_stream::{Event, EventStreamError, Eventsource};
 use futures::{Stream, StreamExt};
-use reqwest::header::HeaderMap;
 use reqwest::{Response, StatusCode};
 
-use super::ModelError;
+use super::{FailReason, Failure, ModelError};
 
-/// A stream that sends nothing for this long is treated as cut.
-const IDLE_TIMEOUT: Duration = Duration::from_secs(120);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(15);
 
 pub(super) fn client() -> reqwest::Client {
@@ -21,47 +19,81 @@ pub(super) fn client() -> reqwest::Client {
         .unwrap_or_default()
 }
 
-/// Sends the request; a non-success status becomes the matching [`ModelError`].
-pub(super) async fn send(request: reqwest::RequestBuilder) -> Result<Response, ModelError> {
-    let response = request
-        .send()
-        .await
-        .map_err(|e| ModelError::transient(format!("cannot reach the provider: {e}")))?;
+/// Sends the request; no response within `idle_timeout`, no connection, or a
+/// non-success status becomes the matching [`ModelError`].
+pub(super) async fn send(
+    request: reqwest::RequestBuilder,
+    idle_timeout: Duration,
+) -> Result<Response, ModelError> {
+    let response = match tokio::time::timeout(idle_timeout, request.send()).await {
+        Err(_) => {
+            return Err(ModelError::transient(
+                FailReason::Timeout,
+                format!(
+                    "the provider answered nothing for {}",
+                    humantime::format_duration(idle_timeout)
+                ),
+            ))
+        }
+        Ok(Err(e)) if e.is_connect() => {
+            return Err(ModelError::transient(
+                FailReason::Unreachable,
+                format!("cannot reach the provider: {e}"),
+            ))
+        }
+        Ok(Err(e)) => {
+            return Err(ModelError::transient(
+                FailReason::Cut,
+                format!("the request broke off: {e}"),
+            ))
+        }
+        Ok(Ok(response)) => response,
+    };
     let status = response.status();
     if status.is_success() {
         return Ok(response);
     }
-    let retry_after = retry_after(response.headers());
+    let wait = super::wait::provider_wait(response.headers(), SystemTime::now());
     let body = response.text().await.unwrap_or_default();
     let message = format!("HTTP {status}: {}", error_message(&body));
-    if is_transient(status) {
-        Err(ModelError::Transient {
+    if is_billing_refusal(status, &body) {
+        return Err(ModelError::Unusable(message));
+    }
+    match transient_reason(status) {
+        Some(reason) => Err(ModelError::Transient(Failure {
+            reason,
             message,
-            retry_after,
-        })
-    } else {
-        Err(ModelError::Refused(message))
+            wait,
+        })),
+        None => Err(ModelError::Refused(message)),
     }
 }
 
-/// 408, 429, every 5xx and Anthropic's 529 "overloaded" are worth another attempt.
-fn is_transient(status: StatusCode) -> bool {
-    status == StatusCode::REQUEST_TIMEOUT
-        || status == StatusCode::TOO_MANY_REQUESTS
-        || status.is_server_error()
-        || status.as_u16() == 529
+/// Why a status is worth another attempt: 529 and 503 (busy), 429, 408 and every other
+/// 5xx; `None` for the others.
+fn transient_reason(status: StatusCode) -> Option<FailReason> {
+    match status.as_u16() {
+        529 | 503 => Some(FailReason::Overloaded),
+        429 => Some(FailReason::RateLimited),
+        408 => Some(FailReason::ServerError),
+        _ if status.is_server_error() => Some(FailReason::ServerError),
+        _ => None,
+    }
 }
 
-/// `retry-after` in seconds (the form both providers use).
-fn retry_after(headers: &HeaderMap) -> Option<Duration> {
-    let seconds: f64 = headers
-        .get("retry-after")?
-        .to_str()
-        .ok()?
-        .trim()
-        .parse()
-        .ok()?;
-    (seconds.is_finite() && seconds >= 0.0).then(|| Duration::from_secs_f64(seconds))
+/// A 429 that is a billing state, not a passing one (OpenAI's `insufficient_quota`): asking
+/// again does not help.
+fn is_billing_refusal(status: StatusCode, body: &str) -> bool {
+    if status != StatusCode::TOO_MANY_REQUESTS {
+        return false;
+    }
+    let Ok(value) = serde_json::from_str::<serde_json::Value>(body) else {
+        return false;
+    };
+    let error = &value["error"];
+    [&error["code"], &error["type"]]
+        .iter()
+        .any(|v| v.as_str() == Some("insufficient_quota"))
 }
 
 /// The provider's own words from an error body (`{"error": {"message": …}}`), else the body.
@@ -86,18 +118,46 @@ pub(super) fn events(
     Box::pin(response.bytes_stream().eventsource())
 }
 
-/// The next event; a broken connection or a silence past [`IDLE_TIMEOUT`] is a transient
-/// failure and the end of the stream is `None`.
+/// The next event; a broken connection is a cut stream, a silence past `idle_timeout` a
+/// stalled one, and the end of the stream is `None`.
 pub(super) async fn next_event(
     stream: &mut (impl Stream<Item = Result<Event, EventStreamError<reqwest::Error>>> + Unpin),
+    idle_timeout: Duration,
 ) -> Result<Option<Event>, ModelError> {
-    match tokio::time::timeout(IDLE_TIMEOUT, stream.next()).await {
-        Err(_) => Err(ModelError::transient(format!(
-            "the stream sent nothing for {} s",
-            IDLE_TIMEOUT.as_secs()
-        ))),
+    match tokio::time::timeout(idle_timeout, stream.next()).await {
+        Err(_) => Err(ModelError::transient(
+            FailReason::Stalled,
+            format!(
+                "the stream sent nothing for {}",
+                humantime::format_duration(idle_timeout)
+            ),
+        )),
         Ok(None) => Ok(None),
         Ok(Some(Ok(event))) => Ok(Some(event)),
-        Ok(Some(Err(e))) => Err(ModelError::transient(format!("the stream broke: {e}"))),
+        Ok(Some(Err(e))) => Err(ModelError::transient(
+            FailReason::Cut,
+            format!("the stream broke: {e}"),
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statuses_are_classified_as_the_providers_mean_them() {
+        let reason = |code: u16| transient_reason(StatusCode::from_u16(code).unwrap());
+        assert_eq!(reason(529), Some(FailReason::Overloaded));
+        assert_eq!(reason(503), Some(FailReason::Overloaded));
+        assert_eq!(reason(429), Some(FailReason::RateLimited));
+        assert_eq!(reason(500), Some(FailReason::ServerError));
+        assert_eq!(reason(504), Some(FailReason::ServerError));
+        assert_eq!(reason(400), None);
+        assert_eq!(reason(401), None);
+        let quota = r#"{"error":{"message":"You exceeded your current quota","type":"insufficient_quota","code":"insufficient_quota"}}"#;
+        assert!(is_billing_refusal(StatusCode::TOO_MANY_REQUESTS, quota));
+        let limit = r#"{"error":{"message":"Rate limit reached","type":"requests","code":"rate_limit_exceeded"}}"#;
+        assert!(!is_billing_refusal(StatusCode::TOO_MANY_REQUESTS, limit));
     }
 }

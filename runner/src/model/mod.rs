@@ -3,22 +3,25 @@
 //! `AssistantMessage` exactly as the provider gave it (the proto's `AssistantMessage` is stored verbatim).
 //!
 //! Promise: [`Model::stream_reply`] makes one attempt and classifies its failure:
-//! [`ModelError::Transient`] (429, 5xx, 529, timeouts, a cut stream, an `error` event after
-//! HTTP 200) is worth retrying after a wait of `agentlog_client::retry::Backoff::MODEL`;
-//! [`ModelError::Refused`] (any other 4xx) is not, and ends the turn. Nothing here retries on its own, so the caller decides
-//! what each attempt writes to the log.
+//! [`ModelError::Transient`] (429, 5xx, 529, no answer or silence past the idle timeout, a
+//! cut stream, an `error` event after HTTP 200, no connection) is worth another try, with
+//! why ([`FailReason`]) and the wait the provider asked for, if it did ([`wait`]);
+//! [`ModelError::Unusable`] (a billing refusal, such as OpenAI's 429 `insufficient_quota`)
+//! says this model will not answer, so the turn moves on to the next model of its chain;
+//! [`ModelError::Refused`] (any other 4xx) ends the turn. Nothing here retries on its own:
+//! the caller decides what each attempt writes to the log (`crate::resilience`).
 
 pub mod anthropic;
 mod http;
 pub mod openai;
 pub mod scripted;
+pub mod wait;
 
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use agentlog_proto::v1::AssistantMessage;
 use tokio::sync::mpsc;
-use tracing::Instrument;
 
 use crate::fold::transcript::{Form, JsonElements};
 use crate::fold::Conversation;
@@ -31,26 +34,83 @@ pub struct ModelRequest<'a> {
     pub conversation: &'a Conversation,
     pub tools: &'a [ToolSpec],
     pub max_tokens: u32,
+    /// A call that answers nothing for this long (no response, or a stream gone silent) is
+    /// dropped as a failure (`--model-idle-timeout`).
+    pub idle_timeout: Duration,
 }
 
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
-    /// Worth another attempt, no sooner than `retry_after` when the provider said so.
-    #[error("{message}")]
-    Transient {
-        message: String,
-        retry_after: Option<Duration>,
-    },
+    /// Worth another attempt.
+    #[error("{0}")]
+    Transient(Failure),
+    /// A billing refusal: this model will not answer until someone pays; another might.
+    #[error("{0}")]
+    Unusable(String),
     /// The provider refused this request; asking again would be refused again.
     #[error("{0}")]
     Refused(String),
 }
 
+/// A failed call worth another try.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{message}")]
+pub struct Failure {
+    pub reason: FailReason,
+    pub message: String,
+    /// How long the provider asked to be left alone, counted from its answer ([`wait`]).
+    pub wait: Option<Duration>,
+}
+
 impl ModelError {
-    fn transient(message: impl Into<String>) -> ModelError {
-        ModelError::Transient {
+    fn transient(reason: FailReason, message: impl Into<String>) -> ModelError {
+        ModelError::Transient(Failure {
+            reason,
             message: message.into(),
-            retry_after: None,
+            wait: None,
+        })
+    }
+}
+
+/// Why a call failed, as `model_retry.reason` names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FailReason {
+    /// 529 (Anthropic), 503: the service is busy.
+    Overloaded,
+    /// 429.
+    RateLimited,
+    /// Any other 5xx, 408, or an `error` event after HTTP 200.
+    ServerError,
+    /// No response at all within the idle timeout.
+    Timeout,
+    /// The response began, then went silent past the idle timeout.
+    Stalled,
+    /// The stream ended (or broke) before the reply did.
+    Cut,
+    /// No connection.
+    Unreachable,
+}
+
+impl FailReason {
+    pub const ALL: [FailReason; 7] = [
+        FailReason::Overloaded,
+        FailReason::RateLimited,
+        FailReason::ServerError,
+        FailReason::Timeout,
+        FailReason::Stalled,
+        FailReason::Cut,
+        FailReason::Unreachable,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            FailReason::Overloaded => "overloaded",
+            FailReason::RateLimited => "rate_limited",
+            FailReason::ServerError => "server_error",
+            FailReason::Timeout => "timeout",
+            FailReason::Stalled => "stalled",
+            FailReason::Cut => "cut",
+            FailReason::Unreachable => "unreachable",
         }
     }
 }
@@ -241,23 +301,18 @@ impl Model {
         request: ModelRequest<'_>,
         text: &TextSink,
     ) -> Result<AssistantMessage, ModelError> {
-        let call = crate::metrics::ModelCall::start(self);
-        let reply = async {
-            match self {
-                Model::Anthropic(model) => model.stream_reply(request, text).await,
-                Model::OpenAi(model) => model.stream_reply(request, text).await,
-                Model::Scripted(model) => model.stream_reply(request, text).await,
-            }
+        let reply = match self {
+            Model::Anthropic(model) => model.stream_reply(request, text).await,
+            Model::OpenAi(model) => model.stream_reply(request, text).await,
+            Model::Scripted(model) => model.stream_reply(request, text).await,
         };
-        let reply = reply.instrument(call.span().clone()).await;
-        let reply = reply.map(|mut reply| {
+        reply.map(|mut reply| {
             // Some OpenAI-compatible servers name no model: the reply says which it asked.
             if reply.model.is_empty() {
                 reply.model = self.name().to_string();
             }
             reply
-        });
-        call.finish(reply, text.first_text())
+        })
     }
 
     /// The model's name as the provider knows it (for `scripted`, its `scripted:FILE`).

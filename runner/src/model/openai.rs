@@ -20,7 +20,7 @@ use agentlog_proto::v1::{
 use serde::Serialize;
 use serde_json::{json, Map, Value};
 
-use super::{http, ModelError, ModelRequest, TextSink};
+use super::{http, FailReason, ModelError, ModelRequest, TextSink};
 use crate::fold::transcript::{Form, JsonElements};
 use crate::fold::{tool_uses, Conversation, Message, UserBlock};
 use agentlog_client::json::{object_to_struct, struct_to_object};
@@ -77,11 +77,11 @@ impl OpenAi {
         if let Some(key) = &self.api_key {
             post = post.bearer_auth(key);
         }
-        let response = http::send(post).await?;
+        let response = http::send(post, request.idle_timeout).await?;
         let mut events = http::events(response);
         let mut reply = Assembly::default();
         let ids = CallIds::of(request.conversation);
-        while let Some(event) = http::next_event(&mut events).await? {
+        while let Some(event) = http::next_event(&mut events, request.idle_timeout).await? {
             if event.data.trim() == "[DONE]" {
                 return Ok(reply.finish(ids));
             }
@@ -96,6 +96,7 @@ impl OpenAi {
         // was complete all the same.
         if reply.message.stop_reason.is_empty() {
             Err(ModelError::transient(
+                FailReason::Cut,
                 "the stream ended before the reply finished (cut mid-reply)",
             ))
         } else {
@@ -305,10 +306,13 @@ impl Assembly {
     /// Applies one chunk; returns reply text to stream on.
     fn apply(&mut self, chunk: &Value) -> Result<Option<String>, ModelError> {
         if !chunk["error"].is_null() {
-            return Err(ModelError::transient(format!(
-                "the stream reported an error: {}",
-                http::error_message(&chunk.to_string())
-            )));
+            return Err(ModelError::transient(
+                FailReason::ServerError,
+                format!(
+                    "the stream reported an error: {}",
+                    http::error_message(&chunk.to_string())
+                ),
+            ));
         }
         if let Some(id) = chunk["id"].as_str() {
             self.message.message_id = id.to_string();
@@ -466,6 +470,7 @@ mod tests {
                 conversation: &conversation,
                 tools: &[],
                 max_tokens: 100,
+                idle_timeout: std::time::Duration::from_secs(120),
             },
         )
         .expect("a conversation of messages only");

@@ -180,6 +180,7 @@ mod tests {
             conversation,
             tools: &[],
             max_tokens: 1,
+            idle_timeout: std::time::Duration::from_secs(120),
         }
     }
 

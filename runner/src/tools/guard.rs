@@ -28,6 +28,7 @@ use agentlog_proto::v1::{event::Kind, ApprovalRequested, Durability, ToolResult,
 use tokio_util::sync::CancellationToken;
 
 use super::{ToolPolicy, Toolbox, UnknownOutcome};
+use crate::fold::run::CallRow;
 use crate::fold::{Approval, CallState, PendingCall};
 use crate::lease::LeaseGuard;
 use crate::session_log::{Appender, InterruptSignal, StoreError};
@@ -213,7 +214,9 @@ pub fn interrupted_message(call: &PendingCall, reason: &str) -> String {
 }
 
 /// Walks the last reply's calls in order and does what each needs, stopping at the first
-/// that waits for a person.
+/// that waits for a person. `row`: the run's row of identical calls so far (the fold's),
+/// counted on here as calls run: the `--repeat-limit`-th identical call in a row waits for
+/// a person's yes too (a call a person approved runs once).
 pub async fn run_calls(
     toolbox: &Toolbox,
     policy: &ToolPolicy,
@@ -221,10 +224,35 @@ pub async fn run_calls(
     lease: &impl LeaseCheck,
     interrupt: &InterruptSignal,
     calls: &[PendingCall],
+    row: Option<&CallRow>,
 ) -> Result<CallsOutcome, GuardError> {
+    let mut row = row.cloned();
     for call in calls {
         let id = &call.tool_use.id;
-        let action = next_action(call, policy);
+        let mut action = next_action(call, policy);
+        if let (CallAction::Run { attempt }, Approval::NotAsked) = (&action, &call.approval) {
+            if let Some(n) = policy.repeats(row.as_ref(), &call.tool_use) {
+                action = CallAction::RequestApproval {
+                    attempt: *attempt,
+                    reason: format!("repeated: {n} identical calls in a row"),
+                };
+            }
+        }
+        if matches!(call.approval, Approval::Denied { .. }) {
+            // A denied call ends the row.
+            row = None;
+        } else if matches!(action, CallAction::Run { .. } | CallAction::Refuse { .. }) {
+            match &mut row {
+                Some(r) if r.matches(&call.tool_use) => r.count += 1,
+                _ => {
+                    row = Some(CallRow {
+                        tool: call.tool_use.name.clone(),
+                        input: call.tool_use.input.clone(),
+                        count: 1,
+                    })
+                }
+            }
+        }
         if let CallState::Interrupted { .. } = call.state {
             match &action {
                 CallAction::Run { .. } => crate::metrics::interrupted_call("rerun"),

@@ -19,9 +19,12 @@ use std::path::PathBuf;
 use std::str::FromStr;
 use std::sync::Arc;
 
+use agentlog_proto::v1::ToolUseBlock;
 use serde::de::DeserializeOwned;
 use serde_json::{json, Map, Value};
 use tokio_util::sync::CancellationToken;
+
+use crate::fold::run::CallRow;
 
 pub use checkpoint::{Checkpoints, IgnoreRules};
 pub use sandbox::Sandbox;
@@ -137,12 +140,15 @@ pub enum PolicyError {
     Policy(String),
 }
 
-/// How this runner treats calls, per tool: which need a person's yes before they run, and
-/// what happens to one interrupted with its outcome unknown.
+/// How this runner treats calls, per tool: which need a person's yes before they run, what
+/// happens to one interrupted with its outcome unknown, and which identical call in a row
+/// needs a person's yes too.
 #[derive(Debug, Clone, Default)]
 pub struct ToolPolicy {
     approve: BTreeSet<String>,
     on_unknown_outcome: HashMap<String, UnknownOutcome>,
+    /// `--repeat-limit` (0: none).
+    repeat_limit: u32,
 }
 
 impl ToolPolicy {
@@ -178,7 +184,27 @@ impl ToolPolicy {
         Ok(ToolPolicy {
             approve,
             on_unknown_outcome: overrides,
+            repeat_limit: 0,
         })
+    }
+
+    /// The same policy, asking a person before the `limit`-th identical call in a row
+    /// (`runner --repeat-limit`; 0 never asks).
+    pub fn with_repeat_limit(self, limit: u32) -> ToolPolicy {
+        ToolPolicy {
+            repeat_limit: limit,
+            ..self
+        }
+    }
+
+    /// How many identical calls in a row `call` would make after `row`, when that reaches
+    /// the repeat limit (a person decides before it runs).
+    pub fn repeats(&self, row: Option<&CallRow>, call: &ToolUseBlock) -> Option<u32> {
+        let n = match row {
+            Some(row) if row.matches(call) => row.count + 1,
+            _ => 1,
+        };
+        (self.repeat_limit > 0 && n >= self.repeat_limit).then_some(n)
     }
 
     /// Whether a call of `tool` waits for a person's yes before each attempt.
