@@ -198,23 +198,26 @@ fn answer(inner: &Shared, headers: &HeaderMap, body: &Bytes) -> Option<Response>
             call,
         })
     };
-    if let Err(message) = checked.and_then(|turn| {
-        check_verbatim(&state.replies, state.foreign_turns, &request).map(|()| turn)
-    }) {
+    let reject = |state: &mut Journal<StandinReply, Fault>, message: String| {
         state.violations.push(message.clone());
-        record(&mut state, "rejected");
-        return Some(error(
+        record(state, "rejected");
+        Some(error(
             StatusCode::BAD_REQUEST,
             "invalid_request_error",
             &message,
-        ));
+        ))
+    };
+    // The API's rules first; then a fault that answers before any reply, as a busy API
+    // does without reading the conversation (whether or not the script has a reply);
+    // then the script: the conversation must hold its replies as it gave them.
+    if let Err(message) = checked {
+        return reject(&mut state, message);
     }
     if let Some(hook) = state.hook.clone() {
         (hook.0)(&request);
     }
     let fault = state.faults.fault_for(&model, call, turn, received);
     let clock = state.clock.clone();
-    // A fault that answers before any reply is served whether or not the script has one.
     if let Some(fault) = &fault {
         if let Some((served, response)) = refusal(fault, &clock) {
             record(&mut state, served);
@@ -224,6 +227,9 @@ fn answer(inner: &Shared, headers: &HeaderMap, body: &Bytes) -> Option<Response>
             record(&mut state, "never_starts");
             return None;
         }
+    }
+    if let Err(message) = check_verbatim(&state.replies, state.foreign_turns, &request) {
+        return reject(&mut state, message);
     }
     let Some(reply) = state.replies.get(turn).cloned() else {
         record(&mut state, "rejected");

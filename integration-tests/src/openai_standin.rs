@@ -212,22 +212,24 @@ fn answer(inner: &Shared, dialect: Dialect, headers: &HeaderMap, body: &Bytes) -
             call,
         })
     };
-    let checked = check_content_type(headers)
-        .and_then(|()| check_request(&request))
-        .and_then(|()| check_verbatim(&state.replies, state.foreign_turns, dialect, &request));
-    if let Err(message) = checked {
+    let reject = |state: &mut Journal<StandinReply, Fault>, message: String| {
         state.violations.push(message.clone());
-        record(&mut state, "rejected");
-        return Some(error(
+        record(state, "rejected");
+        Some(error(
             StatusCode::BAD_REQUEST,
             "invalid_request_error",
             None,
             &message,
-        ));
+        ))
+    };
+    // The API's rules first; then a fault that answers before any reply, as a busy API
+    // does without reading the conversation (whether or not the script has a reply);
+    // then the script: the conversation must hold its replies as it gave them.
+    if let Err(message) = check_content_type(headers).and_then(|()| check_request(&request)) {
+        return reject(&mut state, message);
     }
     let fault = state.faults.fault_for(&model, call, turn, received);
     let clock = state.clock.clone();
-    // A fault that answers before any reply is served whether or not the script has one.
     if let Some(fault) = &fault {
         if let Some((served, response)) = refusal(fault, &clock) {
             record(&mut state, served);
@@ -237,6 +239,9 @@ fn answer(inner: &Shared, dialect: Dialect, headers: &HeaderMap, body: &Bytes) -
             record(&mut state, "never_starts");
             return None;
         }
+    }
+    if let Err(message) = check_verbatim(&state.replies, state.foreign_turns, dialect, &request) {
+        return reject(&mut state, message);
     }
     let Some(reply) = state.replies.get(turn).cloned() else {
         record(&mut state, "rejected");

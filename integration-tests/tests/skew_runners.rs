@@ -61,3 +61,47 @@ async fn a_store_of_the_release_upgraded_under_runners_of_both_loses_nothing() {
 
     skew.finish().await;
 }
+
+/// A runner of this build over a store of the release, whose model fails: the store answers
+/// without `agentlog-release`, so the runner writes none of its release's new kinds and goes
+/// on as the release's runner did (its retries in memory), and the session finishes.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_runner_of_this_build_over_a_store_of_the_release_retries_in_memory() {
+    use integration_tests::anthropic_standin::{AnthropicStandin, Fault, StandinReply};
+    use integration_tests::standin::{FaultPlan, RetryAfter};
+    use runner_support::{kinds, start_runner_binary, user_says, wait_idle};
+
+    let (backing, _data) = backing();
+    let store = tokio::task::block_in_place(|| Previous.start_store(backing, &[]))
+        .expect("the release's store");
+    let mut client = store.client().await.expect("client");
+    let standin = AnthropicStandin::start(vec![StandinReply::text("Answered.")])
+        .await
+        .expect("stand-in");
+    standin.fail_model(
+        "standin-1",
+        FaultPlan::Calls(vec![
+            Fault::OverloadedRetryAfter(RetryAfter::Seconds(1)),
+            Fault::ServerError(500),
+        ]),
+    );
+    let workspaces = tempfile::tempdir().expect("temp dir");
+    let _runner = start_runner_binary(
+        &This.bin_path("runner"),
+        &store.url(),
+        "this",
+        workspaces.path(),
+        &standin.url(),
+        3000,
+        2,
+        &[],
+    );
+    user_says(&mut client, "s", "go").await;
+    let events = wait_idle(&mut client, "s", 0, Duration::from_secs(60)).await;
+    assert_eq!(kinds(&events), ["user", "reply(end_turn)"]);
+    assert_eq!(
+        standin.calls_of("standin-1"),
+        3,
+        "two failed calls, retried in memory"
+    );
+}

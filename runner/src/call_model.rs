@@ -144,7 +144,7 @@ pub async fn step(
     let head = chain.models[0].as_str();
     let next = match plan.action {
         Action::InMemory => {
-            return in_memory(context, head, appender, lease, interrupt, &turn).await
+            return in_memory(context, head, appender, lease, interrupt, &turn, None).await
         }
         Action::Budget(detail) => return pause(appender, &turn, "budget", detail).await,
         Action::Next(next) => next,
@@ -156,7 +156,7 @@ pub async fn step(
             let retry = schedule::circuit_open(turn.run, chain, index, until);
             crate::metrics::model_retry(&retry.model, &retry.reason);
             if !log_retry(appender, &turn, retry).await? {
-                return in_memory(context, head, appender, lease, interrupt, &turn).await;
+                return in_memory(context, head, appender, lease, interrupt, &turn, None).await;
             }
             Ok(ModelStep::Done)
         }
@@ -250,7 +250,16 @@ async fn call(
     );
     crate::metrics::model_retry(&retry.model, &retry.reason);
     if !log_retry(appender, turn, retry).await? {
-        return in_memory(context, spec, appender, lease, interrupt, turn).await;
+        return in_memory(
+            context,
+            spec,
+            appender,
+            lease,
+            interrupt,
+            turn,
+            Some(failure),
+        )
+        .await;
     }
     Ok(ModelStep::Done)
 }
@@ -382,7 +391,8 @@ async fn stream(
 
 /// The previous release's way, for a store that does not keep `model_retry`: retries in
 /// memory (attempt counts and waits are this runner's alone), holding the lease, and a
-/// retryable `run_error` once `Backoff::MODEL`'s attempts run out.
+/// retryable `run_error` once `Backoff::MODEL`'s attempts run out. `failed`: the call that
+/// just failed, if one did (its wait comes first).
 async fn in_memory(
     context: &TurnContext,
     spec: &str,
@@ -390,10 +400,17 @@ async fn in_memory(
     lease: &LeaseGuard,
     interrupt: &InterruptSignal,
     turn: &Turn<'_>,
+    failed: Option<Failure>,
 ) -> Result<ModelStep, StoreError> {
     let backoff = Backoff::MODEL;
     let model = plan_model(context, spec);
     let mut attempt = 1;
+    if let Some(failure) = failed {
+        if let Some(step) = wait_in_memory(lease, interrupt, backoff.delay(1, failure.wait)).await {
+            return Ok(step);
+        }
+        attempt = 2;
+    }
     let (message, retryable) = loop {
         let k = turn.run.retries.len() + attempt as usize;
         let reply = match stream(context, model, appender, lease, interrupt, turn, k).await? {
@@ -421,22 +438,33 @@ async fn in_memory(
                         true,
                     );
                 }
-                if lease.draining() {
-                    return Ok(ModelStep::Stopped);
-                }
-                let wait = backoff.delay(attempt, failure.wait);
                 crate::metrics::model_retry(spec, failure.reason.name());
-                tokio::select! {
-                    _ = lease.cancelled().cancelled() => return Ok(ModelStep::Stopped),
-                    _ = lease.drain_begun() => return Ok(ModelStep::Stopped),
-                    _ = interrupt.arrived() => return Ok(ModelStep::Done),
-                    _ = tokio::time::sleep(wait) => {}
+                let wait = backoff.delay(attempt, failure.wait);
+                if let Some(step) = wait_in_memory(lease, interrupt, wait).await {
+                    return Ok(step);
                 }
                 attempt += 1;
             }
         }
     };
     end_turn(appender, turn.number, message, retryable).await
+}
+
+/// Waits `wait` holding the lease; the step's outcome if a stop or an interrupt ended it.
+async fn wait_in_memory(
+    lease: &LeaseGuard,
+    interrupt: &InterruptSignal,
+    wait: Duration,
+) -> Option<ModelStep> {
+    if lease.draining() {
+        return Some(ModelStep::Stopped);
+    }
+    tokio::select! {
+        _ = lease.cancelled().cancelled() => Some(ModelStep::Stopped),
+        _ = lease.drain_begun() => Some(ModelStep::Stopped),
+        _ = interrupt.arrived() => Some(ModelStep::Done),
+        _ = tokio::time::sleep(wait) => None,
+    }
 }
 
 /// Ends turn `turn` with a `run_error` saying `message`.
