@@ -304,7 +304,9 @@ fn current_lease<'a>(
 }
 
 /// Who may append `events`: nobody to a deleted session; with a `lease_epoch`, only under
-/// the session's current, unexpired lease; without one, only the kinds a person writes.
+/// the session's current, unexpired lease; without one, only the kinds a person writes. A
+/// user message named as a replay's recorded turn (`replay:user:<seq>`, the one user turn
+/// a runner appends) must name a seq of the session's recording.
 pub fn check_writer<'a>(
     meta: &SessionMeta,
     session_id: &str,
@@ -313,9 +315,11 @@ pub fn check_writer<'a>(
     now: i64,
 ) -> Result<(), StoreError> {
     not_deleted(meta, session_id)?;
+    let events: Vec<&Event> = events.into_iter().collect();
+    check_replayed_turns(meta, session_id, &events)?;
     let Some(epoch) = lease_epoch else {
         let runner_kind = events
-            .into_iter()
+            .iter()
             .filter_map(|e| e.kind.as_ref())
             .find(|k| is_runner_kind(k));
         return match runner_kind {
@@ -348,6 +352,47 @@ pub fn check_writer<'a>(
             ),
         )),
     }
+}
+
+/// A user message named as a replay's recorded turn names a seq of the session's
+/// recording (its latest `session_config`'s replay, or a config in the same append).
+fn check_replayed_turns(
+    meta: &SessionMeta,
+    session_id: &str,
+    events: &[&Event],
+) -> Result<(), StoreError> {
+    let mut replay = meta.replay.clone();
+    for event in events {
+        match &event.kind {
+            Some(event::Kind::SessionConfig(c)) if !c.model.is_empty() => {
+                replay = c.replay.as_ref().map(|r| crate::session::ReplayRange {
+                    session_id: r.session_id.clone(),
+                    after_seq: r.after_seq,
+                    through_seq: r.through_seq,
+                })
+            }
+            Some(event::Kind::UserMessage(_)) => {
+                let Some(seq) = agentlog_proto::replay::user_seq_of(&event.event_id) else {
+                    continue;
+                };
+                let recorded = match &replay {
+                    Some(r) => r.after_seq < seq && seq <= r.through_seq,
+                    // A session release 0.1.0 began: its replay, if any, is not known here.
+                    None => !meta.tracks_replay,
+                };
+                if !recorded {
+                    return Err(StoreError::InvalidArgument(format!(
+                        "event_id {:?}: session {session_id} replays no recording whose seq \
+                         {seq} it could be; a replay's recorded turn is the only user message \
+                         a runner appends",
+                        event.event_id
+                    )));
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(())
 }
 
 /// Who may keep a snapshot of the session at `seq`: the holder of its live lease of
@@ -1153,5 +1198,51 @@ mod tests {
         ))];
         let refused = plan_fork(prefix_of(&log[..8], &runner_kind), runner_kind, NOW);
         assert_eq!(reason(refused), Reason::LeaseRequired);
+    }
+
+    #[test]
+    fn a_replayed_user_turn_must_name_a_seq_of_the_sessions_recording() {
+        let turn = |seq: u64| Event {
+            event_id: agentlog_proto::replay::user_event_id(seq),
+            kind: Some(user("recorded")),
+            ..Event::default()
+        };
+        let mut plain = SessionMeta::default();
+        plain.apply_event(&ev(1, user("go")));
+        let refused = check_writer(&plain, "s", None, [&turn(3)], NOW);
+        assert!(
+            matches!(refused, Err(StoreError::InvalidArgument(_))),
+            "{refused:?}"
+        );
+        let mut replay = SessionMeta::default();
+        replay.apply_event(&ev(
+            1,
+            event::Kind::SessionConfig(agentlog_proto::v1::SessionConfig {
+                model: "openai:m".into(),
+                replay: Some(agentlog_proto::v1::Replay {
+                    session_id: "rec".into(),
+                    after_seq: 2,
+                    through_seq: 9,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+        ));
+        assert!(check_writer(&replay, "s", None, [&turn(3)], NOW).is_ok());
+        assert!(check_writer(&replay, "s", None, [&turn(2)], NOW).is_err());
+        assert!(check_writer(&replay, "s", None, [&turn(10)], NOW).is_err());
+        // A state release 0.1.0 began says nothing of a replay: taken on trust.
+        let legacy = SessionMeta {
+            tracks_replay: false,
+            ..plain.clone()
+        };
+        assert!(check_writer(&legacy, "s", None, [&turn(3)], NOW).is_ok());
+        // Any other user message is a person's, whatever its id.
+        let typed = Event {
+            event_id: "u2".into(),
+            kind: Some(user("hello")),
+            ..Event::default()
+        };
+        assert!(check_writer(&plain, "s", None, [&typed], NOW).is_ok());
     }
 }

@@ -113,6 +113,25 @@ pub struct SessionMeta {
     /// itself, whatever the store says.)
     #[prost(int64, tag = "15")]
     pub not_before_unix_ms: i64,
+    /// The recording the session replays, as its latest `session_config` naming a model
+    /// says (none: it is no replay): the seqs whose user turns a runner may append to it.
+    #[prost(message, optional, tag = "16")]
+    pub replay: Option<ReplayRange>,
+    /// The session began under a release that keeps `replay` (0.2.0 on): `replay` is whole.
+    /// A state release 0.1.0 began lacks it, and its replays are taken on trust.
+    #[prost(bool, tag = "17")]
+    pub tracks_replay: bool,
+}
+
+/// A replay's recording: `session_id`'s seqs after `after_seq` up to `through_seq`.
+#[derive(Clone, PartialEq, Message)]
+pub struct ReplayRange {
+    #[prost(string, tag = "1")]
+    pub session_id: String,
+    #[prost(uint64, tag = "2")]
+    pub after_seq: u64,
+    #[prost(uint64, tag = "3")]
+    pub through_seq: u64,
 }
 
 /// Whether `id` is a valid session id (or lease owner's): 1-128 characters of
@@ -181,7 +200,11 @@ impl SessionMeta {
                 .forked_from
                 .as_ref()
                 .map_or(0, |f| f.session_id.capacity() + 40)
-            + self.base_session.capacity();
+            + self.base_session.capacity()
+            + self
+                .replay
+                .as_ref()
+                .map_or(0, |r| r.session_id.capacity() + 40);
         session_id.len() + std::mem::size_of::<(String, SessionMeta)>() + 16 + heap
     }
 
@@ -204,6 +227,7 @@ impl SessionMeta {
         // A fork was created when it was made, not when the parent's first event was.
         if self.last_seq == 0 && self.forked_from.is_none() {
             self.created_unix_ms = event.ts_unix_ms;
+            self.tracks_replay = true;
         }
         self.last_seq = event.seq;
         self.updated_unix_ms = self.updated_unix_ms.max(event.ts_unix_ms);
@@ -276,6 +300,14 @@ impl SessionMeta {
             }
             // The loop stopped itself: it waits for a person's next turn.
             event::Kind::RunPaused(_) => self.status = SessionStatus::Waiting as i32,
+            // A config naming a model starts afresh: its replay, or none.
+            event::Kind::SessionConfig(c) if !c.model.is_empty() => {
+                self.replay = c.replay.as_ref().map(|r| ReplayRange {
+                    session_id: r.session_id.clone(),
+                    after_seq: r.after_seq,
+                    through_seq: r.through_seq,
+                });
+            }
             // Streamed text says nothing about who has work, nor does the session's model.
             event::Kind::AssistantDelta(_) | event::Kind::SessionConfig(_) => {}
         }
@@ -310,6 +342,7 @@ impl SessionMeta {
             *self = state.clone();
             return;
         }
+        self.tracks_replay = true;
         self.forked_from = Some(ForkedFrom {
             session_id: fork.parent.clone(),
             seq: fork.seq,

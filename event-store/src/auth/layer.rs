@@ -199,7 +199,14 @@ fn decode_target(rpc: Rpc, message: &Bytes) -> Result<Target, Status> {
         Ok(Target {
             session_id: req.session_id,
             leased: req.lease_epoch.is_some(),
-            kinds: req.events.into_iter().map(|e| e.kind).collect(),
+            kinds: req
+                .events
+                .into_iter()
+                .map(|e| {
+                    let replayed = super::policy::is_replayed_turn(&e.event_id);
+                    (e.kind, replayed)
+                })
+                .collect(),
             ..Target::default()
         })
     } else if rpc == Rpc::ForkSession {

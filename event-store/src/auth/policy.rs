@@ -48,8 +48,9 @@ pub struct Target {
     /// `ForkSession`'s `new_session_id` (empty: the store names the fork within the
     /// caller's scope).
     pub new_session_id: String,
-    /// For an append: each event's kind (`None`: no kind; validation refuses it).
-    pub kinds: Vec<Option<agentlog_proto::v1::event::Kind>>,
+    /// For an append: each event's kind (`None`: no kind; validation refuses it) and
+    /// whether its id names a replay's recorded user turn (`replay:user:<seq>`).
+    pub kinds: Vec<(Option<agentlog_proto::v1::event::Kind>, bool)>,
     /// For an append: whether it names a lease epoch (a runner writing under its lease).
     pub leased: bool,
 }
@@ -127,7 +128,10 @@ pub fn authorize(caller: &Caller, rpc: Rpc, target: &Target) -> Result<(), Denia
         check_kinds(
             caller,
             target.leased,
-            target.kinds.iter().map(Option::as_ref),
+            target
+                .kinds
+                .iter()
+                .map(|(kind, replayed)| (kind.as_ref(), *replayed)),
         )?;
     }
     Ok(())
@@ -146,7 +150,10 @@ pub fn authorize_append(caller: &Caller, append: &KeptAppendRequest) -> Result<(
     check_kinds(
         caller,
         request.lease_epoch.is_some(),
-        append.events.iter().map(|e| e.kind.as_ref()),
+        append
+            .events
+            .iter()
+            .map(|e| (e.kind.as_ref(), is_replayed_turn(&e.event_id))),
     )
 }
 
@@ -159,23 +166,32 @@ pub fn authorize_snapshot_put(caller: &Caller, session_id: &str) -> Result<(), D
     Err(outside_prefixes(caller, session_id))
 }
 
-/// Clients append a person's kinds only, runners the runner-written kinds only, and under
-/// their lease a `user_message` too (a replay's recorded turn, which the runner appends once
-/// the replay's previous turn ended).
+/// Whether an event id names a replay's recorded user turn (`replay:user:<seq>`).
+pub fn is_replayed_turn(event_id: &str) -> bool {
+    agentlog_proto::replay::user_seq_of(event_id).is_some()
+}
+
+/// Clients append a person's kinds only (a user message, an interrupt, an approval
+/// decision, a session config), runners the runner-written kinds only: never a person's,
+/// but for one user message, a replay's recorded turn, which the runner appends under its
+/// lease once the replay's previous turn ended (its id `replay:user:<seq>`, and its seq one
+/// the session's replay holds: `crate::rules::check_replayed_turns`).
 fn check_kinds<'a>(
     caller: &Caller,
     leased: bool,
-    kinds: impl Iterator<Item = Option<&'a agentlog_proto::v1::event::Kind>>,
+    kinds: impl Iterator<Item = (Option<&'a agentlog_proto::v1::event::Kind>, bool)>,
 ) -> Result<(), Denial> {
     if caller.role == Role::Admin {
         return Ok(());
     }
     let who = &caller.name;
     let client = caller.role == Role::Client;
-    for (i, kind) in kinds.enumerate() {
+    for (i, (kind, replayed)) in kinds.enumerate() {
         let Some(kind) = kind else { continue };
-        let replayed_turn =
-            !client && leased && matches!(kind, agentlog_proto::v1::event::Kind::UserMessage(_));
+        let replayed_turn = !client
+            && leased
+            && replayed
+            && matches!(kind, agentlog_proto::v1::event::Kind::UserMessage(_));
         if is_runner_kind(kind) == client && !replayed_turn {
             return Err(Denial::Forbidden(format!(
                 "events[{i}]: token {who:?} (role {}) may not append {}; {}",
@@ -187,7 +203,8 @@ fn check_kinds<'a>(
                 } else {
                     "runners append the runner-written kinds only (assistant_message, \
                      tool_started, tool_result, assistant_delta, run_error, interrupted, \
-                     approval_requested, and user_message under their lease)"
+                     approval_requested, model_retry, run_paused; and under their lease a \
+                     replay's recorded user_message, as replay:user:<seq>)"
                 }
             )));
         }
@@ -272,6 +289,45 @@ mod tests {
     }
 
     #[test]
+    fn each_role_appends_its_own_kinds_only_a_runner_a_person_s_turn_only_as_a_replay_s() {
+        use agentlog_proto::v1::event::Kind;
+        let (acme, pool) = (&acme(), &pool());
+        let target = |kind: Kind, replayed: bool, leased: bool| Target {
+            session_id: "beta:1".into(),
+            kinds: vec![(Some(kind), replayed)],
+            leased,
+            ..Target::default()
+        };
+        let allowed = |caller: &Caller, t: Target| authorize(caller, Rpc::Append, &t).is_ok();
+        let user = || Kind::UserMessage(Default::default());
+        // A runner under its lease: a user message only as a replay's recorded turn.
+        assert!(!allowed(pool, target(user(), false, true)));
+        assert!(allowed(pool, target(user(), true, true)));
+        assert!(!allowed(pool, target(user(), true, false)));
+        for person in [
+            Kind::Interrupt(Default::default()),
+            Kind::ApprovalDecision(Default::default()),
+            Kind::SessionConfig(Default::default()),
+        ] {
+            assert!(!allowed(pool, target(person, false, true)));
+        }
+        // A client: none of the runner's kinds, the new ones included.
+        let acme_target = |kind: Kind| Target {
+            session_id: "acme:1".into(),
+            kinds: vec![(Some(kind), false)],
+            ..Target::default()
+        };
+        for runner in [
+            Kind::ModelRetry(Default::default()),
+            Kind::RunPaused(Default::default()),
+            Kind::AssistantMessage(Default::default()),
+        ] {
+            assert!(!allowed(acme, acme_target(runner)));
+        }
+        assert!(allowed(acme, acme_target(user())));
+    }
+
+    #[test]
     fn roles_and_scopes() {
         let (acme, pool) = (&acme(), &pool());
         let user = Some(agentlog_proto::v1::event::Kind::UserMessage(
@@ -280,9 +336,9 @@ mod tests {
         let result = Some(agentlog_proto::v1::event::Kind::ToolResult(
             Default::default(),
         ));
-        let append = |id: &str, kinds: Vec<_>| Target {
+        let append = |id: &str, kinds: Vec<Option<agentlog_proto::v1::event::Kind>>| Target {
             session_id: id.into(),
-            kinds,
+            kinds: kinds.into_iter().map(|k| (k, false)).collect(),
             ..Target::default()
         };
         let code = |r: Result<(), Denial>| r.err().map(|s| s.code());
