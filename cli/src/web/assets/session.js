@@ -9,11 +9,6 @@
 // is SESSION_DELETED) ends it: the page says so and stops reconnecting.
 "use strict";
 
-const KINDS = [
-  "user_message", "assistant_message", "tool_started", "tool_result", "assistant_delta",
-  "run_error", "interrupt", "interrupted", "approval_requested", "approval_decision",
-  "session_config", "unknown",
-];
 // The kinds a settled point (where a fork may be made) can end at.
 const FORK_KINDS = new Set(["user_message", "assistant_message", "tool_result", "interrupted"]);
 const BACKOFF_FIRST_MS = 250;
@@ -102,6 +97,9 @@ function onEvent(message) {
 
 let stream = null; // {turnId, node, text}: the reply being streamed
 const tools = new Map(); // tool_use id -> its card
+let sessionModel = null; // the model the latest session_config names
+let turnHead = null; // the model the turn's first model_retry names: the head of its chain
+let lastPaused = null; // the run_paused that is the last event but streamed text, if it is
 
 function add(node) {
   const atBottom = window.innerHeight + window.scrollY >= document.body.scrollHeight - 40;
@@ -116,9 +114,11 @@ function endStream() {
 }
 
 function render(kind, ev, seq) {
+  if (kind !== "assistant_delta") lastPaused = kind === "run_paused" ? ev.runPaused || {} : null;
   switch (kind) {
     case "user_message":
       endStream();
+      turnHead = null;
       add(el("div", { class: "turn user", "data-seq": seq }, el("span", { class: "who" }, "you"), el("div", { class: "text" }, ev.userMessage.text || "")));
       break;
     case "assistant_delta":
@@ -159,12 +159,30 @@ function render(kind, ev, seq) {
     case "session_config": {
       endStream();
       const c = ev.sessionConfig || {};
-      const text = c.replay
-        ? `a replay of ${c.replay.sessionId} after seq ${c.replay.afterSeq || 0} on ${c.model}; off the recorded path: ${c.replay.offPath === "OFF_PATH_STOP" ? "stop" : "run"}`
-        : `the session runs on ${c.model} from here on`;
-      add(el("div", { class: "note config", "data-seq": seq }, text));
+      if (c.model) sessionModel = c.model;
+      const said = [];
+      if (c.replay) {
+        said.push(`a replay of ${c.replay.sessionId} after seq ${c.replay.afterSeq || 0} on ${c.model}; off the recorded path: ${c.replay.offPath === "OFF_PATH_STOP" ? "stop" : "run"}`);
+      } else if (c.model) {
+        said.push(`the session runs on ${c.model} from here on`);
+      }
+      const fallbacks = c.fallbackModels || [];
+      if (fallbacks.length) said.push(`when its model keeps failing, a turn falls back to ${fallbacks.join(", then ")}`);
+      if (c.budget) said.push(`each run's budget: ${budgetWords(c.budget)}`);
+      for (const text of said) add(el("div", { class: "note config", "data-seq": seq }, text));
       break;
     }
+    case "model_retry": {
+      endStream();
+      const r = ev.modelRetry || {};
+      if (!turnHead) turnHead = r.model;
+      add(el("div", { class: "note retry", "data-seq": seq }, ...retryWords(r)));
+      break;
+    }
+    case "run_paused":
+      endStream();
+      add(el("div", { class: "note paused", "data-seq": seq }, `paused: ${pauseWords(ev.runPaused || {})}`));
+      break;
     case "run_error":
       endStream();
       add(el("div", { class: "turn error", "data-seq": seq }, el("span", { class: "who" }, "error"), el("div", { class: "text" }, ev.runError.message || "")));
@@ -222,7 +240,15 @@ function reply(m, seq) {
   } else if (text) {
     add(el("div", { class: "turn agent", "data-seq": seq }, el("span", { class: "who" }, "agent"), el("div", { class: "text" }, text)));
   }
-  if (m.model) add(el("div", { class: "reply-model", "data-seq": seq }, `reply by ${m.model}`));
+  // A fallback answered when the model differs from the one the turn was meant for: the
+  // session's, else the one its first retry names (unknown without either).
+  const head = sessionModel || turnHead;
+  turnHead = null;
+  if (m.model && head && m.model !== head) {
+    add(el("div", { class: "reply-model fallback", "data-seq": seq }, `reply by ${m.model}, a fallback of ${head}`));
+  } else if (m.model) {
+    add(el("div", { class: "reply-model", "data-seq": seq }, `reply by ${m.model}`));
+  }
   for (const block of blocks) {
     if (!block.toolUse) continue;
     const call = block.toolUse;
@@ -278,6 +304,7 @@ function approvalRequested(r, seq) {
 // ---- session info and actions ------------------------------------------------------------
 
 let infoTimer = null;
+let dueTimer = null;
 
 function refreshInfoSoon() {
   if (!infoTimer) infoTimer = setTimeout(() => { infoTimer = null; refreshInfo(); }, 300);
@@ -288,9 +315,17 @@ async function refreshInfo() {
     const info = await api("GET", base);
     document.getElementById("title").textContent = info.title || "";
     const badge = document.getElementById("status");
-    const name = statusName(info.status);
-    badge.textContent = name;
-    badge.className = `badge ${name}`;
+    const now = standing(info, lastPaused);
+    badge.textContent = now.name;
+    badge.className = `badge ${now.name}`;
+    const words = document.getElementById("standing");
+    words.replaceChildren(...now.words);
+    words.hidden = now.words.length === 0;
+    // A parked session is taken up once it is due: look again then.
+    clearTimeout(dueTimer);
+    if (now.name === "parked") {
+      dueTimer = setTimeout(refreshInfo, Number(info.notBeforeUnixMs) - Date.now() + 500);
+    }
     document.getElementById("pinned").hidden = !info.pinned;
     refreshForkedFrom(info);
   } catch (e) {
