@@ -65,7 +65,7 @@ def write_sessions(addr):
         {"event_id": "reply:1", "assistant_message": {
             "content": [{"text": {"text": "Listing it first."}},
                         {"tool_use": {"id": "toolu_1", "name": "bash", "input": {"command": "ls"}}}],
-            "stop_reason": "tool_use", "model": "openai:small"}},
+            "stop_reason": "tool_use", "model": "small-2025-01-01"}},
         {"event_id": "started:1", "tool_started": {"tool_use_id": "toolu_1", "idempotency_key": "paused/toolu_1", "attempt": 1}},
         {"event_id": "result:1", "tool_result": {"tool_use_id": "toolu_1", "content": "report.txt"}},
         {"event_id": "paused", "run_paused": {"reason": "budget", "detail": "max_model_calls 1 reached (1 replies)"}},
@@ -146,7 +146,7 @@ def main(pw):
             "anthropic:big is overloaded (attempt 2): HTTP 529; the next call is due now",
         ], retries
         by = page.locator(".reply-model").inner_text()
-        assert by == "reply by openai:small, a fallback of anthropic:big", by
+        assert by == "reply by small-2025-01-01, a fallback of anthropic:big", by
         paused = page.locator(".note.paused").inner_text()
         assert paused == ("paused: the run reached its budget (max_model_calls 1 reached (1 replies)); "
                           "the session waits for you: send a message to start a new run"), paused

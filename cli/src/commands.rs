@@ -151,6 +151,11 @@ pub async fn send_on(
             }
             return Ok(Flow::Stop);
         }
+        if let Some(Kind::RunPaused(_)) = &event.kind {
+            // The run stopped itself and waits for a person; the transcript said why and how
+            // to go on, and nothing more comes until someone does.
+            return Ok(Flow::Stop);
+        }
         Ok(if ends_turn(event) {
             Flow::Stop
         } else {

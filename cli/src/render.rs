@@ -23,11 +23,13 @@ pub struct Transcript {
     streamed: String,
     /// Tool names by tool_use id, to label results.
     tools: HashMap<String, String>,
-    /// The model the session runs on, as its latest `session_config` names it.
+    /// The model the session runs on, and its fallbacks, as its `session_config`s name them.
     model: Option<String>,
-    /// The model the turn's first `model_retry` names: the head of the turn's chain, which a
-    /// turn always calls first (known even where no `session_config` named the model).
-    turn_head: Option<String>,
+    fallbacks: Vec<String>,
+    /// The models the turn's `model_retry`s name, in order: the first is the head of the
+    /// turn's chain, which a turn always calls first (known even where no `session_config`
+    /// named the model).
+    turn_models: Vec<String>,
 }
 
 impl Transcript {
@@ -39,7 +41,7 @@ impl Transcript {
         match &event.kind {
             Some(Kind::UserMessage(m)) => {
                 self.end_stream(out)?;
-                self.turn_head = None;
+                self.turn_models.clear();
                 writeln!(out, "you> {}", m.text)?;
             }
             Some(Kind::AssistantDelta(d)) => {
@@ -137,6 +139,9 @@ impl Transcript {
                 if !c.model.is_empty() {
                     self.model = Some(c.model.clone());
                 }
+                if !c.fallback_models.is_empty() {
+                    self.fallbacks = c.fallback_models.clone();
+                }
                 match &c.replay {
                     Some(r) => writeln!(
                         out,
@@ -168,9 +173,7 @@ impl Transcript {
             }
             Some(Kind::ModelRetry(r)) => {
                 self.end_stream(out)?;
-                if self.turn_head.is_none() {
-                    self.turn_head = Some(r.model.clone());
-                }
+                self.turn_models.push(r.model.clone());
                 writeln!(out, "  ! {}", retry_words(r, &event.session_id))?;
             }
             Some(Kind::RunPaused(p)) => {
@@ -223,24 +226,61 @@ impl Transcript {
                 writeln!(out, "  -> {} [{}]: {shown}", call.name, call.id)?;
             }
         }
-        match self
-            .head()
-            .filter(|head| !m.model.is_empty() && *head != m.model)
-        {
-            Some(head) => writeln!(out, "  (reply by {}, a fallback of {head})", m.model)?,
-            None if !m.model.is_empty() => writeln!(out, "  (reply by {})", m.model)?,
-            None => {}
+        if !m.model.is_empty() {
+            match self.stood_in_for(&m.model) {
+                Some(head) => writeln!(out, "  (reply by {}, a fallback of {head})", m.model)?,
+                None => writeln!(out, "  (reply by {})", m.model)?,
+            }
         }
         // The next call starts a new turn, at the head of the chain again.
-        self.turn_head = None;
+        self.turn_models.clear();
         Ok(())
     }
 
-    /// The model this turn was meant for: the session's, else the one its first retry
-    /// names; unknown for a session on its runner's default model whose turn had no retry.
-    fn head(&self) -> Option<&str> {
-        self.model.as_deref().or(self.turn_head.as_deref())
+    /// The model a reply by `reply_model` stood in for, if a fallback answered: the turn's
+    /// head (the session's model, else the one its first retry names), unless the reply is
+    /// that model's. Of the models this transcript knows, the one that answered is the one
+    /// whose name fits the reply most closely (`gpt-4o-mini-…` is `openai:gpt-4o-mini`'s,
+    /// not `openai:gpt-4o`'s). Unknown for a session on its runner's default model whose
+    /// turn had no retry.
+    fn stood_in_for(&self, reply_model: &str) -> Option<&str> {
+        let head = self
+            .model
+            .as_deref()
+            .or(self.turn_models.first().map(String::as_str))?;
+        let known = std::iter::once(head)
+            .chain(self.fallbacks.iter().map(String::as_str))
+            .chain(self.turn_models.iter().map(String::as_str));
+        let mut answered: Option<&str> = None;
+        for spec in known.filter(|spec| answered_by(reply_model, spec)) {
+            if answered.is_none_or(|a| model_name(spec).len() > model_name(a).len()) {
+                answered = Some(spec);
+            }
+        }
+        (answered != Some(head)).then_some(head)
     }
+}
+
+/// The model part of a `PROVIDER:MODEL` spec.
+fn model_name(spec: &str) -> &str {
+    spec.split_once(':').map_or(spec, |(_, name)| name)
+}
+
+/// Whether a reply naming `reply_model` came from `spec` (`PROVIDER:MODEL`, as a
+/// configuration and a retry name models). A reply names the model as its provider reported
+/// it: the name asked for, or a version of it (`claude-sonnet-4-5` answers as
+/// `claude-sonnet-4-5-20250929`, `…-latest` as a dated name); a scripted model, by its
+/// whole spec.
+pub fn answered_by(reply_model: &str, spec: &str) -> bool {
+    let name = model_name(spec);
+    if reply_model == spec || reply_model == name {
+        return true;
+    }
+    let base = name.strip_suffix("-latest").unwrap_or(name);
+    let versioned = reply_model
+        .strip_prefix(base)
+        .is_some_and(|rest| rest.starts_with(['-', '@', ':']));
+    versioned || reply_model.ends_with(&format!("/{name}"))
 }
 
 /// A retry in words: which model failed, why, the attempt, and when the next call is due.
@@ -548,16 +588,17 @@ mod tests {
             fallback_models: vec!["openai:small".into()],
             ..SessionConfig::default()
         });
+        // Replies name the model as the provider reports it: a dated version of the name.
         let out = render(&[
             ev(1, config),
             ev(2, user("hi")),
-            ev(3, reply_by("anthropic:big", "Hello")),
+            ev(3, reply_by("big-20250929", "Hello")),
             ev(4, user("again")),
-            ev(5, reply_by("openai:small", "Hello again")),
+            ev(5, reply_by("small-2024-07-18", "Hello again")),
         ]);
-        assert!(out.contains("  (reply by anthropic:big)\n"), "{out}");
+        assert!(out.contains("  (reply by big-20250929)\n"), "{out}");
         assert!(
-            out.contains("  (reply by openai:small, a fallback of anthropic:big)\n"),
+            out.contains("  (reply by small-2024-07-18, a fallback of anthropic:big)\n"),
             "{out}"
         );
         assert!(
@@ -567,22 +608,50 @@ mod tests {
     }
 
     #[test]
+    fn the_closest_name_tells_which_model_answered() {
+        let config = Kind::SessionConfig(SessionConfig {
+            model: "openai:gpt-4o".into(),
+            fallback_models: vec!["openai:gpt-4o-mini".into()],
+            ..SessionConfig::default()
+        });
+        let out = render(&[
+            ev(1, config),
+            ev(2, user("hi")),
+            ev(3, reply_by("gpt-4o-mini-2024-07-18", "Hello")),
+            ev(4, user("again")),
+            ev(5, reply_by("gpt-4o-2024-08-06", "Hello again")),
+        ]);
+        assert!(
+            out.contains("  (reply by gpt-4o-mini-2024-07-18, a fallback of openai:gpt-4o)\n"),
+            "{out}"
+        );
+        assert!(out.ends_with("  (reply by gpt-4o-2024-08-06)\n"), "{out}");
+    }
+
+    #[test]
     fn without_a_configured_model_the_turns_first_retry_names_the_one_stood_in_for() {
         let out = render(&[
             ev(1, user("hi")),
             ev(2, retry("anthropic:big", 1)),
             ev(3, retry("anthropic:big", 2)),
-            ev(4, reply_by("openai:small", "Hello")),
+            ev(4, reply_by("small", "Hello")),
             ev(5, user("again")),
             // A turn with no retry: nothing says which model it was meant for.
-            ev(6, reply_by("openai:small", "Hello again")),
+            ev(6, reply_by("small", "Hello again")),
+            ev(7, user("once more")),
+            ev(8, retry("anthropic:big", 1)),
+            ev(9, reply_by("big", "Hello once more")),
         ]);
         assert!(
-            out.contains("  (reply by openai:small, a fallback of anthropic:big)\n"),
+            out.contains("  (reply by small, a fallback of anthropic:big)\n"),
             "{out}"
         );
         assert!(
-            out.ends_with("agent> Hello again\n  (reply by openai:small)\n"),
+            out.contains("agent> Hello again\n  (reply by small)\n"),
+            "{out}"
+        );
+        assert!(
+            out.ends_with("agent> Hello once more\n  (reply by big)\n"),
             "{out}"
         );
         assert!(
@@ -591,6 +660,30 @@ mod tests {
             ),
             "{out}"
         );
+    }
+
+    #[test]
+    fn a_reply_is_its_models_under_the_name_its_provider_gives() {
+        for (reply, spec) in [
+            ("claude-sonnet-4-5-20250929", "anthropic:claude-sonnet-4-5"),
+            (
+                "claude-3-5-sonnet-20241022",
+                "anthropic:claude-3-5-sonnet-latest",
+            ),
+            ("gpt-4o-2024-08-06", "openai:gpt-4o"),
+            ("llama3", "openai:llama3"),
+            ("/models/llama3", "openai:llama3"),
+            ("scripted:/tmp/demo.jsonl", "scripted:/tmp/demo.jsonl"),
+        ] {
+            assert!(answered_by(reply, spec), "{reply} is {spec}'s");
+        }
+        for (reply, spec) in [
+            ("gpt-4o-mini-2024-07-18", "anthropic:claude-sonnet-4-5"),
+            ("claude-haiku-4-5-20251001", "anthropic:claude-sonnet-4-5"),
+            ("scripted:/tmp/b.jsonl", "scripted:/tmp/a.jsonl"),
+        ] {
+            assert!(!answered_by(reply, spec), "{reply} is not {spec}'s");
+        }
     }
 
     fn info(status: SessionStatus, not_before_unix_ms: i64) -> SessionInfo {

@@ -4,7 +4,11 @@
 //! paused, why, and how to go on (a call waiting for an approval stays `waiting`);
 //! `ls --json` carries `notBeforeUnixMs`; `agentlog show` says each retry, which model a
 //! fallback reply stood in for, and the pause. The runner's events are appended here under
-//! a lease, as a runner appends them.
+//! a lease, as a runner appends them; and, with a real runner on the Anthropic stand-in,
+//! `agentlog send --fallback-model … --budget calls=1` streams the retries, the fallback's
+//! reply and the pause, and returns at the pause.
+
+mod runner_support;
 
 use std::process::{Command, Stdio};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -15,7 +19,10 @@ use agentlog_proto::v1::{
     AssistantMessage, Budget, ContentBlock, Event, ModelRetry, ReleaseLeaseRequest, RunPaused,
     SessionConfig, TextBlock, ToolResult, ToolStarted, ToolUseBlock, UserMessage,
 };
+use integration_tests::anthropic_standin::{Fault, StandinReply};
+use integration_tests::standin::FaultPlan;
 use integration_tests::{bin_path, Store};
+use runner_support::Rig;
 use serde_json::Value;
 use tonic::transport::Channel;
 
@@ -180,7 +187,12 @@ async fn ls_says_parked_and_paused_and_show_says_which_model_stood_in() {
         vec![
             retry("retry:1", 1, "anthropic:big", now),
             retry("retry:2", 2, "anthropic:big", now),
-            call("reply:1", "openai:small", "Listing it first.", "toolu_1"),
+            call(
+                "reply:1",
+                "small-2025-01-01",
+                "Listing it first.",
+                "toolu_1",
+            ),
             event(
                 "started:1",
                 Kind::ToolStarted(ToolStarted {
@@ -276,10 +288,65 @@ async fn ls_says_parked_and_paused_and_show_says_which_model_stood_in() {
         "(when its model keeps failing, a turn falls back to openai:small)",
         "(each run's budget: 1 model calls, the runner's tokens, the runner's seconds)",
         "  ! anthropic:big is rate limited (attempt 1): HTTP 429; the next call is due now",
-        "  (reply by openai:small, a fallback of anthropic:big)",
+        "  (reply by small-2025-01-01, a fallback of anthropic:big)",
         "(paused: the run reached its budget (max_model_calls 1 reached (1 replies)); the \
          session waits for you: `agentlog resume paused TEXT` goes on with a fresh run)",
     ] {
         assert!(shown.contains(said), "show says {said:?}:\n{shown}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn send_streams_the_retries_the_fallbacks_reply_and_the_pause_then_returns() {
+    let rig = Rig::start(vec![
+        StandinReply::text("Looking first.")
+            .tool("bash", serde_json::json!({"command": "echo hi"})),
+        StandinReply::text("Done."),
+    ])
+    .await;
+    // The session's model is overloaded for its first two calls: the turn falls back.
+    rig.standin.fail_model(
+        "standin-1",
+        FaultPlan::Calls(vec![
+            Fault::Overloaded {
+                retry_after_s: Some(0)
+            };
+            2
+        ]),
+    );
+    let _runner = rig.runner("r1", 10_000, &["--fallback-model", "anthropic:standin-2"]);
+
+    let sent = agentlog(
+        &rig.store,
+        &[
+            "send",
+            "--session",
+            "s1",
+            "--fallback-model",
+            "anthropic:standin-2",
+            "--budget",
+            "calls=1",
+            "look around",
+        ],
+    );
+    for said in [
+        "  ! anthropic:standin-1 is overloaded (attempt 1)",
+        "  ! anthropic:standin-1 is overloaded (attempt 2)",
+        "agent> Looking first.\n",
+        "  (reply by standin-2, a fallback of anthropic:standin-1)\n",
+        "(paused: the run reached its budget (max_model_calls 1 reached (1 replies)); the \
+         session waits for you: `agentlog resume s1 TEXT` goes on with a fresh run)\n",
+    ] {
+        assert!(sent.contains(said), "send says {said:?}:\n{sent}");
+    }
+    assert!(
+        !sent.contains("Done."),
+        "the run paused before its next call:\n{sent}"
+    );
+
+    let listed = agentlog(&rig.store, &["ls"]);
+    assert!(
+        listed.contains("paused: the run reached its budget (max_model_calls 1 reached"),
+        "{listed}"
+    );
 }

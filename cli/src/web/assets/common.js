@@ -120,6 +120,23 @@ function pauseWords(p) {
   return `${PAUSE_WHY[p.reason] || p.reason}${detail}; the session waits for you: send a message to start a new run`;
 }
 
+// The model part of a PROVIDER:MODEL spec.
+function modelName(spec) {
+  const colon = spec.indexOf(":");
+  return colon < 0 ? spec : spec.slice(colon + 1);
+}
+
+// Whether a reply naming `replyModel` came from `spec` (PROVIDER:MODEL): a reply names the
+// model as its provider reported it, the name asked for or a version of it
+// (claude-sonnet-4-5 answers as claude-sonnet-4-5-20250929, …-latest as a dated name).
+function answeredBy(replyModel, spec) {
+  const name = modelName(spec);
+  if (replyModel === spec || replyModel === name) return true;
+  const base = name.endsWith("-latest") ? name.slice(0, -"-latest".length) : name;
+  const versioned = replyModel.startsWith(base) && "-@:".includes(replyModel.charAt(base.length) || "x");
+  return versioned || replyModel.endsWith(`/${name}`);
+}
+
 // A session_config's budget in words (a field left out, or 0, is the runner's limit).
 function budgetWords(b) {
   const part = (n, what) => (Number(n || 0) === 0 ? `the runner's ${what}` : `${n} ${what}`);

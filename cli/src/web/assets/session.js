@@ -98,7 +98,8 @@ function onEvent(message) {
 let stream = null; // {turnId, node, text}: the reply being streamed
 const tools = new Map(); // tool_use id -> its card
 let sessionModel = null; // the model the latest session_config names
-let turnHead = null; // the model the turn's first model_retry names: the head of its chain
+let fallbacks = []; // the fallbacks the latest session_config names
+let turnModels = []; // the models the turn's model_retries name: the first is its head
 let lastPaused = null; // the run_paused that is the last event but streamed text, if it is
 
 function add(node) {
@@ -118,7 +119,7 @@ function render(kind, ev, seq) {
   switch (kind) {
     case "user_message":
       endStream();
-      turnHead = null;
+      turnModels = [];
       add(el("div", { class: "turn user", "data-seq": seq }, el("span", { class: "who" }, "you"), el("div", { class: "text" }, ev.userMessage.text || "")));
       break;
     case "assistant_delta":
@@ -160,14 +161,14 @@ function render(kind, ev, seq) {
       endStream();
       const c = ev.sessionConfig || {};
       if (c.model) sessionModel = c.model;
+      if ((c.fallbackModels || []).length) fallbacks = c.fallbackModels;
       const said = [];
       if (c.replay) {
         said.push(`a replay of ${c.replay.sessionId} after seq ${c.replay.afterSeq || 0} on ${c.model}; off the recorded path: ${c.replay.offPath === "OFF_PATH_STOP" ? "stop" : "run"}`);
       } else if (c.model) {
         said.push(`the session runs on ${c.model} from here on`);
       }
-      const fallbacks = c.fallbackModels || [];
-      if (fallbacks.length) said.push(`when its model keeps failing, a turn falls back to ${fallbacks.join(", then ")}`);
+      if ((c.fallbackModels || []).length) said.push(`when its model keeps failing, a turn falls back to ${c.fallbackModels.join(", then ")}`);
       if (c.budget) said.push(`each run's budget: ${budgetWords(c.budget)}`);
       for (const text of said) add(el("div", { class: "note config", "data-seq": seq }, text));
       break;
@@ -175,7 +176,7 @@ function render(kind, ev, seq) {
     case "model_retry": {
       endStream();
       const r = ev.modelRetry || {};
-      if (!turnHead) turnHead = r.model;
+      turnModels.push(r.model);
       add(el("div", { class: "note retry", "data-seq": seq }, ...retryWords(r)));
       break;
     }
@@ -240,11 +241,9 @@ function reply(m, seq) {
   } else if (text) {
     add(el("div", { class: "turn agent", "data-seq": seq }, el("span", { class: "who" }, "agent"), el("div", { class: "text" }, text)));
   }
-  // A fallback answered when the model differs from the one the turn was meant for: the
-  // session's, else the one its first retry names (unknown without either).
-  const head = sessionModel || turnHead;
-  turnHead = null;
-  if (m.model && head && m.model !== head) {
+  const head = m.model ? stoodInFor(m.model) : null;
+  turnModels = [];
+  if (head) {
     add(el("div", { class: "reply-model fallback", "data-seq": seq }, `reply by ${m.model}, a fallback of ${head}`));
   } else if (m.model) {
     add(el("div", { class: "reply-model", "data-seq": seq }, `reply by ${m.model}`));
@@ -258,6 +257,22 @@ function reply(m, seq) {
     card.name.textContent = call.name;
     card.input.textContent = shown;
   }
+}
+
+// The model a reply by `replyModel` stood in for, if a fallback answered, as `agentlog show`
+// decides it: the turn's head (the session's model, else the one its first retry names),
+// unless the reply is that model's; of the models known here, the one that answered is the
+// one whose name fits the reply most closely.
+function stoodInFor(replyModel) {
+  const head = sessionModel || turnModels[0];
+  if (!head) return null;
+  let answered = null;
+  for (const spec of [head, ...fallbacks, ...turnModels]) {
+    if (answeredBy(replyModel, spec) && (!answered || modelName(spec).length > modelName(answered).length)) {
+      answered = spec;
+    }
+  }
+  return answered === head ? null : head;
 }
 
 // The card of one tool call, made on first mention.
