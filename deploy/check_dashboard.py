@@ -5,7 +5,8 @@ usage: check_dashboard.py DASHBOARD.json BIN_DIR
 Starts the real `event-store` (on a temp data dir) and `runner` (against it) with
 `--metrics-listen 127.0.0.1:0`, scrapes `/metrics` from both, and checks every
 `agentlog_*` series name in every panel's query against the scraped sample names. Every
-metric family is exposed from the start, so nothing has to happen first.
+metric family is exposed from the start, so nothing has to happen first (the runner is
+given a fallback model, so that its usual fallback series exists too).
 """
 
 import json
@@ -72,7 +73,8 @@ def main(dashboard_path, bin_dir):
             runner, runner_addrs = start(
                 [f"{bin_dir}/runner", "--event-store", f"http://{store_addrs['listen_addr']}",
                  "--runner-id", "dashboard-check", "--workspace-root", f"{data}/workspaces",
-                 "--model", "anthropic:check", "--metrics-listen", "127.0.0.1:0"],
+                 "--model", "anthropic:check", "--fallback-model", "anthropic:check-fallback",
+                 "--metrics-listen", "127.0.0.1:0"],
                 {**env, "ANTHROPIC_API_KEY": "unused"})
             exported |= scrape(store_addrs["metrics_addr"])
             exported |= scrape(runner_addrs["metrics_addr"])

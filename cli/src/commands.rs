@@ -9,19 +9,22 @@ use agentlog_client::log::read_log;
 use agentlog_client::refusal::is_session_not_found;
 use agentlog_client::retry::retry_transient;
 use agentlog_proto::v1::{
-    event::Kind, AppendRequest, Budget, Event, GetSessionRequest, ListSessionsRequest,
-    SessionConfig, SessionInfo, SessionStatus, UserMessage,
+    event::Kind, AppendRequest, Budget, Event, GetSessionRequest, ListSessionsRequest, RunPaused,
+    SessionConfig, SessionInfo, SessionStatus, SubscribeRequest, UserMessage,
 };
 use anyhow::{anyhow, bail, Result};
 
 use crate::follow::{follow, Flow};
-use crate::render::{ends_turn, event_json, session_json, Transcript};
+use crate::render::{ends_turn, event_json, pause_of, session_json, status_words, Transcript};
 use crate::store;
 
 /// How long `send` waits, with no event, before it says that no runner seems to be working.
 const NO_RUNNER_HINT_AFTER: Duration = Duration::from_secs(5);
 /// How long an append keeps retrying a store that is unreachable (e.g. restarting).
 const APPEND_PATIENCE: Duration = Duration::from_secs(15);
+/// The events `ls` reads from the end of a waiting session's log to tell a pause from a
+/// wait for an approval (the last one that is not streamed text decides).
+const PAUSE_LOOK_BACK: u64 = 8;
 
 /// Output settings shared by every command.
 #[derive(Debug, Clone)]
@@ -146,6 +149,11 @@ pub async fn send_on(
                      follows the rest"
                 );
             }
+            return Ok(Flow::Stop);
+        }
+        if let Some(Kind::RunPaused(_)) = &event.kind {
+            // The run stopped itself and waits for a person; the transcript said why and how
+            // to go on, and nothing more comes until someone does.
             return Ok(Flow::Stop);
         }
         Ok(if ends_turn(event) {
@@ -360,7 +368,6 @@ pub async fn fork(out: &Output, session: &str, at: Option<u64>, text: Option<&st
     Ok(())
 }
 
-/// `ls`: sessions, most recently updated first.
 /// Up to `limit` sessions matching `query` and `status`, most recently updated first, read
 /// page after page.
 pub async fn list_sessions(
@@ -393,6 +400,9 @@ pub async fn list_sessions(
     Ok(sessions)
 }
 
+/// `ls`: sessions, most recently updated first; a parked session says when it is due, a
+/// paused one why it stopped and how to go on (a second line under its row). `--json` is
+/// each `SessionInfo` in the proto3 JSON mapping.
 pub async fn ls(
     out: &Output,
     query: Option<String>,
@@ -434,12 +444,11 @@ pub async fn ls(
     )?;
     let now = now_ms();
     for s in &sessions {
-        let status = match s.status() {
-            SessionStatus::Runnable => "runnable",
-            SessionStatus::Idle => "idle",
-            SessionStatus::Waiting => "waiting",
-            SessionStatus::Unspecified => "?",
+        let pause = match s.status() {
+            SessionStatus::Waiting => last_pause(&mut client, s).await,
+            _ => None,
         };
+        let (status, words) = status_words(s, pause.as_ref(), now);
         let runner = s.lease.as_ref().map_or("-", |l| l.owner.as_str());
         let title: String = s
             .title
@@ -458,8 +467,31 @@ pub async fn ls(
             ago(now - s.updated_unix_ms),
             runner
         )?;
+        if let Some(words) = words {
+            writeln!(stdout, "{:<width$}    {words}", "")?;
+        }
     }
     Ok(())
+}
+
+/// The pause a waiting session waits on, read from the last few events of its log (`ls` has
+/// only the session's summary, whose status is the same for a pause and for a call that
+/// waits for an approval). A session that cannot be read now is shown as waiting.
+async fn last_pause(client: &mut store::Client, s: &SessionInfo) -> Option<RunPaused> {
+    let mut stream = client
+        .subscribe(SubscribeRequest {
+            session_id: s.session_id.clone(),
+            from_seq: s.last_seq.saturating_sub(PAUSE_LOOK_BACK - 1).max(1),
+            follow: false,
+        })
+        .await
+        .ok()?
+        .into_inner();
+    let mut events = Vec::new();
+    while let Ok(Some(event)) = stream.message().await {
+        events.push(event);
+    }
+    pause_of(&events).cloned()
 }
 
 fn print_event(

@@ -7,7 +7,8 @@ use std::io::Write;
 
 use agentlog_client::json::struct_to_object;
 use agentlog_proto::v1::{
-    content_block::Block, event::Kind, AssistantMessage, Event, OffPath, SessionInfo,
+    content_block::Block, event::Kind, AssistantMessage, Event, OffPath, RunPaused, SessionInfo,
+    SessionStatus,
 };
 use serde_json::{json, Value};
 
@@ -22,6 +23,13 @@ pub struct Transcript {
     streamed: String,
     /// Tool names by tool_use id, to label results.
     tools: HashMap<String, String>,
+    /// The model the session runs on, and its fallbacks, as its `session_config`s name them.
+    model: Option<String>,
+    fallbacks: Vec<String>,
+    /// The models the turn's `model_retry`s name, in order: the first is the head of the
+    /// turn's chain, which a turn always calls first (known even where no `session_config`
+    /// named the model).
+    turn_models: Vec<String>,
 }
 
 impl Transcript {
@@ -33,6 +41,7 @@ impl Transcript {
         match &event.kind {
             Some(Kind::UserMessage(m)) => {
                 self.end_stream(out)?;
+                self.turn_models.clear();
                 writeln!(out, "you> {}", m.text)?;
             }
             Some(Kind::AssistantDelta(d)) => {
@@ -127,6 +136,12 @@ impl Transcript {
             }
             Some(Kind::SessionConfig(c)) => {
                 self.end_stream(out)?;
+                if !c.model.is_empty() {
+                    self.model = Some(c.model.clone());
+                }
+                if !c.fallback_models.is_empty() {
+                    self.fallbacks = c.fallback_models.clone();
+                }
                 match &c.replay {
                     Some(r) => writeln!(
                         out,
@@ -158,6 +173,7 @@ impl Transcript {
             }
             Some(Kind::ModelRetry(r)) => {
                 self.end_stream(out)?;
+                self.turn_models.push(r.model.clone());
                 writeln!(out, "  ! {}", retry_words(r, &event.session_id))?;
             }
             Some(Kind::RunPaused(p)) => {
@@ -211,10 +227,60 @@ impl Transcript {
             }
         }
         if !m.model.is_empty() {
-            writeln!(out, "  (reply by {})", m.model)?;
+            match self.stood_in_for(&m.model) {
+                Some(head) => writeln!(out, "  (reply by {}, a fallback of {head})", m.model)?,
+                None => writeln!(out, "  (reply by {})", m.model)?,
+            }
         }
+        // The next call starts a new turn, at the head of the chain again.
+        self.turn_models.clear();
         Ok(())
     }
+
+    /// The model a reply by `reply_model` stood in for, if a fallback answered: the turn's
+    /// head (the session's model, else the one its first retry names), unless the reply is
+    /// that model's. Of the models this transcript knows, the one that answered is the one
+    /// whose name fits the reply most closely (`gpt-4o-mini-…` is `openai:gpt-4o-mini`'s,
+    /// not `openai:gpt-4o`'s). Unknown for a session on its runner's default model whose
+    /// turn had no retry.
+    fn stood_in_for(&self, reply_model: &str) -> Option<&str> {
+        let head = self
+            .model
+            .as_deref()
+            .or(self.turn_models.first().map(String::as_str))?;
+        let known = std::iter::once(head)
+            .chain(self.fallbacks.iter().map(String::as_str))
+            .chain(self.turn_models.iter().map(String::as_str));
+        let mut answered: Option<&str> = None;
+        for spec in known.filter(|spec| answered_by(reply_model, spec)) {
+            if answered.is_none_or(|a| model_name(spec).len() > model_name(a).len()) {
+                answered = Some(spec);
+            }
+        }
+        (answered != Some(head)).then_some(head)
+    }
+}
+
+/// The model part of a `PROVIDER:MODEL` spec.
+fn model_name(spec: &str) -> &str {
+    spec.split_once(':').map_or(spec, |(_, name)| name)
+}
+
+/// Whether a reply naming `reply_model` came from `spec` (`PROVIDER:MODEL`, as a
+/// configuration and a retry name models). A reply names the model as its provider reported
+/// it: the name asked for, or a version of it (`claude-sonnet-4-5` answers as
+/// `claude-sonnet-4-5-20250929`, `…-latest` as a dated name); a scripted model, by its
+/// whole spec.
+pub fn answered_by(reply_model: &str, spec: &str) -> bool {
+    let name = model_name(spec);
+    if reply_model == spec || reply_model == name {
+        return true;
+    }
+    let base = name.strip_suffix("-latest").unwrap_or(name);
+    let versioned = reply_model
+        .strip_prefix(base)
+        .is_some_and(|rest| rest.starts_with(['-', '@', ':']));
+    versioned || reply_model.ends_with(&format!("/{name}"))
 }
 
 /// A retry in words: which model failed, why, the attempt, and when the next call is due.
@@ -279,12 +345,17 @@ pub fn budget_words(b: &agentlog_proto::v1::Budget) -> String {
     )
 }
 
-/// When `at_unix_ms` is, from now: `now`, `in 40s`, `in 12m (14:05:03 UTC)`.
+/// When `at_unix_ms` is, from now: `now`, `in 40s (at 2025-06-01T14:05:03Z)`.
 pub fn due_words(at_unix_ms: i64) -> String {
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as i64);
-    let left = at_unix_ms - now;
+    due_words_at(at_unix_ms, now)
+}
+
+/// [`due_words`] as seen at `now_unix_ms`.
+pub fn due_words_at(at_unix_ms: i64, now_unix_ms: i64) -> String {
+    let left = at_unix_ms - now_unix_ms;
     if left <= 0 {
         return "now".into();
     }
@@ -293,6 +364,53 @@ pub fn due_words(at_unix_ms: i64) -> String {
         std::time::UNIX_EPOCH + std::time::Duration::from_millis(at_unix_ms as u64),
     );
     format!("in {} (at {clock})", humantime::format_duration(left))
+}
+
+/// A session's status as `ls` says it: the store's (`runnable`, `idle`, `waiting`), or in
+/// its place `parked` (runnable, but no runner takes it up before its next model call is
+/// due) or `paused` (waiting after a `run_paused`, given as `pause`, not for an approval);
+/// with the words that say until when, or why and how to go on.
+pub fn status_words(
+    s: &SessionInfo,
+    pause: Option<&RunPaused>,
+    now_unix_ms: i64,
+) -> (&'static str, Option<String>) {
+    match s.status() {
+        SessionStatus::Runnable if s.not_before_unix_ms > now_unix_ms => (
+            "parked",
+            Some(format!(
+                "parked: the next model call is due {} (`agentlog cancel {}` stops waiting)",
+                due_words_at(s.not_before_unix_ms, now_unix_ms),
+                s.session_id
+            )),
+        ),
+        SessionStatus::Runnable => ("runnable", None),
+        SessionStatus::Idle => ("idle", None),
+        SessionStatus::Waiting => match pause {
+            Some(p) => (
+                "paused",
+                Some(format!("paused: {}", pause_words(p, &s.session_id))),
+            ),
+            None => ("waiting", None),
+        },
+        SessionStatus::Unspecified => ("?", None),
+    }
+}
+
+/// The pause a waiting session waits on: its last event, unless streamed text, if it is a
+/// `run_paused` (`events`: the end of its log, in seq order). `None` means it waits for an
+/// approval.
+pub fn pause_of(events: &[Event]) -> Option<&RunPaused> {
+    match events
+        .iter()
+        .rev()
+        .find(|e| !matches!(e.kind, Some(Kind::AssistantDelta(_))))?
+        .kind
+        .as_ref()?
+    {
+        Kind::RunPaused(p) => Some(p),
+        _ => None,
+    }
 }
 
 /// Whether this event ends a turn: the session is idle after it.
@@ -376,7 +494,9 @@ pub fn struct_json(s: &prost_types::Struct) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use agentlog_proto::v1::{AssistantDelta, ContentBlock, TextBlock, UserMessage};
+    use agentlog_proto::v1::{
+        AssistantDelta, ContentBlock, ModelRetry, SessionConfig, TextBlock, UserMessage,
+    };
 
     fn ev(seq: u64, kind: Kind) -> Event {
         Event {
@@ -395,6 +515,29 @@ mod tests {
             stop_reason: "end_turn".into(),
             ..AssistantMessage::default()
         })
+    }
+
+    fn reply_by(model: &str, text: &str) -> Kind {
+        let Kind::AssistantMessage(mut m) = reply(text) else {
+            unreachable!("reply makes an assistant_message")
+        };
+        m.model = model.into();
+        Kind::AssistantMessage(m)
+    }
+
+    fn retry(model: &str, attempt: u32) -> Kind {
+        Kind::ModelRetry(ModelRetry {
+            turn: 0,
+            attempt,
+            model: model.into(),
+            reason: "overloaded".into(),
+            message: "HTTP 529".into(),
+            retry_at_unix_ms: 0,
+        })
+    }
+
+    fn user(text: &str) -> Kind {
+        Kind::UserMessage(UserMessage { text: text.into() })
     }
 
     fn delta(turn: &str, text: &str) -> Kind {
@@ -436,6 +579,172 @@ mod tests {
             out,
             "agent> Hel\n(the reply was interrupted; it is streaming again)\nagent> Hello\n"
         );
+    }
+
+    #[test]
+    fn a_reply_by_a_fallback_names_the_model_it_stood_in_for() {
+        let config = Kind::SessionConfig(SessionConfig {
+            model: "anthropic:big".into(),
+            fallback_models: vec!["openai:small".into()],
+            ..SessionConfig::default()
+        });
+        // Replies name the model as the provider reports it: a dated version of the name.
+        let out = render(&[
+            ev(1, config),
+            ev(2, user("hi")),
+            ev(3, reply_by("big-20250929", "Hello")),
+            ev(4, user("again")),
+            ev(5, reply_by("small-2024-07-18", "Hello again")),
+        ]);
+        assert!(out.contains("  (reply by big-20250929)\n"), "{out}");
+        assert!(
+            out.contains("  (reply by small-2024-07-18, a fallback of anthropic:big)\n"),
+            "{out}"
+        );
+        assert!(
+            out.contains("(when its model keeps failing, a turn falls back to openai:small)"),
+            "{out}"
+        );
+    }
+
+    #[test]
+    fn the_closest_name_tells_which_model_answered() {
+        let config = Kind::SessionConfig(SessionConfig {
+            model: "openai:gpt-4o".into(),
+            fallback_models: vec!["openai:gpt-4o-mini".into()],
+            ..SessionConfig::default()
+        });
+        let out = render(&[
+            ev(1, config),
+            ev(2, user("hi")),
+            ev(3, reply_by("gpt-4o-mini-2024-07-18", "Hello")),
+            ev(4, user("again")),
+            ev(5, reply_by("gpt-4o-2024-08-06", "Hello again")),
+        ]);
+        assert!(
+            out.contains("  (reply by gpt-4o-mini-2024-07-18, a fallback of openai:gpt-4o)\n"),
+            "{out}"
+        );
+        assert!(out.ends_with("  (reply by gpt-4o-2024-08-06)\n"), "{out}");
+    }
+
+    #[test]
+    fn without_a_configured_model_the_turns_first_retry_names_the_one_stood_in_for() {
+        let out = render(&[
+            ev(1, user("hi")),
+            ev(2, retry("anthropic:big", 1)),
+            ev(3, retry("anthropic:big", 2)),
+            ev(4, reply_by("small", "Hello")),
+            ev(5, user("again")),
+            // A turn with no retry: nothing says which model it was meant for.
+            ev(6, reply_by("small", "Hello again")),
+            ev(7, user("once more")),
+            ev(8, retry("anthropic:big", 1)),
+            ev(9, reply_by("big", "Hello once more")),
+        ]);
+        assert!(
+            out.contains("  (reply by small, a fallback of anthropic:big)\n"),
+            "{out}"
+        );
+        assert!(
+            out.contains("agent> Hello again\n  (reply by small)\n"),
+            "{out}"
+        );
+        assert!(
+            out.ends_with("agent> Hello once more\n  (reply by big)\n"),
+            "{out}"
+        );
+        assert!(
+            out.contains(
+                "  ! anthropic:big is overloaded (attempt 2): HTTP 529; the next call is due now"
+            ),
+            "{out}"
+        );
+    }
+
+    #[test]
+    fn a_reply_is_its_models_under_the_name_its_provider_gives() {
+        for (reply, spec) in [
+            ("claude-sonnet-4-5-20250929", "anthropic:claude-sonnet-4-5"),
+            (
+                "claude-3-5-sonnet-20241022",
+                "anthropic:claude-3-5-sonnet-latest",
+            ),
+            ("gpt-4o-2024-08-06", "openai:gpt-4o"),
+            ("llama3", "openai:llama3"),
+            ("/models/llama3", "openai:llama3"),
+            ("scripted:/tmp/demo.jsonl", "scripted:/tmp/demo.jsonl"),
+        ] {
+            assert!(answered_by(reply, spec), "{reply} is {spec}'s");
+        }
+        for (reply, spec) in [
+            ("gpt-4o-mini-2024-07-18", "anthropic:claude-sonnet-4-5"),
+            ("claude-haiku-4-5-20251001", "anthropic:claude-sonnet-4-5"),
+            ("scripted:/tmp/b.jsonl", "scripted:/tmp/a.jsonl"),
+        ] {
+            assert!(!answered_by(reply, spec), "{reply} is not {spec}'s");
+        }
+    }
+
+    fn info(status: SessionStatus, not_before_unix_ms: i64) -> SessionInfo {
+        SessionInfo {
+            session_id: "s1".into(),
+            status: status as i32,
+            not_before_unix_ms,
+            ..SessionInfo::default()
+        }
+    }
+
+    #[test]
+    fn ls_says_parked_until_when_and_paused_why() {
+        let now = 1_750_000_000_000;
+        let due = now + 12 * 60_000 + 3_000;
+        let (status, words) = status_words(&info(SessionStatus::Runnable, due), None, now);
+        assert_eq!(status, "parked");
+        assert_eq!(
+            words.as_deref(),
+            Some(
+                "parked: the next model call is due in 12m 3s (at 2025-06-15T15:18:43Z) \
+                 (`agentlog cancel s1` stops waiting)"
+            )
+        );
+        // Due already: a runner may take it up now.
+        assert_eq!(
+            status_words(&info(SessionStatus::Runnable, now - 1), None, now),
+            ("runnable", None)
+        );
+
+        let paused = ev(
+            9,
+            Kind::RunPaused(RunPaused {
+                reason: "budget".into(),
+                detail: "max_model_calls 4 reached (4 replies)".into(),
+            }),
+        );
+        let pause = pause_of(std::slice::from_ref(&paused));
+        let (status, words) = status_words(&info(SessionStatus::Waiting, 0), pause, now);
+        assert_eq!(status, "paused");
+        assert_eq!(
+            words.as_deref(),
+            Some(
+                "paused: the run reached its budget (max_model_calls 4 reached (4 replies)); \
+                 the session waits for you: `agentlog resume s1 TEXT` goes on with a fresh run"
+            )
+        );
+        // A call that waits for an approval is waiting, not paused.
+        let asked = ev(
+            9,
+            Kind::ApprovalRequested(agentlog_proto::v1::ApprovalRequested::default()),
+        );
+        let pause = pause_of(std::slice::from_ref(&asked));
+        assert_eq!(pause, None);
+        assert_eq!(
+            status_words(&info(SessionStatus::Waiting, 0), pause, now),
+            ("waiting", None)
+        );
+        // Streamed text after the pause does not hide it.
+        let events = [paused, ev(10, delta("t", "x"))];
+        assert!(pause_of(&events).is_some());
     }
 
     #[test]

@@ -98,6 +98,12 @@ pub fn registry(providers: &[&'static str], specs: &[&str]) -> Registry {
             .model_retries
             .get_or_create(&retry_labels(spec, "overloaded"));
     }
+    // The usual fallbacks: from the default model to each other model the runner was given.
+    if let Some((default, others)) = specs.split_first() {
+        for to in others {
+            let _ = m.fallbacks.get_or_create(&fallback_labels(default, to));
+        }
+    }
     for reason in ["budget", "gave_up"] {
         let _ = m.runs_paused.get_or_create(&[("reason", reason)]);
     }
@@ -288,11 +294,15 @@ pub fn model_retry(model: &str, reason: &str) {
         .inc();
 }
 
+fn fallback_labels(from: &str, to: &str) -> ModelLabels {
+    vec![("from", from.to_string()), ("to", to.to_string())]
+}
+
 /// A turn of a session on `from` called its fallback `to`.
 pub fn fallback(from: &str, to: &str) {
     METRICS
         .fallbacks
-        .get_or_create(&vec![("from", from.to_string()), ("to", to.to_string())])
+        .get_or_create(&fallback_labels(from, to))
         .inc();
 }
 

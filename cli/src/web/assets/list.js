@@ -10,6 +10,25 @@ query.value = params.get("query") || "";
 status.value = params.get("status") || "";
 
 let timer = null;
+let shown = []; // the sessions of the last refresh
+// The pause of each waiting session, by "id@lastSeq" (null: it waits for an approval;
+// undefined: not known yet). Looked up one at a time, once per seq.
+const pauses = new Map();
+let lookups = Promise.resolve();
+
+function pauseOf(s) {
+  const key = `${s.sessionId}@${s.lastSeq}`;
+  if (!pauses.has(key)) {
+    pauses.set(key, undefined);
+    lookups = lookups
+      .then(() => lastPause(s.sessionId, s.lastSeq))
+      .then((pause) => {
+        pauses.set(key, pause);
+        render(shown);
+      });
+  }
+  return pauses.get(key);
+}
 
 async function refresh() {
   clearTimeout(timer);
@@ -35,17 +54,23 @@ async function refresh() {
 }
 
 function render(sessions) {
+  shown = sessions;
+  const current = new Set(sessions.map((s) => `${s.sessionId}@${s.lastSeq}`));
+  for (const [key, pause] of pauses) {
+    if (pause !== undefined && !current.has(key)) pauses.delete(key);
+  }
   const body = document.querySelector("#sessions tbody");
   body.replaceChildren(
     ...sessions.map((s) => {
       const href = `/sessions/${encodeURIComponent(s.sessionId)}`;
-      const name = statusName(s.status);
+      const now = standing(s, statusName(s.status) === "waiting" ? pauseOf(s) : null);
       return el(
         "tr",
         { "data-session": s.sessionId },
-        el("td", {}, el("span", { class: `badge ${name}` }, name),
+        el("td", {}, el("span", { class: `badge ${now.name}` }, now.name),
           ...(s.pinned ? [" ", el("span", { class: "badge pinned", title: "Retention never deletes it" }, "pinned")] : [])),
-        el("td", { class: "title" }, el("a", { href }, s.title || "(no message yet)")),
+        el("td", { class: "title" }, el("a", { href }, s.title || "(no message yet)"),
+          ...(now.words.length ? [el("div", { class: "standing" }, ...now.words)] : [])),
         el("td", {}, el("a", { href, class: "id" }, s.sessionId)),
         el("td", { class: "num" }, s.lastSeq),
         el("td", { class: "muted" }, ago(s.updatedUnixMs)),

@@ -9,11 +9,6 @@
 // is SESSION_DELETED) ends it: the page says so and stops reconnecting.
 "use strict";
 
-const KINDS = [
-  "user_message", "assistant_message", "tool_started", "tool_result", "assistant_delta",
-  "run_error", "interrupt", "interrupted", "approval_requested", "approval_decision",
-  "session_config", "unknown",
-];
 // The kinds a settled point (where a fork may be made) can end at.
 const FORK_KINDS = new Set(["user_message", "assistant_message", "tool_result", "interrupted"]);
 const BACKOFF_FIRST_MS = 250;
@@ -102,6 +97,10 @@ function onEvent(message) {
 
 let stream = null; // {turnId, node, text}: the reply being streamed
 const tools = new Map(); // tool_use id -> its card
+let sessionModel = null; // the model the latest session_config names
+let fallbacks = []; // the fallbacks the latest session_config names
+let turnModels = []; // the models the turn's model_retries name: the first is its head
+let lastPaused = null; // the run_paused that is the last event but streamed text, if it is
 
 function add(node) {
   const atBottom = window.innerHeight + window.scrollY >= document.body.scrollHeight - 40;
@@ -116,9 +115,11 @@ function endStream() {
 }
 
 function render(kind, ev, seq) {
+  if (kind !== "assistant_delta") lastPaused = kind === "run_paused" ? ev.runPaused || {} : null;
   switch (kind) {
     case "user_message":
       endStream();
+      turnModels = [];
       add(el("div", { class: "turn user", "data-seq": seq }, el("span", { class: "who" }, "you"), el("div", { class: "text" }, ev.userMessage.text || "")));
       break;
     case "assistant_delta":
@@ -159,12 +160,30 @@ function render(kind, ev, seq) {
     case "session_config": {
       endStream();
       const c = ev.sessionConfig || {};
-      const text = c.replay
-        ? `a replay of ${c.replay.sessionId} after seq ${c.replay.afterSeq || 0} on ${c.model}; off the recorded path: ${c.replay.offPath === "OFF_PATH_STOP" ? "stop" : "run"}`
-        : `the session runs on ${c.model} from here on`;
-      add(el("div", { class: "note config", "data-seq": seq }, text));
+      if (c.model) sessionModel = c.model;
+      if ((c.fallbackModels || []).length) fallbacks = c.fallbackModels;
+      const said = [];
+      if (c.replay) {
+        said.push(`a replay of ${c.replay.sessionId} after seq ${c.replay.afterSeq || 0} on ${c.model}; off the recorded path: ${c.replay.offPath === "OFF_PATH_STOP" ? "stop" : "run"}`);
+      } else if (c.model) {
+        said.push(`the session runs on ${c.model} from here on`);
+      }
+      if ((c.fallbackModels || []).length) said.push(`when its model keeps failing, a turn falls back to ${c.fallbackModels.join(", then ")}`);
+      if (c.budget) said.push(`each run's budget: ${budgetWords(c.budget)}`);
+      for (const text of said) add(el("div", { class: "note config", "data-seq": seq }, text));
       break;
     }
+    case "model_retry": {
+      endStream();
+      const r = ev.modelRetry || {};
+      turnModels.push(r.model);
+      add(el("div", { class: "note retry", "data-seq": seq }, ...retryWords(r)));
+      break;
+    }
+    case "run_paused":
+      endStream();
+      add(el("div", { class: "note paused", "data-seq": seq }, `paused: ${pauseWords(ev.runPaused || {})}`));
+      break;
     case "run_error":
       endStream();
       add(el("div", { class: "turn error", "data-seq": seq }, el("span", { class: "who" }, "error"), el("div", { class: "text" }, ev.runError.message || "")));
@@ -222,7 +241,13 @@ function reply(m, seq) {
   } else if (text) {
     add(el("div", { class: "turn agent", "data-seq": seq }, el("span", { class: "who" }, "agent"), el("div", { class: "text" }, text)));
   }
-  if (m.model) add(el("div", { class: "reply-model", "data-seq": seq }, `reply by ${m.model}`));
+  const head = m.model ? stoodInFor(m.model) : null;
+  turnModels = [];
+  if (head) {
+    add(el("div", { class: "reply-model fallback", "data-seq": seq }, `reply by ${m.model}, a fallback of ${head}`));
+  } else if (m.model) {
+    add(el("div", { class: "reply-model", "data-seq": seq }, `reply by ${m.model}`));
+  }
   for (const block of blocks) {
     if (!block.toolUse) continue;
     const call = block.toolUse;
@@ -232,6 +257,22 @@ function reply(m, seq) {
     card.name.textContent = call.name;
     card.input.textContent = shown;
   }
+}
+
+// The model a reply by `replyModel` stood in for, if a fallback answered, as `agentlog show`
+// decides it: the turn's head (the session's model, else the one its first retry names),
+// unless the reply is that model's; of the models known here, the one that answered is the
+// one whose name fits the reply most closely.
+function stoodInFor(replyModel) {
+  const head = sessionModel || turnModels[0];
+  if (!head) return null;
+  let answered = null;
+  for (const spec of [head, ...fallbacks, ...turnModels]) {
+    if (answeredBy(replyModel, spec) && (!answered || modelName(spec).length > modelName(answered).length)) {
+      answered = spec;
+    }
+  }
+  return answered === head ? null : head;
 }
 
 // The card of one tool call, made on first mention.
@@ -278,6 +319,7 @@ function approvalRequested(r, seq) {
 // ---- session info and actions ------------------------------------------------------------
 
 let infoTimer = null;
+let dueTimer = null;
 
 function refreshInfoSoon() {
   if (!infoTimer) infoTimer = setTimeout(() => { infoTimer = null; refreshInfo(); }, 300);
@@ -288,9 +330,17 @@ async function refreshInfo() {
     const info = await api("GET", base);
     document.getElementById("title").textContent = info.title || "";
     const badge = document.getElementById("status");
-    const name = statusName(info.status);
-    badge.textContent = name;
-    badge.className = `badge ${name}`;
+    const now = standing(info, lastPaused);
+    badge.textContent = now.name;
+    badge.className = `badge ${now.name}`;
+    const words = document.getElementById("standing");
+    words.replaceChildren(...now.words);
+    words.hidden = now.words.length === 0;
+    // A parked session is taken up once it is due: look again then.
+    clearTimeout(dueTimer);
+    if (now.name === "parked") {
+      dueTimer = setTimeout(refreshInfo, Number(info.notBeforeUnixMs) - Date.now() + 500);
+    }
     document.getElementById("pinned").hidden = !info.pinned;
     refreshForkedFrom(info);
   } catch (e) {
