@@ -263,7 +263,7 @@ enum Pending {
     Staged(oneshot::Sender<Result<Option<Repeated>, StoreError>>),
     Pinned(
         oneshot::Sender<Result<SessionMeta, StoreError>>,
-        SessionMeta,
+        Box<SessionMeta>,
     ),
 }
 
@@ -585,7 +585,7 @@ impl Writer {
                 },
                 Op::Pin(session_id, pinned, reply) => {
                     match self.prepare_pin(&session_id, pinned, &mut batch) {
-                        Ok(meta) => pending.push(Pending::Pinned(reply, meta)),
+                        Ok(meta) => pending.push(Pending::Pinned(reply, Box::new(meta))),
                         Err(e) => {
                             let _ = reply.send(Err(e));
                         }
@@ -1435,7 +1435,7 @@ impl Pending {
                 let _ = reply.send(Ok(None));
             }
             Pending::Pinned(reply, meta) => {
-                let _ = reply.send(Ok(meta));
+                let _ = reply.send(Ok(*meta));
             }
         }
     }
