@@ -144,15 +144,6 @@ pub async fn round_trip_ms(url: &str, secs: Duration) -> anyhow::Result<f64> {
     Ok(crate::stats::percentile_f64(&latencies, 0.5))
 }
 
-/// `to − from` in ms, negative when `to` came first.
-pub fn signed_ms(from: Instant, to: Instant) -> f64 {
-    if to >= from {
-        (to - from).as_secs_f64() * 1e3
-    } else {
-        -((from - to).as_secs_f64() * 1e3)
-    }
-}
-
 /// The footprint of many sessions.
 #[derive(Debug, Clone)]
 pub struct Footprint {

@@ -12,7 +12,7 @@ use anyhow::Context;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
-use crate::agentlog::signed_ms;
+use crate::stats::signed_ms;
 
 /// What a follower task returns: (event number, when it arrived) for events 1..=N.
 pub type Received = Vec<(u64, Instant)>;

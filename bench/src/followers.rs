@@ -19,7 +19,8 @@ use testkit::Store;
 use tokio::sync::mpsc;
 use tonic::transport::Channel;
 
-use crate::agentlog::{rss, signed_ms, user_event};
+use crate::agentlog::{rss, user_event};
+use crate::stats::signed_ms;
 
 /// Follow streams per HTTP/2 connection.
 const STREAMS_PER_CONNECTION: usize = 100;

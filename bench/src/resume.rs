@@ -26,7 +26,8 @@ use agentlog_proto::v1::{
 use anyhow::Context;
 use tonic::transport::Channel;
 
-use crate::agentlog::{signed_ms, user_event};
+use crate::agentlog::user_event;
+use crate::stats::signed_ms;
 use crate::stats::Runs;
 
 const EVENTS_PER_CYCLE: usize = 5;

@@ -1,6 +1,8 @@
 //! Medians, spreads and percentiles: every figure is reported as the median of several
 //! runs with their min and max.
 
+use std::time::Instant;
+
 /// Several runs' values of one figure.
 #[derive(Debug, Clone, Default)]
 pub struct Runs(pub Vec<f64>);
@@ -90,6 +92,15 @@ pub fn cell(runs: &Runs) -> String {
         fmt_num(runs.min()),
         fmt_num(runs.max())
     )
+}
+
+/// `to − from` in ms, negative when `to` came first.
+pub fn signed_ms(from: Instant, to: Instant) -> f64 {
+    if to >= from {
+        (to - from).as_secs_f64() * 1e3
+    } else {
+        -((from - to).as_secs_f64() * 1e3)
+    }
 }
 
 #[cfg(test)]

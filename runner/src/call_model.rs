@@ -30,6 +30,7 @@ use agentlog_proto::v1::{
 use tokio::sync::mpsc;
 use tracing::Instrument;
 
+use crate::context::{TurnContext, SYSTEM_PROMPT};
 use crate::fold::config::SessionConfigState;
 use crate::fold::run::RunState;
 use crate::fold::Conversation;
@@ -38,8 +39,8 @@ use crate::model::{FailReason, Failure, MissingModel, Model, ModelError, ModelRe
 use crate::resilience::budget;
 use crate::resilience::circuit::Admission;
 use crate::resilience::schedule::{self, Chain, Next};
-use crate::session_log::{Appender, InterruptSignal, StoreError};
-use crate::turn::{TurnContext, SYSTEM_PROMPT};
+use crate::session_log::{Appender, InterruptSignal};
+use crate::store_error::StoreError;
 
 /// Streamed text is gathered for this long before it is appended as one delta.
 const DELTA_WINDOW: Duration = Duration::from_millis(50);

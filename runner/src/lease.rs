@@ -37,7 +37,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::drain::{Drain, RELEASE_DEADLINE};
-use crate::session_log::StoreError;
+use crate::store_error::StoreError;
 
 /// How long before the lease's end (by our clock) the work is stopped: time for a tool's
 /// process tree to be killed and reaped with room to spare. A tenth of the ttl, at least

@@ -5,6 +5,7 @@
 #![deny(unsafe_code)]
 
 pub mod call_model;
+pub mod context;
 pub mod drain;
 pub mod fold;
 pub mod lease;
@@ -14,6 +15,7 @@ pub mod replay;
 pub mod resilience;
 pub mod secrets;
 pub mod session_log;
+pub mod store_error;
 pub mod sweep;
 pub mod tools;
 pub mod turn;

@@ -39,7 +39,8 @@ use tokio::task::JoinHandle;
 
 use crate::fold::config::{Behind, ReplayState};
 use crate::fold::{CallState, PendingCall};
-use crate::session_log::{Appender, StoreError};
+use crate::session_log::Appender;
+use crate::store_error::StoreError;
 use crate::tools::checkpoint::{CheckpointError, Checkpoints};
 
 /// A recorded call: what was asked, and the result that answered it, if any.

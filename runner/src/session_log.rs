@@ -42,9 +42,10 @@ use bytes::Bytes;
 use crate::fold::transcript::Form;
 use crate::fold::{snapshot, FoldState};
 use crate::lease::Deletion;
+use crate::store_error::StoreError;
 use agentlog_client::append_stream::AppendStream;
 use agentlog_client::follow::{follow, Flow, FollowError, Note, Refusals};
-use agentlog_client::refusal::{is_lease_lost, is_session_deleted, is_session_not_found};
+use agentlog_client::refusal::{is_session_deleted, is_session_not_found};
 use agentlog_client::retry::retry_transient;
 use agentlog_client::StoreClient;
 use agentlog_proto::v1::{
@@ -66,29 +67,6 @@ const CATCH_UP_LIMIT: Duration = Duration::from_secs(30);
 const EVENT_BUFFER: usize = 1024;
 /// PutSnapshot sends the fold in chunks of this size (the store takes up to 4 MiB each).
 const SNAPSHOT_CHUNK_BYTES: usize = 1 << 20;
-
-#[derive(Debug, thiserror::Error)]
-pub enum StoreError {
-    #[error("the lease was lost: a newer lease exists or it expired")]
-    LeaseLost,
-    #[error("the session was deleted")]
-    SessionDeleted,
-    #[error("the event store failed: {0}")]
-    Failed(tonic::Status),
-}
-
-impl From<tonic::Status> for StoreError {
-    /// Decided on the refusal's reason, never on its status code.
-    fn from(status: tonic::Status) -> StoreError {
-        if is_session_deleted(&status) {
-            StoreError::SessionDeleted
-        } else if is_lease_lost(&status) {
-            StoreError::LeaseLost
-        } else {
-            StoreError::Failed(status)
-        }
-    }
-}
 
 /// Appends to one session under one lease epoch. Cheap to clone (the delta writer has one);
 /// its appends share one `AppendStream`, closed when the last clone is dropped.

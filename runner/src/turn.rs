@@ -34,38 +34,16 @@ use agentlog_proto::v1::{event::Kind, Durability, Interrupted, OffPath, RunError
 use tracing::Instrument;
 
 use crate::call_model::{self, ModelStep, Turn};
+use crate::context::TurnContext;
 use crate::fold::{Conversation, Frontier, Message, PendingCall, PendingInterrupt, UserBlock};
 use crate::lease::LeaseGuard;
-use crate::model::Models;
 use crate::replay::{self, RecordingFeed, Serving};
-use crate::resilience::circuit::Circuits;
-use crate::resilience::Settings;
-use crate::session_log::{Appender, SessionLog, StoreError};
+use crate::session_log::{Appender, SessionLog};
+use crate::store_error::StoreError;
 use crate::tools::checkpoint::{self, ForkError};
 use crate::tools::guard::{self, CallsOutcome, GuardError};
-use crate::tools::{ToolPolicy, ToolSpec, Toolbox};
+use crate::tools::Toolbox;
 use agentlog_client::refusal::is_session_deleted;
-
-/// The system prompt every model call carries.
-pub const SYSTEM_PROMPT: &str = "You are an agent working in a private workspace directory. \
-Use the tools to inspect and change files and to run commands there; paths are relative to \
-the workspace. Finish with a short summary of what you did.";
-
-/// What the loop needs besides the session: the models, the tools, and their settings.
-#[derive(Debug)]
-pub struct TurnContext {
-    /// The runner's models; a session runs on the one its `session_config` names.
-    pub models: Models,
-    pub toolbox: Toolbox,
-    pub tools: Vec<ToolSpec>,
-    /// Which calls wait for a person, and what an unknown outcome does, per tool.
-    pub policy: ToolPolicy,
-    pub max_tokens: u32,
-    /// What the runner does when the work keeps failing (its flags).
-    pub settings: Settings,
-    /// Each model's circuit, across the runner's sessions.
-    pub circuits: Circuits,
-}
 
 /// Why the loop ended without an error.
 #[derive(Debug, PartialEq, Eq)]

@@ -14,11 +14,13 @@ use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tracing::Instrument;
 
+use crate::context::TurnContext;
 use crate::drain::{Drain, APPEND_GRACE};
 use crate::lease::{self, LeaseGuard};
-use crate::session_log::{Appender, FoldCache, SessionLog, StoreError};
+use crate::session_log::{Appender, FoldCache, SessionLog};
+use crate::store_error::StoreError;
 use crate::sweep::Sweeper;
-use crate::turn::{self, Outcome, TurnContext, TurnError};
+use crate::turn::{self, Outcome, TurnError};
 
 /// How long one `ClaimSession` long-poll waits for a runnable session.
 const CLAIM_WAIT: Duration = Duration::from_secs(2);

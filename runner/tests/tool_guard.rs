@@ -20,7 +20,8 @@ use agentlog_proto::v1::{
     ToolUseBlock, UserMessage,
 };
 use runner::fold::{fold_log, Frontier};
-use runner::session_log::{InterruptSignal, StoreError};
+use runner::session_log::InterruptSignal;
+use runner::store_error::StoreError;
 use runner::tools::guard::{run_calls, CallLog, CallsOutcome, GuardError, LeaseCheck};
 use runner::tools::{ToolPolicy, Toolbox};
 use serde_json::json;

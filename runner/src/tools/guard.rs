@@ -31,7 +31,8 @@ use super::{ToolPolicy, Toolbox, UnknownOutcome};
 use crate::fold::run::CallRow;
 use crate::fold::{Approval, CallState, PendingCall};
 use crate::lease::LeaseGuard;
-use crate::session_log::{Appender, InterruptSignal, StoreError};
+use crate::session_log::{Appender, InterruptSignal};
+use crate::store_error::StoreError;
 
 /// Where the guard writes a session's calls: the store, through [`Appender`] (or, in this
 /// module's tests, an in-memory log that dies at a chosen append).

@@ -29,6 +29,7 @@ pub mod reclaim;
 mod recovery;
 pub mod search;
 mod sessions;
+mod signal;
 pub mod snapshots;
 pub mod subscriptions;
 pub mod writer;
@@ -144,7 +145,7 @@ pub struct Store {
     snapshots: Arc<snapshots::SnapshotDir>,
     /// Stops the background threads (retention, reclamation), which hold senders of
     /// `queue`.
-    background: Vec<background::Signal>,
+    background: Vec<signal::Signal>,
     background_threads: Vec<std::thread::JoinHandle<()>>,
     /// Names this run's imports' staging sessions.
     staging_names: Arc<import::StagingNames>,
@@ -170,10 +171,10 @@ impl Store {
             full: watch::channel(None).0,
             serving: watch::channel(true).0,
             erasing: Default::default(),
-            reclaimer: background::Signal::default(),
+            reclaimer: signal::Signal::default(),
             absorbed: log.end().into(),
             durable: log.end().into(),
-            indexer: background::Signal::default(),
+            indexer: signal::Signal::default(),
         });
         // Deletions whose records may still be in the log (their reclamation had not
         // finished when the store stopped).
@@ -241,7 +242,7 @@ impl Store {
             None => None,
         };
         if let Some(retention) = config.retention {
-            let stop = background::Signal::default();
+            let stop = signal::Signal::default();
             background.push(stop.clone());
             let (queue, snapshots) = (queue.clone(), snapshots.clone());
             let thread = std::thread::Builder::new()
@@ -288,7 +289,7 @@ impl Store {
     /// Stops taking operations, lets the writer finish and fsync what it has queued, and
     /// waits for it. Returns the writer's error, if the log failed.
     pub fn close(mut self) -> Result<(), StoreError> {
-        self.background.iter().for_each(background::Signal::stop);
+        self.background.iter().for_each(signal::Signal::stop);
         for thread in std::mem::take(&mut self.background_threads) {
             let _ = thread.join();
         }
@@ -910,7 +911,7 @@ impl Drop for Store {
     /// The background threads let go of the writer's queue (a store dropped without
     /// [`Store::close`] still lets its writer finish).
     fn drop(&mut self) {
-        self.background.iter().for_each(background::Signal::stop);
+        self.background.iter().for_each(signal::Signal::stop);
     }
 }
 

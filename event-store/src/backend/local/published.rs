@@ -12,10 +12,10 @@ use std::time::Instant;
 use agentlog_proto::kept::KeptEvent;
 use tokio::sync::watch;
 
-use crate::backend::local::background::Signal;
 use crate::backend::local::index::{Index, Recent};
 use crate::backend::local::live::Hub;
 use crate::backend::local::log::Record;
+use crate::backend::local::signal::Signal;
 use crate::error::StoreError;
 use crate::rules;
 use crate::session::SessionMeta;

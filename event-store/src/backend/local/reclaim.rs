@@ -59,13 +59,14 @@ use super::snapshots::SnapshotDir;
 
 use tokio::sync::mpsc;
 
-use super::background::{ask, Signal};
+use super::background::ask;
 use super::import::StagingNames;
 use super::index::Index;
 use super::log::record::{event_for_state, CopiedEvent};
 use super::log::storage::CrashPoint;
 use super::log::{LogError, LogReader, SegmentRewriter};
 use super::published::{Erasing, Shared};
+use super::signal::Signal;
 use super::subscriptions::{read_up_to, Source};
 use super::writer::{DeleteOp, Materialize, Op};
 use crate::error::StoreError;

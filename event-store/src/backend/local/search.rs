@@ -66,9 +66,9 @@ use tantivy::{
     doc, DocAddress, Index, IndexReader, IndexWriter, ReloadPolicy, Searcher, TantivyDocument, Term,
 };
 
-use super::background::Signal;
 use super::index::is_staging;
 use super::log::{LogReader, Position, Record};
+use super::signal::Signal;
 use super::subscriptions::{position_of, read_up_to, Source};
 use crate::backend::SearchOp;
 use crate::error::StoreError;
