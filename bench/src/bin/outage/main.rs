@@ -70,6 +70,10 @@ struct Args {
     /// for a person, in seconds.
     #[arg(long, default_value_t = 600)]
     bound_secs: u64,
+    /// One more argument for this build's runners (repeatable), e.g.
+    /// `--runner-arg=--circuit-failures=1000` to see the drill without the circuit.
+    #[arg(long = "runner-arg", allow_hyphen_values = true)]
+    runner_args: Vec<String>,
     /// Which builds go through the drill, in this order.
     #[arg(
         long,
@@ -121,7 +125,7 @@ impl Plan {
                 max_sessions: args.max_sessions,
                 model: format!("anthropic:{MODEL}"),
                 park_after: Duration::from_secs(args.park_after_secs),
-                this_runner_args: Vec::new(),
+                this_runner_args: args.runner_args.clone(),
             },
             alone: args.alone,
             bound: Duration::from_secs(args.bound_secs),
@@ -134,7 +138,9 @@ impl Plan {
             plan.shape.park_after = Duration::from_secs(2);
             plan.alone = 2;
             plan.bound = Duration::from_secs(60);
-            plan.shape.this_runner_args = vec!["--circuit-failures".into(), "1000".into()];
+            plan.shape
+                .this_runner_args
+                .extend(["--circuit-failures".into(), "1000".into()]);
         }
         plan
     }

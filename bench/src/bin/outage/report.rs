@@ -124,8 +124,9 @@ impl Report {
              `overloaded_error` and no `retry-after`, {} sessions start at once, the model \
              stays down {} s, is healed, and the drill waits (at most {} s) until every \
              session is idle or waits for a person. This build's runners are given \
-             `--park-after {}s`{} and keep their other defaults (among them \
-             `--circuit-failures 5`, `--give-up-after 1h`); the release's keep theirs.\n",
+             `--park-after {}s`{}, every other flag at its default (`--circuit-failures 5`, \
+             `--give-up-after 1h`, …, unless given here); the release's runners keep their \
+             defaults.\n",
             shape.runners,
             shape.max_sessions,
             shape.model,
@@ -137,7 +138,7 @@ impl Report {
             if shape.this_runner_args.is_empty() {
                 String::new()
             } else {
-                format!(" `{}`", shape.this_runner_args.join(" "))
+                format!(" and `{}`", shape.this_runner_args.join(" "))
             },
         )?;
         self.render_figures(&mut md, &figures)?;
