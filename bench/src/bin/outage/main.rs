@@ -9,11 +9,14 @@
 //! - how the sessions ended: their final reply, `run_error` or `run_paused`;
 //! - the calls the failing provider received while it failed (the stand-in's journal);
 //! - the runner slots held meanwhile, sampled every second: the runners'
-//!   `agentlog_runner_sessions_held`, and the store's live leases on sessions whose last
-//!   event is a `model_retry` (waiting in a slot);
+//!   `agentlog_runner_sessions_held`, and the store's live leases on sessions whose next
+//!   call is due later (waiting in a slot), and due later than `--park-after` (a slot the
+//!   runner should have let go);
 //! - the time from the recovery until every session was done, against one session's own
-//!   time: one session alone on the healthy model, same deployment, just before the outage
-//!   (the median of a few).
+//!   time (one session alone on the healthy model, same deployment, just before the
+//!   outage; the median of a few) and against the same number of sessions started at once
+//!   on the healthy model (the burst, just before the outage), and the part of it spent
+//!   before the model's first reply (the circuit's next probe).
 //!
 //! `bash bench/run --outage` builds both and runs it (about 4 minutes); `--help` for the
 //! knobs; `--quick` runs it small, to check its path still runs.
@@ -151,6 +154,9 @@ pub struct Drill {
     pub build: Build,
     /// Sessions alone on the healthy model: from the user turn to the final reply.
     pub alone: Vec<Duration>,
+    /// As many sessions as the drill's, started at once on the healthy model: from the
+    /// first user turn to the last final reply.
+    pub burst: Duration,
     pub failed_at_unix_ms: i64,
     pub healed_at_unix_ms: i64,
     /// Whether every session was idle or waiting for a person within the bound.
@@ -172,8 +178,8 @@ pub struct Sample {
     pub at_unix_ms: i64,
     /// The runners' `agentlog_runner_sessions_held`, summed.
     pub held: Option<f64>,
-    /// The store's live leases on sessions whose last event is a `model_retry` (this build).
-    pub held_waiting: Option<usize>,
+    /// The store's live leases on sessions waiting for their next call (this build).
+    pub held_waiting: Option<sessions::Waiting>,
 }
 
 #[tokio::main]
@@ -229,11 +235,27 @@ async fn drill(build: Build, plan: &Plan, script: &Path, dir: &Path) -> anyhow::
         alone.push(time);
     }
 
+    let burst: Vec<String> = (0..plan.sessions)
+        .map(|i| format!("burst-{i:04}"))
+        .collect();
+    sessions::start_all(&client, &burst).await?;
+    if !sessions::settle(&client, &burst, Instant::now() + plan.bound).await? {
+        anyhow::bail!(
+            "the burst on the healthy model did not settle within {:?}",
+            plan.bound
+        );
+    }
+    let burst = sessions::span(&client, &burst).await?;
+    eprintln!(
+        "[outage] {build}: {} sessions at once on the healthy model: {burst:?}",
+        plan.sessions
+    );
+
     let ids: Vec<String> = (0..plan.sessions)
         .map(|i| format!("drill-{i:04}"))
         .collect();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let sampling = sample_every_second(build, &deployment, &client, stopped);
+    let sampling = sample_every_second(build, plan, &deployment, &client, stopped);
     let scenario = async {
         // The model fails before the first session asks it anything.
         standin.fail(MODEL, json!({"overloaded": {}})).await?;
@@ -271,6 +293,7 @@ async fn drill(build: Build, plan: &Plan, script: &Path, dir: &Path) -> anyhow::
     Ok(Drill {
         build,
         alone,
+        burst,
         failed_at_unix_ms,
         healed_at_unix_ms,
         settled,
@@ -286,6 +309,7 @@ async fn drill(build: Build, plan: &Plan, script: &Path, dir: &Path) -> anyhow::
 /// Samples the slots held every second until `stopped`.
 async fn sample_every_second(
     build: Build,
+    plan: &Plan,
     deployment: &Deployment,
     client: &sessions::Client,
     mut stopped: tokio::sync::oneshot::Receiver<()>,
@@ -301,7 +325,9 @@ async fn sample_every_second(
         let at_unix_ms = now_ms();
         let held = deployment.sessions_held().await.ok();
         let held_waiting = match build {
-            Build::This => sessions::held_waiting(client).await.ok(),
+            Build::This => sessions::held_waiting(client, at_unix_ms, plan.shape.park_after)
+                .await
+                .ok(),
             Build::Previous => None,
         };
         samples.push(Sample {

@@ -37,8 +37,12 @@ struct Figures {
     /// The most slots held past the first `--park-after` of the outage (the runners', the
     /// store's view), and in the first seconds.
     held_late: Option<f64>,
-    held_waiting_late: Option<usize>,
     held_early: Option<f64>,
+    /// The store's view over the whole outage: the most slots held at once by sessions
+    /// waiting for their next call, and by those whose call was due more than
+    /// `--park-after` later.
+    held_waiting: Option<usize>,
+    held_past_park: Option<usize>,
     /// From the recovery until every session's final reply, when all had one.
     recovery_to_done: Option<Duration>,
     /// From the recovery until half of them had it.
@@ -46,6 +50,7 @@ struct Figures {
     /// From the recovery until the model's first reply.
     first_reply: Option<Duration>,
     alone: Option<Duration>,
+    burst: Duration,
     model_retries: usize,
     parked: f64,
     wall: Duration,
@@ -120,7 +125,8 @@ impl Report {
              (`model-standin`) whose script gives each session a short turn: a reply asking \
              for one `bash` call (`echo ok`, in the sandbox), the call, a final reply. First \
              {} sessions alone, one after another, on the healthy model (the median is one \
-             session's own time). Then the model fails every call with a 529 \
+             session's own time), and as many sessions as the drill's at once (the burst: \
+             what the deployment takes to work them all with nothing failing). Then the model fails every call with a 529 \
              `overloaded_error` and no `retry-after`, {} sessions start at once, the model \
              stays down {} s, is healed, and the drill waits (at most {} s) until every \
              session is idle or waits for a person. This build's runners are given \
@@ -211,29 +217,31 @@ impl Report {
         )?;
         row(
             md,
-            &format!("runner slots held, most at once past the first {park} s of the outage (the runners' `agentlog_runner_sessions_held`, every second)"),
-            &|f| f.held_late.map_or("no sample".into(), |h| format!("{h:.0}")),
-            &format!("0 past {park} s"),
-            this.and_then(|t| t.held_late)
-                .map_or("–".into(), |h| met(h == 0.0)),
-        )?;
-        row(
-            md,
-            "the same, the store's view: live leases on sessions whose last event is a `model_retry`",
-            &|f| match (f.build, f.held_waiting_late) {
+            &format!("runner slots held by sessions whose next call was due more than {park} s later (`--park-after`), most at once (the store's leases, every second, the whole outage)"),
+            &|f| match (f.build, f.held_past_park) {
                 (Build::Previous, _) => "– (its retries are in memory)".into(),
                 (Build::This, held) => held.map_or("no sample".into(), |h| h.to_string()),
             },
-            &format!("0 past {park} s"),
-            this.and_then(|t| t.held_waiting_late)
+            "0",
+            this.and_then(|t| t.held_past_park)
                 .map_or("–".into(), |h| met(h == 0)),
         )?;
         row(
             md,
-            &format!("runner slots held, most at once in the first {park} s"),
+            &format!("… held by sessions waiting for a call due within {park} s (spent in the slot by design)"),
+            &|f| match (f.build, f.held_waiting) {
+                (Build::Previous, _) => "–".into(),
+                (Build::This, held) => held.map_or("no sample".into(), |h| h.to_string()),
+            },
+            "",
+            String::new(),
+        )?;
+        row(
+            md,
+            &format!("runner slots held at all (the runners' `agentlog_runner_sessions_held`), most at once in the first {park} s / after"),
             &|f| {
-                f.held_early
-                    .map_or("no sample".into(), |h| format!("{h:.0}"))
+                let held = |h: Option<f64>| h.map_or("no sample".into(), |h| format!("{h:.0}"));
+                format!("{} / {}", held(f.held_early), held(f.held_late))
             },
             "",
             String::new(),
@@ -245,12 +253,23 @@ impl Report {
             "",
             String::new(),
         )?;
+        row(
+            md,
+            &format!(
+                "{} sessions at once on the healthy model (the burst)",
+                self.plan.sessions
+            ),
+            &|f| secs(f.burst),
+            "",
+            String::new(),
+        )?;
         let recovery = |f: &Figures| match f.recovery_to_done {
             Some(t) => {
                 let times = f.alone.map_or(String::new(), |a| {
                     format!(" = {:.0}× one session's", t.as_secs_f64() / a.as_secs_f64())
                 });
-                format!("{}{times}", secs(t))
+                let burst = t.as_secs_f64() / f.burst.as_secs_f64();
+                format!("{}{times}, {burst:.1}× the burst", secs(t))
             }
             None if f.run_error + f.paused > 0 => format!(
                 "unbounded: {} sessions ended the turn and wait for a person to send again",
@@ -278,10 +297,33 @@ impl Report {
         )?;
         row(
             md,
-            "… until the model's first reply",
+            "… until the model's first reply (the circuit's next probe, or the next retry)",
             &|f| f.first_reply.map_or("none".into(), secs),
             "",
             String::new(),
+        )?;
+        let after_first = |f: &Figures| match (f.recovery_to_done, f.first_reply) {
+            (Some(done), Some(first)) => Some(done.saturating_sub(first)),
+            _ => None,
+        };
+        row(
+            md,
+            "from the model's first reply until every session was done",
+            &|f| {
+                after_first(f).map_or("–".into(), |t| {
+                    format!(
+                        "{} = {:.1}× the burst",
+                        secs(t),
+                        t.as_secs_f64() / f.burst.as_secs_f64()
+                    )
+                })
+            },
+            "≤ 2× the burst (proposed)",
+            this.and_then(after_first)
+                .zip(this)
+                .map_or(met(false), |(t, f)| {
+                    met(t.as_secs_f64() <= 2.0 * f.burst.as_secs_f64())
+                }),
         )?;
         row(
             md,
@@ -390,6 +432,19 @@ fn figures(drill: &Drill, plan: &Plan) -> Figures {
             at < healed - failed && (at >= park_after) == late && at >= 0
         })
     };
+    let whole_outage = drill
+        .samples
+        .iter()
+        .filter(|s| (failed..healed).contains(&s.at_unix_ms));
+    let held_waiting = whole_outage
+        .clone()
+        .filter_map(|s| s.held_waiting)
+        .map(|w| w.held)
+        .max();
+    let held_past_park = whole_outage
+        .filter_map(|s| s.held_waiting)
+        .map(|w| w.held_past_park)
+        .max();
     let max_held = |late: bool| {
         in_outage(late)
             .filter_map(|s| s.held)
@@ -408,8 +463,9 @@ fn figures(drill: &Drill, plan: &Plan) -> Figures {
         outage_calls: outage_calls.len(),
         outage_replies: outage_calls.iter().filter(|c| c.served == "reply").count(),
         held_late: max_held(true),
-        held_waiting_late: in_outage(true).filter_map(|s| s.held_waiting).max(),
         held_early: max_held(false),
+        held_waiting,
+        held_past_park,
         recovery_to_done: all_done
             .then(|| done_at.last().copied().map(since_heal))
             .flatten(),
@@ -425,6 +481,7 @@ fn figures(drill: &Drill, plan: &Plan) -> Figures {
             .map(|c| since_heal(c.received_unix_ms))
             .min(),
         alone: alone.get(alone.len() / 2).copied(),
+        burst: drill.burst,
         model_retries: drill.outcomes.iter().map(|o| o.model_retries).sum(),
         parked: drill.parked,
         wall: drill.wall,

@@ -107,14 +107,50 @@ pub async fn settle(client: &Client, ids: &[String], deadline: Instant) -> anyho
 }
 
 /// Sessions a runner holds while they wait for a logged retry: a live lease on a session
-/// whose last event is a `model_retry` (the store's `not_before_unix_ms` is set). A store of
-/// 0.1.0 has no such sessions: its runners keep their retries in memory.
-pub async fn held_waiting(client: &Client) -> anyhow::Result<usize> {
-    Ok(list(client)
-        .await?
-        .iter()
-        .filter(|s| s.lease.is_some() && s.not_before_unix_ms > 0)
-        .count())
+/// whose next call is due later (the store's `not_before_unix_ms`, set by its last
+/// `model_retry`). A store of 0.1.0 has no such sessions: its runners keep their retries in
+/// memory.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Waiting {
+    /// Held while their next call is due later.
+    pub held: usize,
+    /// Of those, held while their next call is due more than `--park-after` later: the
+    /// runner should have let them go.
+    pub held_past_park: usize,
+}
+
+pub async fn held_waiting(
+    client: &Client,
+    now_unix_ms: i64,
+    park_after: Duration,
+) -> anyhow::Result<Waiting> {
+    let park_after = park_after.as_millis() as i64;
+    let mut waiting = Waiting::default();
+    for session in list(client).await? {
+        let due_in = session.not_before_unix_ms - now_unix_ms;
+        if session.lease.is_some() && session.not_before_unix_ms > 0 && due_in > 0 {
+            waiting.held += 1;
+            if due_in > park_after {
+                waiting.held_past_park += 1;
+            }
+        }
+    }
+    Ok(waiting)
+}
+
+/// When the sessions of `ids` were asked and when the last of them was done, by the store's
+/// clock; an error if any ended otherwise.
+pub async fn span(client: &Client, ids: &[String]) -> anyhow::Result<Duration> {
+    let mut asked = i64::MAX;
+    let mut done = i64::MIN;
+    for (id, outcome) in ids.iter().zip(outcomes(client, ids).await?) {
+        let End::Done { at_unix_ms } = outcome.end else {
+            bail!("{id}, on a healthy model, ended {:?}", outcome.end);
+        };
+        asked = asked.min(outcome.asked_unix_ms);
+        done = done.max(at_unix_ms);
+    }
+    Ok(Duration::from_millis((done - asked).max(0) as u64))
 }
 
 /// How each session of `ids` ended.
