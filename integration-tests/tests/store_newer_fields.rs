@@ -2,8 +2,10 @@
 //! `AGENTLOG_TEST_BACKEND`). The test speaks a newer protocol than the store's, declared
 //! here as prost messages: fields the store does not know on the `Event`, inside a kind it
 //! knows, inside a content block, and a kind it does not know.
-//! - every field survives Append, AppendStream, Subscribe (history and live), a fork and
-//!   export → import into another store, byte for byte;
+//! - every field survives Append, AppendStream, Subscribe (history and live), a fork,
+//!   export → import into another store, the search index reading the events, and the
+//!   parent's deletion under the fork (its prefix materialized: the local log's segments
+//!   rewritten, PostgreSQL's rows copied) across a restart, byte for byte;
 //! - an unknown kind is refused with `FAILED_PRECONDITION`, reason `UNKNOWN_KIND` and its
 //!   number in the metadata, on Append and AppendStream alike, and nothing is stored; an
 //!   event with no kind at all is `INVALID_ARGUMENT` naming every kind;
@@ -13,13 +15,13 @@ use std::time::Duration;
 
 use agentlog_proto::reason::{Reason, FIELD_NUMBER};
 use agentlog_proto::v1::{
-    AcquireLeaseRequest, AppendResponse, AppendStreamResponse, ExportChunk, ExportRequest,
-    ForkSessionResponse, GetSessionRequest, ImportChunk, ImportOutcome, ImportResult,
-    SubscribeRequest,
+    AcquireLeaseRequest, AppendResponse, AppendStreamResponse, DeleteSessionRequest, ExportChunk,
+    ExportRequest, ForkSessionResponse, GetSessionRequest, ImportChunk, ImportOutcome,
+    ImportResult, SearchSessionsRequest, SubscribeRequest,
 };
 use futures::StreamExt;
 use integration_tests::newer::*;
-use integration_tests::Store;
+use integration_tests::{test_backend_is_postgres, Store};
 use prost::Message;
 use tonic::codegen::http::uri::PathAndQuery;
 use tonic::transport::Channel;
@@ -73,7 +75,8 @@ async fn import(channel: &Channel, text: &str) -> Result<Vec<ImportResult>> {
 
 #[tokio::test]
 async fn a_newer_writers_fields_survive_every_path_byte_for_byte() -> Result<()> {
-    let store = Store::start()?;
+    // Deleted sessions' records leave the local log soon after the deletion.
+    let mut store = Store::start_with(&["--reclaim-after", "100ms"])?;
     let channel = Channel::from_shared(store.url())?.connect().await?;
 
     // A follower from the start sees the live path.
@@ -188,17 +191,22 @@ async fn a_newer_writers_fields_survive_every_path_byte_for_byte() -> Result<()>
     .await?
     .into_inner();
     assert_eq!(forked.last_seq, 3);
+    let check_fork = |what: &str, log: &[(NewerEvent, Vec<u8>)]| {
+        assert_eq!(log.len(), 3, "{what}: the whole fork");
+        for (i, (served, bytes)) in log.iter().enumerate() {
+            let sent = [&first, &second, &fork_event][i];
+            let expected = stored(sent, "newer-fork", i as u64 + 1, served);
+            assert_eq!(served, &expected, "{what}: the fork's event {}", i + 1);
+            assert_eq!(
+                bytes,
+                &expected.encode_to_vec(),
+                "{what}: the fork's event {} byte for byte",
+                i + 1
+            );
+        }
+    };
     let fork_log = read(&channel, None, "newer-fork").await?;
-    assert_eq!(fork_log.len(), 3);
-    for (i, (served, _)) in fork_log.iter().enumerate() {
-        let sent = [&first, &second, &fork_event][i];
-        assert_eq!(
-            served,
-            &stored(sent, "newer-fork", i as u64 + 1, served),
-            "the fork's event {}",
-            i + 1
-        );
-    }
+    check_fork("the fork", &fork_log);
 
     // Export → import into another store, and back into this one.
     let text = export_all(&channel).await?;
@@ -233,7 +241,85 @@ async fn a_newer_writers_fields_survive_every_path_byte_for_byte() -> Result<()>
             "{store}: importing the same export again changes nothing: {again:?}"
         );
     }
+
+    // The search index reads the newer events as any other: their words are found.
+    let mut client = store.client().await?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let hits = client
+            .search_sessions(SearchSessionsRequest {
+                query: "instead".into(),
+                ..SearchSessionsRequest::default()
+            })
+            .await?
+            .into_inner()
+            .hits;
+        if hits
+            .iter()
+            .any(|h| h.session_id == "newer-fork" && h.seq == 3)
+        {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the fork's newer event is not found by its words: {hits:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // The parent deleted: the fork's prefix is made its own (the local log rewrites the
+    // parent's records out of its segments, and the parent's last event, past the fork
+    // point, leaves the disk; PostgreSQL copies the rows in the deletion), and what the
+    // fork serves is still what was sent, after a restart too.
+    let log_dir = store.data_dir.join("log");
+    let local = !test_backend_is_postgres();
+    assert!(
+        !local || holds(&log_dir, b"and then"),
+        "the parent's last event is in the log"
+    );
+    client
+        .delete_session(DeleteSessionRequest {
+            session_id: "newer".into(),
+        })
+        .await?;
+    if local {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        while holds(&log_dir, b"and then") {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the deleted parent's records are still in the log"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    check_fork(
+        "the fork after its parent's deletion",
+        &read(&channel, None, "newer-fork").await?,
+    );
+    store.kill9();
+    let store = store.restart()?;
+    let channel = Channel::from_shared(store.url())?.connect().await?;
+    check_fork(
+        "the fork after a restart",
+        &read(&channel, None, "newer-fork").await?,
+    );
     Ok(())
+}
+
+/// Whether any file under `dir` holds `needle`.
+fn holds(dir: &std::path::Path, needle: &[u8]) -> bool {
+    std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .any(|e| {
+            let path = e.path();
+            if path.is_dir() {
+                holds(&path, needle)
+            } else {
+                std::fs::read(&path).is_ok_and(|b| b.windows(needle.len()).any(|w| w == needle))
+            }
+        })
 }
 
 #[tokio::test]
