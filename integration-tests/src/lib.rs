@@ -17,6 +17,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use agentlog_proto::v1::event_store_client::EventStoreClient;
+pub use testkit::s3;
 pub use testkit::{
     bin_path, bin_path_for_any_user, netns, parse_listen_line, pg, signal,
     test_backend_is_postgres, Backing, Signal, Store,

@@ -331,6 +331,14 @@ impl FoldState {
         }
     }
 
+    /// Whether a call of the open turn was started and has no result (its outcome is
+    /// unknown: it is re-run, reported or asked about).
+    pub fn has_dangling_call(&self) -> bool {
+        self.open_calls.iter().any(|call| {
+            !self.results.contains_key(&call.id) && self.attempts.contains_key(&call.id)
+        })
+    }
+
     /// The seq of the latest `interrupt` this fold has seen (0: none).
     pub fn last_interrupt_seq(&self) -> u64 {
         self.last_interrupt_seq

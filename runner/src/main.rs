@@ -17,7 +17,7 @@ use runner::resilience::Settings;
 use runner::secrets::{SecretFiles, Secrets};
 use runner::sweep::Sweeper;
 use runner::tools::sandbox::{self, Ids, Sandbox, SandboxMode, ToolNetwork, HELPER_ARG, SELF_EXE};
-use runner::tools::{IgnoreRules, ToolPolicy, Toolbox};
+use runner::tools::{IgnoreRules, StoreUrl, ToolPolicy, Toolbox};
 use runner::worker::{claim_loop, ClaimConfig};
 use tokio::signal::unix::{signal, SignalKind};
 use tokio_util::sync::CancellationToken;
@@ -142,6 +142,13 @@ struct Args {
         default_values_t = runner::tools::checkpoint::DEFAULT_IGNORE.map(String::from)
     )]
     checkpoint_ignore: Vec<String>,
+    /// Where workspace checkpoints live: `file://` (the area beside the workspaces,
+    /// `<workspace-root>/.checkpoints`), `file:///PATH` (an area at PATH, on the workspaces'
+    /// file system), or an object store, so that runners share no volume:
+    /// `s3://BUCKET/PREFIX` (endpoint, region and credentials from the `AWS_*` variables,
+    /// e.g. `AWS_ENDPOINT_URL`), `gs://BUCKET/PREFIX`, `az://CONTAINER/PREFIX`.
+    #[arg(long, env = "AGENTLOG_CHECKPOINT_STORE", default_value = "file://", value_parser = StoreUrl::parse)]
+    checkpoint_store: StoreUrl,
     /// How often the runner sweeps for deleted sessions' workspaces and checkpoints under
     /// --workspace-root (it also sweeps at start, and after a session it holds is deleted,
     /// when it removes that workspace at once): a session deleted while no runner held it
@@ -365,7 +372,12 @@ async fn run(args: Args, secrets: Secrets, non_dumpable: bool) -> Result<()> {
         "runner started"
     );
     let toolbox = Toolbox::new(args.workspace_root.clone(), sandbox)
-        .with_checkpoint_ignore(IgnoreRules::new(&args.checkpoint_ignore));
+        .with_checkpoints(
+            IgnoreRules::new(&args.checkpoint_ignore),
+            &args.checkpoint_store,
+        )
+        .map_err(anyhow::Error::msg)?;
+    tracing::info!(checkpoint_store = %args.checkpoint_store, "workspace checkpoints live there");
     let sweeper = Arc::new(Sweeper::new(
         args.workspace_root.clone(),
         toolbox.checkpoints().clone(),

@@ -475,6 +475,11 @@ impl SessionLog {
         self.fold.run()
     }
 
+    /// [`FoldState::has_dangling_call`] of the fold as caught up.
+    pub fn has_dangling_call(&self) -> bool {
+        self.fold.has_dangling_call()
+    }
+
     /// [`FoldState::take_folded`] of the fold as caught up.
     pub fn take_folded(&mut self) -> crate::fold::Folded {
         self.fold.take_folded()

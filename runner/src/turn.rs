@@ -122,6 +122,8 @@ pub async fn drive_session(
     }
     // A replay's recording, read once per claim (and again if a new config names another).
     let mut feed: Option<(agentlog_proto::v1::Replay, RecordingFeed)> = None;
+    // The workspace is brought to the log's checkpoint once per claim, before any step.
+    let mut brought = false;
     loop {
         // No new step once the runner drains.
         if cancel.is_cancelled() || lease.draining() {
@@ -133,6 +135,21 @@ pub async fn drive_session(
             fold = log.catch_up().instrument(tracing::info_span!("fold")) => { fold?; }
         };
         let config = log.config().clone();
+        if !brought && config.replay.is_none() {
+            // A replay's workspace follows its served results instead (`replay.rs`).
+            brought = true;
+            let checkpoints = context.toolbox.checkpoints();
+            let session_id = log.appender().session_id();
+            let dangling = log.has_dangling_call();
+            let report = tokio::select! {
+                _ = cancel.cancelled() => return Ok(Outcome::Stopped),
+                _ = lease.drain_begun() => return Ok(Outcome::Stopped),
+                report = checkpoints.bring_to_log(session_id, &config.workspace, dangling) => report?,
+            };
+            if let Some(report) = report {
+                tracing::info!(%report, "the workspace as the log says");
+            }
+        }
         let plan = call_model::plan(
             context,
             log.appender(),

@@ -12,6 +12,7 @@ pub mod docker;
 pub mod netns;
 pub mod pg;
 pub mod previous;
+pub mod s3;
 mod watchdog;
 
 pub use watchdog::{watchdog, Watchdog};

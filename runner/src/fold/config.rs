@@ -31,6 +31,20 @@ pub struct SessionConfigState {
     pub fallback_models: Vec<String>,
     /// The limits of each run (`None`: the runner's).
     pub budget: Option<Budget>,
+    /// The checkpoint the workspace is at, as the log says.
+    pub workspace: LogCheckpoint,
+}
+
+/// The checkpoint a session's log says its workspace is at: what its last `tool_result`
+/// names.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum LogCheckpoint {
+    /// No `tool_result` yet: the workspace is empty.
+    #[default]
+    NoneYet,
+    Named(String),
+    /// The last `tool_result` names none (its checkpoint could not be recorded).
+    Unnamed,
 }
 
 /// Where a replay stands.
@@ -86,6 +100,10 @@ impl SessionConfigState {
                 }
             }
             Some(Kind::ToolResult(result)) => {
+                self.workspace = match &result.workspace_checkpoint {
+                    Some(id) => LogCheckpoint::Named(id.clone()),
+                    None => LogCheckpoint::Unnamed,
+                };
                 if let Some(replay) = &mut self.replay {
                     match &result.served_from {
                         Some(from) => {

@@ -23,7 +23,7 @@ use agentlog_proto::v1::{AssistantMessage, Budget, Replay, ToolResult, ToolUseBl
 
 use bytes::{Bytes, BytesMut};
 
-use super::config::{Behind, ReplayState, SessionConfigState};
+use super::config::{Behind, LogCheckpoint, ReplayState, SessionConfigState};
 use super::run::RunState;
 use super::transcript::{Form, Transcript};
 use super::{Approval, FoldState, Message, PendingInterrupt, UserBlock};
@@ -31,7 +31,7 @@ use super::{Approval, FoldState, Message, PendingInterrupt, UserBlock};
 /// The snapshot format the runner writes and reads in the store.
 pub const FORMAT: &str = "runner-fold";
 /// The shape of [`FoldState`] this build encodes.
-pub const VERSION: u32 = 5;
+pub const VERSION: u32 = 6;
 
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum SnapshotError {
@@ -96,6 +96,11 @@ struct FoldRecord {
     fallback_models: Vec<String>,
     #[prost(message, optional, tag = "22")]
     budget: Option<Budget>,
+    /// [`LogCheckpoint`]: no result yet (false), or the id the last one names ("": none).
+    #[prost(bool, tag = "23")]
+    results_seen: bool,
+    #[prost(string, tag = "24")]
+    workspace_checkpoint: String,
 }
 
 /// [`ReplayState`]; `behind_seq` 0 means not behind.
@@ -245,6 +250,11 @@ impl FoldState {
             run: Some(self.run.clone()),
             fallback_models: self.config.fallback_models.clone(),
             budget: self.config.budget,
+            results_seen: self.config.workspace != LogCheckpoint::NoneYet,
+            workspace_checkpoint: match &self.config.workspace {
+                LogCheckpoint::Named(id) => id.clone(),
+                _ => String::new(),
+            },
         };
         let mut data = prost::Message::encode_length_delimited_to_vec(&record);
         data.reserve(self.transcript.len());
@@ -379,6 +389,11 @@ impl FoldState {
                 }),
                 fallback_models: record.fallback_models,
                 budget: record.budget,
+                workspace: match (record.results_seen, record.workspace_checkpoint) {
+                    (false, _) => LogCheckpoint::NoneYet,
+                    (true, id) if id.is_empty() => LogCheckpoint::Unnamed,
+                    (true, id) => LogCheckpoint::Named(id),
+                },
             },
             run: record.run.unwrap_or_default(),
         })

@@ -26,7 +26,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::fold::run::CallRow;
 
-pub use checkpoint::{Checkpoints, IgnoreRules};
+pub use checkpoint::{Checkpoints, IgnoreRules, StoreUrl};
 pub use sandbox::Sandbox;
 pub use workspace::Workspace;
 
@@ -272,13 +272,19 @@ impl Toolbox {
         }
     }
 
-    /// The same toolbox whose checkpoints leave out what `ignore` matches.
-    pub fn with_checkpoint_ignore(self, ignore: IgnoreRules) -> Toolbox {
-        let checkpoints = Checkpoints::new(&self.root, ignore, self.sandbox.user);
-        Toolbox {
+    /// The same toolbox whose checkpoints leave out what `ignore` matches and live where
+    /// `store` says (`runner --checkpoint-store`); the error says why that store cannot be.
+    pub fn with_checkpoints(
+        self,
+        ignore: IgnoreRules,
+        store: &StoreUrl,
+    ) -> Result<Toolbox, String> {
+        let checkpoints =
+            Checkpoints::new(&self.root, ignore, self.sandbox.user).in_store(store)?;
+        Ok(Toolbox {
             checkpoints: Arc::new(checkpoints),
             ..self
-        }
+        })
     }
 
     /// The checkpoints of the workspaces this toolbox works in.

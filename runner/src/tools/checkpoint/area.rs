@@ -118,6 +118,11 @@ impl Area {
         }
     }
 
+    /// The area in the directory `dir` (`runner --checkpoint-store file:///PATH`).
+    pub fn at(dir: PathBuf) -> Area {
+        Area { dir }
+    }
+
     pub fn dir(&self) -> &Path {
         &self.dir
     }

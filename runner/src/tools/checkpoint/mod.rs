@@ -50,6 +50,7 @@
 mod area;
 pub mod gc;
 mod ignore;
+mod remote;
 mod restore;
 mod scan;
 mod tree;
@@ -64,15 +65,24 @@ use std::sync::{Arc, Mutex};
 
 pub use area::AREA_DIR;
 pub use ignore::{IgnoreRules, DEFAULT_IGNORE};
+pub use remote::{Remote, StoreUrl};
 
 use area::{hex, parse_hex, Area, Hash, Pending};
 use scan::{Previous, Trees};
+
+pub use crate::fold::config::LogCheckpoint;
 
 use super::remove;
 use super::sandbox::Ids;
 
 /// Sessions whose last checkpoint's trees are kept in memory for the next checkpoint.
 const KEPT_SESSIONS: usize = 16;
+/// `sessions/<id>/at`: the checkpoint a log names that the workspace was last at (recorded
+/// or restored), for [`Checkpoints::bring_to_log`].
+const AT: &str = "at";
+/// `sessions/<id>/uploaded`: a checkpoint whose objects the object store holds, so the
+/// session's next upload does not ask about them.
+const UPLOADED: &str = "uploaded";
 
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
@@ -102,6 +112,8 @@ pub struct Checkpoints {
     /// The tool user, who owns restored files.
     owner: Option<Ids>,
     kept: Mutex<Kept>,
+    /// The object store checkpoints live in (`None`: the local area is where they live).
+    remote: Option<Remote>,
 }
 
 #[derive(Debug, Default)]
@@ -120,7 +132,43 @@ impl Checkpoints {
             ignore,
             owner,
             kept: Mutex::new(Kept::default()),
+            remote: None,
         }
+    }
+
+    /// The same checkpoints kept where `store` says (`runner --checkpoint-store`): a local
+    /// area elsewhere than beside the workspaces (it must be on their file system: a restore
+    /// is staged in it and renamed into place), or an object store, with the local area as
+    /// its cache.
+    pub fn in_store(mut self, store: &StoreUrl) -> Result<Checkpoints, String> {
+        match store {
+            StoreUrl::Local(None) => {}
+            StoreUrl::Local(Some(dir)) => {
+                use std::os::unix::fs::MetadataExt;
+                let device = |path: &Path| {
+                    fs::metadata(path)
+                        .map(|m| m.dev())
+                        .map_err(|e| format!("--checkpoint-store: {}: {e}", path.display()))
+                };
+                let parent = dir.parent().unwrap_or(dir);
+                if device(parent)? != device(&self.root)? {
+                    return Err(format!(
+                        "--checkpoint-store file://{}: the checkpoint area must be on the \
+                         workspaces' file system ({}), where restores are moved into place",
+                        dir.display(),
+                        self.root.display()
+                    ));
+                }
+                self.area = Area::at(dir.clone());
+            }
+            StoreUrl::Object { .. } => self.remote = Some(Remote::open(store)?),
+        }
+        Ok(self)
+    }
+
+    /// The object store checkpoints live in, if they live in one.
+    pub fn remote(&self) -> Option<&Remote> {
+        self.remote.as_ref()
     }
 
     /// `<workspace-root>/.checkpoints`.
@@ -141,13 +189,149 @@ impl Checkpoints {
         self.record_inner(session_id).map_err(|e| self.io_error(e))
     }
 
-    /// [`Checkpoints::record_blocking`] on the blocking pool.
+    /// [`Checkpoints::record_blocking`] on the blocking pool; with an object store, returns
+    /// only once the store has acknowledged every object the checkpoint names (retried
+    /// without limit: drop the future to stop).
     pub async fn record(self: &Arc<Self>, session_id: &str) -> Result<Checkpoint, CheckpointError> {
         let this = self.clone();
-        let session_id = session_id.to_string();
-        tokio::task::spawn_blocking(move || this.record_blocking(&session_id))
+        let session = session_id.to_string();
+        let checkpoint = tokio::task::spawn_blocking(move || this.record_blocking(&session))
             .await
-            .map_err(|e| CheckpointError::Task(e.to_string()))?
+            .map_err(|e| CheckpointError::Task(e.to_string()))??;
+        if let Some(remote) = &self.remote {
+            let root = parse_hex(&checkpoint.id).expect("a checkpoint id is a hash");
+            let base = self.marker(session_id, UPLOADED);
+            let sent = remote
+                .upload(&self.area, session_id, &root, base.as_ref())
+                .await
+                .map_err(|e| self.io_error(e))?;
+            tracing::debug!(checkpoint = %checkpoint.id, bytes = sent, "stored the checkpoint in the object store");
+            self.set_marker(session_id, UPLOADED, &root);
+        }
+        Ok(checkpoint)
+    }
+
+    /// A checkpoint a session's marker file names: [`AT`] or [`UPLOADED`].
+    fn marker(&self, session_id: &str, name: &str) -> Option<Hash> {
+        let text = fs::read_to_string(self.area.session_dir(session_id).join(name)).ok()?;
+        parse_hex(text.trim())
+    }
+
+    /// Names `root` in a session's marker file. Not synced: a marker lost in a crash costs
+    /// a restore or some `HEAD`s, never a wrong workspace.
+    fn set_marker(&self, session_id: &str, name: &str, root: &Hash) {
+        let written = self.area.ensure_session_dir(session_id).and_then(|dir| {
+            let (temp, file) = self.area.create_temp()?;
+            drop(file);
+            fs::write(&temp, format!("{}\n", hex(root)))?;
+            fs::rename(&temp, dir.join(name))
+        });
+        if let Err(e) = written {
+            tracing::warn!(session_id, marker = name, error = %e, "could not write a checkpoint marker");
+        }
+    }
+
+    /// Brings the workspace of `session_id` to what its log says, before a runner that has
+    /// just claimed it acts: to `latest`, the checkpoint its last `tool_result` names
+    /// ([`LogCheckpoint`]), unless the workspace is at it already; and to `latest` anyway
+    /// when a call is dangling (`tool_started` without a result), so the call is re-run on
+    /// the workspace as its `tool_started` found it. Only with an object store: with the
+    /// local area, the workspace is the one the previous holder left (`ARCHITECTURE.md`,
+    /// "Checkpoints in an object store", says why). Returns what the runner should log.
+    pub async fn bring_to_log(
+        self: &Arc<Self>,
+        session_id: &str,
+        latest: &LogCheckpoint,
+        dangling: bool,
+    ) -> Result<Option<String>, CheckpointError> {
+        let Some(remote) = &self.remote else {
+            return Ok(None);
+        };
+        let source = match latest {
+            // The last result names no checkpoint: nothing tells what the workspace was.
+            LogCheckpoint::Unnamed => return Ok(None),
+            LogCheckpoint::NoneYet => None,
+            LogCheckpoint::Named(id) => Some(parse_hex(id).ok_or_else(|| {
+                self.io_error(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("the log names {id:?}, which is not a checkpoint id"),
+                ))
+            })?),
+        };
+        let at = self.marker(session_id, AT);
+        let workspace_there = fs::symlink_metadata(self.root.join(session_id)).is_ok();
+        if !dangling && at == source && (workspace_there || source.is_none()) {
+            return Ok(None);
+        }
+        if let Some(root) = &source {
+            remote
+                .fetch(&self.area, root)
+                .await
+                .map_err(|e| self.io_error(e))?;
+        }
+        let this = self.clone();
+        let session = session_id.to_string();
+        let restored = tokio::task::spawn_blocking(move || -> io::Result<_> {
+            check_session_id(&session)?;
+            this.area.ensure()?;
+            let _lock = this.area.lock_shared()?;
+            let dir = this.area.ensure_session_dir(&session)?;
+            let _restoring = area::lock_file(&dir.join("restoring"))?;
+            let source = source.filter(|root| this.area.has(area::Kind::Tree, root));
+            let restored = this.replace_workspace(&session, source.as_ref())?;
+            this.keep(&session, restored.root, restored.trees.clone());
+            Ok((source, restored))
+        })
+        .await
+        .map_err(|e| CheckpointError::Task(e.to_string()))?
+        .map_err(|e| self.io_error(e))?;
+        let (found, restored) = restored;
+        match (&found, &source) {
+            (Some(root), _) => {
+                self.set_marker(session_id, AT, root);
+                self.set_marker(session_id, UPLOADED, root);
+            }
+            (None, None) => {}
+            (None, Some(root)) => {
+                return Ok(Some(format!(
+                    "the log's checkpoint {} is not in the object store {}: the workspace starts \
+                     empty",
+                    hex(root),
+                    remote.url()
+                )))
+            }
+        }
+        let mut report = format!(
+            "brought the workspace to {} ({} files, {} bytes{})",
+            match &found {
+                Some(root) => format!("checkpoint {}", hex(root)),
+                None => "an empty workspace (no checkpoint yet)".to_string(),
+            },
+            restored.files,
+            restored.bytes,
+            if dangling {
+                "; a call is to be re-run on it"
+            } else {
+                ""
+            }
+        );
+        for line in &restored.not_restored {
+            report.push_str("; not restored: ");
+            report.push_str(line);
+        }
+        Ok(Some(report))
+    }
+
+    /// Brings checkpoint `id`'s objects from the object store into the local area, if
+    /// checkpoints live in one (a fork's or a replay's restore reads them there).
+    pub async fn fetch(&self, id: &str) -> Result<(), CheckpointError> {
+        if let (Some(remote), Some(root)) = (&self.remote, parse_hex(id)) {
+            remote
+                .fetch(&self.area, &root)
+                .await
+                .map_err(|e| self.io_error(e))?;
+        }
+        Ok(())
     }
 
     fn record_inner(&self, session_id: &str) -> io::Result<Checkpoint> {
@@ -179,6 +363,7 @@ impl Checkpoints {
             Ok(())
         })?;
         self.set_last(session_id, &recorded.root)?;
+        self.set_marker(session_id, AT, &recorded.root);
         self.keep(session_id, recorded.root, recorded.trees);
         Ok(Checkpoint {
             id: hex(&recorded.root),
@@ -393,6 +578,12 @@ impl Checkpoints {
         }
         self.area
             .write_file_durably(&dir.join("restored"), report.as_bytes())?;
+        if let Some(root) = &source {
+            self.set_marker(session_id, AT, root);
+            if self.remote.is_some() {
+                self.set_marker(session_id, UPLOADED, root);
+            }
+        }
         self.keep(session_id, restored.root, restored.trees);
         Ok(Some(report))
     }
@@ -489,6 +680,9 @@ impl Checkpoints {
         served_seq: u64,
         checkpoint: Option<String>,
     ) -> Result<Option<String>, CheckpointError> {
+        if let Some(id) = &checkpoint {
+            self.fetch(id).await?;
+        }
         let this = self.clone();
         let session_id = session_id.to_string();
         tokio::task::spawn_blocking(move || {
@@ -675,6 +869,9 @@ pub async fn prepare_fork(
         return Ok(());
     }
     let prefix = PrefixCheckpoints::read(client, session_id, forked_from.seq).await?;
+    if let Some((_, id)) = &prefix.latest {
+        checkpoints.fetch(id).await?;
+    }
     let this = checkpoints.clone();
     let (session, parent, seq) = (
         session_id.to_string(),

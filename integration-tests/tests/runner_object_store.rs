@@ -1,0 +1,212 @@
+//! Runners with no shared volume: checkpoints in an S3-compatible object store (moto's
+//! server, a real HTTP server on a real port), each runner with a workspace root of its own.
+//!
+//! One session, as an operator would meet it:
+//! 1. runner A works two calls (files with modes, a symbolic link, an empty directory, a
+//!    large binary file, then a deletion and a change) and is killed -9 in the middle of a
+//!    third, which has already left a file behind;
+//! 2. runner B, which never saw the session, takes it over: its workspace is A's as the
+//!    second call left it, byte for byte (the third call's half-done file is not there), and
+//!    the third call is re-run once on it (a counter outside every workspace hears each run);
+//! 3. A comes back: a fork made after B's work is restored on A from the object store, and
+//!    the session itself, continued on A, is first brought to B's checkpoint;
+//! 4. the object store is paused while a call runs: no `tool_result` is appended until it
+//!    answers again, and the call runs once.
+
+mod fork_support;
+mod runner_support;
+
+use std::time::{Duration, Instant};
+
+use agentlog_proto::v1::event_store_client::EventStoreClient;
+use agentlog_proto::v1::{event::Kind, Event, ForkSessionRequest};
+use fork_support::describe;
+use integration_tests::anthropic_standin::StandinReply;
+use integration_tests::s3::S3Server;
+use integration_tests::side_effects::Counter;
+use runner_support::*;
+use serde_json::json;
+
+type Client = EventStoreClient<tonic::transport::Channel>;
+
+const TTL_MS: u64 = 3000;
+const IDLE: Duration = Duration::from_secs(90);
+/// The large binary file's size.
+const BIG: usize = 16 << 20;
+
+fn script(counter: &Counter) -> Vec<StandinReply> {
+    let report = counter.report();
+    let stale = format!(
+        "echo \"stale:$IDEMPOTENCY_KEY\" > /dev/tcp/127.0.0.1/{}",
+        counter.port
+    );
+    vec![
+        StandinReply::text("Setting up.").tool(
+            "bash",
+            json!({"command": format!(
+                "mkdir -p src empty/inner && printf 'one\\n' > src/a.txt && chmod 640 src/a.txt \
+                 && ln -s src/a.txt link && ln -s nowhere dangling \
+                 && head -c {BIG} /dev/urandom > big.bin && chmod 755 big.bin \
+                 && echo gone > doomed && {report}"
+            )}),
+        ),
+        StandinReply::text("Changing.").tool(
+            "bash",
+            json!({"command": format!(
+                "rm doomed && echo changed >> src/a.txt && chmod 700 empty && {report}"
+            )}),
+        ),
+        StandinReply::text("A long one.").tool(
+            "bash",
+            json!({"command": format!(
+                "if [ -e half ]; then {stale}; fi; touch half; {report}; sleep 6; echo late > late.txt"
+            )}),
+        ),
+        StandinReply::text("Done."),
+        StandinReply::text("Again.").tool(
+            "bash",
+            json!({"command": format!("touch again && {report} && sleep 3")}),
+        ),
+        StandinReply::text("Finished."),
+    ]
+}
+
+fn runner(rig: &Rig, s3: &S3Server, id: &str, root: &std::path::Path) -> RunnerProc {
+    let env = s3.env();
+    let mut pairs: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let standin = rig.standin.url();
+    pairs.push(("ANTHROPIC_BASE_URL", &standin));
+    pairs.push(("ANTHROPIC_API_KEY", "test-key"));
+    let store = s3.url("agentlog");
+    start_runner_on_model(
+        &rig.store.url(),
+        id,
+        root,
+        ("anthropic:standin-1", &pairs),
+        TTL_MS,
+        2,
+        &["--tool-network", "all", "--checkpoint-store", &store],
+    )
+}
+
+/// The seq of the call's `tool_started`, once the log has it.
+async fn started(client: &mut Client, session: &str, tool_use_id: &str) -> u64 {
+    let is_it =
+        |e: &Event| matches!(&e.kind, Some(Kind::ToolStarted(s)) if s.tool_use_id == tool_use_id);
+    let events = wait_for_log(client, session, IDLE, |events| events.iter().any(is_it)).await;
+    events.iter().find(|e| is_it(e)).expect("started").seq
+}
+
+async fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + IDLE;
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn results(events: &[Event]) -> usize {
+    events
+        .iter()
+        .filter(|e| matches!(e.kind, Some(Kind::ToolResult(_))))
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn runners_with_no_shared_volume_take_over_fork_and_wait_out_the_object_store() {
+    let counter = Counter::start();
+    let s3 = S3Server::start("agentlog-test").expect("moto_server");
+    let rig = Rig::start(script(&counter)).await;
+    let (root_a, root_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let mut client = rig.client.clone();
+
+    // 1. A works the first two calls and is killed -9 in the third, after its first step.
+    let mut a = runner(&rig, &s3, "ra", root_a.path());
+    user_says(&mut client, "s", "build").await;
+    let third = started(&mut client, "s", "toolu_2_0").await;
+    wait_until("the third call's report", || counter.counts().len() == 3).await;
+    a.kill9();
+    let at_kill = describe(&root_a.path().join("s"), &["half"]);
+    assert!(at_kill.contains_key("big.bin") && !at_kill.contains_key("doomed"));
+
+    // 2. B takes over on a root of its own.
+    let mut b = runner(&rig, &s3, "rb", root_b.path());
+    let events = wait_idle(&mut client, "s", third, IDLE).await;
+    assert_exactly_once_ending(&events, "end_turn");
+    let keys = counter.counts();
+    assert!(
+        !keys.keys().any(|k| k.starts_with("stale:")),
+        "the re-run found the killed attempt's file: {keys:?}"
+    );
+    let runs: Vec<usize> = keys.values().copied().collect();
+    assert_eq!(runs, vec![1, 1, 2], "{keys:?}");
+    let on_b = root_b.path().join("s");
+    let mut after_b = describe(&on_b, &["half", "late.txt"]);
+    assert_eq!(
+        after_b, at_kill,
+        "B's workspace is not A's as the second call left it"
+    );
+    assert!(on_b.join("late.txt").exists() && on_b.join("half").exists());
+    after_b = describe(&on_b, &[]);
+    let stored = s3.list("agentlog/").expect("list");
+    let big_objects = stored
+        .iter()
+        .filter(|(_, size)| *size as usize == BIG)
+        .count();
+    assert_eq!(big_objects, 1, "the large file is stored once: {stored:?}");
+    b.kill9();
+
+    // 3. A again: a fork after B's work is restored from the object store ...
+    let fork_seq = events
+        .iter()
+        .filter(|e| matches!(e.kind, Some(Kind::ToolResult(_))))
+        .map(|e| e.seq)
+        .max()
+        .expect("a result");
+    a = runner(&rig, &s3, "ra", root_a.path());
+    client
+        .fork_session(ForkSessionRequest {
+            session_id: "s".into(),
+            at_seq: fork_seq,
+            new_session_id: "f".into(),
+            events: vec![],
+        })
+        .await
+        .expect("fork");
+    wait_idle(&mut client, "f", 0, IDLE).await;
+    assert_eq!(describe(&root_a.path().join("f"), &[]), after_b);
+
+    // ... and the session, continued there, first comes to B's checkpoint; 4. the object
+    // store pauses while its call runs.
+    let before = history(&mut client, "s").await;
+    user_says(&mut client, "s", "again").await;
+    let again_started = started(&mut client, "s", "toolu_4_0").await;
+    s3.pause();
+    // The call's 3 s, then the checkpoint's first request unanswered for 5 s.
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    let paused = history(&mut client, "s").await;
+    assert_eq!(
+        results(&paused),
+        results(&before),
+        "a result was appended while the object store was paused"
+    );
+    assert!(
+        !a.log_lines("does not answer").is_empty(),
+        "the runner did not say the store is down"
+    );
+    s3.resume();
+    let events = wait_idle(&mut client, "s", again_started, IDLE).await;
+    assert_exactly_once_ending(&events, "end_turn");
+    let on_a = describe(&root_a.path().join("s"), &["again"]);
+    assert_eq!(
+        on_a, after_b,
+        "A did not bring the session to B's checkpoint"
+    );
+    let again: Vec<usize> = counter
+        .counts()
+        .into_iter()
+        .filter(|(k, _)| k.ends_with("toolu_4_0"))
+        .map(|(_, n)| n)
+        .collect();
+    assert_eq!(again, vec![1]);
+}

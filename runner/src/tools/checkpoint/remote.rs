@@ -1,0 +1,520 @@
+//! Checkpoints in an object store (`runner --checkpoint-store s3://BUCKET/PREFIX`, `gs://`,
+//! `az://`), so that runners share no volume: each keeps the checkpoint area beside its own
+//! workspaces as a cache, and the object store is where a checkpoint lives.
+//!
+//! Layout, every name under `PREFIX/` (nothing else of the bucket is read or written):
+//!
+//! | object | what |
+//! |---|---|
+//! | `blobs/<sha256>` | a file's content, as in the local area |
+//! | `trees/<sha256>` | a directory's entries; a checkpoint's id is its root tree's |
+//! | `sessions/<id>/refs/<checkpoint>` | empty: the session's log may name that checkpoint |
+//!
+//! Promises:
+//! - [`Remote::upload`] returns only once the store has acknowledged every object the
+//!   checkpoint names, so a `tool_result` naming it is appended only then. An object the
+//!   store holds already is neither uploaded nor rewritten (asked with `HEAD`); an object of
+//!   the checkpoint the session's previous upload sent is not even asked about.
+//! - [`Remote::fetch`] brings every object of a checkpoint the local area lacks, checking
+//!   each against its hash before it is kept: a corrupt object is never restored.
+//! - A store that does not answer is retried without limit (backoff from 0.2 s to 10 s),
+//!   and [`Remote::healthy`] says so meanwhile; the caller's future is dropped when the
+//!   session's work stops, which ends the retries.
+//! - Credentials come from the standard variables (`AWS_*`, `GOOGLE_*`, `AZURE_*`) of the
+//!   runner's own environment, which no tool inherits (a tool's environment is built empty).
+
+use std::collections::HashSet;
+use std::fmt;
+use std::future::Future;
+use std::io;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::stream::{self, StreamExt, TryStreamExt};
+use object_store::path::Path as ObjectPath;
+use object_store::{ClientOptions, ObjectStore, ObjectStoreExt, PutPayload, RetryConfig};
+
+use super::area::{hex, sha256, Area, Hash, Kind, Pending};
+use super::tree::{EntryKind, Tree};
+
+/// Requests in flight at once during an upload or a fetch.
+const PARALLEL: usize = 16;
+/// The first and the longest wait between two tries of a request the store did not answer.
+const FIRST_BACKOFF: Duration = Duration::from_millis(200);
+const LONGEST_BACKOFF: Duration = Duration::from_secs(10);
+/// A request unanswered this long marks the store unhealthy (it is still waited for, up to
+/// the client's timeout).
+const SLOW: Duration = Duration::from_secs(5);
+
+/// Where checkpoints live (`runner --checkpoint-store`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreUrl {
+    /// `file://` (the checkpoint area beside the workspaces, `<workspace-root>/.checkpoints`)
+    /// or `file:///PATH` (the area at `PATH`, on the workspaces' file system).
+    Local(Option<PathBuf>),
+    /// `s3://`, `gs://` or `az://`: an object store.
+    Object {
+        scheme: Scheme,
+        bucket: String,
+        prefix: String,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scheme {
+    S3,
+    Gcs,
+    Azure,
+}
+
+impl StoreUrl {
+    /// Reads `--checkpoint-store`; the error says what is wrong and what is accepted.
+    pub fn parse(text: &str) -> Result<StoreUrl, String> {
+        let accepted = "file://, s3://BUCKET/PREFIX, gs://BUCKET/PREFIX or az://CONTAINER/PREFIX";
+        let (scheme, rest) = text
+            .split_once("://")
+            .ok_or_else(|| format!("--checkpoint-store {text:?} is not a URL: use {accepted}"))?;
+        let scheme = match scheme {
+            "file" => {
+                return match rest {
+                    "" => Ok(StoreUrl::Local(None)),
+                    path if path.starts_with('/') => Ok(StoreUrl::Local(Some(path.into()))),
+                    _ => Err(format!(
+                        "--checkpoint-store {text:?}: a file:// URL names an absolute path \
+                         (file:///PATH) or none (file://)"
+                    )),
+                };
+            }
+            "s3" => Scheme::S3,
+            "gs" => Scheme::Gcs,
+            "az" => Scheme::Azure,
+            other => {
+                return Err(format!(
+                    "--checkpoint-store {text:?}: unknown scheme {other:?}: use {accepted}"
+                ))
+            }
+        };
+        let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+        if bucket.is_empty() {
+            return Err(format!("--checkpoint-store {text:?} names no bucket"));
+        }
+        let prefix = prefix.trim_matches('/');
+        if prefix.split('/').any(|part| part == "." || part == "..") || prefix.contains("//") {
+            return Err(format!(
+                "--checkpoint-store {text:?}: the prefix {prefix:?} holds an empty, `.` or `..` part"
+            ));
+        }
+        Ok(StoreUrl::Object {
+            scheme,
+            bucket: bucket.to_string(),
+            prefix: prefix.to_string(),
+        })
+    }
+}
+
+impl fmt::Display for StoreUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            StoreUrl::Local(None) => write!(f, "file://"),
+            StoreUrl::Local(Some(path)) => write!(f, "file://{}", path.display()),
+            StoreUrl::Object {
+                scheme,
+                bucket,
+                prefix,
+            } => {
+                let scheme = match scheme {
+                    Scheme::S3 => "s3",
+                    Scheme::Gcs => "gs",
+                    Scheme::Azure => "az",
+                };
+                write!(f, "{scheme}://{bucket}/{prefix}")
+            }
+        }
+    }
+}
+
+/// The object store checkpoints live in.
+#[derive(Clone)]
+pub struct Remote {
+    store: Arc<dyn ObjectStore>,
+    prefix: String,
+    url: String,
+    healthy: Arc<AtomicBool>,
+}
+
+impl fmt::Debug for Remote {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Remote").field("url", &self.url).finish()
+    }
+}
+
+impl Remote {
+    /// The object store `url` names, configured from the environment's standard variables.
+    /// With `AWS_ENDPOINT_URL` set its scheme is used as given (plain `http://` for a local
+    /// server), with path-style requests. Builds the client only: nothing is asked yet.
+    pub fn open(url: &StoreUrl) -> Result<Remote, String> {
+        let StoreUrl::Object {
+            scheme,
+            bucket,
+            prefix,
+        } = url
+        else {
+            return Err("file:// is the local checkpoint area, not an object store".into());
+        };
+        // Each request: its own timeout, a few quick tries inside the client; the retries
+        // without limit are this module's (`retrying`), which also tell the health.
+        let options = ClientOptions::new()
+            .with_connect_timeout(Duration::from_secs(5))
+            .with_timeout(Duration::from_secs(30));
+        let retry = RetryConfig {
+            max_retries: 2,
+            retry_timeout: Duration::from_secs(30),
+            ..RetryConfig::default()
+        };
+        let store: Arc<dyn ObjectStore> = match scheme {
+            Scheme::S3 => {
+                let mut builder = object_store::aws::AmazonS3Builder::from_env()
+                    .with_bucket_name(bucket)
+                    .with_client_options(options)
+                    .with_retry(retry);
+                if let Ok(endpoint) = std::env::var("AWS_ENDPOINT_URL") {
+                    builder = builder
+                        .with_endpoint(&endpoint)
+                        .with_allow_http(endpoint.starts_with("http://"))
+                        .with_virtual_hosted_style_request(false);
+                }
+                Arc::new(builder.build().map_err(|e| e.to_string())?)
+            }
+            Scheme::Gcs => Arc::new(
+                object_store::gcp::GoogleCloudStorageBuilder::from_env()
+                    .with_bucket_name(bucket)
+                    .with_client_options(options)
+                    .with_retry(retry)
+                    .build()
+                    .map_err(|e| e.to_string())?,
+            ),
+            Scheme::Azure => Arc::new(
+                object_store::azure::MicrosoftAzureBuilder::from_env()
+                    .with_container_name(bucket)
+                    .with_client_options(options)
+                    .with_retry(retry)
+                    .build()
+                    .map_err(|e| e.to_string())?,
+            ),
+        };
+        Ok(Remote {
+            store,
+            prefix: prefix.clone(),
+            url: url.to_string(),
+            healthy: Arc::new(AtomicBool::new(true)),
+        })
+    }
+
+    /// The store's URL, for logs.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// Whether the store answered the last request (false while requests are retried).
+    pub fn healthy(&self) -> bool {
+        self.healthy.load(Ordering::Relaxed)
+    }
+
+    fn path(&self, tail: &str) -> ObjectPath {
+        if self.prefix.is_empty() {
+            ObjectPath::from(tail)
+        } else {
+            ObjectPath::from(format!("{}/{tail}", self.prefix))
+        }
+    }
+
+    fn object_path(&self, kind: Kind, hash: &Hash) -> ObjectPath {
+        let dir = match kind {
+            Kind::Blob => "blobs",
+            Kind::Tree => "trees",
+        };
+        self.path(&format!("{dir}/{}", hex(hash)))
+    }
+
+    /// Runs `request` until the store answers it: an answer (`NotFound` and
+    /// `AlreadyExists` are answers) is returned; anything else is logged and tried again,
+    /// without limit, the health down meanwhile.
+    async fn retrying<T, F, Fut>(&self, what: &str, request: F) -> Result<T, object_store::Error>
+    where
+        F: Fn() -> Fut,
+        Fut: Future<Output = Result<T, object_store::Error>>,
+    {
+        let mut wait = FIRST_BACKOFF;
+        loop {
+            let attempt = request();
+            tokio::pin!(attempt);
+            // A request unanswered for a while says the store is down, and is waited for on.
+            let answer = tokio::select! {
+                answer = &mut attempt => answer,
+                _ = tokio::time::sleep(SLOW) => {
+                    if self.healthy.swap(false, Ordering::Relaxed) {
+                        tracing::warn!(store = %self.url, %what, "the checkpoint store does not answer within {SLOW:?}; waiting");
+                    }
+                    attempt.await
+                }
+            };
+            match answer {
+                Err(e) if !is_answer(&e) => {
+                    if self.healthy.swap(false, Ordering::Relaxed) {
+                        tracing::warn!(store = %self.url, error = %e, "the checkpoint store does not answer; retrying until it does");
+                    } else {
+                        tracing::debug!(store = %self.url, %what, error = %e, "retrying");
+                    }
+                    tokio::time::sleep(wait.mul_f64(0.5 + fastrand::f64())).await;
+                    wait = (wait * 2).min(LONGEST_BACKOFF);
+                }
+                answer => {
+                    if !self.healthy.swap(true, Ordering::Relaxed) {
+                        tracing::info!(store = %self.url, "the checkpoint store answers again");
+                    }
+                    return answer;
+                }
+            }
+        }
+    }
+
+    /// Stores every object of checkpoint `root` (from `area`) that the store lacks, and
+    /// the session's reference to it. `base` is a checkpoint whose objects the store is
+    /// known to hold (the session's previous upload): its trees and blobs are not asked
+    /// about. Returns the bytes uploaded.
+    pub async fn upload(
+        &self,
+        area: &Area,
+        session_id: &str,
+        root: &Hash,
+        base: Option<&Hash>,
+    ) -> io::Result<u64> {
+        // The reference first: a sweep that sees it never removes what it names.
+        let reference = self.path(&format!("sessions/{session_id}/refs/{}", hex(root)));
+        self.retrying("put a reference", || {
+            self.store.put(&reference, PutPayload::default())
+        })
+        .await
+        .map_err(to_io)?;
+        let known = match base {
+            Some(base) => closure(area, base, &HashSet::new())?,
+            None => Closure::default(),
+        };
+        let wanted = closure(area, root, &known.trees)?;
+        // Content before the trees naming it, the root last.
+        let mut objects: Vec<(Kind, Hash)> = wanted
+            .blobs
+            .iter()
+            .filter(|blob| !known.blobs.contains(*blob))
+            .map(|blob| (Kind::Blob, *blob))
+            .collect();
+        let blobs = objects.len();
+        objects.extend(wanted.trees_in_order.iter().map(|tree| (Kind::Tree, *tree)));
+        let (first, rest) = objects.split_at(blobs);
+        let mut uploaded = 0;
+        for batch in [first, rest] {
+            uploaded += stream::iter(batch.iter().copied())
+                .map(|(kind, hash)| self.put_missing(area, kind, hash))
+                .buffer_unordered(PARALLEL)
+                .try_fold(0u64, |sum, bytes| async move { Ok(sum + bytes) })
+                .await?;
+        }
+        Ok(uploaded)
+    }
+
+    /// Stores one object unless the store holds it; returns the bytes sent.
+    async fn put_missing(&self, area: &Area, kind: Kind, hash: Hash) -> io::Result<u64> {
+        let path = self.object_path(kind, &hash);
+        match self.retrying("head", || self.store.head(&path)).await {
+            Ok(_) => return Ok(0),
+            Err(object_store::Error::NotFound { .. }) => {}
+            Err(e) => return Err(to_io(e)),
+        }
+        let bytes = bytes::Bytes::from(area.read(kind, &hash)?);
+        let length = bytes.len() as u64;
+        self.retrying("put", || {
+            self.store.put(&path, PutPayload::from_bytes(bytes.clone()))
+        })
+        .await
+        .map_err(to_io)?;
+        Ok(length)
+    }
+
+    /// Brings every object of checkpoint `root` that `area` lacks from the store, each
+    /// checked against its hash. An object the store does not hold is left missing (the
+    /// restore lists what it could not make). Returns the bytes fetched.
+    pub async fn fetch(&self, area: &Area, root: &Hash) -> io::Result<u64> {
+        let mut fetched = 0u64;
+        let mut level = vec![*root];
+        while !level.is_empty() {
+            let mut pending = Pending::default();
+            let mut blobs = Vec::new();
+            let mut next = Vec::new();
+            let trees: Vec<(Hash, Option<Vec<u8>>)> = stream::iter(level)
+                .map(|tree| async move {
+                    if area.has(Kind::Tree, &tree) {
+                        return Ok::<_, io::Error>((tree, Some(area.read(Kind::Tree, &tree)?)));
+                    }
+                    Ok((tree, self.get_checked(Kind::Tree, &tree).await?))
+                })
+                .buffer_unordered(PARALLEL)
+                .try_collect()
+                .await?;
+            for (hash, bytes) in trees {
+                let Some(bytes) = bytes else { continue };
+                if !area.has(Kind::Tree, &hash) {
+                    fetched += bytes.len() as u64;
+                    area.put_bytes(Kind::Tree, &bytes, &mut pending)?;
+                }
+                let tree = decode(&hash, &bytes)?;
+                for entry in &tree.entries {
+                    match (entry.kind(), entry.object_hash()) {
+                        (EntryKind::File, Some(blob)) if !area.has(Kind::Blob, &blob) => {
+                            blobs.push(blob)
+                        }
+                        (EntryKind::Dir, Some(subtree)) => next.push(subtree),
+                        _ => {}
+                    }
+                }
+            }
+            blobs.sort_unstable();
+            blobs.dedup();
+            let got: Vec<Option<Vec<u8>>> = stream::iter(blobs)
+                .map(|blob| async move { self.get_checked(Kind::Blob, &blob).await })
+                .buffer_unordered(PARALLEL)
+                .try_collect()
+                .await?;
+            for bytes in got.into_iter().flatten() {
+                fetched += bytes.len() as u64;
+                area.put_reader(&mut bytes.as_slice(), &mut pending)?;
+            }
+            area.sync(pending)?;
+            next.sort_unstable();
+            next.dedup();
+            level = next;
+        }
+        Ok(fetched)
+    }
+
+    /// The object's bytes, if the store holds it; an object whose bytes do not hash to its
+    /// name is an error.
+    async fn get_checked(&self, kind: Kind, hash: &Hash) -> io::Result<Option<Vec<u8>>> {
+        let path = self.object_path(kind, hash);
+        let got = self
+            .retrying("get", || async {
+                self.store.get(&path).await?.bytes().await
+            })
+            .await;
+        match got {
+            Ok(bytes) if sha256(&bytes) == *hash => Ok(Some(bytes.to_vec())),
+            Ok(_) => Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("object {path} in the checkpoint store does not match its hash"),
+            )),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(to_io(e)),
+        }
+    }
+}
+
+fn is_answer(error: &object_store::Error) -> bool {
+    matches!(
+        error,
+        object_store::Error::NotFound { .. } | object_store::Error::AlreadyExists { .. }
+    )
+}
+
+fn to_io(error: object_store::Error) -> io::Error {
+    io::Error::other(format!("the checkpoint store: {error}"))
+}
+
+fn decode(hash: &Hash, bytes: &[u8]) -> io::Result<Tree> {
+    Tree::from_bytes(bytes).map_err(|e| {
+        io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("checkpoint tree {} does not decode: {e}", hex(hash)),
+        )
+    })
+}
+
+/// The objects a checkpoint names, as far as the local area holds its trees.
+#[derive(Debug, Default)]
+struct Closure {
+    trees: HashSet<Hash>,
+    /// Deepest first, so a tree follows the trees it names.
+    trees_in_order: Vec<Hash>,
+    blobs: HashSet<Hash>,
+}
+
+/// The trees and blobs reachable from `root` in `area`, not descending into `skip` (trees
+/// whose objects are known to be stored).
+fn closure(area: &Area, root: &Hash, skip: &HashSet<Hash>) -> io::Result<Closure> {
+    let mut found = Closure::default();
+    let mut stack = vec![(*root, false)];
+    while let Some((hash, children_done)) = stack.pop() {
+        if children_done {
+            found.trees_in_order.push(hash);
+            continue;
+        }
+        if skip.contains(&hash) || !found.trees.insert(hash) {
+            continue;
+        }
+        let bytes = match area.read(Kind::Tree, &hash) {
+            Ok(bytes) => bytes,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                found.trees.remove(&hash);
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
+        stack.push((hash, true));
+        for entry in &decode(&hash, &bytes)?.entries {
+            match (entry.kind(), entry.object_hash()) {
+                (EntryKind::File, Some(blob)) => {
+                    found.blobs.insert(blob);
+                }
+                (EntryKind::Dir, Some(subtree)) => stack.push((subtree, false)),
+                _ => {}
+            }
+        }
+    }
+    Ok(found)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn checkpoint_store_urls_parse_or_say_why_not() {
+        assert_eq!(StoreUrl::parse("file://"), Ok(StoreUrl::Local(None)));
+        assert_eq!(
+            StoreUrl::parse("file:///var/cp"),
+            Ok(StoreUrl::Local(Some("/var/cp".into())))
+        );
+        assert_eq!(
+            StoreUrl::parse("s3://bucket/a/b/"),
+            Ok(StoreUrl::Object {
+                scheme: Scheme::S3,
+                bucket: "bucket".into(),
+                prefix: "a/b".into()
+            })
+        );
+        assert_eq!(
+            StoreUrl::parse("gs://b").map(|u| u.to_string()),
+            Ok("gs://b/".to_string())
+        );
+        for bad in [
+            "bucket",
+            "ftp://x/y",
+            "s3:///p",
+            "s3://b/a/../c",
+            "file://tmp/x",
+        ] {
+            let error = StoreUrl::parse(bad).expect_err(bad);
+            assert!(error.contains("--checkpoint-store"), "{bad}: {error}");
+        }
+    }
+}
