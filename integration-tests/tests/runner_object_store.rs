@@ -71,13 +71,20 @@ fn script(counter: &Counter) -> Vec<StandinReply> {
     ]
 }
 
-fn runner(rig: &Rig, s3: &S3Server, id: &str, root: &std::path::Path) -> RunnerProc {
+fn runner(
+    rig: &Rig,
+    s3: &S3Server,
+    id: &str,
+    root: &std::path::Path,
+    metrics_port: u16,
+) -> RunnerProc {
     let env = s3.env();
     let mut pairs: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
     let standin = rig.standin.url();
     pairs.push(("ANTHROPIC_BASE_URL", &standin));
     pairs.push(("ANTHROPIC_API_KEY", "test-key"));
     let store = s3.url("agentlog");
+    let metrics = format!("127.0.0.1:{metrics_port}");
     start_runner_on_model(
         &rig.store.url(),
         id,
@@ -85,7 +92,14 @@ fn runner(rig: &Rig, s3: &S3Server, id: &str, root: &std::path::Path) -> RunnerP
         ("anthropic:standin-1", &pairs),
         TTL_MS,
         2,
-        &["--tool-network", "all", "--checkpoint-store", &store],
+        &[
+            "--tool-network",
+            "all",
+            "--checkpoint-store",
+            &store,
+            "--metrics-listen",
+            &metrics,
+        ],
     )
 }
 
@@ -105,6 +119,37 @@ async fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
     }
 }
 
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+}
+
+/// `GET /ready` of a runner's metrics listener: the status and the body.
+async fn readiness(port: u16) -> (u16, String) {
+    let response = reqwest::get(format!("http://127.0.0.1:{port}/ready"))
+        .await
+        .expect("GET /ready");
+    (
+        response.status().as_u16(),
+        response.text().await.unwrap_or_default(),
+    )
+}
+
+async fn store_up(port: u16) -> String {
+    let text = reqwest::get(format!("http://127.0.0.1:{port}/metrics"))
+        .await
+        .expect("GET /metrics")
+        .text()
+        .await
+        .expect("metrics");
+    text.lines()
+        .find(|l| l.starts_with("agentlog_runner_checkpoint_store_up "))
+        .unwrap_or("no agentlog_runner_checkpoint_store_up")
+        .to_string()
+}
+
 fn results(events: &[Event]) -> usize {
     events
         .iter()
@@ -121,7 +166,7 @@ async fn runners_with_no_shared_volume_take_over_fork_and_wait_out_the_object_st
     let mut client = rig.client.clone();
 
     // 1. A works the first two calls and is killed -9 in the third, after its first step.
-    let mut a = runner(&rig, &s3, "ra", root_a.path());
+    let mut a = runner(&rig, &s3, "ra", root_a.path(), free_port());
     user_says(&mut client, "s", "build").await;
     let third = started(&mut client, "s", "toolu_2_0").await;
     wait_until("the third call's report", || counter.counts().len() == 3).await;
@@ -130,7 +175,7 @@ async fn runners_with_no_shared_volume_take_over_fork_and_wait_out_the_object_st
     assert!(at_kill.contains_key("big.bin") && !at_kill.contains_key("doomed"));
 
     // 2. B takes over on a root of its own.
-    let mut b = runner(&rig, &s3, "rb", root_b.path());
+    let mut b = runner(&rig, &s3, "rb", root_b.path(), free_port());
     let events = wait_idle(&mut client, "s", third, IDLE).await;
     assert_exactly_once_ending(&events, "end_turn");
     let keys = counter.counts();
@@ -163,7 +208,8 @@ async fn runners_with_no_shared_volume_take_over_fork_and_wait_out_the_object_st
         .map(|e| e.seq)
         .max()
         .expect("a result");
-    a = runner(&rig, &s3, "ra", root_a.path());
+    let port = free_port();
+    a = runner(&rig, &s3, "ra", root_a.path(), port);
     client
         .fork_session(ForkSessionRequest {
             session_id: "s".into(),
@@ -194,6 +240,13 @@ async fn runners_with_no_shared_volume_take_over_fork_and_wait_out_the_object_st
         !a.log_lines("does not answer").is_empty(),
         "the runner did not say the store is down"
     );
+    let (status, why) = readiness(port).await;
+    assert_eq!(status, 503, "{why}");
+    assert!(why.contains("does not answer"), "{why}");
+    assert_eq!(
+        store_up(port).await,
+        "agentlog_runner_checkpoint_store_up 0"
+    );
     s3.resume();
     let events = wait_idle(&mut client, "s", again_started, IDLE).await;
     assert_exactly_once_ending(&events, "end_turn");
@@ -209,4 +262,9 @@ async fn runners_with_no_shared_volume_take_over_fork_and_wait_out_the_object_st
         .map(|(_, n)| n)
         .collect();
     assert_eq!(again, vec![1]);
+    assert_eq!(readiness(port).await.0, 200);
+    assert_eq!(
+        store_up(port).await,
+        "agentlog_runner_checkpoint_store_up 1"
+    );
 }

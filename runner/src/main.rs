@@ -325,6 +325,24 @@ async fn run(args: Args, secrets: Secrets, non_dumpable: bool) -> Result<()> {
     .client()
     .context("connecting to the event store")?;
 
+    tracing::info!(
+        runner_id = %args.runner_id,
+        event_store = %args.event_store,
+        models = %args.model.join(","),
+        max_sessions = args.max_sessions,
+        lease_ttl_ms = args.lease_ttl_ms,
+        sandbox = %sandbox.mode_name(),
+        tool_network = %sandbox.network_name(),
+        tool_uid = ?sandbox.user.map(|ids| ids.uid),
+        "runner started"
+    );
+    let toolbox = Toolbox::new(args.workspace_root.clone(), sandbox)
+        .with_checkpoints(
+            IgnoreRules::new(&args.checkpoint_ignore),
+            &args.checkpoint_store,
+        )
+        .map_err(anyhow::Error::msg)?;
+    tracing::info!(checkpoint_store = %args.checkpoint_store, "workspace checkpoints live there");
     let shutdown = CancellationToken::new();
     if let Some(addr) = &args.metrics_listen {
         let listener = tokio::net::TcpListener::bind(addr)
@@ -336,8 +354,19 @@ async fn run(args: Args, secrets: Secrets, non_dumpable: bool) -> Result<()> {
         let mut registry = runner::metrics::registry(&providers, &models.specs());
         build_info::register(&mut registry);
         let stop = shutdown.clone();
+        // Not ready while the checkpoints' object store does not answer: no call can end.
+        let remote = toolbox.checkpoints().remote().cloned();
+        let ready = move || match &remote {
+            Some(remote) if !remote.healthy() => Err(format!(
+                "the checkpoint store {} does not answer",
+                remote.url()
+            )),
+            _ => Ok(()),
+        };
         tokio::spawn(async move {
-            if let Err(e) = telemetry::serve_metrics(listener, registry, stop).await {
+            if let Err(e) =
+                telemetry::serve_metrics_and_readiness(listener, registry, ready, stop).await
+            {
                 tracing::error!(error = %e, "the metrics listener failed");
             }
         });
@@ -360,24 +389,6 @@ async fn run(args: Args, secrets: Secrets, non_dumpable: bool) -> Result<()> {
         on_signal.begin();
     });
 
-    tracing::info!(
-        runner_id = %args.runner_id,
-        event_store = %args.event_store,
-        models = %args.model.join(","),
-        max_sessions = args.max_sessions,
-        lease_ttl_ms = args.lease_ttl_ms,
-        sandbox = %sandbox.mode_name(),
-        tool_network = %sandbox.network_name(),
-        tool_uid = ?sandbox.user.map(|ids| ids.uid),
-        "runner started"
-    );
-    let toolbox = Toolbox::new(args.workspace_root.clone(), sandbox)
-        .with_checkpoints(
-            IgnoreRules::new(&args.checkpoint_ignore),
-            &args.checkpoint_store,
-        )
-        .map_err(anyhow::Error::msg)?;
-    tracing::info!(checkpoint_store = %args.checkpoint_store, "workspace checkpoints live there");
     let sweeper = Arc::new(Sweeper::new(
         args.workspace_root.clone(),
         toolbox.checkpoints().clone(),

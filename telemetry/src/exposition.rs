@@ -18,14 +18,38 @@ pub async fn serve_metrics(
     registry: Registry,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
+    serve_metrics_and_readiness(listener, registry, || Ok(()), shutdown).await
+}
+
+/// [`serve_metrics`], and `GET /ready`: `200 ready` while `ready` says so, else `503` with
+/// its reason (for a readiness probe).
+pub async fn serve_metrics_and_readiness(
+    listener: tokio::net::TcpListener,
+    registry: Registry,
+    ready: impl Fn() -> Result<(), String> + Clone + Send + Sync + 'static,
+    shutdown: CancellationToken,
+) -> std::io::Result<()> {
     let registry = Arc::new(registry);
-    let app = Router::new().route(
-        "/metrics",
-        get(move || {
-            let registry = registry.clone();
-            async move { render(&registry) }
-        }),
-    );
+    let app = Router::new()
+        .route(
+            "/metrics",
+            get(move || {
+                let registry = registry.clone();
+                async move { render(&registry) }
+            }),
+        )
+        .route(
+            "/ready",
+            get(move || {
+                let answer = ready();
+                async move {
+                    match answer {
+                        Ok(()) => (StatusCode::OK, "ready\n".to_string()),
+                        Err(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")),
+                    }
+                }
+            }),
+        );
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown.cancelled_owned())
         .await

@@ -16,5 +16,5 @@ pub mod exposition;
 pub mod logs_and_traces;
 pub mod propagation;
 
-pub use exposition::serve_metrics;
+pub use exposition::{serve_metrics, serve_metrics_and_readiness};
 pub use logs_and_traces::{exporting, init, Telemetry, TelemetryError};

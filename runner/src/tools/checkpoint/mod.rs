@@ -293,12 +293,13 @@ impl Checkpoints {
             }
             (None, None) => {}
             (None, Some(root)) => {
+                crate::metrics::checkpoint_missing();
                 return Ok(Some(format!(
                     "the log's checkpoint {} is not in the object store {}: the workspace starts \
                      empty",
                     hex(root),
                     remote.url()
-                )))
+                )));
             }
         }
         let mut report = format!(

@@ -255,6 +255,7 @@ impl Remote {
                 answer = &mut attempt => answer,
                 _ = tokio::time::sleep(SLOW) => {
                     if self.healthy.swap(false, Ordering::Relaxed) {
+                        crate::metrics::checkpoint_store_up(false);
                         tracing::warn!(store = %self.url, %what, "the checkpoint store does not answer within {SLOW:?}; waiting");
                     }
                     attempt.await
@@ -263,6 +264,7 @@ impl Remote {
             match answer {
                 Err(e) if !is_answer(&e) => {
                     if self.healthy.swap(false, Ordering::Relaxed) {
+                        crate::metrics::checkpoint_store_up(false);
                         tracing::warn!(store = %self.url, error = %e, "the checkpoint store does not answer; retrying until it does");
                     } else {
                         tracing::debug!(store = %self.url, %what, error = %e, "retrying");
@@ -272,6 +274,7 @@ impl Remote {
                 }
                 answer => {
                     if !self.healthy.swap(true, Ordering::Relaxed) {
+                        crate::metrics::checkpoint_store_up(true);
                         tracing::info!(store = %self.url, "the checkpoint store answers again");
                     }
                     return answer;
@@ -339,6 +342,7 @@ impl Remote {
         })
         .await
         .map_err(to_io)?;
+        crate::metrics::checkpoint_store_bytes("uploaded", length);
         Ok(length)
     }
 
@@ -408,7 +412,10 @@ impl Remote {
             })
             .await;
         match got {
-            Ok(bytes) if sha256(&bytes) == *hash => Ok(Some(bytes.to_vec())),
+            Ok(bytes) if sha256(&bytes) == *hash => {
+                crate::metrics::checkpoint_store_bytes("fetched", bytes.len() as u64);
+                Ok(Some(bytes.to_vec()))
+            }
             Ok(_) => Err(io::Error::new(
                 io::ErrorKind::InvalidData,
                 format!("object {path} in the checkpoint store does not match its hash"),
