@@ -11,7 +11,10 @@
 //! 3. A comes back: a fork made after B's work is restored on A from the object store, and
 //!    the session itself, continued on A, is first brought to B's checkpoint;
 //! 4. the object store is paused while a call runs: no `tool_result` is appended until it
-//!    answers again, and the call runs once.
+//!    answers again, and the call runs once; meanwhile the runner is not ready;
+//! 5. deletion erases: the session deleted, what its fork still needs stays in the bucket
+//!    (the fork restores whole on a third runner); the fork deleted too, nothing of either
+//!    is left in the bucket.
 
 mod fork_support;
 mod runner_support;
@@ -99,6 +102,8 @@ fn runner(
             &store,
             "--metrics-listen",
             &metrics,
+            "--sweep-every",
+            "1s",
         ],
     )
 }
@@ -267,4 +272,50 @@ async fn runners_with_no_shared_volume_take_over_fork_and_wait_out_the_object_st
         store_up(port).await,
         "agentlog_runner_checkpoint_store_up 1"
     );
+
+    // 5. The session deleted: its fork's checkpoints stay, its own refs go.
+    assert!(!objects(&s3, "sessions/s/refs/").is_empty());
+    assert!(!objects(&s3, "blobs/").is_empty());
+    delete(&mut client, "s").await;
+    wait_until("the session's refs to leave the bucket", || {
+        objects(&s3, "sessions/s/").is_empty()
+    })
+    .await;
+    drop(a);
+    let root_c = tempfile::tempdir().unwrap();
+    let _c = runner(&rig, &s3, "rc", root_c.path(), free_port());
+    let asked = user_says(&mut client, "f", "go on").await;
+    let after_f = wait_idle(&mut client, "f", asked, IDLE).await;
+    assert_exactly_once_ending(&after_f, "end_turn");
+    assert_eq!(
+        describe(&root_c.path().join("f"), &["again"]),
+        after_b,
+        "the fork's files did not outlive its parent"
+    );
+    // The fork deleted too: nothing of either is left.
+    delete(&mut client, "f").await;
+    wait_until("the bucket to be empty of both", || {
+        objects(&s3, "")
+            .iter()
+            .all(|key| key.starts_with("agentlog/gc/"))
+    })
+    .await;
+}
+
+async fn delete(client: &mut Client, session: &str) {
+    client
+        .delete_session(agentlog_proto::v1::DeleteSessionRequest {
+            session_id: session.into(),
+        })
+        .await
+        .expect("delete");
+}
+
+/// The keys under `agentlog/<under>`.
+fn objects(s3: &S3Server, under: &str) -> Vec<String> {
+    s3.list(&format!("agentlog/{under}"))
+        .expect("list")
+        .into_iter()
+        .map(|(key, _)| key)
+        .collect()
 }

@@ -336,7 +336,7 @@ async fn keep_served(
     session_id: &str,
     id: &str,
 ) -> Result<bool, CheckpointError> {
-    checkpoints.fetch(id).await?;
+    checkpoints.fetch_for(session_id, id).await?;
     let this = checkpoints.clone();
     let (session_id, id) = (session_id.to_string(), id.to_string());
     tokio::task::spawn_blocking(move || this.keep_served(&session_id, &id))

@@ -18,6 +18,8 @@
 //! Crash points: each step only adds references (adoption) or removes what nothing names,
 //! so a GC killed anywhere leaves the area correct and the next run finishes the job.
 //!
+//! With an object store, the store's own sweep follows (`remote_gc.rs`).
+//!
 //! A runner's sweep (`runner/src/sweep.rs`) calls [`collect_garbage`] (the store client and
 //! the toolbox's [`Checkpoints`] are all it needs) and then removes the workspaces of the
 //! sessions in [`Collected::forgotten`].
@@ -34,6 +36,7 @@ use agentlog_proto::v1::{
 };
 
 use super::area::{parse_hex, Hash, Kind};
+use super::remote_gc::{collect_remote_garbage, RemoteSwept};
 use super::tree::{EntryKind, Tree};
 use super::{CheckpointError, Checkpoints, PrefixCheckpoints};
 use crate::tools::remove::remove_tree;
@@ -60,6 +63,8 @@ pub struct Collected {
     /// Forks whose prefix's checkpoints were adopted on the way.
     pub adopted: Vec<String>,
     pub swept: Swept,
+    /// The object store's sweep, if checkpoints live in one (`remote_gc.rs`).
+    pub remote: Option<RemoteSwept>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -78,19 +83,8 @@ pub async fn collect_garbage(
 ) -> Result<Collected, GcError> {
     let mut gone = Vec::new();
     for session_id in checkpoints.sessions()? {
-        let asked = client
-            .clone()
-            .get_session(GetSessionRequest {
-                session_id: session_id.clone(),
-            })
-            .await;
-        match asked {
-            Ok(_) => {}
-            Err(status) if Reason::of(&status) == Some(Reason::SessionDeleted) => {
-                gone.push(session_id)
-            }
-            Err(status) if status.code() == tonic::Code::NotFound => {}
-            Err(status) => return Err(status.into()),
+        if is_gone(client, &session_id).await? {
+            gone.push(session_id)
         }
     }
     let mut adopted = Vec::new();
@@ -112,11 +106,46 @@ pub async fn collect_garbage(
     let swept = tokio::task::spawn_blocking(move || this.forget_and_sweep(&forget))
         .await
         .map_err(|e| CheckpointError::Task(e.to_string()))??;
+    let remote = match checkpoints.remote() {
+        Some(remote) => {
+            let swept = collect_remote_garbage(checkpoints, remote, client).await?;
+            if swept.objects_removed > 0 || !swept.sessions_forgotten.is_empty() {
+                tracing::info!(
+                    store = %remote.url(),
+                    sessions = ?swept.sessions_forgotten,
+                    forks_adopted = swept.forks_adopted.len(),
+                    objects_removed = swept.objects_removed,
+                    bytes_freed = swept.bytes_freed,
+                    "swept the object store"
+                );
+            }
+            Some(swept)
+        }
+        None => None,
+    };
     Ok(Collected {
         forgotten: gone,
         adopted,
         swept,
+        remote,
     })
+}
+
+/// Whether the store says `session_id` was deleted (a bare `NOT_FOUND` is not evidence: a
+/// token's scope answers the same).
+pub(super) async fn is_gone(client: &StoreClient, session_id: &str) -> Result<bool, tonic::Status> {
+    let asked = client
+        .clone()
+        .get_session(GetSessionRequest {
+            session_id: session_id.to_string(),
+        })
+        .await;
+    match asked {
+        Ok(_) => Ok(false),
+        Err(status) if Reason::of(&status) == Some(Reason::SessionDeleted) => Ok(true),
+        Err(status) if status.code() == tonic::Code::NotFound => Ok(false),
+        Err(status) => Err(status),
+    }
 }
 
 /// One page of `ListSessions` from `token` on.
@@ -133,7 +162,7 @@ async fn page(client: &StoreClient, token: &str) -> Result<ListSessionsResponse,
 }
 
 /// Every session that exists throughout the listing (and some that came or went).
-async fn every_session(client: &StoreClient) -> Result<Vec<SessionInfo>, tonic::Status> {
+pub(super) async fn every_session(client: &StoreClient) -> Result<Vec<SessionInfo>, tonic::Status> {
     let mut sessions = Vec::new();
     let mut token = String::new();
     let mut since: Option<i64> = None;

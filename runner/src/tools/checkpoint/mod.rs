@@ -51,6 +51,7 @@ mod area;
 pub mod gc;
 mod ignore;
 mod remote;
+mod remote_gc;
 mod restore;
 mod scan;
 mod tree;
@@ -323,14 +324,16 @@ impl Checkpoints {
         Ok(Some(report))
     }
 
-    /// Brings checkpoint `id`'s objects from the object store into the local area, if
-    /// checkpoints live in one (a fork's or a replay's restore reads them there).
-    pub async fn fetch(&self, id: &str) -> Result<(), CheckpointError> {
+    /// Records in the object store, if checkpoints live in one, that `session_id`'s log
+    /// names checkpoint `id` (a fork's prefix, a replay's served result), then brings its
+    /// objects into the local area, where a restore reads them.
+    pub async fn fetch_for(&self, session_id: &str, id: &str) -> Result<(), CheckpointError> {
         if let (Some(remote), Some(root)) = (&self.remote, parse_hex(id)) {
-            remote
-                .fetch(&self.area, &root)
-                .await
-                .map_err(|e| self.io_error(e))?;
+            let fetched = async {
+                remote.add_ref(session_id, &root).await?;
+                remote.fetch(&self.area, &root).await
+            };
+            fetched.await.map_err(|e| self.io_error(e))?;
         }
         Ok(())
     }
@@ -682,7 +685,7 @@ impl Checkpoints {
         checkpoint: Option<String>,
     ) -> Result<Option<String>, CheckpointError> {
         if let Some(id) = &checkpoint {
-            self.fetch(id).await?;
+            self.fetch_for(session_id, id).await?;
         }
         let this = self.clone();
         let session_id = session_id.to_string();
@@ -871,7 +874,7 @@ pub async fn prepare_fork(
     }
     let prefix = PrefixCheckpoints::read(client, session_id, forked_from.seq).await?;
     if let Some((_, id)) = &prefix.latest {
-        checkpoints.fetch(id).await?;
+        checkpoints.fetch_for(session_id, id).await?;
     }
     let this = checkpoints.clone();
     let (session, parent, seq) = (

@@ -9,12 +9,20 @@
 //! | `blobs/<sha256>` | a file's content, as in the local area |
 //! | `trees/<sha256>` | a directory's entries; a checkpoint's id is its root tree's |
 //! | `sessions/<id>/refs/<checkpoint>` | empty: the session's log may name that checkpoint |
+//! | `sessions/<id>/adopted` | a fork's refs hold every checkpoint its copied prefix names |
+//! | `gc/state` | the sweep's generation and, while one runs, until when (`remote_gc.rs`) |
 //!
 //! Promises:
 //! - [`Remote::upload`] returns only once the store has acknowledged every object the
 //!   checkpoint names, so a `tool_result` naming it is appended only then. An object the
 //!   store holds already is neither uploaded nor rewritten (asked with `HEAD`); an object of
 //!   the checkpoint the session's previous upload sent is not even asked about.
+//! - Against the sweep (`remote_gc.rs`), which removes what no session's refs reach: the
+//!   reference is stored before any object, and an object not uploaded because the store
+//!   held it (content another session stored) is asked about again, and stored again if
+//!   gone, until no sweep ran or was running from before the first `HEAD` until after the
+//!   last ([`GcState`]); so a sweep that missed the new reference never removes what the
+//!   checkpoint reuses.
 //! - [`Remote::fetch`] brings every object of a checkpoint the local area lacks, checking
 //!   each against its hash before it is kept: a corrupt object is never restored.
 //! - A store that does not answer is retried without limit (backoff from 0.2 s to 10 s),
@@ -295,12 +303,8 @@ impl Remote {
         base: Option<&Hash>,
     ) -> io::Result<u64> {
         // The reference first: a sweep that sees it never removes what it names.
-        let reference = self.path(&format!("sessions/{session_id}/refs/{}", hex(root)));
-        self.retrying("put a reference", || {
-            self.store.put(&reference, PutPayload::default())
-        })
-        .await
-        .map_err(to_io)?;
+        self.add_ref(session_id, root).await?;
+        let mut before = self.gc_state().await?;
         let known = match base {
             Some(base) => closure(area, base, &HashSet::new())?,
             None => Closure::default(),
@@ -315,23 +319,56 @@ impl Remote {
             .collect();
         let blobs = objects.len();
         objects.extend(wanted.trees_in_order.iter().map(|tree| (Kind::Tree, *tree)));
-        let (first, rest) = objects.split_at(blobs);
-        let mut uploaded = 0;
-        for batch in [first, rest] {
-            uploaded += stream::iter(batch.iter().copied())
-                .map(|(kind, hash)| self.put_missing(area, kind, hash))
-                .buffer_unordered(PARALLEL)
-                .try_fold(0u64, |sum, bytes| async move { Ok(sum + bytes) })
-                .await?;
+        let (uploaded, mut reused) = self.put_all(area, &objects[..blobs]).await?;
+        let (more, reused_trees) = self.put_all(area, &objects[blobs..]).await?;
+        let mut uploaded = uploaded + more;
+        reused.extend(reused_trees);
+        // What the store held already must have outlived every sweep that could have missed
+        // the reference (see the module's promises).
+        while !reused.is_empty() {
+            let after = self.gc_state().await?;
+            if after.generation == before.generation && !after.running() {
+                break;
+            }
+            before = self.gc_state_once_idle().await?;
+            let (sent, still) = self.put_all(area, &reused).await?;
+            uploaded += sent;
+            reused = still;
         }
         Ok(uploaded)
     }
 
-    /// Stores one object unless the store holds it; returns the bytes sent.
-    async fn put_missing(&self, area: &Area, kind: Kind, hash: Hash) -> io::Result<u64> {
+    /// Stores each object the store lacks; returns the bytes sent and the objects the store
+    /// held already.
+    async fn put_all(
+        &self,
+        area: &Area,
+        objects: &[(Kind, Hash)],
+    ) -> io::Result<(u64, Vec<(Kind, Hash)>)> {
+        let outcomes: Vec<((Kind, Hash), Option<u64>)> = stream::iter(objects.iter().copied())
+            .map(|(kind, hash)| async move {
+                Ok::<_, io::Error>(((kind, hash), self.put_missing(area, kind, hash).await?))
+            })
+            .buffer_unordered(PARALLEL)
+            .try_collect()
+            .await?;
+        let mut sent = 0;
+        let mut held = Vec::new();
+        for (object, outcome) in outcomes {
+            match outcome {
+                Some(bytes) => sent += bytes,
+                None => held.push(object),
+            }
+        }
+        Ok((sent, held))
+    }
+
+    /// Stores one object unless the store holds it; returns the bytes sent, `None` when the
+    /// store held it.
+    async fn put_missing(&self, area: &Area, kind: Kind, hash: Hash) -> io::Result<Option<u64>> {
         let path = self.object_path(kind, &hash);
         match self.retrying("head", || self.store.head(&path)).await {
-            Ok(_) => return Ok(0),
+            Ok(_) => return Ok(None),
             Err(object_store::Error::NotFound { .. }) => {}
             Err(e) => return Err(to_io(e)),
         }
@@ -343,7 +380,126 @@ impl Remote {
         .await
         .map_err(to_io)?;
         crate::metrics::checkpoint_store_bytes("uploaded", length);
-        Ok(length)
+        Ok(Some(length))
+    }
+
+    /// Records that `session_id`'s log may name checkpoint `root`.
+    pub async fn add_ref(&self, session_id: &str, root: &Hash) -> io::Result<()> {
+        let reference = self.path(&format!("sessions/{session_id}/refs/{}", hex(root)));
+        self.retrying("put a reference", || {
+            self.store.put(&reference, PutPayload::default())
+        })
+        .await
+        .map_err(to_io)?;
+        Ok(())
+    }
+
+    /// The sweep's state, as stored (none yet: generation 0, not running).
+    pub async fn gc_state(&self) -> io::Result<GcState> {
+        let path = self.path(GC_STATE);
+        let got = self
+            .retrying("get the sweep's state", || async {
+                self.store.get(&path).await?.bytes().await
+            })
+            .await;
+        match got {
+            Ok(bytes) => Ok(GcState::parse(&String::from_utf8_lossy(&bytes))),
+            Err(object_store::Error::NotFound { .. }) => Ok(GcState::default()),
+            Err(e) => Err(to_io(e)),
+        }
+    }
+
+    /// [`Remote::gc_state`], once no sweep is running (polled each second).
+    async fn gc_state_once_idle(&self) -> io::Result<GcState> {
+        loop {
+            let state = self.gc_state().await?;
+            if !state.running() {
+                return Ok(state);
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    }
+
+    /// Stores the sweep's state; returns the store's clock when it was stored (ms), read
+    /// back from the object, so that the sweep compares objects' times on one clock.
+    pub async fn set_gc_state(&self, state: &GcState) -> io::Result<i64> {
+        let path = self.path(GC_STATE);
+        let text = bytes::Bytes::from(state.to_string());
+        self.retrying("put the sweep's state", || {
+            self.store.put(&path, PutPayload::from_bytes(text.clone()))
+        })
+        .await
+        .map_err(to_io)?;
+        let meta = self
+            .retrying("head the sweep's state", || self.store.head(&path))
+            .await
+            .map_err(to_io)?;
+        Ok(meta.last_modified.timestamp_millis())
+    }
+
+    /// Every object under `PREFIX/<under>`, with its path below the prefix and its time on
+    /// the store's clock (ms).
+    pub async fn list(&self, under: &str) -> io::Result<Vec<Listed>> {
+        let prefix = self.path(under);
+        let listed: Vec<object_store::ObjectMeta> = self
+            .retrying("list", || self.store.list(Some(&prefix)).try_collect())
+            .await
+            .map_err(to_io)?;
+        let strip = if self.prefix.is_empty() {
+            String::new()
+        } else {
+            format!("{}/", self.prefix)
+        };
+        Ok(listed
+            .into_iter()
+            .filter_map(|meta| {
+                let path = meta.location.as_ref().strip_prefix(&strip)?.to_string();
+                Some(Listed {
+                    path,
+                    modified_ms: meta.last_modified.timestamp_millis(),
+                    size: meta.size,
+                })
+            })
+            .collect())
+    }
+
+    /// Removes the objects at `paths` (below the prefix); one already gone is no error.
+    pub async fn delete(&self, paths: &[String]) -> io::Result<()> {
+        stream::iter(paths.iter().cloned())
+            .map(|tail| async move {
+                let path = self.path(&tail);
+                match self.retrying("delete", || self.store.delete(&path)).await {
+                    Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+                    Err(e) => Err(to_io(e)),
+                }
+            })
+            .buffer_unordered(PARALLEL)
+            .try_collect::<Vec<()>>()
+            .await?;
+        Ok(())
+    }
+
+    /// Stores an empty object at `tail` (below the prefix): a marker.
+    pub async fn put_marker(&self, tail: &str) -> io::Result<()> {
+        let path = self.path(tail);
+        self.retrying("put a marker", || {
+            self.store.put(&path, PutPayload::default())
+        })
+        .await
+        .map_err(to_io)?;
+        Ok(())
+    }
+
+    /// Tree `hash`, from `area` or else from the store (not kept); `None` if neither has it.
+    pub async fn tree(&self, area: &Area, hash: &Hash) -> io::Result<Option<Tree>> {
+        let bytes = match area.read(Kind::Tree, hash) {
+            Ok(bytes) => Some(bytes),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                self.get_checked(Kind::Tree, hash).await?
+            }
+            Err(e) => return Err(e),
+        };
+        bytes.map(|bytes| decode(hash, &bytes)).transpose()
     }
 
     /// Brings every object of checkpoint `root` that `area` lacks from the store, each
@@ -446,6 +602,65 @@ fn decode(hash: &Hash, bytes: &[u8]) -> io::Result<Tree> {
     })
 }
 
+/// An object as [`Remote::list`] shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Listed {
+    /// Below the prefix, e.g. `blobs/<sha256>`.
+    pub path: String,
+    /// On the store's clock.
+    pub modified_ms: i64,
+    pub size: u64,
+}
+
+/// `gc/state`: how many sweeps have ended, and until when one runs, if one does.
+const GC_STATE: &str = "gc/state";
+
+/// The sweep's state in the store: `generation N` and, while a sweep runs, `running until
+/// MS` (the wall clock, in ms: a sweep past it stops deleting, so a sweep that died leaves
+/// nobody waiting longer than that).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GcState {
+    pub generation: u64,
+    pub running_until_ms: i64,
+}
+
+impl GcState {
+    fn parse(text: &str) -> GcState {
+        let mut state = GcState::default();
+        let words: Vec<&str> = text.split_whitespace().collect();
+        for pair in words.windows(2) {
+            match pair {
+                ["generation", n] => state.generation = n.parse().unwrap_or(0),
+                ["until", ms] => state.running_until_ms = ms.parse().unwrap_or(0),
+                _ => {}
+            }
+        }
+        state
+    }
+
+    /// Whether a sweep runs now (by this machine's clock).
+    pub fn running(&self) -> bool {
+        self.running_until_ms > now_ms()
+    }
+}
+
+impl fmt::Display for GcState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "generation {}", self.generation)?;
+        if self.running_until_ms > 0 {
+            write!(f, " running until {}", self.running_until_ms)?;
+        }
+        Ok(())
+    }
+}
+
+/// The wall clock, in ms since the epoch.
+pub fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}
+
 /// The objects a checkpoint names, as far as the local area holds its trees.
 #[derive(Debug, Default)]
 struct Closure {
@@ -493,6 +708,23 @@ fn closure(area: &Area, root: &Hash, skip: &HashSet<Hash>) -> io::Result<Closure
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_sweeps_state_reads_back_as_written() {
+        let running = GcState {
+            generation: 7,
+            running_until_ms: now_ms() + 60_000,
+        };
+        assert_eq!(GcState::parse(&running.to_string()), running);
+        assert!(running.running());
+        let idle = GcState {
+            generation: 8,
+            running_until_ms: 0,
+        };
+        assert_eq!(GcState::parse(&idle.to_string()), idle);
+        assert!(!idle.running());
+        assert_eq!(GcState::parse("garbage"), GcState::default());
+    }
 
     #[test]
     fn checkpoint_store_urls_parse_or_say_why_not() {
