@@ -184,11 +184,42 @@ mod tests {
     }
 
     #[test]
+    fn the_workspace_is_at_what_the_last_result_names() {
+        let mut state = SessionConfigState::default();
+        assert_eq!(state.workspace, LogCheckpoint::NoneYet);
+        let result = |checkpoint: Option<&str>| {
+            Kind::ToolResult(ToolResult {
+                workspace_checkpoint: checkpoint.map(str::to_string),
+                ..ToolResult::default()
+            })
+        };
+        state.apply(&ev(1, "result:a", result(Some("c1"))));
+        assert_eq!(state.workspace, LogCheckpoint::Named("c1".into()));
+        state.apply(&ev(
+            2,
+            "started:b",
+            Kind::ToolStarted(ToolStarted::default()),
+        ));
+        assert_eq!(state.workspace, LogCheckpoint::Named("c1".into()));
+        state.apply(&ev(3, "result:b", result(None)));
+        assert_eq!(state.workspace, LogCheckpoint::Unnamed);
+        state.apply(&ev(4, "result:c", result(Some("c3"))));
+        assert_eq!(state.workspace, LogCheckpoint::Named("c3".into()));
+    }
+
+    #[test]
     fn a_replay_serves_until_a_call_leaves_the_path_and_the_workspace_follows_lazily() {
         let mut state = SessionConfigState::default();
-        // A result before the replay began (the prefix) counts for nothing.
+        // A result before the replay began (the prefix) counts for nothing but the
+        // workspace's checkpoint.
         state.apply(&ev(1, "r0", served(3, "c0")));
-        assert_eq!(state, SessionConfigState::default());
+        assert_eq!(
+            state,
+            SessionConfigState {
+                workspace: LogCheckpoint::Named("c0".into()),
+                ..SessionConfigState::default()
+            }
+        );
         state.apply(&ev(2, "cfg", config(OffPath::Run)));
         assert_eq!(state.model.as_deref(), Some("openai:m"));
         state.apply(&ev(3, "result:a", served(5, "c1")));
