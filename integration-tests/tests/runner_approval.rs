@@ -249,12 +249,14 @@ async fn a_decision_for_a_call_that_is_not_waiting_is_refused() {
     assert_eq!(kinds(&history(&mut client, "s1").await), ["user"]);
 }
 
-/// A bash call that records each run, and on its first run never finishes.
+/// A bash call that records each run, and on its first run never finishes. The record is
+/// under `target/`, which checkpoints leave out: a re-run first brings the workspace back to
+/// the call's start, and keeps what checkpoints leave out as it was.
 fn run_counting_script() -> Vec<StandinReply> {
     vec![
         StandinReply::text("Working.").tool(
             "bash",
-            json!({"command": "echo x >> runs.txt; [ \"$(wc -l < runs.txt)\" -ge 2 ] || sleep 300"}),
+            json!({"command": "mkdir -p target; echo x >> target/runs.txt; [ \"$(wc -l < target/runs.txt)\" -ge 2 ] || sleep 300"}),
         ),
         StandinReply::text("Done."),
     ]
@@ -264,7 +266,7 @@ fn run_counting_script() -> Vec<StandinReply> {
 async fn kill_mid_call(rig: &mut Rig, flags: &[&str]) {
     let mut runner = rig.runner("r1", TTL_MS, flags);
     user_says(&mut rig.client, "s1", "work").await;
-    let runs = rig.workspaces.path().join("s1/runs.txt");
+    let runs = rig.workspaces.path().join("s1/target/runs.txt");
     let deadline = Instant::now() + Duration::from_secs(20);
     while !std::fs::read_to_string(&runs).is_ok_and(|t| t.ends_with('\n')) {
         assert!(Instant::now() < deadline, "the call did not start");
@@ -287,7 +289,8 @@ async fn report_tells_the_model_the_outcome_is_unknown_and_never_reruns() {
         "{content}"
     );
     assert_eq!(
-        std::fs::read_to_string(rig.workspaces.path().join("s1/runs.txt")).expect("runs.txt"),
+        std::fs::read_to_string(rig.workspaces.path().join("s1/target/runs.txt"))
+            .expect("runs.txt"),
         "x\n"
     );
     assert_eq!(rig.standin.violations(), Vec::<String>::new());
@@ -326,7 +329,8 @@ async fn ask_waits_for_a_person_before_running_an_uncertain_call_again() {
     assert_eq!(starts.get("toolu_0_0"), Some(&2), "{:?}", kinds(&events));
     assert!(kinds(&events).contains(&"started(toolu_0_0#2)".to_string()));
     assert_eq!(
-        std::fs::read_to_string(rig.workspaces.path().join("s1/runs.txt")).expect("runs.txt"),
+        std::fs::read_to_string(rig.workspaces.path().join("s1/target/runs.txt"))
+            .expect("runs.txt"),
         "x\nx\n"
     );
 }

@@ -5,7 +5,9 @@
 //! A's lease has run out and runs the call again with the same key, which is right. The
 //! property: the two runs of the call never overlap. Each run records itself from inside
 //! the tool, outside the session's log: a beat (its run id and the time) every 50 ms in a
-//! file of the shared workspace, so a run's last beat bounds when it was last alive. Checked
+//! file of the shared workspace, so a run's last beat bounds when it was last alive (under
+//! `target/`, which checkpoints leave out: the re-run first brings the workspace back to the
+//! call's start, and keeps what checkpoints leave out as it was). Checked
 //! at two ttls, side by side.
 
 mod runner_support;
@@ -113,8 +115,8 @@ fn now_ns() -> u128 {
 
 /// Each run of the call: its first and last beat (Unix nanoseconds), by run id.
 fn runs(workspace_root: &Path, session: &str) -> BTreeMap<String, (u128, u128)> {
-    let text =
-        std::fs::read_to_string(workspace_root.join(session).join("beats.txt")).unwrap_or_default();
+    let text = std::fs::read_to_string(workspace_root.join(session).join("target/beats.txt"))
+        .unwrap_or_default();
     let mut runs: BTreeMap<String, (u128, u128)> = BTreeMap::new();
     for line in text.lines() {
         let mut words = line.split_whitespace();
@@ -223,7 +225,7 @@ async fn partition_trial(n: u32, ttl_ms: u64, script: &Path, workspaces: &Path) 
 async fn a_runner_cut_off_stops_its_call_before_another_can_run_it() {
     let workspaces = tempfile::tempdir().expect("temp dir");
     let script = workspaces.path().join("partition.jsonl");
-    let call = "run=$(date +%s%N)$RANDOM; for i in $(seq 80); do echo \"$run $(date +%s%N)\" >> beats.txt; sleep 0.05; done; echo \"$IDEMPOTENCY_KEY\" >> keys.txt";
+    let call = "mkdir -p target; run=$(date +%s%N)$RANDOM; for i in $(seq 80); do echo \"$run $(date +%s%N)\" >> target/beats.txt; sleep 0.05; done; echo \"$IDEMPOTENCY_KEY\" >> keys.txt";
     std::fs::write(
         &script,
         format!(

@@ -331,12 +331,24 @@ impl FoldState {
         }
     }
 
-    /// Whether a call of the open turn was started and has no result (its outcome is
-    /// unknown: it is re-run, reported or asked about).
-    pub fn has_dangling_call(&self) -> bool {
-        self.open_calls.iter().any(|call| {
-            !self.results.contains_key(&call.id) && self.attempts.contains_key(&call.id)
-        })
+    /// The calls of the open turn that were started and have no result (their outcome is
+    /// unknown: each is re-run, reported or asked about), unless an interrupt closes them.
+    pub fn dangling_calls(&self) -> Vec<PendingCall> {
+        if self.interrupt.is_some() {
+            return Vec::new();
+        }
+        self.open_calls
+            .iter()
+            .filter(|call| !self.results.contains_key(&call.id))
+            .filter_map(|call| {
+                let attempt = *self.attempts.get(&call.id)?;
+                Some(PendingCall {
+                    tool_use: call.clone(),
+                    state: CallState::Interrupted { attempt },
+                    approval: self.approvals.get(&call.id).cloned().unwrap_or_default(),
+                })
+            })
+            .collect()
     }
 
     /// The seq of the latest `interrupt` this fold has seen (0: none).

@@ -475,9 +475,9 @@ impl SessionLog {
         self.fold.run()
     }
 
-    /// [`FoldState::has_dangling_call`] of the fold as caught up.
-    pub fn has_dangling_call(&self) -> bool {
-        self.fold.has_dangling_call()
+    /// [`FoldState::dangling_calls`] of the fold as caught up.
+    pub fn dangling_calls(&self) -> Vec<crate::fold::PendingCall> {
+        self.fold.dangling_calls()
     }
 
     /// [`FoldState::take_folded`] of the fold as caught up.

@@ -140,11 +140,11 @@ pub async fn drive_session(
             brought = true;
             let checkpoints = context.toolbox.checkpoints();
             let session_id = log.appender().session_id();
-            let dangling = log.has_dangling_call();
+            let rerun = guard::reruns_any(&log.dangling_calls(), &context.policy);
             let report = tokio::select! {
                 _ = cancel.cancelled() => return Ok(Outcome::Stopped),
                 _ = lease.drain_begun() => return Ok(Outcome::Stopped),
-                report = checkpoints.bring_to_log(session_id, &config.workspace, dangling) => report?,
+                report = checkpoints.bring_to_log(session_id, &config.workspace, rerun) => report?,
             };
             if let Some(report) = report {
                 tracing::info!(%report, "the workspace as the log says");

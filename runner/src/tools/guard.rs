@@ -135,6 +135,15 @@ pub enum GuardError {
 }
 
 /// Decides what `call` needs next under `policy`.
+/// Whether any of `calls` is to run again now (an interrupted call its tool's policy, or a
+/// person, lets run): its workspace must first be as its `tool_started` found it.
+pub fn reruns_any(calls: &[PendingCall], policy: &ToolPolicy) -> bool {
+    calls
+        .iter()
+        .filter(|call| matches!(call.state, CallState::Interrupted { .. }))
+        .any(|call| matches!(next_action(call, policy), CallAction::Run { .. }))
+}
+
 pub fn next_action(call: &PendingCall, policy: &ToolPolicy) -> CallAction {
     let tool = call.tool_use.name.as_str();
     let (attempt, uncertain) = match call.state {

@@ -69,6 +69,36 @@ impl IgnoreRules {
             })
             .map(|p| p.text.as_str())
     }
+
+    /// The paths under `dir` these rules leave out, relative to it (the outermost of each
+    /// tree; symbolic links are not followed).
+    pub fn left_out_in(&self, dir: &std::path::Path) -> std::io::Result<Vec<std::path::PathBuf>> {
+        use std::os::unix::ffi::OsStrExt;
+        let mut found = Vec::new();
+        let mut stack = vec![std::path::PathBuf::new()];
+        while let Some(rel) = stack.pop() {
+            let entries = match std::fs::read_dir(dir.join(&rel)) {
+                Ok(entries) => entries,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(e),
+            };
+            for entry in entries {
+                let entry = entry?;
+                let is_dir = entry.file_type()?.is_dir();
+                let path = rel.join(entry.file_name());
+                let name = entry.file_name();
+                if self
+                    .matching(path.as_os_str().as_bytes(), name.as_bytes(), is_dir)
+                    .is_some()
+                {
+                    found.push(path);
+                } else if is_dir {
+                    stack.push(path);
+                }
+            }
+        }
+        Ok(found)
+    }
 }
 
 /// Whether `text` matches `glob` whole (`*`, `?` within a path segment; `**` across them).

@@ -233,21 +233,24 @@ impl Checkpoints {
     }
 
     /// Brings the workspace of `session_id` to what its log says, before a runner that has
-    /// just claimed it acts: to `latest`, the checkpoint its last `tool_result` names
-    /// ([`LogCheckpoint`]), unless the workspace is at it already; and to `latest` anyway
-    /// when a call is dangling (`tool_started` without a result), so the call is re-run on
-    /// the workspace as its `tool_started` found it. Only with an object store: with the
-    /// local area, the workspace is the one the previous holder left (`ARCHITECTURE.md`,
-    /// "Checkpoints in an object store", says why). Returns what the runner should log.
+    /// just claimed it acts, to `latest`, the checkpoint its last `tool_result` names
+    /// ([`LogCheckpoint`]; before any, an empty workspace):
+    /// - when a dangling call (`tool_started` without a result) is to be re-run
+    ///   (`rerun`), with any store, so it runs on the workspace as its `tool_started` found
+    ///   it, nothing of the interrupted attempt left in it (a call reported to the model or
+    ///   interrupted leaves the workspace as the attempt did);
+    /// - with an object store, also when this runner's workspace is not at `latest` (another
+    ///   runner worked the session since, or this one never did). With the local area the
+    ///   workspaces are shared, and one is where its last holder left it.
+    ///
+    /// A checkpoint the store does not hold (lost, or from before checkpoints) is logged and
+    /// counted, and the workspace is left as it is. Returns what the runner should log.
     pub async fn bring_to_log(
         self: &Arc<Self>,
         session_id: &str,
         latest: &LogCheckpoint,
-        dangling: bool,
+        rerun: bool,
     ) -> Result<Option<String>, CheckpointError> {
-        let Some(remote) = &self.remote else {
-            return Ok(None);
-        };
         let source = match latest {
             // The last result names no checkpoint: nothing tells what the workspace was.
             LogCheckpoint::Unnamed => return Ok(None),
@@ -259,16 +262,28 @@ impl Checkpoints {
                 ))
             })?),
         };
-        let at = self.marker(session_id, AT);
-        let workspace_there = fs::symlink_metadata(self.root.join(session_id)).is_ok();
-        if !dangling && at == source && (workspace_there || source.is_none()) {
+        let elsewhere = self.remote.is_some() && {
+            let at = self.marker(session_id, AT);
+            let there = fs::symlink_metadata(self.root.join(session_id)).is_ok();
+            at != source || (!there && source.is_some())
+        };
+        if !rerun && !elsewhere {
             return Ok(None);
         }
-        if let Some(root) = &source {
+        if let (Some(remote), Some(root)) = (&self.remote, &source) {
             remote
                 .fetch(&self.area, root)
                 .await
                 .map_err(|e| self.io_error(e))?;
+        }
+        if let Some(root) = source.filter(|root| !self.area.has(area::Kind::Tree, root)) {
+            crate::metrics::checkpoint_missing();
+            return Ok(Some(format!(
+                "the log's checkpoint {} is not in the checkpoint store ({}): the workspace \
+                 goes on as it is",
+                hex(&root),
+                self.remote.as_ref().map_or("the local area", |r| r.url())
+            )));
         }
         let this = self.clone();
         let session = session_id.to_string();
@@ -278,41 +293,29 @@ impl Checkpoints {
             let _lock = this.area.lock_shared()?;
             let dir = this.area.ensure_session_dir(&session)?;
             let _restoring = area::lock_file(&dir.join("restoring"))?;
-            let source = source.filter(|root| this.area.has(area::Kind::Tree, root));
-            let restored = this.replace_workspace(&session, source.as_ref())?;
+            let restored = this.replace_workspace_keeping(&session, source.as_ref(), true)?;
             this.keep(&session, restored.root, restored.trees.clone());
-            Ok((source, restored))
+            Ok(restored)
         })
         .await
         .map_err(|e| CheckpointError::Task(e.to_string()))?
         .map_err(|e| self.io_error(e))?;
-        let (found, restored) = restored;
-        match (&found, &source) {
-            (Some(root), _) => {
-                self.set_marker(session_id, AT, root);
+        if let Some(root) = &source {
+            self.set_marker(session_id, AT, root);
+            if self.remote.is_some() {
                 self.set_marker(session_id, UPLOADED, root);
-            }
-            (None, None) => {}
-            (None, Some(root)) => {
-                crate::metrics::checkpoint_missing();
-                return Ok(Some(format!(
-                    "the log's checkpoint {} is not in the object store {}: the workspace starts \
-                     empty",
-                    hex(root),
-                    remote.url()
-                )));
             }
         }
         let mut report = format!(
-            "brought the workspace to {} ({} files, {} bytes{})",
-            match &found {
+            "brought the workspace to {} ({} files, {} bytes){}",
+            match &source {
                 Some(root) => format!("checkpoint {}", hex(root)),
                 None => "an empty workspace (no checkpoint yet)".to_string(),
             },
             restored.files,
             restored.bytes,
-            if dangling {
-                "; a call is to be re-run on it"
+            if rerun {
+                ", where the interrupted call began"
             } else {
                 ""
             }
@@ -601,6 +604,18 @@ impl Checkpoints {
         session_id: &str,
         source: Option<&Hash>,
     ) -> io::Result<restore::Restored> {
+        self.replace_workspace_keeping(session_id, source, false)
+    }
+
+    /// [`Checkpoints::replace_workspace`]; with `keep_left_out`, the trees checkpoints leave
+    /// out (`--checkpoint-ignore`: `node_modules/`, `target/`, ...) are moved over from the
+    /// workspace being replaced, as no checkpoint could bring them back.
+    fn replace_workspace_keeping(
+        &self,
+        session_id: &str,
+        source: Option<&Hash>,
+        keep_left_out: bool,
+    ) -> io::Result<restore::Restored> {
         // Staged beside the workspaces, then moved into place whole.
         let staging = self
             .area
@@ -624,9 +639,19 @@ impl Checkpoints {
             restored
         };
         let workspace = self.root.join(session_id);
+        if keep_left_out {
+            for path in self.ignore.left_out_in(&workspace)? {
+                match fs::rename(workspace.join(&path), staging.join(&path)) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                    Err(e) => return Err(e),
+                }
+            }
+        }
         if fs::symlink_metadata(&workspace).is_ok() {
-            // Left by a restore that died before it was marked (no tool ran in it), or the
-            // replay's workspace from before its move (no tool runs in it meanwhile).
+            // Left by a restore that died before it was marked (no tool ran in it), the
+            // replay's workspace from before its move (no tool runs in it meanwhile), or
+            // one being brought back to its log's checkpoint (no tool runs in it yet).
             let aside = self
                 .area
                 .tmp_dir()

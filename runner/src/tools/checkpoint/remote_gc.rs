@@ -4,8 +4,10 @@
 //! What stays is exactly what the refs of the sessions that exist reach
 //! (`sessions/<id>/refs/<checkpoint>`, `remote.rs`). A sweep, run by a runner's sweep after
 //! its local one, and by one runner at a time (`gc/state`, [`GcState`]):
-//! 1. marks itself running (until a lease's end; a sweep past it stops deleting) and reads
-//!    the store's clock back, so every time below is on the store's clock;
+//! 1. marks itself running, until a lease's end ([`LEASE_MS`], renewed as it goes; a sweep
+//!    that finds its lease lapsed stops at once, so a sweep killed or stalled holds the
+//!    others up no longer than that), and reads the store's clock back, so every time below
+//!    is on the store's clock;
 //! 2. lists the sessions that have refs, asks the event store about each; one answered
 //!    `SESSION_DELETED` is gone;
 //! 3. if any is gone, adopts for every fork not adopted yet the checkpoints its copied
@@ -35,8 +37,8 @@ use super::remote::{now_ms, GcState, Remote};
 use super::tree::EntryKind;
 use super::{Checkpoints, PrefixCheckpoints};
 
-/// How long a sweep may run; past it, it stops deleting (another may start).
-const LEASE_MS: i64 = 10 * 60 * 1000;
+/// A sweep's lease: renewed at half its length; a lapsed one ends the sweep.
+const LEASE_MS: i64 = 30 * 1000;
 /// A ref whose checkpoint is still not whole after this long is one no log names.
 const STALE_REF_MS: i64 = 60 * 60 * 1000;
 /// The store's clock counts whole seconds on some servers: objects this close to a bound
@@ -60,32 +62,64 @@ pub async fn collect_remote_garbage(
     remote: &Remote,
     client: &StoreClient,
 ) -> Result<RemoteSwept, GcError> {
-    let state = remote
-        .gc_state()
-        .await
-        .map_err(|e| checkpoints.io_error(e))?;
+    let io = |e: io::Error| GcError::from(checkpoints.io_error(e));
+    let state = remote.gc_state().await.map_err(io)?;
     if state.running() {
         return Ok(RemoteSwept::default());
     }
-    let lease_end = now_ms() + LEASE_MS;
-    let started = remote
-        .set_gc_state(&GcState {
-            generation: state.generation,
-            running_until_ms: lease_end,
-        })
-        .await
-        .map_err(|e| checkpoints.io_error(e))?;
-    let swept = sweep(checkpoints, remote, client, started, lease_end).await;
+    let mut lease = Lease {
+        remote,
+        generation: state.generation,
+        until: 0,
+    };
+    let started = lease.renew().await.map_err(io)?;
+    let swept = sweep(checkpoints, remote, client, started, &mut lease).await;
     // Done or failed, the next sweep need not wait for this one's lease.
     let ended = GcState {
         generation: state.generation + 1,
         running_until_ms: 0,
     };
-    remote
-        .set_gc_state(&ended)
-        .await
-        .map_err(|e| checkpoints.io_error(e))?;
+    remote.set_gc_state(&ended).await.map_err(io)?;
     swept
+}
+
+/// The running sweep's hold on `gc/state`.
+struct Lease<'a> {
+    remote: &'a Remote,
+    generation: u64,
+    /// Until when it holds (this machine's clock, ms).
+    until: i64,
+}
+
+impl Lease<'_> {
+    /// Holds for another [`LEASE_MS`]; returns the store's clock (ms).
+    async fn renew(&mut self) -> io::Result<i64> {
+        let until = now_ms() + LEASE_MS;
+        let clock = self
+            .remote
+            .set_gc_state(&GcState {
+                generation: self.generation,
+                running_until_ms: until,
+            })
+            .await?;
+        self.until = until;
+        Ok(clock)
+    }
+
+    /// Renews the lease when half of it is gone; a lapsed lease is an error (another sweep
+    /// may have begun, and uploads no longer wait for this one).
+    async fn keep(&mut self) -> io::Result<()> {
+        let now = now_ms();
+        if now >= self.until {
+            return Err(io::Error::other(
+                "the object store's sweep outlived its lease; the next one goes on",
+            ));
+        }
+        if now >= self.until - LEASE_MS / 2 {
+            self.renew().await?;
+        }
+        Ok(())
+    }
 }
 
 async fn sweep(
@@ -93,7 +127,7 @@ async fn sweep(
     remote: &Remote,
     client: &StoreClient,
     started: i64,
-    lease_end: i64,
+    lease: &mut Lease<'_>,
 ) -> Result<RemoteSwept, GcError> {
     let io = |e: io::Error| GcError::from(checkpoints.io_error(e));
     let mut swept = RemoteSwept {
@@ -102,6 +136,7 @@ async fn sweep(
     };
     let sessions = session_objects(remote).await.map_err(io)?;
     for session_id in sessions.keys() {
+        lease.keep().await.map_err(io)?;
         if is_gone(client, session_id).await? {
             swept.sessions_forgotten.push(session_id.clone());
         }
@@ -117,6 +152,7 @@ async fn sweep(
             if adopted || swept.sessions_forgotten.contains(&info.session_id) {
                 continue;
             }
+            lease.keep().await.map_err(io)?;
             let prefix = PrefixCheckpoints::read(client, &info.session_id, fork.seq).await?;
             for id in &prefix.named {
                 if let Some(root) = parse_hex(id) {
@@ -135,6 +171,7 @@ async fn sweep(
             .flat_map(|id| sessions.get(id).into_iter().flatten())
             .map(|object| object.path.clone())
             .collect();
+        lease.keep().await.map_err(io)?;
         remote.delete(&gone).await.map_err(io)?;
     }
     // Mark from the refs as they are now.
@@ -144,6 +181,7 @@ async fn sweep(
     let mut reached_blobs = HashSet::new();
     let mut stale = Vec::new();
     for reference in refs.values().flatten() {
+        lease.keep().await.map_err(io)?;
         let Some(root) = reference
             .path
             .rsplit_once("/refs/")
@@ -168,6 +206,7 @@ async fn sweep(
             }
         }
     }
+    lease.keep().await.map_err(io)?;
     remote.delete(&stale).await.map_err(io)?;
     let mut doomed = Vec::new();
     for (dir, reached) in [("trees/", &reached_trees), ("blobs/", &reached_blobs)] {
@@ -181,13 +220,7 @@ async fn sweep(
         }
     }
     for batch in doomed.chunks(256) {
-        if now_ms() >= lease_end - CLOCK_STEP_MS {
-            tracing::warn!(
-                left = doomed.len() - swept.objects_removed,
-                "the object store's sweep ran past its lease; the next one goes on"
-            );
-            break;
-        }
+        lease.keep().await.map_err(io)?;
         remote.delete(batch).await.map_err(io)?;
         swept.objects_removed += batch.len();
     }

@@ -1,6 +1,8 @@
+//! Where checkpoints live (`runner --checkpoint-store`), and what a runner that takes a
+//! session over finds in its workspace.
+//!
 //! Runners with no shared volume: checkpoints in an S3-compatible object store (moto's
 //! server, a real HTTP server on a real port), each runner with a workspace root of its own.
-//!
 //! One session, as an operator would meet it:
 //! 1. runner A works two calls (files with modes, a symbolic link, an empty directory, a
 //!    large binary file, then a deletion and a change) and is killed -9 in the middle of a
@@ -318,4 +320,58 @@ fn objects(s3: &S3Server, under: &str) -> Vec<String> {
         .into_iter()
         .map(|(key, _)| key)
         .collect()
+}
+
+/// With the local checkpoint area (the default `file://`, one workspace root shared by both
+/// runners) too, a dangling call is re-run on the workspace as its `tool_started` found it:
+/// the killed attempt's file is gone, its change undone, and what checkpoints leave out
+/// (`node_modules/`) is kept as it was.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_dangling_call_reruns_on_the_workspace_its_start_found_with_the_local_area_too() {
+    let counter = Counter::start();
+    let report = counter.report();
+    let stale = format!(
+        "echo \"stale:$IDEMPOTENCY_KEY\" > /dev/tcp/127.0.0.1/{}",
+        counter.port
+    );
+    let rig = Rig::start(vec![
+        StandinReply::text("Setting up.").tool(
+            "bash",
+            json!({"command": format!("echo one > a.txt && mkdir -p node_modules && {report}")}),
+        ),
+        StandinReply::text("A long one.").tool(
+            "bash",
+            json!({"command": format!(
+                "if [ -e half ] || [ \"$(cat a.txt)\" != one ]; then {stale}; fi; \
+                 touch half; echo two > a.txt; echo x >> node_modules/runs; {report}; \
+                 [ \"$(wc -l < node_modules/runs)\" -ge 2 ] || sleep 300"
+            )}),
+        ),
+        StandinReply::text("Done."),
+    ])
+    .await;
+    let mut client = rig.client.clone();
+    let mut a = rig.runner("ra", TTL_MS, &["--tool-network", "all"]);
+    user_says(&mut client, "s", "go").await;
+    let second = started(&mut client, "s", "toolu_1_0").await;
+    wait_until("the second call's report", || counter.counts().len() == 2).await;
+    a.kill9();
+    let _b = rig.runner("rb", TTL_MS, &["--tool-network", "all"]);
+    let events = wait_idle(&mut client, "s", second, IDLE).await;
+    assert_exactly_once_ending(&events, "end_turn");
+    let keys = counter.counts();
+    assert!(
+        !keys.keys().any(|k| k.starts_with("stale:")),
+        "the re-run found the killed attempt's work: {keys:?}"
+    );
+    assert_eq!(keys.values().copied().collect::<Vec<_>>(), vec![1, 2]);
+    let workspace = rig.workspaces.path().join("s");
+    assert_eq!(
+        std::fs::read_to_string(workspace.join("node_modules/runs")).unwrap(),
+        "x\nx\n"
+    );
+    assert_eq!(
+        std::fs::read_to_string(workspace.join("a.txt")).unwrap(),
+        "two\n"
+    );
 }
