@@ -340,6 +340,7 @@ async fn run(args: Args, secrets: Secrets, non_dumpable: bool) -> Result<()> {
         .with_checkpoints(
             IgnoreRules::new(&args.checkpoint_ignore),
             &args.checkpoint_store,
+            &secrets.object_store_env,
         )
         .map_err(anyhow::Error::msg)?;
     tracing::info!(checkpoint_store = %args.checkpoint_store, "workspace checkpoints live there");

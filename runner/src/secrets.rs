@@ -4,7 +4,8 @@
 //! `AGENTLOG_TOKEN`), which is then removed from the environment and wiped from the
 //! process's initial environment block: no child inherits it, and even a reader of
 //! `/proc/<runner>/environ` (which shows that block, not the current environment) finds
-//! nothing. The files stay where they are; keeping tools from reading them is the
+//! nothing. The checkpoints' object store is configured by the standard variables of its
+//! cloud (`AWS_*`, `GOOGLE_*`, `AZURE_*`): all of them are taken the same way, and wiped. The files stay where they are; keeping tools from reading them is the
 //! sandbox's job (its table says which mechanism does).
 
 use std::fs::OpenOptions;
@@ -26,10 +27,16 @@ pub struct SecretFiles {
     pub store_token: Option<PathBuf>,
 }
 
+/// The prefixes of the variables that configure an object store (endpoint, region,
+/// credentials), taken from the environment whole.
+pub const OBJECT_STORE_ENV: [&str; 3] = ["AWS_", "GOOGLE_", "AZURE_"];
+
 /// The secrets, read.
 pub struct Secrets {
     pub api_keys: ApiKeys,
     pub store_token: Option<String>,
+    /// Every `AWS_*`, `GOOGLE_*` and `AZURE_*` variable, for the checkpoints' object store.
+    pub object_store_env: Vec<(String, String)>,
     /// Whether the initial environment block could be wiped (else why not).
     pub wiped: Result<(), String>,
 }
@@ -61,13 +68,19 @@ impl Secrets {
             "OPENAI_API_KEY",
         )?;
         let store_token = read(files.store_token.as_deref(), "--token-file", TOKEN_ENV)?;
-        let wiped = wipe_initial_environment(&SECRET_ENV).map_err(|e| e.to_string());
-        for name in SECRET_ENV {
+        let object_store_env: Vec<(String, String)> = std::env::vars()
+            .filter(|(name, _)| OBJECT_STORE_ENV.iter().any(|p| name.starts_with(p)))
+            .collect();
+        let mut names: Vec<&str> = SECRET_ENV.to_vec();
+        names.extend(object_store_env.iter().map(|(name, _)| name.as_str()));
+        let wiped = wipe_initial_environment(&names).map_err(|e| e.to_string());
+        for name in names {
             std::env::remove_var(name);
         }
         Ok(Secrets {
             api_keys: ApiKeys { anthropic, openai },
             store_token,
+            object_store_env,
             wiped,
         })
     }

@@ -278,9 +278,10 @@ impl Toolbox {
         self,
         ignore: IgnoreRules,
         store: &StoreUrl,
+        env: &[(String, String)],
     ) -> Result<Toolbox, String> {
         let checkpoints =
-            Checkpoints::new(&self.root, ignore, self.sandbox.user).in_store(store)?;
+            Checkpoints::new(&self.root, ignore, self.sandbox.user).in_store_with(store, env)?;
         Ok(Toolbox {
             checkpoints: Arc::new(checkpoints),
             ..self

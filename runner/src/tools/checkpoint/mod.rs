@@ -141,7 +141,18 @@ impl Checkpoints {
     /// area elsewhere than beside the workspaces (it must be on their file system: a restore
     /// is staged in it and renamed into place), or an object store, with the local area as
     /// its cache.
-    pub fn in_store(mut self, store: &StoreUrl) -> Result<Checkpoints, String> {
+    pub fn in_store(self, store: &StoreUrl) -> Result<Checkpoints, String> {
+        let env: Vec<(String, String)> = std::env::vars().collect();
+        self.in_store_with(store, &env)
+    }
+
+    /// [`Checkpoints::in_store`], the object store configured by `env` (the variables the
+    /// runner took from its environment at start: `secrets.rs`) instead of the environment.
+    pub fn in_store_with(
+        mut self,
+        store: &StoreUrl,
+        env: &[(String, String)],
+    ) -> Result<Checkpoints, String> {
         match store {
             StoreUrl::Local(None) => {}
             StoreUrl::Local(Some(dir)) => {
@@ -162,7 +173,7 @@ impl Checkpoints {
                 }
                 self.area = Area::at(dir.clone());
             }
-            StoreUrl::Object { .. } => self.remote = Some(Remote::open(store)?),
+            StoreUrl::Object { .. } => self.remote = Some(Remote::open(store, env)?),
         }
         Ok(self)
     }
@@ -271,10 +282,7 @@ impl Checkpoints {
             return Ok(None);
         }
         if let (Some(remote), Some(root)) = (&self.remote, &source) {
-            remote
-                .fetch(&self.area, root)
-                .await
-                .map_err(|e| self.io_error(e))?;
+            self.fetch_referenced(remote, session_id, root).await?;
         }
         if let Some(root) = source.filter(|root| !self.area.has(area::Kind::Tree, root)) {
             crate::metrics::checkpoint_missing();
@@ -332,12 +340,34 @@ impl Checkpoints {
     /// objects into the local area, where a restore reads them.
     pub async fn fetch_for(&self, session_id: &str, id: &str) -> Result<(), CheckpointError> {
         if let (Some(remote), Some(root)) = (&self.remote, parse_hex(id)) {
-            let fetched = async {
-                remote.add_ref(session_id, &root).await?;
-                remote.fetch(&self.area, &root).await
-            };
-            fetched.await.map_err(|e| self.io_error(e))?;
+            remote
+                .add_ref(session_id, &root)
+                .await
+                .map_err(|e| self.io_error(e))?;
+            self.fetch_referenced(remote, session_id, &root).await?;
         }
+        Ok(())
+    }
+
+    /// Fetches checkpoint `root` into the local area, named first in the session's local
+    /// `refs`, so that no local sweep removes what is fetched before the restore uses it.
+    async fn fetch_referenced(
+        &self,
+        remote: &Remote,
+        session_id: &str,
+        root: &Hash,
+    ) -> Result<(), CheckpointError> {
+        let referenced = || -> io::Result<()> {
+            check_session_id(session_id)?;
+            self.area.ensure()?;
+            let _lock = self.area.lock_shared()?;
+            self.area.add_refs(session_id, &[*root])
+        };
+        referenced().map_err(|e| self.io_error(e))?;
+        remote
+            .fetch(&self.area, root)
+            .await
+            .map_err(|e| self.io_error(e))?;
         Ok(())
     }
 

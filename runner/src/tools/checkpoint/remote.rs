@@ -28,8 +28,9 @@
 //! - A store that does not answer is retried without limit (backoff from 0.2 s to 10 s),
 //!   and [`Remote::healthy`] says so meanwhile; the caller's future is dropped when the
 //!   session's work stops, which ends the retries.
-//! - Credentials come from the standard variables (`AWS_*`, `GOOGLE_*`, `AZURE_*`) of the
-//!   runner's own environment, which no tool inherits (a tool's environment is built empty).
+//! - Credentials come from the standard variables (`AWS_*`, `GOOGLE_*`, `AZURE_*`), which
+//!   the runner takes from its environment at start and wipes (`secrets.rs`): no tool, log
+//!   line or event sees them.
 
 use std::collections::HashSet;
 use std::fmt;
@@ -159,10 +160,12 @@ impl fmt::Debug for Remote {
 }
 
 impl Remote {
-    /// The object store `url` names, configured from the environment's standard variables.
-    /// With `AWS_ENDPOINT_URL` set its scheme is used as given (plain `http://` for a local
-    /// server), with path-style requests. Builds the client only: nothing is asked yet.
-    pub fn open(url: &StoreUrl) -> Result<Remote, String> {
+    /// The object store `url` names, configured by `env`: the standard variables of its
+    /// cloud (`AWS_*`, `GOOGLE_*`, `AZURE_*`, as the runner took them from its environment
+    /// at start). With `AWS_ENDPOINT_URL` set its scheme is used as given (plain `http://`
+    /// for a local server), with path-style requests. Builds the client only: nothing is
+    /// asked yet.
+    pub fn open(url: &StoreUrl, env: &[(String, String)]) -> Result<Remote, String> {
         let StoreUrl::Object {
             scheme,
             bucket,
@@ -181,36 +184,61 @@ impl Remote {
             retry_timeout: Duration::from_secs(30),
             ..RetryConfig::default()
         };
+        let settings = |prefix: &str| -> Vec<(String, String)> {
+            env.iter()
+                .filter(|(name, _)| name.starts_with(prefix))
+                .map(|(name, value)| (name.to_ascii_lowercase(), value.clone()))
+                .collect()
+        };
         let store: Arc<dyn ObjectStore> = match scheme {
             Scheme::S3 => {
-                let mut builder = object_store::aws::AmazonS3Builder::from_env()
+                let mut builder = object_store::aws::AmazonS3Builder::new();
+                for (key, value) in settings("AWS_") {
+                    if let Ok(key) = key.parse() {
+                        builder = builder.with_config(key, value);
+                    }
+                }
+                builder = builder
                     .with_bucket_name(bucket)
                     .with_client_options(options)
                     .with_retry(retry);
-                if let Ok(endpoint) = std::env::var("AWS_ENDPOINT_URL") {
+                let endpoint = env.iter().find(|(name, _)| name == "AWS_ENDPOINT_URL");
+                if let Some((_, endpoint)) = endpoint {
                     builder = builder
-                        .with_endpoint(&endpoint)
+                        .with_endpoint(endpoint)
                         .with_allow_http(endpoint.starts_with("http://"))
                         .with_virtual_hosted_style_request(false);
                 }
                 Arc::new(builder.build().map_err(|e| e.to_string())?)
             }
-            Scheme::Gcs => Arc::new(
-                object_store::gcp::GoogleCloudStorageBuilder::from_env()
+            Scheme::Gcs => {
+                let mut builder = object_store::gcp::GoogleCloudStorageBuilder::new();
+                for (key, value) in settings("GOOGLE_") {
+                    if let Ok(key) = key.parse() {
+                        builder = builder.with_config(key, value);
+                    }
+                }
+                let built = builder
                     .with_bucket_name(bucket)
                     .with_client_options(options)
                     .with_retry(retry)
-                    .build()
-                    .map_err(|e| e.to_string())?,
-            ),
-            Scheme::Azure => Arc::new(
-                object_store::azure::MicrosoftAzureBuilder::from_env()
+                    .build();
+                Arc::new(built.map_err(|e| e.to_string())?)
+            }
+            Scheme::Azure => {
+                let mut builder = object_store::azure::MicrosoftAzureBuilder::new();
+                for (key, value) in settings("AZURE_") {
+                    if let Ok(key) = key.parse() {
+                        builder = builder.with_config(key, value);
+                    }
+                }
+                let built = builder
                     .with_container_name(bucket)
                     .with_client_options(options)
                     .with_retry(retry)
-                    .build()
-                    .map_err(|e| e.to_string())?,
-            ),
+                    .build();
+                Arc::new(built.map_err(|e| e.to_string())?)
+            }
         };
         Ok(Remote {
             store,
