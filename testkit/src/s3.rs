@@ -57,6 +57,11 @@ impl S3Server {
         }
     }
 
+    /// The server's process id (`agentlog-bench-checkpoints` reads its CPU time).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// `http://127.0.0.1:PORT`.
     pub fn endpoint(&self) -> String {
         format!("http://127.0.0.1:{}", self.port)

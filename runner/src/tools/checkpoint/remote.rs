@@ -48,8 +48,9 @@ use object_store::{ClientOptions, ObjectStore, ObjectStoreExt, PutPayload, Retry
 use super::area::{hex, sha256, Area, Hash, Kind, Pending};
 use super::tree::{EntryKind, Tree};
 
-/// Requests in flight at once during an upload or a fetch.
-const PARALLEL: usize = 16;
+/// Requests in flight at once during an upload or a fetch (also the parallelism of
+/// `agentlog-bench-checkpoints`' baseline download, which it is measured against).
+pub const PARALLEL: usize = 16;
 /// The first and the longest wait between two tries of a request the store did not answer.
 const FIRST_BACKOFF: Duration = Duration::from_millis(200);
 const LONGEST_BACKOFF: Duration = Duration::from_secs(10);
@@ -251,6 +252,13 @@ impl Remote {
     /// The store's URL, for logs.
     pub fn url(&self) -> &str {
         &self.url
+    }
+
+    /// The object store client, configured as [`Remote::open`] made it: for
+    /// `agentlog-bench-checkpoints`, which measures the store's own requests through the
+    /// same client beside the checkpoints' use of it.
+    pub fn store(&self) -> &Arc<dyn ObjectStore> {
+        &self.store
     }
 
     /// Whether the store answered the last request (false while requests are retried).
@@ -532,8 +540,10 @@ impl Remote {
 
     /// Brings every object of checkpoint `root` that `area` lacks from the store, each
     /// checked against its hash. An object the store does not hold is left missing (the
-    /// restore lists what it could not make). Returns the bytes fetched.
+    /// restore lists what it could not make). Returns the bytes fetched. The area is made
+    /// if missing: a runner's first claim can come before anything else made it.
     pub async fn fetch(&self, area: &Area, root: &Hash) -> io::Result<u64> {
+        area.ensure()?;
         let mut fetched = 0u64;
         let mut level = vec![*root];
         while !level.is_empty() {
