@@ -66,7 +66,7 @@ use std::sync::{Arc, Mutex};
 
 pub use area::AREA_DIR;
 pub use ignore::{IgnoreRules, DEFAULT_IGNORE};
-pub use remote::{Remote, StoreUrl, PARALLEL};
+pub use remote::{Remote, StoreUrl, PARALLEL, SMALL_OBJECT};
 
 use area::{hex, parse_hex, Area, Hash, Pending};
 use scan::{Previous, Trees};

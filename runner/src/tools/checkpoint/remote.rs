@@ -43,7 +43,9 @@ use std::time::Duration;
 
 use futures::stream::{self, StreamExt, TryStreamExt};
 use object_store::path::Path as ObjectPath;
-use object_store::{ClientOptions, ObjectStore, ObjectStoreExt, PutPayload, RetryConfig};
+use object_store::{
+    ClientOptions, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload, RetryConfig,
+};
 
 use super::area::{hex, sha256, Area, Hash, Kind, Pending};
 use super::tree::{EntryKind, Tree};
@@ -57,6 +59,8 @@ const LONGEST_BACKOFF: Duration = Duration::from_secs(10);
 /// A request unanswered this long marks the store unhealthy (it is still waited for, up to
 /// the client's timeout).
 const SLOW: Duration = Duration::from_secs(5);
+/// Objects up to this size are stored with one conditional `PUT` instead of `HEAD`, `PUT`.
+pub const SMALL_OBJECT: u64 = 64 * 1024;
 
 /// Where checkpoints live (`runner --checkpoint-store`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -152,6 +156,8 @@ pub struct Remote {
     prefix: String,
     url: String,
     healthy: Arc<AtomicBool>,
+    /// Whether the store takes `If-None-Match: *` writes (until it says it does not).
+    conditional_puts: Arc<AtomicBool>,
 }
 
 impl fmt::Debug for Remote {
@@ -246,6 +252,7 @@ impl Remote {
             prefix: prefix.clone(),
             url: url.to_string(),
             healthy: Arc::new(AtomicBool::new(true)),
+            conditional_puts: Arc::new(AtomicBool::new(true)),
         })
     }
 
@@ -283,7 +290,7 @@ impl Remote {
     }
 
     /// Runs `request` until the store answers it: an answer (`NotFound` and
-    /// `AlreadyExists` are answers) is returned; anything else is logged and tried again,
+    /// `AlreadyExists` and `NotImplemented` are answers) is returned; anything else is logged and tried again,
     /// without limit, the health down meanwhile.
     async fn retrying<T, F, Fut>(&self, what: &str, request: F) -> Result<T, object_store::Error>
     where
@@ -346,19 +353,16 @@ impl Remote {
             None => Closure::default(),
         };
         let wanted = closure(area, root, &known.trees)?;
-        // Content before the trees naming it, the root last.
+        // All at once: nothing names the checkpoint before every object is stored, and a
+        // sweep keeps what an unfinished upload sends (`remote_gc.rs`).
         let mut objects: Vec<(Kind, Hash)> = wanted
             .blobs
             .iter()
             .filter(|blob| !known.blobs.contains(*blob))
             .map(|blob| (Kind::Blob, *blob))
             .collect();
-        let blobs = objects.len();
         objects.extend(wanted.trees_in_order.iter().map(|tree| (Kind::Tree, *tree)));
-        let (uploaded, mut reused) = self.put_all(area, &objects[..blobs]).await?;
-        let (more, reused_trees) = self.put_all(area, &objects[blobs..]).await?;
-        let mut uploaded = uploaded + more;
-        reused.extend(reused_trees);
+        let (mut uploaded, mut reused) = self.put_all(area, &objects).await?;
         // What the store held already must have outlived every sweep that could have missed
         // the reference (see the module's promises).
         while !reused.is_empty() {
@@ -400,9 +404,38 @@ impl Remote {
     }
 
     /// Stores one object unless the store holds it; returns the bytes sent, `None` when the
-    /// store held it.
+    /// store held it. A small object is one conditional `PUT` (`If-None-Match: *`: the store
+    /// refuses it if it holds the object, which it then keeps as it was); a large one, or
+    /// any with a store that does not take conditional writes, is asked about (`HEAD`)
+    /// before its bytes are sent.
     async fn put_missing(&self, area: &Area, kind: Kind, hash: Hash) -> io::Result<Option<u64>> {
         let path = self.object_path(kind, &hash);
+        let size = std::fs::metadata(area.object_path(kind, &hash))?.len();
+        if size <= SMALL_OBJECT && self.conditional_puts.load(Ordering::Relaxed) {
+            let bytes = bytes::Bytes::from(area.read(kind, &hash)?);
+            let create = PutOptions::from(PutMode::Create);
+            let put = self
+                .retrying("put if absent", || {
+                    self.store.put_opts(
+                        &path,
+                        PutPayload::from_bytes(bytes.clone()),
+                        create.clone(),
+                    )
+                })
+                .await;
+            match put {
+                Ok(_) => {
+                    crate::metrics::checkpoint_store_bytes("uploaded", size);
+                    return Ok(Some(size));
+                }
+                Err(object_store::Error::AlreadyExists { .. }) => return Ok(None),
+                Err(object_store::Error::NotImplemented { .. }) => {
+                    tracing::info!(store = %self.url, "the checkpoint store takes no conditional writes: asking before each upload");
+                    self.conditional_puts.store(false, Ordering::Relaxed);
+                }
+                Err(e) => return Err(to_io(e)),
+            }
+        }
         match self.retrying("head", || self.store.head(&path)).await {
             Ok(_) => return Ok(None),
             Err(object_store::Error::NotFound { .. }) => {}
@@ -623,7 +656,9 @@ impl Remote {
 fn is_answer(error: &object_store::Error) -> bool {
     matches!(
         error,
-        object_store::Error::NotFound { .. } | object_store::Error::AlreadyExists { .. }
+        object_store::Error::NotFound { .. }
+            | object_store::Error::AlreadyExists { .. }
+            | object_store::Error::NotImplemented { .. }
     )
 }
 
