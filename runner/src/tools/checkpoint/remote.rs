@@ -612,14 +612,16 @@ impl Remote {
             }
             blobs.sort_unstable();
             blobs.dedup();
-            let got: Vec<Option<Vec<u8>>> = stream::iter(blobs)
+            // Each blob written as it arrives, the next ones downloading meanwhile: at most
+            // `PARALLEL` blobs in memory.
+            let mut got = stream::iter(blobs)
                 .map(|blob| async move { self.get_checked(Kind::Blob, &blob).await })
-                .buffer_unordered(PARALLEL)
-                .try_collect()
-                .await?;
-            for bytes in got.into_iter().flatten() {
-                fetched += bytes.len() as u64;
-                area.put_reader(&mut bytes.as_slice(), &mut pending)?;
+                .buffer_unordered(PARALLEL);
+            while let Some(bytes) = got.try_next().await? {
+                if let Some(bytes) = bytes {
+                    fetched += bytes.len() as u64;
+                    area.put_reader(&mut bytes.as_slice(), &mut pending)?;
+                }
             }
             area.sync(pending)?;
             next.sort_unstable();
