@@ -135,8 +135,13 @@ pub async fn drive_session(
             fold = log.catch_up().instrument(tracing::info_span!("fold")) => { fold?; }
         };
         let config = log.config().clone();
-        if !brought && config.replay.is_none() {
-            // A replay's workspace follows its served results instead (`replay.rs`).
+        // A replay's workspace follows its served results instead (`replay.rs`), until it
+        // has left the recorded path and caught up with them.
+        let served_moves_it = config
+            .replay
+            .as_ref()
+            .is_some_and(|r| !r.left_path || r.behind.is_some());
+        if !brought && !served_moves_it {
             brought = true;
             let checkpoints = context.toolbox.checkpoints();
             let session_id = log.appender().session_id();
