@@ -44,9 +44,6 @@ struct RunnerMetrics {
     sessions_deleted: Counter,
     workspaces_removed: Counter,
     sweeps: Family<Labels1, Counter>,
-    checkpoint_store_up: Gauge,
-    checkpoint_store_bytes: Family<Labels1, Counter>,
-    checkpoints_missing: Counter,
 }
 
 fn seconds_histogram() -> Histogram {
@@ -74,9 +71,6 @@ static METRICS: LazyLock<RunnerMetrics> = LazyLock::new(|| RunnerMetrics {
     sessions_deleted: Counter::default(),
     workspaces_removed: Counter::default(),
     sweeps: Family::default(),
-    checkpoint_store_up: Gauge::default(),
-    checkpoint_store_bytes: Family::default(),
-    checkpoints_missing: Counter::default(),
 });
 
 /// Every runner metric; the usual series of each model's provider, of each model (`specs`,
@@ -126,12 +120,6 @@ pub fn registry(providers: &[&'static str], specs: &[&str]) -> Registry {
     for outcome in ["ok", "failed"] {
         let _ = m.sweeps.get_or_create(&[("outcome", outcome)]);
     }
-    for direction in ["uploaded", "fetched"] {
-        let _ = m
-            .checkpoint_store_bytes
-            .get_or_create(&[("direction", direction)]);
-    }
-    m.checkpoint_store_up.set(1);
     let mut r = Registry::default();
     r.register(
         "agentlog_runner_sessions_held",
@@ -232,24 +220,7 @@ pub fn registry(providers: &[&'static str], specs: &[&str]) -> Registry {
         "Sweeps for deleted sessions' workspaces and checkpoints, by outcome (ok, failed)",
         m.sweeps.clone(),
     );
-    r.register(
-        "agentlog_runner_checkpoint_store_up",
-        "1 while the checkpoints' store answers; 0 while its requests are retried (no call \
-         ends meanwhile)",
-        m.checkpoint_store_up.clone(),
-    );
-    r.register(
-        "agentlog_runner_checkpoint_store_bytes",
-        "Checkpoint objects' bytes sent to the object store (uploaded) and brought from it \
-         (fetched)",
-        m.checkpoint_store_bytes.clone(),
-    );
-    r.register(
-        "agentlog_runner_checkpoints_missing",
-        "Checkpoints a log names that the checkpoint store does not hold (the workspace goes on \
-         as it is)",
-        m.checkpoints_missing.clone(),
-    );
+    crate::tools::checkpoint::health::register(&mut r);
     r
 }
 
@@ -286,24 +257,6 @@ pub fn workspace_removed() {
 /// A sweep for deleted sessions' workspaces ended; `outcome`: "ok" or "failed".
 pub fn sweep(outcome: &'static str) {
     METRICS.sweeps.get_or_create(&[("outcome", outcome)]).inc();
-}
-
-/// Whether the checkpoints' store answers.
-pub fn checkpoint_store_up(up: bool) {
-    METRICS.checkpoint_store_up.set(i64::from(up));
-}
-
-/// Checkpoint bytes moved to or from the object store; `direction`: "uploaded" or "fetched".
-pub fn checkpoint_store_bytes(direction: &'static str, bytes: u64) {
-    METRICS
-        .checkpoint_store_bytes
-        .get_or_create(&[("direction", direction)])
-        .inc_by(bytes);
-}
-
-/// A checkpoint a log names is not in the checkpoint store.
-pub fn checkpoint_missing() {
-    METRICS.checkpoints_missing.inc();
 }
 
 /// A call found with `tool_started` and no result; `action`: "rerun", "reported" (an error

@@ -13,7 +13,8 @@
 //! - Every runner sweeps when it starts, every `--sweep-every` after, and when kicked
 //!   ([`Sweeper::run`]). A sweep runs the checkpoints' GC
 //!   (`tools::checkpoint::gc::collect_garbage`: forks adopt what they still need, then the
-//!   deleted sessions' checkpoints go) and removes the workspaces of the sessions it
+//!   deleted sessions' checkpoints go), with an object store the store's sweep
+//!   (`tools::checkpoint::remote_gc`), and removes the workspaces of the sessions it
 //!   forgot; it then asks the store about every other workspace directory (one with no
 //!   checkpoint, or made again by a runner that had not yet heard of the deletion) and
 //!   removes those of deleted sessions; last, it empties what earlier removals left in the
@@ -33,6 +34,7 @@ use agentlog_proto::v1::GetSessionRequest;
 use tokio::sync::Notify;
 
 use crate::tools::checkpoint::gc::{self, GcError};
+use crate::tools::checkpoint::remote_gc;
 use crate::tools::checkpoint::{CheckpointError, Checkpoints};
 
 /// The pause before a sweep that failed (the store unreachable, say) is tried again.
@@ -136,6 +138,20 @@ impl Sweeper {
     pub async fn sweep(&self) -> Result<SweepReport, SweepError> {
         let known: HashSet<String> = self.checkpoints.sessions()?.into_iter().collect();
         let collected = gc::collect_garbage(&self.checkpoints, &self.client).await?;
+        if let Some(remote) = self.checkpoints.remote() {
+            let swept =
+                remote_gc::collect_remote_garbage(&self.checkpoints, remote, &self.client).await?;
+            if swept.objects_removed > 0 || !swept.sessions_forgotten.is_empty() {
+                tracing::info!(
+                    store = %remote.url(),
+                    sessions = ?swept.sessions_forgotten,
+                    forks_adopted = swept.forks_adopted.len(),
+                    objects_removed = swept.objects_removed,
+                    bytes_freed = swept.bytes_freed,
+                    "swept the object store"
+                );
+            }
+        }
         let mut swept = SweepReport {
             checkpoints_forgotten: collected.forgotten.clone(),
             ..SweepReport::default()

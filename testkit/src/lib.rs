@@ -364,3 +364,14 @@ pub fn parse_listen_line(line: &str) -> Option<SocketAddr> {
     let token = rest.split_whitespace().next()?.trim_matches('"');
     token.parse().ok()
 }
+
+/// A process's user + system CPU time so far, in milliseconds (`/proc/<pid>/stat`).
+pub fn cpu_ms(pid: u32) -> Result<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // After the command name (in parentheses, which may hold spaces): fields 14 and 15.
+    let rest = stat.rsplit_once(')').context("a stat line")?.1;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: f64 = fields[11].parse::<f64>()? + fields[12].parse::<f64>()?;
+    let hz = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)?.context("clock ticks")? as f64;
+    Ok(ticks * 1000.0 / hz)
+}

@@ -202,17 +202,6 @@ fn tree_size(dir: &Path) -> anyhow::Result<(usize, u64)> {
     Ok(found)
 }
 
-/// A process's user + system CPU time so far, in milliseconds (`/proc/<pid>/stat`).
-fn cpu_ms(pid: u32) -> anyhow::Result<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    // After the command name (in parentheses, which may hold spaces): fields 14 and 15.
-    let rest = stat.rsplit_once(')').context("a stat line")?.1;
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let ticks: f64 = fields[11].parse::<f64>()? + fields[12].parse::<f64>()?;
-    let hz = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)?.context("clock ticks")? as f64;
-    Ok(ticks * 1000.0 / hz)
-}
-
 fn ms(since: Instant) -> f64 {
     since.elapsed().as_secs_f64() * 1000.0
 }
@@ -566,12 +555,12 @@ async fn run(plan: &Plan, s3: &S3Server, dir: &Path) -> anyhow::Result<()> {
         let before: HashMap<String, u64> = s3.list(&format!("{PREFIX}/"))?.into_iter().collect();
         for side in if r % 2 == 0 { [0, 1] } else { [1, 0] } {
             if side == 0 {
-                let cpu = (cpu_ms(bench_pid)?, cpu_ms(server_pid)?);
+                let cpu = (testkit::cpu_ms(bench_pid)?, testkit::cpu_ms(server_pid)?);
                 let started = Instant::now();
                 let checkpoint = s3_checkpoints.record(SESSION).await?;
                 round.s3_ms = ms(started);
-                round.bench_cpu_ms = cpu_ms(bench_pid)? - cpu.0;
-                round.server_cpu_ms = cpu_ms(server_pid)? - cpu.1;
+                round.bench_cpu_ms = testkit::cpu_ms(bench_pid)? - cpu.0;
+                round.server_cpu_ms = testkit::cpu_ms(server_pid)? - cpu.1;
                 round.files_read = checkpoint.files_read;
             } else {
                 let started = Instant::now();

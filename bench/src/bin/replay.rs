@@ -58,17 +58,6 @@ struct Phase {
     appends: f64,
 }
 
-/// The runner's user + system CPU time so far, in milliseconds.
-fn cpu_ms(pid: u32) -> anyhow::Result<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    // After the command name (in parentheses, which may hold spaces): fields 14 and 15.
-    let rest = stat.rsplit_once(')').context("a stat line")?.1;
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let ticks: f64 = fields[11].parse::<f64>()? + fields[12].parse::<f64>()?;
-    let hz = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)?.context("clock ticks")? as f64;
-    Ok(ticks * 1000.0 / hz)
-}
-
 fn script(path: &Path, calls: usize, text: &str) -> anyhow::Result<String> {
     let mut lines = String::new();
     for i in 0..calls {
@@ -122,7 +111,7 @@ impl Meters<'_> {
     async fn read(&self) -> anyhow::Result<Phase> {
         Ok(Phase {
             wall_ms: 0.0,
-            cpu_ms: cpu_ms(self.runner)?,
+            cpu_ms: testkit::cpu_ms(self.runner)?,
             reads: metric(self.metrics, "agentlog_store_read_requests_total").await?
                 - self.polls.load(Ordering::SeqCst) as f64,
             appends: metric(self.metrics, "agentlog_store_append_requests_total").await?,

@@ -18,7 +18,7 @@
 //! Crash points: each step only adds references (adoption) or removes what nothing names,
 //! so a GC killed anywhere leaves the area correct and the next run finishes the job.
 //!
-//! With an object store, the store's own sweep follows (`remote_gc.rs`).
+//! With an object store, the runner's sweep then sweeps the store (`remote_gc.rs`).
 //!
 //! A runner's sweep (`runner/src/sweep.rs`) calls [`collect_garbage`] (the store client and
 //! the toolbox's [`Checkpoints`] are all it needs) and then removes the workspaces of the
@@ -36,8 +36,7 @@ use agentlog_proto::v1::{
 };
 
 use super::area::{parse_hex, Hash, Kind};
-use super::remote_gc::{collect_remote_garbage, RemoteSwept};
-use super::tree::{EntryKind, Tree};
+use super::tree::Tree;
 use super::{CheckpointError, Checkpoints, PrefixCheckpoints};
 use crate::tools::remove::remove_tree;
 
@@ -63,8 +62,6 @@ pub struct Collected {
     /// Forks whose prefix's checkpoints were adopted on the way.
     pub adopted: Vec<String>,
     pub swept: Swept,
-    /// The object store's sweep, if checkpoints live in one (`remote_gc.rs`).
-    pub remote: Option<RemoteSwept>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -106,28 +103,10 @@ pub async fn collect_garbage(
     let swept = tokio::task::spawn_blocking(move || this.forget_and_sweep(&forget))
         .await
         .map_err(|e| CheckpointError::Task(e.to_string()))??;
-    let remote = match checkpoints.remote() {
-        Some(remote) => {
-            let swept = collect_remote_garbage(checkpoints, remote, client).await?;
-            if swept.objects_removed > 0 || !swept.sessions_forgotten.is_empty() {
-                tracing::info!(
-                    store = %remote.url(),
-                    sessions = ?swept.sessions_forgotten,
-                    forks_adopted = swept.forks_adopted.len(),
-                    objects_removed = swept.objects_removed,
-                    bytes_freed = swept.bytes_freed,
-                    "swept the object store"
-                );
-            }
-            Some(swept)
-        }
-        None => None,
-    };
     Ok(Collected {
         forgotten: gone,
         adopted,
         swept,
-        remote,
     })
 }
 
@@ -272,15 +251,7 @@ impl Checkpoints {
             let Ok(tree) = Tree::from_bytes(&bytes) else {
                 continue;
             };
-            for entry in &tree.entries {
-                match (entry.kind(), entry.object_hash()) {
-                    (EntryKind::Dir, Some(subtree)) => stack.push(subtree),
-                    (EntryKind::File, Some(blob)) => {
-                        blobs.insert(blob);
-                    }
-                    _ => {}
-                }
-            }
+            tree.reach(&mut stack, blobs);
         }
         Ok(())
     }

@@ -49,9 +49,10 @@
 
 mod area;
 pub mod gc;
+pub mod health;
 mod ignore;
 mod remote;
-mod remote_gc;
+pub mod remote_gc;
 mod restore;
 mod scan;
 mod tree;
@@ -285,7 +286,7 @@ impl Checkpoints {
             self.fetch_referenced(remote, session_id, root).await?;
         }
         if let Some(root) = source.filter(|root| !self.area.has(area::Kind::Tree, root)) {
-            crate::metrics::checkpoint_missing();
+            health::missing();
             return Ok(Some(format!(
                 "the log's checkpoint {} is not in the checkpoint store ({}): the workspace \
                  goes on as it is",

@@ -48,6 +48,7 @@ use object_store::{
 };
 
 use super::area::{hex, sha256, Area, Hash, Kind, Pending};
+use super::health;
 use super::tree::{EntryKind, Tree};
 
 /// Requests in flight at once during an upload or a fetch (also the parallelism of
@@ -306,7 +307,7 @@ impl Remote {
                 answer = &mut attempt => answer,
                 _ = tokio::time::sleep(SLOW) => {
                     if self.healthy.swap(false, Ordering::Relaxed) {
-                        crate::metrics::checkpoint_store_up(false);
+                        health::up(false);
                         tracing::warn!(store = %self.url, %what, "the checkpoint store does not answer within {SLOW:?}; waiting");
                     }
                     attempt.await
@@ -315,7 +316,7 @@ impl Remote {
             match answer {
                 Err(e) if !is_answer(&e) => {
                     if self.healthy.swap(false, Ordering::Relaxed) {
-                        crate::metrics::checkpoint_store_up(false);
+                        health::up(false);
                         tracing::warn!(store = %self.url, error = %e, "the checkpoint store does not answer; retrying until it does");
                     } else {
                         tracing::debug!(store = %self.url, %what, error = %e, "retrying");
@@ -325,7 +326,7 @@ impl Remote {
                 }
                 answer => {
                     if !self.healthy.swap(true, Ordering::Relaxed) {
-                        crate::metrics::checkpoint_store_up(true);
+                        health::up(true);
                         tracing::info!(store = %self.url, "the checkpoint store answers again");
                     }
                     return answer;
@@ -425,7 +426,7 @@ impl Remote {
                 .await;
             match put {
                 Ok(_) => {
-                    crate::metrics::checkpoint_store_bytes("uploaded", size);
+                    health::bytes("uploaded", size);
                     return Ok(Some(size));
                 }
                 Err(object_store::Error::AlreadyExists { .. }) => return Ok(None),
@@ -448,7 +449,7 @@ impl Remote {
         })
         .await
         .map_err(to_io)?;
-        crate::metrics::checkpoint_store_bytes("uploaded", length);
+        health::bytes("uploaded", length);
         Ok(Some(length))
     }
 
@@ -642,7 +643,7 @@ impl Remote {
             .await;
         match got {
             Ok(bytes) if sha256(&bytes) == *hash => {
-                crate::metrics::checkpoint_store_bytes("fetched", bytes.len() as u64);
+                health::bytes("fetched", bytes.len() as u64);
                 Ok(Some(bytes.to_vec()))
             }
             Ok(_) => Err(io::Error::new(

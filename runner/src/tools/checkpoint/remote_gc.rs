@@ -34,7 +34,6 @@ use agentlog_client::StoreClient;
 use super::area::{hex, parse_hex, Hash};
 use super::gc::{every_session, is_gone, GcError};
 use super::remote::{now_ms, GcState, Remote};
-use super::tree::EntryKind;
 use super::{Checkpoints, PrefixCheckpoints};
 
 /// A sweep's lease: renewed at half its length; a lapsed one ends the sweep.
@@ -269,15 +268,7 @@ async fn mark(
             whole = false;
             continue;
         };
-        for entry in &tree.entries {
-            match (entry.kind(), entry.object_hash()) {
-                (EntryKind::Dir, Some(subtree)) => stack.push(subtree),
-                (EntryKind::File, Some(blob)) => {
-                    blobs.insert(blob);
-                }
-                _ => {}
-            }
-        }
+        tree.reach(&mut stack, blobs);
     }
     Ok(whole)
 }

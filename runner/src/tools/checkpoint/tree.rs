@@ -74,6 +74,20 @@ impl Tree {
         Tree::decode(bytes)
     }
 
+    /// Pushes the subtrees this tree names onto `subtrees` and adds its files' blobs to
+    /// `blobs`: one step of a walk that marks what a checkpoint reaches.
+    pub fn reach(&self, subtrees: &mut Vec<Hash>, blobs: &mut std::collections::HashSet<Hash>) {
+        for entry in &self.entries {
+            match (entry.kind(), entry.object_hash()) {
+                (EntryKind::Dir, Some(subtree)) => subtrees.push(subtree),
+                (EntryKind::File, Some(blob)) => {
+                    blobs.insert(blob);
+                }
+                _ => {}
+            }
+        }
+    }
+
     /// The entry named `name` (entries are sorted by name).
     pub fn find(&self, name: &[u8]) -> Option<&Entry> {
         self.entries
