@@ -60,10 +60,12 @@ const MODEL_KEY: &str = "sk-ant-cluster-test-model-key-0123456789";
 const PATIENCE: Duration = Duration::from_secs(180);
 
 /// Every bash call of a work session but the first: a side effect applied once per
-/// idempotency key (the `effects` file), every run's start (`starts`), and a tick every
-/// 0.1 s while it runs (`ticks`), all in the session's workspace on the shared volume. A
+/// idempotency key (the `effects` file), every run's start (`target/starts`), and a tick
+/// every 0.1 s while it runs (`target/ticks`), all in the session's workspace on the shared
+/// volume; the records of runs under `target/`, which checkpoints leave out, so a re-run
+/// (which first brings the workspace back to where the call began) keeps them. A
 /// `work:long-` session's calls run 15 s, the others' 2 s.
-const EFFECT: &str = r#"key="$IDEMPOTENCY_KEY"; run="$HOSTNAME-$$"; echo "$key $run $(date +%s%N)" >> starts; case "$key" in work:long-*) n=150 ;; *) n=20 ;; esac; for i in $(seq "$n"); do echo "$key $run $(date +%s%N)" >> ticks; sleep 0.1; done; grep -qxF "$key" effects 2>/dev/null || echo "$key" >> effects; echo "applied $key""#;
+const EFFECT: &str = r#"key="$IDEMPOTENCY_KEY"; run="$HOSTNAME-$$"; mkdir -p target; echo "$key $run $(date +%s%N)" >> target/starts; case "$key" in work:long-*) n=150 ;; *) n=20 ;; esac; for i in $(seq "$n"); do echo "$key $run $(date +%s%N)" >> target/ticks; sleep 0.1; done; grep -qxF "$key" effects 2>/dev/null || echo "$key" >> effects; echo "applied $key""#;
 
 /// The first call of every work session: each way out of the workspace, tried; one line a
 /// try, `refused: …` or `ESCAPED: …`.
@@ -482,7 +484,7 @@ async fn assert_acknowledged_kept(cluster: &Cluster, acked: &Acknowledged) {
 /// only in a session whose runner was killed or cut (not one of `graceful`).
 fn assert_each_effect_once(cluster: &Cluster, all_work: &[String], graceful: &[String]) {
     let effects = cluster.exec_runner("cat /workspaces/work:*/effects");
-    let starts = cluster.exec_runner("cat /workspaces/work:*/starts");
+    let starts = cluster.exec_runner("cat /workspaces/work:*/target/starts");
     let effects_by_key = effects
         .lines()
         .fold(BTreeMap::<&str, usize>::new(), |mut m, k| {
@@ -710,7 +712,7 @@ async fn a_cluster_of_the_shipped_images_loses_nothing_and_runs_no_call_twice() 
     let mut admin = cluster.client(1).await;
     wait_idle(&mut admin, &all_work).await;
     assert_each_effect_once(&cluster, &all_work, &graceful);
-    let ticks = cluster.exec_runner("cat /workspaces/work:*/ticks");
+    let ticks = cluster.exec_runner("cat /workspaces/work:*/target/ticks");
 
     // The cut call: each run's ticks end before the next run's begin.
     let mut by_run: BTreeMap<(String, String), (u128, u128)> = BTreeMap::new();
