@@ -12,10 +12,13 @@ fails on any difference in:
   runs, and it must be the pod's runAsUser:runAsGroup;
 - the arguments, exactly;
 - the environment: the same names with the same values (ConfigMaps resolved), except the
-  differences the compose file's head states (ALLOWED below);
-- the mounts: the same paths, read-only where the pod's are; an emptyDir is a tmpfs;
+  differences the compose file's head states (ALLOWED below) and values from a Secret
+  (the test's own, standing for the Secret);
+- the mounts: the same paths, read-only where the pod's are; an emptyDir is the container's
+  own, new with it: a tmpfs or an anonymous volume;
 - the probes: each probe of the pod is a label io.agentlog.probe.<kind> on the service
-  (`grpc PORT [SERVICE]`, `tcp PORT`), so the test asks what the kubelet asks;
+  (`grpc PORT [SERVICE]`, `tcp PORT`, `http PORT PATH`), so the test asks what the kubelet
+  asks;
 - the security settings: a read-only root filesystem, every capability dropped,
   no-new-privileges (allowPrivilegeEscalation: false), the engine's default seccomp profile
   (RuntimeDefault), nothing privileged;
@@ -65,6 +68,9 @@ def stage_users(dockerfile):
     return users
 
 
+FROM_SECRET = "<from secretKeyRef>"
+
+
 def pod_env(container, configmaps):
     env = {}
     for ref in container.get("envFrom", []):
@@ -85,23 +91,28 @@ def pod_mounts(pod, container):
     kinds = {v["name"]: v for v in pod["spec"].get("volumes", [])}
     mounts = {}
     for m in container.get("volumeMounts", []):
-        kind = "tmpfs" if "emptyDir" in kinds.get(m["name"], {}) else "volume"
+        kind = "emptyDir" if "emptyDir" in kinds.get(m["name"], {}) else "volume"
         mounts[m["mountPath"]] = (kind, bool(m.get("readOnly")))
     return mounts
 
 
 def compose_mounts(service):
+    """An anonymous volume (a bare path) and a tmpfs are the container's own, new with it
+    (the test replaces a container as a new pod, with new anonymous volumes): an emptyDir."""
     mounts = {}
     for v in service.get("volumes", []):
         parts = v.split(":")
-        target = parts[1]
-        mounts[target] = ("volume", len(parts) > 2 and "ro" in parts[2].split(","))
+        if len(parts) == 1:
+            mounts[parts[0]] = ("emptyDir", False)
+            continue
+        mounts[parts[1]] = ("volume", len(parts) > 2 and "ro" in parts[2].split(","))
     for t in service.get("tmpfs", []):
-        mounts[t.split(":")[0]] = ("tmpfs", False)
+        mounts[t.split(":")[0]] = ("emptyDir", False)
     return mounts
 
 
 def pod_probes(container):
+    ports = {p.get("name"): p["containerPort"] for p in container.get("ports", [])}
     probes = {}
     for kind in ("startup", "readiness", "liveness"):
         p = container.get(f"{kind}Probe")
@@ -113,6 +124,9 @@ def pod_probes(container):
                 words.append(p["grpc"]["service"])
         elif "tcpSocket" in p:
             words = ["tcp", str(p["tcpSocket"]["port"])]
+        elif "httpGet" in p and p["httpGet"].get("scheme", "HTTP") == "HTTP":
+            port = p["httpGet"]["port"]
+            words = ["http", str(ports.get(port, port)), p["httpGet"].get("path", "/")]
         else:
             words = ["unsupported:" + ",".join(p)]
         probes[kind] = " ".join(words)
@@ -155,7 +169,7 @@ def compare(workload, pod, container, name, service, configmaps, users):
         elif key not in want_env:
             if allowed != "extra":
                 fail(f"{where}: env {key} is set by the test, not by the manifest")
-        elif want_env[key] != have_env[key] and allowed != "value":
+        elif want_env[key] != have_env[key] and allowed != "value" and want_env[key] != FROM_SECRET:
             fail(f"{where}: env {key} is {want_env[key]!r} in the manifest, {have_env[key]!r} in the test")
     if pod_mounts(pod, container) != compose_mounts(service):
         fail(f"{where}: mounts differ:\n  manifest {pod_mounts(pod, container)}\n  compose  {compose_mounts(service)}")

@@ -14,7 +14,12 @@ usage: check_manifests.py RENDERED.yaml BIN_DIR
   dropped, no privilege escalation, RuntimeDefault seccomp, a read-only root filesystem, no
   privileged container and no host namespace or host path;
 - the runner's secret files are mounted where its tools may not read (Landlock allows the
-  system directories and the workspace root only);
+  system directories and the workspace root only), and the object store's credentials come
+  from a Secret;
+- the runner's workspaces follow its sessions: on a ReadWriteMany claim, or on the pod's own
+  emptyDir with the checkpoints in an object store (`--checkpoint-store s3://`, `gs://`,
+  `az://`), from which a runner taking a session over brings its workspace;
+- the runner's readiness probe asks its `/ready` on the metrics port;
 - each pod's `terminationGracePeriodSeconds` covers its SIGTERM drain: a runner's
   `--drain-timeout` (AGENTLOG_DRAIN_TIMEOUT, else the default its --help shows) plus the 3 s
   it exits within past it plus room, the store's 50 s before it cuts the connections still
@@ -32,6 +37,13 @@ import yaml
 # AGENTLOG_TOKEN is read outside clap on purpose: a secret must have no command-line flag.
 OTHER_ENV = {"ANTHROPIC_API_KEY", "ANTHROPIC_BASE_URL", "OPENAI_API_KEY", "OPENAI_BASE_URL",
              "RUST_LOG", "HOME", "AGENTLOG_TOKEN"}
+# The runner's object-store client reads its cloud's standard variables (taken at start by
+# runner/src/secrets.rs); of them, these are credentials, which come from a Secret.
+OBJECT_STORE_ENV = ("AWS_", "GOOGLE_", "AZURE_")
+OBJECT_STORE_CREDENTIALS = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+                            "GOOGLE_SERVICE_ACCOUNT_KEY", "AZURE_STORAGE_ACCOUNT_KEY",
+                            "AZURE_STORAGE_ACCESS_KEY", "AZURE_STORAGE_SAS_KEY",
+                            "AZURE_CLIENT_SECRET"}
 # Each image's program, as its entry point runs it.
 BINARIES = {"agentlog/event-store": ["event-store"], "agentlog/runner": ["runner"],
             "agentlog/web": ["agentlog", "web"]}
@@ -146,10 +158,36 @@ def check_secret_files(where, env):
             fail(f"{where}: {name} {path} lies under {readable[0]}, which tools may read")
 
 
+def check_workspaces(where, pod, container, env, claims):
+    """Workspaces a session's next runner can see: a shared claim, or an object store."""
+    root = env.get("AGENTLOG_WORKSPACE_ROOT", "").rstrip("/")
+    store = env.get("AGENTLOG_CHECKPOINT_STORE", "file://")
+    remote = urlparse(store).scheme in ("s3", "gs", "az")
+    mount = next((m for m in container.get("volumeMounts", []) if m["mountPath"].rstrip("/") == root),
+                 None)
+    volume = next((v for v in pod.get("volumes", []) if mount and v["name"] == mount["name"]), {})
+    if "persistentVolumeClaim" in volume:
+        claim = claims.get(volume["persistentVolumeClaim"]["claimName"])
+        if not remote and (claim is None or "ReadWriteMany" not in claim["spec"].get("accessModes", [])):
+            fail(f"{where}: workspaces on a claim that is not ReadWriteMany, checkpoints in {store}: "
+                 "a session taken over by another pod would not find its workspace")
+    elif not remote:
+        fail(f"{where}: workspaces on the pod's own {'emptyDir' if volume else 'filesystem'} need "
+             f"an object store for their checkpoints (AGENTLOG_CHECKPOINT_STORE is {store})")
+    for e in container.get("env", []):
+        if e["name"] in OBJECT_STORE_CREDENTIALS and "secretKeyRef" not in e.get("valueFrom", {}):
+            fail(f"{where}: {e['name']} is a credential: it comes from a Secret (secretKeyRef)")
+    probe = container.get("readinessProbe", {}).get("httpGet", {})
+    ports = {p.get("name"): p["containerPort"] for p in container.get("ports", [])}
+    if probe.get("path") != "/ready" or ports.get(probe.get("port"), probe.get("port")) != ports.get("metrics"):
+        fail(f"{where}: no readiness probe asking /ready on the metrics port")
+
+
 def main(rendered, bin_dir):
     docs = [d for d in yaml.safe_load_all(open(rendered)) if d]
     configmaps = {d["metadata"]["name"]: d.get("data", {}) for d in docs if d["kind"] == "ConfigMap"}
     services = [d for d in docs if d["kind"] == "Service"]
+    claims = {d["metadata"]["name"]: d for d in docs if d["kind"] == "PersistentVolumeClaim"}
     grpc_port = None
     store_urls = []
     for doc in docs:
@@ -182,7 +220,7 @@ def main(rendered, bin_dir):
                     continue
                 env.update(configmaps[name])
             for name in env:
-                if name in OTHER_ENV:
+                if name in OTHER_ENV or (binary == "runner" and name.startswith(OBJECT_STORE_ENV)):
                     continue
                 # clap prints `[env: NAME=value]`, or `[env: NAME]` for a secret's variable.
                 if f"[env: {name}=" not in help_text and f"[env: {name}]" not in help_text:
@@ -190,6 +228,7 @@ def main(rendered, bin_dir):
             check_grace(where, pod, binary, args, env, help_text)
             if binary == "runner":
                 check_secret_files(where, env)
+                check_workspaces(where, pod["spec"], c, env, claims)
             if "AGENTLOG_EVENT_STORE" in env:
                 store_urls.append((where, env["AGENTLOG_EVENT_STORE"]))
             ports = {p.get("name"): p["containerPort"] for p in c.get("ports", [])}

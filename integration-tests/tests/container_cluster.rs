@@ -1,9 +1,11 @@
 //! The images users deploy, as a cluster: the shape of deploy/k8s/overlays/ha in containers
 //! (testkit/containers/cluster.yaml: PostgreSQL with a synchronous standby, two store
-//! replicas over it, three runners sharing one workspace volume, the web view, a model
-//! stand-in), each agentlog container locked down as the manifests run it (TLS and tokens on
-//! the store, the runner's token and model key as files out of the tools' reach). It is
-//! driven from outside only: our client and grpcurl against the published ports, docker
+//! replicas over it, three runners with no shared volume — each its own workspaces, new with
+//! each container as a pod's emptyDir, the checkpoints in an S3-compatible server — the web
+//! view, a model stand-in), each agentlog container locked down as the manifests run it (TLS
+//! and tokens on the store, the runner's token and model key as files out of the tools'
+//! reach, the object store's credentials in its environment, taken and wiped at start). It
+//! is driven from outside only: our client and grpcurl against the published ports, docker
 //! commands for the faults.
 //!
 //! Under continuous appends (a client writing `load:` sessions through both replicas, each
@@ -20,7 +22,10 @@
 //!
 //! Then, across all of it: every acknowledged append is in its log at its seq (gapless);
 //! every session finished; each call's side effect (a file outside the log, written once
-//! per idempotency key) happened once, and no call ran twice except after a kill or a cut;
+//! per idempotency key) happened once, and no call ran twice except after a kill or a cut
+//! (each run's record kept under `target/` on the runner that ran it, which checkpoints
+//! leave out: the test copies each runner's workspaces before its container is replaced,
+//! and at the end);
 //! the cut runner's call stopped before the takeover ran it; every tool's attempts to leave
 //! its workspace (secrets, the runner's /proc, signals, another workspace, the network,
 //! writes elsewhere) failed; and the model saw only well-formed requests. Each scenario
@@ -29,7 +34,9 @@
 //! A second test starts the same cluster on the last release's images and, under the same
 //! load, rolls it to these images (the stores, the runners, the web view, each stopped with
 //! `docker stop -t 30`) and back again (in the reverse order): every acknowledged append is
-//! in its log through both replicas, every session finished, and no call ran twice.
+//! in its log through both replicas, every session finished, and no call ran twice. (The
+//! last release's runners do not bring workspaces from the object store: a session they
+//! take over goes on in the workspace they have, which these calls do not depend on.)
 //!
 //! Needs the images from `deploy/images` (tag `AGENTLOG_IMAGE_TAG`, default `local`), and
 //! for the second test the last release's from `deploy/previous-release --images`.
@@ -57,14 +64,18 @@ const RUNNER_TOKEN: &str = "cluster-test-runner-token-0123456789";
 const WEB_TOKEN: &str = "cluster-test-web-token-0123456789";
 const LOGIN_TOKEN: &str = "cluster-test-login-token-0123456789";
 const MODEL_KEY: &str = "sk-ant-cluster-test-model-key-0123456789";
+const S3_ACCESS_KEY_ID: &str = "cluster-test-s3-access-key";
+const S3_SECRET_ACCESS_KEY: &str = "cluster-test-s3-secret-key-0123456789";
+/// The bucket the manifests name (deploy/k8s/overlays/ha: AGENTLOG_CHECKPOINT_STORE).
+const BUCKET: &str = "agentlog-checkpoints";
 const PATIENCE: Duration = Duration::from_secs(180);
 
 /// Every bash call of a work session but the first: a side effect applied once per
 /// idempotency key (the `effects` file), every run's start (`target/starts`), and a tick
-/// every 0.1 s while it runs (`target/ticks`), all in the session's workspace on the shared
-/// volume; the records of runs under `target/`, which checkpoints leave out, so a re-run
-/// (which first brings the workspace back to where the call began) keeps them. A
-/// `work:long-` session's calls run 15 s, the others' 2 s.
+/// every 0.1 s while it runs (`target/ticks`), all in the session's workspace; the records of
+/// runs under `target/`, which checkpoints leave out, so they stay on the runner that ran
+/// the call, and a re-run there (which first brings the workspace back to where the call
+/// began) keeps them. A `work:long-` session's calls run 15 s, the others' 2 s.
 const EFFECT: &str = r#"key="$IDEMPOTENCY_KEY"; run="$HOSTNAME-$$"; mkdir -p target; echo "$key $run $(date +%s%N)" >> target/starts; case "$key" in work:long-*) n=150 ;; *) n=20 ;; esac; for i in $(seq "$n"); do echo "$key $run $(date +%s%N)" >> target/ticks; sleep 0.1; done; grep -qxF "$key" effects 2>/dev/null || echo "$key" >> effects; echo "applied $key""#;
 
 /// The first call of every work session: each way out of the workspace, tried; one line a
@@ -72,6 +83,7 @@ const EFFECT: &str = r#"key="$IDEMPOTENCY_KEY"; run="$HOSTNAME-$$"; mkdir -p tar
 const PROBES: &str = r#"try() { if eval "$2" >/dev/null 2>&1; then echo "ESCAPED: $1"; else echo "refused: $1"; fi; }
 try store-token 'cat /run/secrets/agentlog/store/token'
 try model-key 'cat /run/secrets/agentlog/model/anthropic-api-key'
+try object-store-credentials 'env | grep AWS_'
 try runner-environ 'cat /proc/1/environ'
 try runner-cmdline-mem 'head -c 16 /proc/1/mem'
 try signal-runner 'kill -0 1'
@@ -85,9 +97,10 @@ try tcp-store 'exec 3<>/dev/tcp/event-store/50051'
 try tcp-dns-by-ip 'exec 3<>/dev/tcp/127.0.0.11/53'
 echo probes done"#;
 
-const PROBE_NAMES: [&str; 13] = [
+const PROBE_NAMES: [&str; 14] = [
     "store-token",
     "model-key",
+    "object-store-credentials",
     "runner-environ",
     "runner-cmdline-mem",
     "signal-runner",
@@ -139,6 +152,9 @@ fn write_secrets(dir: &Path, files: &[(&str, String)]) {
 struct Cluster {
     project: Project,
     _secrets: tempfile::TempDir,
+    /// Copies of the runners' workspaces, one directory a copy ([`Cluster::keep_workspaces`]).
+    copies: tempfile::TempDir,
+    copies_made: std::sync::atomic::AtomicUsize,
     ca_pem: String,
     tag: String,
     next_tag: String,
@@ -198,11 +214,15 @@ impl Cluster {
         );
         let store_ports = [free_port(), free_port()];
         let health_ports = [free_port(), free_port()];
-        let (web_port, model_port) = (free_port(), free_port());
+        let (web_port, model_port, s3_port) = (free_port(), free_port(), free_port());
         let env = [
             ("AGENTLOG_TAG", tag.clone()),
             ("PG_IMAGE", helpers.postgres.clone()),
             ("STANDIN_IMAGE", helpers.model_standin.clone()),
+            ("S3_IMAGE", helpers.s3.clone()),
+            ("S3_PORT", s3_port.to_string()),
+            ("S3_ACCESS_KEY_ID", S3_ACCESS_KEY_ID.into()),
+            ("S3_SECRET_ACCESS_KEY", S3_SECRET_ACCESS_KEY.into()),
             ("SECRETS", secrets.path().display().to_string()),
             ("PG_PASSWORD", "app-password-for-the-test".into()),
             (
@@ -218,13 +238,17 @@ impl Cluster {
         ];
         let file = repo_root().join("testkit/containers/cluster.yaml");
         let project = Project::up("agentlogcluster", &file, &env).expect("compose up");
+        // The operator's bucket; until it is there the runners are not ready.
+        testkit::s3::make_bucket(s3_port, BUCKET, PATIENCE).expect("the bucket");
         println!(
-            "cluster: compose project {} up (images :{tag})",
+            "cluster: compose project {} up (images :{tag}), bucket {BUCKET} made",
             project.name
         );
         Cluster {
             project,
             _secrets: secrets,
+            copies: tempfile::tempdir().expect("a temp dir"),
+            copies_made: Default::default(),
             ca_pem: ca.cert_pem,
             tag,
             next_tag,
@@ -250,7 +274,8 @@ impl Cluster {
     }
 
     /// Asks each probe its container's labels declare (`io.agentlog.probe.*`: `grpc PORT
-    /// [SERVICE]` or `tcp PORT`) the way the kubelet asks it, until each one passes.
+    /// [SERVICE]`, `tcp PORT` or `http PORT PATH`) the way the kubelet asks it, until each one
+    /// passes.
     async fn wait_probes(&self, service: &str) {
         let id = self.project.container(service).expect("a container");
         let labels: Value = serde_json::from_str(
@@ -264,18 +289,15 @@ impl Cluster {
             };
             let probe = probe.as_str().expect("a string label");
             let words: Vec<&str> = probe.split_whitespace().collect();
-            let published = docker(&["port", &id, &format!("{}/tcp", words[1])])
-                .expect("the probe's port is published");
-            let host_port = published
-                .lines()
-                .next()
-                .and_then(|l| l.rsplit(':').next())
-                .expect("a host port")
-                .to_string();
+            let host_port = self.published(service, words[1]);
             loop {
                 let ok = match words[0] {
                     "grpc" => grpc_probe(&host_port, words.get(2).copied().unwrap_or("")).await,
                     "tcp" => std::net::TcpStream::connect(format!("127.0.0.1:{host_port}")).is_ok(),
+                    // The kubelet's httpGet: a status from 200 to 399 passes.
+                    "http" => reqwest::get(format!("http://127.0.0.1:{host_port}{}", words[2]))
+                        .await
+                        .is_ok_and(|r| (200..400).contains(&r.status().as_u16())),
                     other => panic!("{service}: probe {probe:?} of an unknown kind {other}"),
                 };
                 if ok {
@@ -292,7 +314,21 @@ impl Cluster {
         }
     }
 
-    /// Waits for a runner's start-up table and checks every protection is held.
+    /// The host port `service`'s container `port` is published on.
+    fn published(&self, service: &str, port: &str) -> String {
+        let id = self.project.container(service).expect("a container");
+        let published = docker(&["port", &id, &format!("{port}/tcp")])
+            .unwrap_or_else(|e| panic!("{service}'s port {port} is not published: {e}"));
+        published
+            .lines()
+            .next()
+            .and_then(|l| l.rsplit(':').next())
+            .expect("a host port")
+            .to_string()
+    }
+
+    /// Waits for a runner's start-up table and checks every protection is held; then puts
+    /// another workspace beside its own (`victim`), for the probes to try.
     fn wait_runner(&self, service: &str) -> String {
         let logs = self
             .project
@@ -308,15 +344,67 @@ impl Cluster {
             ),
             "{service}: its start-up table does not show every protection held:\n{logs}"
         );
+        self.exec_in(
+            service,
+            "mkdir -p /workspaces/victim && echo victim-secret > /workspaces/victim/secret",
+        );
         table.join("\n")
     }
 
-    fn exec_runner(&self, command: &str) -> String {
+    fn exec_in(&self, service: &str, command: &str) -> String {
         self.project
-            .exec("runner-1", &["bash", "-c", command])
+            .exec(service, &["bash", "-c", command])
             .expect("docker exec in a runner")
     }
+
+    /// Copies `service`'s workspaces (running or stopped, before its container is replaced
+    /// with new ones) out of the container, where [`Cluster::records`] reads them.
+    fn keep_workspaces(&self, service: &str) {
+        let id = self.project.container(service).expect("a container");
+        let n = self
+            .copies_made
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let copy = self.copies.path().join(format!("{n}-{service}"));
+        docker(&[
+            "cp",
+            &format!("{id}:/workspaces"),
+            &copy.display().to_string(),
+        ])
+        .expect("docker cp of a runner's workspaces");
+    }
+
+    /// Every copy of `work:*/FILE` kept so far: the workspace's name (its session's) and the
+    /// file, a pair for each copy of a workspace.
+    fn records(&self, file: &str) -> Vec<(String, String)> {
+        let mut texts = Vec::new();
+        for copy in std::fs::read_dir(self.copies.path()).expect("the copies") {
+            let copy = copy.expect("a copy").path();
+            for workspace in std::fs::read_dir(&copy).expect("a copy's workspaces") {
+                let workspace = workspace.expect("a workspace").path();
+                let name = workspace
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_default();
+                if let (true, Ok(text)) = (
+                    name.starts_with("work:"),
+                    std::fs::read_to_string(workspace.join(file)),
+                ) {
+                    texts.push((name, text));
+                }
+            }
+        }
+        texts
+    }
+
+    /// Copies the live runners' workspaces, for [`Cluster::records`].
+    fn keep_every_runners_workspaces(&self) {
+        for runner in RUNNERS {
+            self.keep_workspaces(runner);
+        }
+    }
 }
+
+const RUNNERS: [&str; 3] = ["runner-1", "runner-2", "runner-3"];
 
 /// A gRPC health check, as the kubelet's `grpc` probe makes it: SERVING passes.
 async fn grpc_probe(host_port: &str, service: &str) -> bool {
@@ -481,27 +569,23 @@ async fn assert_acknowledged_kept(cluster: &Cluster, acked: &Acknowledged) {
 }
 
 /// Each effect call of the work sessions applied its side effect once, and ran more than once
-/// only in a session whose runner was killed or cut (not one of `graceful`).
+/// only in a session whose runner was killed or cut (not one of `graceful`): read from every
+/// copy of the runners' workspaces ([`Cluster::records`]), the live ones copied now. A
+/// workspace may be on several runners (each that worked the session has a copy, the older
+/// ones behind): in none is an effect applied twice, and together they hold every one.
 fn assert_each_effect_once(cluster: &Cluster, all_work: &[String], graceful: &[String]) {
-    let effects = cluster.exec_runner("cat /workspaces/work:*/effects");
-    let starts = cluster.exec_runner("cat /workspaces/work:*/target/starts");
-    let effects_by_key = effects
-        .lines()
-        .fold(BTreeMap::<&str, usize>::new(), |mut m, k| {
-            *m.entry(k.trim()).or_default() += 1;
-            m
-        });
-    let runs = runs_by_key(&starts);
+    cluster.keep_every_runners_workspaces();
+    let mut applied = BTreeSet::new();
+    for (_, copy) in cluster.records("effects") {
+        let mut seen = BTreeSet::new();
+        for key in copy.lines().map(str::trim) {
+            assert!(seen.insert(key), "{key}: its effect applied twice:\n{copy}");
+            applied.insert(key.to_string());
+        }
+    }
+    let runs = runs_by_key(&concat(cluster.records("target/starts")));
     let expected_calls = all_work.len() * (CALLS_PER_SESSION - 1);
-    assert_eq!(
-        effects_by_key.len(),
-        expected_calls,
-        "every effect call applied"
-    );
-    assert!(
-        effects_by_key.values().all(|&n| n == 1),
-        "an effect applied twice: {effects_by_key:?}"
-    );
+    assert_eq!(applied.len(), expected_calls, "every effect call applied");
     let reruns: Vec<(&String, usize)> = runs
         .iter()
         .filter(|(_, r)| r.len() > 1)
@@ -520,6 +604,83 @@ fn assert_each_effect_once(cluster: &Cluster, all_work: &[String], graceful: &[S
     );
 }
 
+fn concat(copies: Vec<(String, String)>) -> String {
+    copies.into_iter().map(|(_, text)| text).collect()
+}
+
+/// The workspaces followed their sessions from runner to runner with no shared volume: for
+/// each work session one copy of its workspace holds every call's effect (the runner of its
+/// last call found the earlier calls' work there), though some sessions ran calls on more
+/// than one runner; and what moved went through the object store (the runners' metrics).
+async fn assert_workspaces_follow_sessions(cluster: &Cluster, all_work: &[String]) {
+    let copies = cluster.records("effects");
+    let runs = runs_by_key(&concat(cluster.records("target/starts")));
+    let mut moved = 0;
+    for session in all_work {
+        let mine = format!("{session}/");
+        let keys: BTreeSet<&str> = copies
+            .iter()
+            .flat_map(|(_, text)| text.lines().map(str::trim))
+            .filter(|key| key.starts_with(&mine))
+            .collect();
+        assert_eq!(keys.len(), CALLS_PER_SESSION - 1, "{session}: {keys:?}");
+        let whole = copies.iter().any(|(name, text)| {
+            name == session && keys.iter().all(|k| text.lines().any(|l| l.trim() == *k))
+        });
+        let its: Vec<&String> = copies
+            .iter()
+            .filter(|(name, _)| name == session)
+            .map(|(_, text)| text)
+            .collect();
+        assert!(
+            whole,
+            "{session}: no copy of its workspace holds every call's effect: {its:?}"
+        );
+        // A run is `$HOSTNAME-$$`: the container, then the process.
+        let hosts: BTreeSet<&str> = runs
+            .iter()
+            .filter(|(key, _)| key.starts_with(&mine))
+            .flat_map(|(_, runs)| runs.iter().filter_map(|r| r.rsplit_once('-')).map(|r| r.0))
+            .collect();
+        if hosts.len() > 1 {
+            moved += 1;
+        }
+    }
+    assert!(moved >= 1, "no session ran calls on more than one runner");
+    let mut bytes = BTreeMap::<&str, u64>::new();
+    for runner in RUNNERS {
+        let port = cluster.published(runner, "9464");
+        let metrics = reqwest::get(format!("http://127.0.0.1:{port}/metrics"))
+            .await
+            .expect("a runner's metrics")
+            .text()
+            .await
+            .expect("text");
+        for direction in ["uploaded", "fetched"] {
+            let needle = format!("{{direction=\"{direction}\"}} ");
+            let n: u64 = metrics
+                .lines()
+                .filter(|l| l.starts_with("agentlog_runner_checkpoint_store_bytes"))
+                .filter_map(|l| l.split_once(&needle).map(|(_, n)| n))
+                .filter_map(|n| n.trim().parse::<u64>().ok())
+                .sum();
+            *bytes.entry(direction).or_default() += n;
+        }
+    }
+    assert!(
+        bytes.values().all(|&n| n > 0),
+        "the live runners moved no checkpoint through the object store: {bytes:?}"
+    );
+    println!(
+        "workspaces: {moved} of {} sessions ran calls on more than one runner; each session's \
+         calls' effects together in one workspace; the live runners uploaded {} and fetched {} \
+         bytes of checkpoints",
+        all_work.len(),
+        bytes["uploaded"],
+        bytes["fetched"]
+    );
+}
+
 /// The model saw only requests the API would accept.
 async fn assert_model_requests_well_formed(cluster: &Cluster) {
     let journal: Value = reqwest::get(format!("http://127.0.0.1:{}/journal", cluster.model_port))
@@ -530,6 +691,11 @@ async fn assert_model_requests_well_formed(cluster: &Cluster) {
         .expect("JSON");
     assert_eq!(journal["violations"], json!([]), "{journal}");
     println!("model: {} requests, none refused", journal["requests"]);
+}
+
+/// Whether `tag` names the last release's images (`deploy/previous-release --images`).
+fn is_previous_release(tag: &str) -> bool {
+    std::env::var(testkit::previous::VERSION_ENV).is_ok_and(|v| v == tag)
 }
 
 /// A rolling update of `services`, one at a time in that order, to the images of `tag`,
@@ -559,8 +725,14 @@ async fn rolling_update(
                 "  {service}: stopped (SIGTERM) in the middle of a call of {held}, exited in {:.1} s",
                 stopped.elapsed().as_secs_f64()
             );
+            // Its workspaces go with the container: the runs they record are kept first.
+            cluster.keep_workspaces(service);
             project.replace(service, &next).expect("the replacement");
             cluster.wait_runner(service);
+            // The last release's runner has no /ready.
+            if !is_previous_release(tag) {
+                cluster.wait_probes(service).await;
+            }
         } else {
             let before = appender.count();
             let stopped = Instant::now();
@@ -609,14 +781,11 @@ async fn a_cluster_of_the_shipped_images_loses_nothing_and_runs_no_call_twice() 
     for service in ["store-a", "store-b", "web"] {
         cluster.wait_probes(service).await;
     }
-    for runner in ["runner-1", "runner-2", "runner-3"] {
+    for runner in RUNNERS {
         let table = cluster.wait_runner(runner);
         println!("  {runner} (--sandbox require) started:\n{table}");
+        cluster.wait_probes(runner).await;
     }
-    // Another workspace on the shared volume, for the probes to try.
-    cluster.exec_runner(
-        "mkdir -p /workspaces/victim && echo victim-secret > /workspaces/victim/secret",
-    );
 
     let mut admin = cluster.client(0).await;
     let appender = Appender::start(vec![cluster.client(0).await, cluster.client(1).await]);
@@ -712,7 +881,8 @@ async fn a_cluster_of_the_shipped_images_loses_nothing_and_runs_no_call_twice() 
     let mut admin = cluster.client(1).await;
     wait_idle(&mut admin, &all_work).await;
     assert_each_effect_once(&cluster, &all_work, &graceful);
-    let ticks = cluster.exec_runner("cat /workspaces/work:*/target/ticks");
+    assert_workspaces_follow_sessions(&cluster, &all_work).await;
+    let ticks = concat(cluster.records("target/ticks"));
 
     // The cut call: each run's ticks end before the next run's begin.
     let mut by_run: BTreeMap<(String, String), (u128, u128)> = BTreeMap::new();
@@ -772,14 +942,26 @@ async fn a_cluster_of_the_shipped_images_loses_nothing_and_runs_no_call_twice() 
                 "{session}: {name} was not refused:\n{probe_result}"
             );
         }
-        for secret in [RUNNER_TOKEN, MODEL_KEY, "victim-secret"] {
+        for secret in [
+            RUNNER_TOKEN,
+            MODEL_KEY,
+            S3_ACCESS_KEY_ID,
+            S3_SECRET_ACCESS_KEY,
+            "victim-secret",
+        ] {
             assert!(!probe_result.contains(secret), "{session}: a secret leaked");
         }
     }
-    assert_eq!(
-        cluster.exec_runner("ls /workspaces/victim; ls /tmp/escaped 2>&1 || true"),
-        "secret\nls: cannot access '/tmp/escaped': No such file or directory"
-    );
+    for runner in RUNNERS {
+        assert_eq!(
+            cluster.exec_in(
+                runner,
+                "ls /workspaces/victim; ls /tmp/escaped 2>&1 || true"
+            ),
+            "secret\nls: cannot access '/tmp/escaped': No such file or directory",
+            "{runner}"
+        );
+    }
     println!(
         "sandbox: {} probes refused in each of {} sessions",
         PROBE_NAMES.len(),

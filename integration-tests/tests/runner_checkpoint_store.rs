@@ -17,6 +17,11 @@
 //! 5. deletion erases: the session deleted, what its fork still needs stays in the bucket
 //!    (the fork restores whole on a third runner); the fork deleted too, nothing of either
 //!    is left in the bucket.
+//!
+//! A runner is not ready until its store has answered: a bucket not made yet keeps it so,
+//! with the reason, until the bucket is there. A runner killed -9 in the middle of the
+//! bucket's sweep holds the other runners' sweeps up no longer than its lease, and the next
+//! sweep removes what the killed one left, and nothing a session still needs.
 
 mod fork_support;
 mod runner_support;
@@ -29,6 +34,7 @@ use fork_support::describe;
 use integration_tests::anthropic_standin::StandinReply;
 use integration_tests::s3::S3Server;
 use integration_tests::side_effects::Counter;
+use integration_tests::Signal;
 use runner_support::*;
 use serde_json::json;
 
@@ -83,12 +89,23 @@ fn runner(
     root: &std::path::Path,
     metrics_port: u16,
 ) -> RunnerProc {
+    runner_on(rig, s3, &s3.url("agentlog"), id, root, metrics_port)
+}
+
+/// [`runner`], its checkpoints at `store` (a URL into `s3`).
+fn runner_on(
+    rig: &Rig,
+    s3: &S3Server,
+    store: &str,
+    id: &str,
+    root: &std::path::Path,
+    metrics_port: u16,
+) -> RunnerProc {
     let env = s3.env();
     let mut pairs: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
     let standin = rig.standin.url();
     pairs.push(("ANTHROPIC_BASE_URL", &standin));
     pairs.push(("ANTHROPIC_API_KEY", "test-key"));
-    let store = s3.url("agentlog");
     let metrics = format!("127.0.0.1:{metrics_port}");
     start_runner_on_model(
         &rig.store.url(),
@@ -101,7 +118,7 @@ fn runner(
             "--tool-network",
             "all",
             "--checkpoint-store",
-            &store,
+            store,
             "--metrics-listen",
             &metrics,
             "--sweep-every",
@@ -133,11 +150,18 @@ fn free_port() -> u16 {
         .port()
 }
 
-/// `GET /ready` of a runner's metrics listener: the status and the body.
+/// `GET /ready` of a runner's metrics listener: the status and the body (waiting for the
+/// listener to be bound).
 async fn readiness(port: u16) -> (u16, String) {
-    let response = reqwest::get(format!("http://127.0.0.1:{port}/ready"))
-        .await
-        .expect("GET /ready");
+    let url = format!("http://127.0.0.1:{port}/ready");
+    let deadline = Instant::now() + IDLE;
+    let response = loop {
+        match reqwest::get(&url).await {
+            Ok(response) => break response,
+            Err(e) => assert!(Instant::now() < deadline, "GET {url}: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
     (
         response.status().as_u16(),
         response.text().await.unwrap_or_default(),
@@ -374,4 +398,187 @@ async fn a_dangling_call_reruns_on_the_workspace_its_start_found_with_the_local_
         std::fs::read_to_string(workspace.join("a.txt")).unwrap(),
         "two\n"
     );
+}
+
+/// A runner whose bucket is not there is not ready, saying why, and is ready once the bucket
+/// is made, with no restart: a rolling update stops at a misconfigured store, before any
+/// call needs it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_runner_is_ready_only_once_its_bucket_answers() {
+    let s3 = S3Server::start("agentlog-test").expect("moto_server");
+    let rig = Rig::start(Vec::new()).await;
+    let root = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let _runner = runner_on(
+        &rig,
+        &s3,
+        "s3://made-later/agentlog",
+        "r",
+        root.path(),
+        port,
+    );
+    for _ in 0..3 {
+        let (status, why) = readiness(port).await;
+        assert_eq!(status, 503, "{why}");
+        assert!(
+            why.contains("s3://made-later/agentlog has not answered yet"),
+            "{why}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    integration_tests::s3::make_bucket(s3.port, "made-later", Duration::from_secs(10))
+        .expect("make the bucket");
+    let deadline = Instant::now() + IDLE;
+    loop {
+        let (status, why) = readiness(port).await;
+        if status == 200 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "never ready: {why}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(
+        store_up(port).await,
+        "agentlog_runner_checkpoint_store_up 1"
+    );
+}
+
+/// The bucket's sweep, killed -9 in its middle (the runner frozen while `gc/state` says a
+/// sweep runs, then killed): another runner's sweeps wait until the killed one's lease ends
+/// and no longer, then the deleted session's objects leave the bucket and the live
+/// session's all stay.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_sweep_killed_midway_holds_the_bucket_up_no_longer_than_its_lease() {
+    const ROUNDS: usize = 6;
+    let counter = Counter::start();
+    let report = counter.report();
+    let mut script = vec![
+        StandinReply::text("Keeping.").tool(
+            "bash",
+            json!({"command": format!("echo kept > keep.txt && {report}")}),
+        ),
+        StandinReply::text("Kept."),
+    ];
+    for _ in 0..ROUNDS {
+        script.push(StandinReply::text("Making garbage.").tool(
+            "bash",
+            json!({"command": format!("head -c 100000 /dev/urandom > gone.bin && {report}")}),
+        ));
+        script.push(StandinReply::text("Made."));
+    }
+    let s3 = S3Server::start("agentlog-test").expect("moto_server");
+    let bucket = s3.client().expect("a client of the bucket");
+    let rig = Rig::start(script).await;
+    let mut client = rig.client.clone();
+    let root_a = tempfile::tempdir().unwrap();
+    let mut a = runner(&rig, &s3, "ra", root_a.path(), free_port());
+    let asked = user_says(&mut client, "keep", "keep").await;
+    wait_idle(&mut client, "keep", asked, IDLE).await;
+    let kept_blobs = objects(&s3, "blobs/");
+
+    // A sweep after each deletion, until one is caught in its middle: A frozen (SIGSTOP)
+    // while `gc/state` says it runs, and still says so with A frozen.
+    let mut caught = None;
+    for round in 0..ROUNDS {
+        let gone = format!("gone-{round}");
+        let asked = user_says(&mut client, &gone, "make garbage").await;
+        wait_idle(&mut client, &gone, asked, IDLE).await;
+        a.signal(Signal::SIGSTOP);
+        delete(&mut client, &gone).await;
+        a.signal(Signal::SIGCONT);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if !sweep_state(&bucket).await.running() {
+                continue;
+            }
+            a.signal(Signal::SIGSTOP);
+            let state = sweep_state(&bucket).await;
+            if state.running() && !objects(&s3, &format!("sessions/{gone}/")).is_empty() {
+                caught = Some((gone.clone(), state));
+            } else {
+                a.signal(Signal::SIGCONT);
+            }
+            break;
+        }
+        if caught.is_some() {
+            break;
+        }
+    }
+    let (gone, at_kill) = caught.expect("no sweep caught in its middle");
+    a.kill9();
+    println!("killed in the middle of a sweep: {at_kill:?}, {gone}'s refs still there");
+
+    // B sweeps every second: nothing while A's lease holds, then all of it.
+    let root_b = tempfile::tempdir().unwrap();
+    let _b = runner(&rig, &s3, "rb", root_b.path(), free_port());
+    while now_ms() + 1000 < at_kill.until_ms {
+        assert_eq!(
+            sweep_state(&bucket).await,
+            at_kill,
+            "a sweep ran inside the killed one's lease"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let deadline = Instant::now() + IDLE;
+    loop {
+        let state = sweep_state(&bucket).await;
+        let sessions = objects(&s3, "sessions/");
+        if state.generation > at_kill.generation
+            && !state.running()
+            && sessions
+                .iter()
+                .all(|key| key.starts_with("agentlog/sessions/keep/"))
+            && objects(&s3, "blobs/") == kept_blobs
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the sweeps after the lease never finished the job: {state:?}, {sessions:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(
+        objects(&s3, "sessions/keep/refs/").len() == 1,
+        "the live session's ref is gone"
+    );
+}
+
+/// `gc/state` as the sweep keeps it (`generation N` and, while one runs, `until MS`).
+#[derive(Debug, PartialEq, Eq)]
+struct SweepState {
+    generation: u64,
+    until_ms: i64,
+}
+
+impl SweepState {
+    fn running(&self) -> bool {
+        self.until_ms > now_ms()
+    }
+}
+
+async fn sweep_state(bucket: &integration_tests::s3::Bucket) -> SweepState {
+    let text = bucket
+        .text("agentlog/gc/state")
+        .await
+        .expect("GET gc/state")
+        .unwrap_or_default();
+    let words: Vec<&str> = text.split_whitespace().collect();
+    let after = |word: &str| {
+        words
+            .windows(2)
+            .find(|w| w[0] == word)
+            .and_then(|w| w[1].parse::<i64>().ok())
+            .unwrap_or(0)
+    };
+    SweepState {
+        generation: after("generation") as u64,
+        until_ms: after("until"),
+    }
+}
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
 }

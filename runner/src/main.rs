@@ -344,6 +344,9 @@ async fn run(args: Args, secrets: Secrets, non_dumpable: bool) -> Result<()> {
         )
         .map_err(anyhow::Error::msg)?;
     tracing::info!(checkpoint_store = %args.checkpoint_store, "workspace checkpoints live there");
+    if let Some(remote) = toolbox.checkpoints().remote().cloned() {
+        tokio::spawn(async move { remote.reach().await });
+    }
     let shutdown = CancellationToken::new();
     if let Some(addr) = &args.metrics_listen {
         let listener = tokio::net::TcpListener::bind(addr)
@@ -355,15 +358,10 @@ async fn run(args: Args, secrets: Secrets, non_dumpable: bool) -> Result<()> {
         let mut registry = runner::metrics::registry(&providers, &models.specs());
         build_info::register(&mut registry);
         let stop = shutdown.clone();
-        // Not ready while the checkpoints' object store does not answer: no call can end.
+        // Not ready until the checkpoints' object store has answered, nor while it does not
+        // answer: no call can end.
         let remote = toolbox.checkpoints().remote().cloned();
-        let ready = move || match &remote {
-            Some(remote) if !remote.healthy() => Err(format!(
-                "the checkpoint store {} does not answer",
-                remote.url()
-            )),
-            _ => Ok(()),
-        };
+        let ready = move || remote.as_ref().map_or(Ok(()), |r| r.readiness());
         tokio::spawn(async move {
             if let Err(e) =
                 telemetry::serve_metrics_and_readiness(listener, registry, ready, stop).await

@@ -2,7 +2,8 @@
 //! file started under a name of its own, and removed with its containers, networks and
 //! volumes when dropped), the engine's commands for faults (stop with a grace period, kill,
 //! cutting a container off its network), and the images the tests need beside the product's
-//! (a PostgreSQL and the model stand-in), made on the same Debian bases with no registry.
+//! (a PostgreSQL, the model stand-in and an S3-compatible server), made on the same Debian
+//! bases with no registry.
 //!
 //! The product images are `agentlog/{event-store,runner,web}:TAG`, built by `deploy/images`
 //! (TAG from `AGENTLOG_IMAGE_TAG`, else `local`), and the last release's are tagged with its
@@ -221,10 +222,15 @@ impl Project {
     }
 
     /// Replaces `service`'s container by one made from the file again with `extra_env`
-    /// (a new image tag, say): `up -d --no-deps`, which recreates what changed.
+    /// (a new image tag, say), as a new pod replaces an old one: `up -d --no-deps
+    /// --renew-anon-volumes`, which recreates what changed, its anonymous volumes (a pod's
+    /// `emptyDir`s) new and empty.
     pub fn replace(&self, service: &str, extra_env: &[(&str, String)]) -> Result<()> {
-        self.compose_with(&["up", "-d", "--no-deps", service], extra_env)
-            .map(drop)
+        self.compose_with(
+            &["up", "-d", "--no-deps", "--renew-anon-volumes", service],
+            extra_env,
+        )
+        .map(drop)
     }
 
     /// Cuts `service` off the project's network: its packets go nowhere until
@@ -296,12 +302,43 @@ impl Drop for Volume {
 
 /// The images the container tests need beside the product's, on the same bases:
 /// `agentlog-test/postgres:test` (Debian's PostgreSQL 15, started as a primary or a
-/// streaming standby) and `agentlog-test/model-standin:test` (the `model-standin` binary of
-/// this build). They stay cached like the bases; a rebuild replaces them (the layers that
-/// did not change are reused) and removes the image it replaced.
+/// streaming standby), `agentlog-test/model-standin:test` (the `model-standin` binary of
+/// this build) and `agentlog-test/s3:test` (moto's S3-compatible server, from PyPI's wheels).
+/// They stay cached like the bases; a rebuild replaces them (the layers that did not change
+/// are reused) and removes the image it replaced.
 pub struct HelperImages {
     pub postgres: String,
     pub model_standin: String,
+    pub s3: String,
+}
+
+/// moto's wheels and its dependencies', for the `s3` image: downloaded from PyPI once into
+/// `target/s3-wheels` (again when the pinned release changes), so that the image's build
+/// asks no index and its layers stay cached.
+fn s3_wheels() -> Result<PathBuf> {
+    let dir = repo_root().join("target/s3-wheels");
+    let stamp = dir.join(".release");
+    if std::fs::read_to_string(&stamp).ok().as_deref() == Some(crate::s3::MOTO_SERVER) {
+        return Ok(dir);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).context("mkdir target/s3-wheels")?;
+    run(
+        Command::new("python3")
+            .args([
+                "-m",
+                "pip",
+                "download",
+                "--quiet",
+                "--disable-pip-version-check",
+            ])
+            .args(["--only-binary=:all:", "--dest"])
+            .arg(&dir)
+            .arg(crate::s3::MOTO_SERVER),
+        &format!("pip download {}", crate::s3::MOTO_SERVER),
+    )?;
+    std::fs::write(&stamp, crate::s3::MOTO_SERVER)?;
+    Ok(dir)
 }
 
 pub fn helper_images() -> Result<HelperImages> {
@@ -329,14 +366,24 @@ pub fn helper_images() -> Result<HelperImages> {
         context.path().join("model-standin"),
     )
     .context("copy the model-standin binary (cargo build --workspace --bins)")?;
+    let wheels = context.path().join("s3-wheels");
+    std::fs::create_dir(&wheels)?;
+    for wheel in std::fs::read_dir(s3_wheels()?)? {
+        let wheel = wheel?;
+        if wheel.file_name().to_string_lossy().ends_with(".whl") {
+            std::fs::copy(wheel.path(), wheels.join(wheel.file_name()))?;
+        }
+    }
     let images = HelperImages {
         postgres: "agentlog-test/postgres:test".into(),
         model_standin: "agentlog-test/model-standin:test".into(),
+        s3: "agentlog-test/s3:test".into(),
     };
     let context_dir = context.path().to_str().context("a UTF-8 temp dir")?;
     for (target, name) in [
         ("postgres", &images.postgres),
         ("model-standin", &images.model_standin),
+        ("s3", &images.s3),
     ] {
         let replaced = docker(&["image", "inspect", "--format", "{{.Id}}", name]).ok();
         run(

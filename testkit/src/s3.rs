@@ -4,7 +4,9 @@
 //! any S3 endpoint (`AWS_ENDPOINT_URL`, path-style requests).
 //!
 //! The server is a child process: [`S3Server::pause`] and [`S3Server::resume`] stop and
-//! continue it (a store that does not answer), and it is killed when dropped.
+//! continue it (a store that does not answer), and it is killed when dropped. The container
+//! tests run the same release as a container of their own (`docker::helper_images`), and
+//! make their bucket with [`make_bucket`].
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -14,6 +16,9 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 
 use crate::{signal, Signal};
+
+/// The release of moto every test runs (`.ci/run` installs the same one on the machine).
+pub const MOTO_SERVER: &str = "moto[server]==5.2.5";
 
 /// The access key the tests give runners (moto accepts any).
 pub const ACCESS_KEY_ID: &str = "agentlog-test-key-id";
@@ -44,17 +49,8 @@ impl S3Server {
             port,
             bucket: bucket.to_string(),
         };
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            match server.request("PUT", &format!("/{bucket}")) {
-                Ok((200, _)) => return Ok(server),
-                Ok((status, body)) => bail!("moto_server refused the bucket: {status} {body}"),
-                Err(_) if Instant::now() < deadline => {
-                    std::thread::sleep(Duration::from_millis(100))
-                }
-                Err(e) => return Err(e.context("moto_server did not come up within 30 s")),
-            }
-        }
+        make_bucket(port, bucket, Duration::from_secs(30))?;
+        Ok(server)
     }
 
     /// The server's process id (`agentlog-bench-checkpoints` reads its CPU time).
@@ -112,6 +108,20 @@ impl S3Server {
         }
     }
 
+    /// A client of the bucket, signing its requests with the tests' key (moto refuses
+    /// unsigned reads of objects).
+    pub fn client(&self) -> Result<Bucket> {
+        let store = object_store::aws::AmazonS3Builder::new()
+            .with_endpoint(self.endpoint())
+            .with_allow_http(true)
+            .with_bucket_name(&self.bucket)
+            .with_region("us-east-1")
+            .with_access_key_id(ACCESS_KEY_ID)
+            .with_secret_access_key(SECRET_ACCESS_KEY)
+            .build()?;
+        Ok(Bucket(store))
+    }
+
     /// Stops the server (SIGSTOP): connections are accepted by the kernel and never answered.
     pub fn pause(&self) {
         signal(self.child.id(), Signal::SIGSTOP);
@@ -122,27 +132,8 @@ impl S3Server {
         signal(self.child.id(), Signal::SIGCONT);
     }
 
-    /// One plain HTTP/1.1 request; the status and the body.
     fn request(&self, method: &str, path: &str) -> Result<(u16, String)> {
-        let mut stream = TcpStream::connect(("127.0.0.1", self.port))?;
-        stream.set_read_timeout(Some(Duration::from_secs(30)))?;
-        write!(
-            stream,
-            "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
-            self.port
-        )?;
-        let mut response = String::new();
-        stream.read_to_string(&mut response)?;
-        let status = response
-            .split(' ')
-            .nth(1)
-            .and_then(|s| s.parse().ok())
-            .context("no HTTP status")?;
-        let body = response
-            .split_once("\r\n\r\n")
-            .map_or("", |(_, body)| body)
-            .to_string();
-        Ok((status, body))
+        request(self.port, method, path)
     }
 }
 
@@ -151,6 +142,61 @@ impl Drop for S3Server {
         signal(self.child.id(), Signal::SIGCONT);
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// Makes `bucket` in the moto server on `127.0.0.1:port`, waiting up to `within` for the
+/// server to answer.
+pub fn make_bucket(port: u16, bucket: &str, within: Duration) -> Result<()> {
+    let deadline = Instant::now() + within;
+    loop {
+        match request(port, "PUT", &format!("/{bucket}")) {
+            Ok((200, _)) => return Ok(()),
+            Ok((status, body)) => bail!("moto_server refused the bucket: {status} {body}"),
+            Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(100)),
+            Err(e) => {
+                return Err(e.context(format!("moto_server did not answer within {within:?}")))
+            }
+        }
+    }
+}
+
+/// One plain HTTP/1.1 request to `127.0.0.1:port`; the status and the body.
+fn request(port: u16, method: &str, path: &str) -> Result<(u16, String)> {
+    let mut stream = TcpStream::connect(("127.0.0.1", port))?;
+    stream.set_read_timeout(Some(Duration::from_secs(30)))?;
+    write!(
+        stream,
+        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response)?;
+    let status = response
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .context("no HTTP status")?;
+    let body = response
+        .split_once("\r\n\r\n")
+        .map_or("", |(_, body)| body)
+        .to_string();
+    Ok((status, body))
+}
+
+/// A signed client of an [`S3Server`]'s bucket.
+pub struct Bucket(object_store::aws::AmazonS3);
+
+impl Bucket {
+    /// The object `key` as text, if it is there.
+    pub async fn text(&self, key: &str) -> Result<Option<String>> {
+        use object_store::ObjectStoreExt;
+        match self.0.get(&object_store::path::Path::from(key)).await {
+            Ok(got) => Ok(Some(
+                String::from_utf8_lossy(&got.bytes().await?).into_owned(),
+            )),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
     }
 }
 

@@ -157,6 +157,8 @@ pub struct Remote {
     prefix: String,
     url: String,
     healthy: Arc<AtomicBool>,
+    /// Whether the store has answered a listing of the prefix ([`Remote::reach`]).
+    reached: Arc<AtomicBool>,
     /// Whether the store takes `If-None-Match: *` writes (until it says it does not).
     conditional_puts: Arc<AtomicBool>,
 }
@@ -253,6 +255,7 @@ impl Remote {
             prefix: prefix.clone(),
             url: url.to_string(),
             healthy: Arc::new(AtomicBool::new(true)),
+            reached: Arc::new(AtomicBool::new(false)),
             conditional_puts: Arc::new(AtomicBool::new(true)),
         })
     }
@@ -272,6 +275,47 @@ impl Remote {
     /// Whether the store answered the last request (false while requests are retried).
     pub fn healthy(&self) -> bool {
         self.healthy.load(Ordering::Relaxed)
+    }
+
+    /// Lists the prefix until the store answers with a listing, at start: a store that is
+    /// unreachable, refuses the credentials or has no such bucket is seen before the first
+    /// checkpoint needs it, and the runner is not ready meanwhile ([`Remote::readiness`]).
+    pub async fn reach(&self) {
+        let prefix = (!self.prefix.is_empty()).then(|| ObjectPath::from(self.prefix.as_str()));
+        loop {
+            let listing = self
+                .retrying("list the prefix", || {
+                    self.store.list_with_delimiter(prefix.as_ref())
+                })
+                .await;
+            match listing {
+                Ok(_) => {
+                    self.reached.store(true, Ordering::Relaxed);
+                    tracing::info!(store = %self.url, "the checkpoint store answers");
+                    return;
+                }
+                // An answer, but not a listing (no such bucket, say): asked again later.
+                Err(e) => {
+                    tracing::error!(store = %self.url, error = %e, "the checkpoint store cannot list its prefix; asking again in {LONGEST_BACKOFF:?}");
+                    tokio::time::sleep(LONGEST_BACKOFF).await;
+                }
+            }
+        }
+    }
+
+    /// For the runner's `/ready`: not ready until the store has answered a listing
+    /// ([`Remote::reach`]), nor while its requests are retried (no call can end then).
+    pub fn readiness(&self) -> Result<(), String> {
+        if !self.reached.load(Ordering::Relaxed) {
+            Err(format!(
+                "the checkpoint store {} has not answered yet",
+                self.url
+            ))
+        } else if !self.healthy() {
+            Err(format!("the checkpoint store {} does not answer", self.url))
+        } else {
+            Ok(())
+        }
     }
 
     fn path(&self, tail: &str) -> ObjectPath {
