@@ -314,30 +314,53 @@ pub struct HelperImages {
 
 /// moto's wheels and its dependencies', for the `s3` image: downloaded from PyPI once into
 /// `target/s3-wheels` (again when the pinned release changes), so that the image's build
-/// asks no index and its layers stay cached.
+/// asks no index and its layers stay cached. Tests that start at once each download beside
+/// it and rename theirs into place: none sees a half-filled directory.
 fn s3_wheels() -> Result<PathBuf> {
     let dir = repo_root().join("target/s3-wheels");
-    let stamp = dir.join(".release");
-    if std::fs::read_to_string(&stamp).ok().as_deref() == Some(crate::s3::MOTO_SERVER) {
+    let current = |dir: &Path| {
+        std::fs::read_to_string(dir.join(".release"))
+            .ok()
+            .as_deref()
+            == Some(crate::s3::MOTO_SERVER)
+    };
+    if current(&dir) {
         return Ok(dir);
     }
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).context("mkdir target/s3-wheels")?;
+    let parent = dir.parent().context("target/")?;
+    std::fs::create_dir_all(parent)?;
+    let download = tempfile::Builder::new()
+        .prefix("s3-wheels.")
+        .tempdir_in(parent)?;
     run(
         Command::new("python3")
+            .args(["-m", "pip", "download", "--quiet"])
             .args([
-                "-m",
-                "pip",
-                "download",
-                "--quiet",
                 "--disable-pip-version-check",
+                "--only-binary=:all:",
+                "--dest",
             ])
-            .args(["--only-binary=:all:", "--dest"])
-            .arg(&dir)
+            .arg(download.path())
             .arg(crate::s3::MOTO_SERVER),
         &format!("pip download {}", crate::s3::MOTO_SERVER),
     )?;
-    std::fs::write(&stamp, crate::s3::MOTO_SERVER)?;
+    std::fs::write(download.path().join(".release"), crate::s3::MOTO_SERVER)?;
+    // An earlier release's wheels go aside (and are removed with `aside`).
+    let aside = tempfile::Builder::new()
+        .prefix("s3-wheels.")
+        .tempdir_in(parent)?;
+    if dir.exists() && !current(&dir) {
+        let _ = std::fs::rename(&dir, aside.path().join("old"));
+    }
+    match std::fs::rename(download.path(), &dir) {
+        Ok(()) => {
+            // Renamed: nothing left for the guard to remove.
+            let _ = download.keep();
+        }
+        // Another test put the same release there first; this download goes.
+        Err(_) if current(&dir) => {}
+        Err(e) => return Err(e).context("rename the wheels into target/s3-wheels"),
+    }
     Ok(dir)
 }
 
