@@ -19,7 +19,9 @@
 //!    is left in the bucket.
 //!
 //! A runner is not ready until its store has answered: a bucket not made yet keeps it so,
-//! with the reason, until the bucket is there. A runner killed -9 in the middle of the
+//! with the reason, until the bucket is there. Drained (SIGTERM) while the store does not
+//! answer, a runner waits for a call's checkpoint no longer than its drain's budget and
+//! appends no result without it. A runner killed -9 in the middle of the
 //! bucket's sweep holds the other runners' sweeps up no longer than its lease, and the next
 //! sweep removes what the killed one left, and nothing a session still needs.
 
@@ -89,10 +91,10 @@ fn runner(
     root: &std::path::Path,
     metrics_port: u16,
 ) -> RunnerProc {
-    runner_on(rig, s3, &s3.url("agentlog"), id, root, metrics_port)
+    runner_on(rig, s3, &s3.url("agentlog"), id, root, metrics_port, &[])
 }
 
-/// [`runner`], its checkpoints at `store` (a URL into `s3`).
+/// [`runner`], its checkpoints at `store` (a URL into `s3`), with `extra` arguments.
 fn runner_on(
     rig: &Rig,
     s3: &S3Server,
@@ -100,6 +102,7 @@ fn runner_on(
     id: &str,
     root: &std::path::Path,
     metrics_port: u16,
+    extra: &[&str],
 ) -> RunnerProc {
     let env = s3.env();
     let mut pairs: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
@@ -107,6 +110,17 @@ fn runner_on(
     pairs.push(("ANTHROPIC_BASE_URL", &standin));
     pairs.push(("ANTHROPIC_API_KEY", "test-key"));
     let metrics = format!("127.0.0.1:{metrics_port}");
+    let mut args = vec![
+        "--tool-network",
+        "all",
+        "--checkpoint-store",
+        store,
+        "--metrics-listen",
+        &metrics,
+        "--sweep-every",
+        "1s",
+    ];
+    args.extend_from_slice(extra);
     start_runner_on_model(
         &rig.store.url(),
         id,
@@ -114,16 +128,7 @@ fn runner_on(
         ("anthropic:standin-1", &pairs),
         TTL_MS,
         2,
-        &[
-            "--tool-network",
-            "all",
-            "--checkpoint-store",
-            store,
-            "--metrics-listen",
-            &metrics,
-            "--sweep-every",
-            "1s",
-        ],
+        &args,
     )
 }
 
@@ -416,6 +421,7 @@ async fn a_runner_is_ready_only_once_its_bucket_answers() {
         "r",
         root.path(),
         port,
+        &[],
     );
     for _ in 0..3 {
         let (status, why) = readiness(port).await;
@@ -581,4 +587,61 @@ fn now_ms() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as i64)
+}
+
+/// SIGTERM while the object store does not answer and a finished call's checkpoint waits
+/// for it: the drain gives up at `--drain-timeout` (the runner exits within 3 s past it)
+/// without appending the result, whose checkpoint is not stored; the next runner, once the
+/// store answers, takes the call up under its policy and the session ends once.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_drain_waits_for_a_store_that_does_not_answer_no_longer_than_its_budget() {
+    let counter = Counter::start();
+    let report = counter.report();
+    let s3 = S3Server::start("agentlog-test").expect("moto_server");
+    let rig = Rig::start(vec![
+        StandinReply::text("Writing.").tool(
+            "bash",
+            json!({"command": format!("echo x > f && {report} && sleep 1")}),
+        ),
+        StandinReply::text("Done."),
+    ])
+    .await;
+    let mut client = rig.client.clone();
+    let root_a = tempfile::tempdir().unwrap();
+    let mut a = runner_on(
+        &rig,
+        &s3,
+        &s3.url("agentlog"),
+        "ra",
+        root_a.path(),
+        free_port(),
+        &["--drain-timeout", "2s"],
+    );
+    user_says(&mut client, "s", "write").await;
+    let call = started(&mut client, "s", "toolu_0_0").await;
+    wait_until("the call's report", || counter.counts().len() == 1).await;
+    s3.pause();
+    // The call ends (1 s) and its checkpoint waits for the store.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let (status, took) = tokio::task::block_in_place(|| a.terminate_timed(Duration::from_secs(30)));
+    assert!(status.success(), "exit {status}");
+    assert!(
+        took <= Duration::from_secs(2 + 3 + 1),
+        "exited {took:?} after SIGTERM (--drain-timeout 2s): {:#?}",
+        a.last_lines(12)
+    );
+    assert_eq!(
+        results(&history(&mut client, "s").await),
+        0,
+        "a result was appended without its checkpoint stored"
+    );
+    s3.resume();
+    let root_b = tempfile::tempdir().unwrap();
+    let _b = runner(&rig, &s3, "rb", root_b.path(), free_port());
+    let events = wait_idle(&mut client, "s", call, IDLE).await;
+    assert_exactly_once_ending(&events, "end_turn");
+    println!(
+        "drained in {took:?} with the store paused; the call's runs: {:?}",
+        counter.counts()
+    );
 }
