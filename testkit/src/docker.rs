@@ -314,24 +314,15 @@ pub struct HelperImages {
 
 /// moto's wheels and its dependencies', for the `s3` image: downloaded from PyPI once into
 /// `target/s3-wheels` (again when the pinned release changes), so that the image's build
-/// asks no index and its layers stay cached. Tests that start at once each download beside
-/// it and rename theirs into place: none sees a half-filled directory.
+/// asks no index and its layers stay cached. Called under [`helper_images`]'s lock.
 fn s3_wheels() -> Result<PathBuf> {
     let dir = repo_root().join("target/s3-wheels");
-    let current = |dir: &Path| {
-        std::fs::read_to_string(dir.join(".release"))
-            .ok()
-            .as_deref()
-            == Some(crate::s3::MOTO_SERVER)
-    };
-    if current(&dir) {
+    let stamp = dir.join(".release");
+    if std::fs::read_to_string(&stamp).ok().as_deref() == Some(crate::s3::MOTO_SERVER) {
         return Ok(dir);
     }
-    let parent = dir.parent().context("target/")?;
-    std::fs::create_dir_all(parent)?;
-    let download = tempfile::Builder::new()
-        .prefix("s3-wheels.")
-        .tempdir_in(parent)?;
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).context("mkdir target/s3-wheels")?;
     run(
         Command::new("python3")
             .args(["-m", "pip", "download", "--quiet"])
@@ -340,32 +331,27 @@ fn s3_wheels() -> Result<PathBuf> {
                 "--only-binary=:all:",
                 "--dest",
             ])
-            .arg(download.path())
+            .arg(&dir)
             .arg(crate::s3::MOTO_SERVER),
         &format!("pip download {}", crate::s3::MOTO_SERVER),
     )?;
-    std::fs::write(download.path().join(".release"), crate::s3::MOTO_SERVER)?;
-    // An earlier release's wheels go aside (and are removed with `aside`).
-    let aside = tempfile::Builder::new()
-        .prefix("s3-wheels.")
-        .tempdir_in(parent)?;
-    if dir.exists() && !current(&dir) {
-        let _ = std::fs::rename(&dir, aside.path().join("old"));
-    }
-    match std::fs::rename(download.path(), &dir) {
-        Ok(()) => {
-            // Renamed: nothing left for the guard to remove.
-            let _ = download.keep();
-        }
-        // Another test put the same release there first; this download goes.
-        Err(_) if current(&dir) => {}
-        Err(e) => return Err(e).context("rename the wheels into target/s3-wheels"),
-    }
+    std::fs::write(&stamp, crate::s3::MOTO_SERVER)?;
     Ok(dir)
 }
 
 pub fn helper_images() -> Result<HelperImages> {
     let root = repo_root();
+    // One build at a time: tests that start at once wait for the first, then find its
+    // layers cached (two builds of one image at once would both run every step).
+    std::fs::create_dir_all(root.join("target"))?;
+    let lock = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(root.join("target/helper-images.lock"))
+        .context("open target/helper-images.lock")?;
+    let _lock = nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusive)
+        .map_err(|(_, e)| anyhow::anyhow!("lock target/helper-images.lock: {e}"))?;
     let bases = run(
         Command::new(root.join("deploy/docker/bases")).stderr(Stdio::inherit()),
         "deploy/docker/bases",
